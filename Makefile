@@ -1,0 +1,40 @@
+# The two commands a newcomer needs: `make run` and `make test` (each sets up .venv on first use).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+WORKDIR ?= runs/tiny
+CONFIG ?= configs/tiny.py
+ARGS ?=
+PYTEST_ARGS ?=
+
+export PYTHONPATH := $(CURDIR)
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TF_CPP_MIN_LOG_LEVEL := 2
+
+.PHONY: run test test-fast bench clean-venv
+
+$(VENV)/.runtime: requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+$(VENV)/.dev: requirements-dev.txt $(VENV)/.runtime
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+run: $(VENV)/.runtime
+	$(PY) -m jaxrl.main --config=$(CONFIG) --workdir=$(WORKDIR) $(ARGS)
+
+test: $(VENV)/.dev
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: $(VENV)/.dev
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: $(VENV)/.dev
+	$(PY) bench/fused_logprob.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,250 @@
+"""Typed, frozen run configuration, converted once from an ``ml_collections.ConfigDict``.
+
+Config files (``configs/*.py``) stay Python and return a ConfigDict; ``from_configdict`` turns it
+into these dataclasses at the boundary and validates it before anything is compiled. Every problem
+raises ``ConfigError`` naming the dotted field; ``jaxrl.main`` prints that one line and exits 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from typing import Any
+
+
+class ConfigError(ValueError):
+  """A broken config: ``field`` is the dotted path of the offending entry."""
+
+  def __init__(self, field: str, message: str):
+    super().__init__(f"config.{field}: {message}")
+    self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+  vocab_size: int = 0               # 0: take the tokenizer's size
+  hidden_size: int = 128
+  intermediate_size: int = 384
+  num_layers: int = 4
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 32
+  rope_theta: float = 10_000.0
+  rms_norm_eps: float = 1e-6
+  qkv_bias: bool = True
+  qk_norm: bool = False
+  tie_embeddings: bool = True
+  dtype: str = "float32"
+  checkpoint: str = ""              # HF-layout directory to start from ("" = random init + SFT)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSection:
+  name: str = "arithmetic"
+  levels: str = ""                  # "" = the task's default grid; else "da x db op, ..." e.g. "1x1+,2x2+"
+  num_train_per_level: int = 400
+  num_heldout_per_level: int = 48
+  reverse_answer: bool = True
+  max_prompt_len: int = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTSection:
+  steps: int = 600
+  batch_size: int = 64
+  learning_rate: float = 3e-3
+  warmup_steps: int = 50
+  weight_decay: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+  engine: str = "jax"
+  group_size: int = 8               # G: rollouts per question (uniform allocation)
+  max_new_tokens: int = 8
+  temperature: float = 1.0
+  top_p: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSection:
+  learning_rate: float = 1e-3
+  warmup_steps: int = 10
+  weight_decay: float = 0.0
+  grad_clip: float = 1.0
+  b1: float = 0.9
+  b2: float = 0.99
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSection:
+  aggregation: str = "token-mean"
+  eps_low: float = 0.2
+  eps_high: float = 0.28
+  dual_clip: float = 0.0            # 0 = off; else c > 1
+  kl_coef: float = 0.0              # > 0 turns on KL to the frozen reference (the SFT policy)
+  kl_estimator: str = "k3"
+  entropy_coef: float = 0.0
+  informative_only: bool = True
+  scale_by_std: bool = True
+  micro_batches: int = 1
+  logprob_chunk: int = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection:
+  data: int = 1
+  fsdp: int = 1
+  tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+  num_samples: int = 8              # n samples per held-out question at temperature
+  temperature: float = 1.0
+  ks: str = "1,8"
+  every: int = 0                    # 0 = only before and after training
+
+
+@dataclasses.dataclass(frozen=True)
+class LogSection:
+  tensorboard: bool = True
+  wandb: bool = False
+  wandb_project: str = "jaxrl"
+  plot: bool = True
+  progress: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection:
+  every: int = 25
+  keep: int = 2
+  async_save: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  seed: int = 0
+  steps: int = 200                  # RL steps
+  batch_questions: int = 16         # B: questions per RL step
+  model: ModelSection = ModelSection()
+  task: TaskSection = TaskSection()
+  sft: SFTSection = SFTSection()
+  rollout: RolloutSection = RolloutSection()
+  optim: OptimSection = OptimSection()
+  loss: LossSection = LossSection()
+  mesh: MeshSection = MeshSection()
+  eval: EvalSection = EvalSection()
+  log: LogSection = LogSection()
+  checkpoint: CheckpointSection = CheckpointSection()
+
+  @property
+  def num_rollouts(self) -> int:
+    """R: rollouts per step (static)."""
+    return self.batch_questions * self.rollout.group_size
+
+  @property
+  def eval_ks(self) -> tuple[int, ...]:
+    return tuple(int(k) for k in self.eval.ks.split(","))
+
+
+_CHOICES = {
+    "loss.aggregation": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "loss.kl_estimator": ("k1", "k2", "k3"),
+    "rollout.engine": ("jax",),
+    "model.dtype": ("float32", "bfloat16"),
+    "task.name": ("arithmetic",),
+}
+
+
+def _check_type(path: str, value: Any, annotation: Any) -> Any:
+  hint = annotation
+  if hint is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  if hint in (int, float, str, bool) and not (isinstance(value, hint) and
+                                              not (hint is int and isinstance(value, bool))):
+    raise ConfigError(path, f"expected {hint.__name__}, got {type(value).__name__} {value!r}")
+  return value
+
+
+def _build(cls, data: Any, prefix: str):
+  if not hasattr(data, "keys"):
+    raise ConfigError(prefix.rstrip("."), f"expected a section, got {data!r}")
+  hints = typing.get_type_hints(cls)
+  names = {f.name for f in dataclasses.fields(cls)}
+  for key in data.keys():
+    if key not in names:
+      raise ConfigError(prefix + key, f"unknown field (known: {', '.join(sorted(names))})")
+  kwargs = {}
+  for f in dataclasses.fields(cls):
+    if f.name not in data:
+      continue
+    hint = hints[f.name]
+    path = prefix + f.name
+    if dataclasses.is_dataclass(hint):
+      kwargs[f.name] = _build(hint, data[f.name], path + ".")
+    else:
+      kwargs[f.name] = _check_type(path, data[f.name], hint)
+  return cls(**kwargs)
+
+
+def _validate(cfg: Config) -> None:
+  def need(ok: bool, field: str, message: str):
+    if not ok:
+      raise ConfigError(field, message)
+
+  for field, allowed in _CHOICES.items():
+    section, name = field.split(".")
+    value = getattr(getattr(cfg, section), name)
+    need(value in allowed, field, f"{value!r} is not one of {allowed}")
+  need(cfg.steps >= 0, "steps", f"must be >= 0, got {cfg.steps}")
+  need(cfg.batch_questions > 0, "batch_questions", "must be > 0")
+  need(cfg.rollout.group_size >= 1, "rollout.group_size", "must be >= 1")
+  need(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+  need(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0")
+  need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+  need(cfg.loss.eps_low >= 0 and cfg.loss.eps_high >= 0, "loss.eps_low", "clip ranges must be >= 0")
+  need(cfg.loss.dual_clip == 0 or cfg.loss.dual_clip > 1, "loss.dual_clip", "must be 0 (off) or > 1")
+  need(cfg.loss.micro_batches >= 1, "loss.micro_batches", "must be >= 1")
+  need(cfg.num_rollouts % cfg.loss.micro_batches == 0, "loss.micro_batches",
+       f"R = batch_questions*group_size = {cfg.num_rollouts} is not divisible by {cfg.loss.micro_batches}")
+  m = cfg.model
+  need(m.num_heads % max(m.num_kv_heads, 1) == 0 and m.num_kv_heads > 0, "model.num_kv_heads",
+       f"num_heads={m.num_heads} must be a positive multiple of num_kv_heads={m.num_kv_heads}")
+  need(m.head_dim % 2 == 0, "model.head_dim", "must be even (RoPE)")
+  need(not m.checkpoint or os.path.isdir(m.checkpoint), "model.checkpoint",
+       f"directory not found: {m.checkpoint!r}")
+  for name in ("data", "fsdp", "tensor"):
+    need(getattr(cfg.mesh, name) >= 1, f"mesh.{name}", "must be >= 1")
+  rows = cfg.mesh.data * cfg.mesh.fsdp
+  need((cfg.num_rollouts // cfg.loss.micro_batches) % rows == 0, "batch_questions",
+       f"a micro-batch of {cfg.num_rollouts // cfg.loss.micro_batches} rollouts is not divisible "
+       f"over the data axes (data*fsdp = {rows})")
+  need(cfg.sft.batch_size % rows == 0, "sft.batch_size",
+       f"{cfg.sft.batch_size} is not divisible over the data axes (data*fsdp = {rows})")
+  try:
+    ks = cfg.eval_ks
+  except ValueError:
+    raise ConfigError("eval.ks", f"expected comma-separated integers, got {cfg.eval.ks!r}") from None
+  need(all(1 <= k <= cfg.eval.num_samples for k in ks), "eval.ks",
+       f"every k must be in [1, eval.num_samples={cfg.eval.num_samples}], got {ks}")
+  need(cfg.checkpoint.every >= 1, "checkpoint.every", "must be >= 1")
+  need(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
+
+
+def from_configdict(config_dict) -> Config:
+  """Validated ``Config`` from a ConfigDict (or nested dict); raises ``ConfigError``."""
+  data = config_dict.to_dict() if hasattr(config_dict, "to_dict") else dict(config_dict)
+  cfg = _build(Config, data, "")
+  _validate(cfg)
+  return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+  return dataclasses.asdict(cfg)
+
+
+def default_configdict():
+  """A ConfigDict holding every field at its default: config files start from it and override."""
+  import ml_collections
+  return ml_collections.ConfigDict(to_dict(Config()))

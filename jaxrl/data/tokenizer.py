@@ -1,0 +1,62 @@
+"""Character-level tokenizer of the arithmetic task, built offline and cached as an HF tokenizer.
+
+Every digit and operator is one token, so the model sees numbers digit by digit (BPE merges of digit
+runs make arithmetic much harder to learn). The vocabulary is written out explicitly rather than
+learned from a corpus: ids are then fixed forever (``PAD_ID`` = 0, ``EOS_ID`` = 1, ``BOS_ID`` = 2),
+and checkpoints stay compatible with any later build. It is saved with ``save_pretrained`` so the
+rest of jaxrl (and HF tools) load it with ``AutoTokenizer`` like any other tokenizer, offline.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
+SPECIAL_TOKENS = (PAD, EOS, BOS, UNK)
+PAD_ID, EOS_ID, BOS_ID, UNK_ID = range(4)
+CHARS = tuple("0123456789") + ("+", "-", "*", "=")
+VOCAB: dict[str, int] = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+# Written last into the cache: its presence means a complete save, its text a compatible one.
+_MARKER = "jaxrl_tokenizer_version.txt"
+_VERSION = "arith-char-v2:" + "".join(SPECIAL_TOKENS + CHARS)
+
+
+def _raw_tokenizer() -> Tokenizer:
+  """The `tokenizers` object: digits and punctuation isolated, looked up in the fixed vocabulary."""
+  tok = Tokenizer(models.WordLevel(vocab=VOCAB, unk_token=UNK))
+  # No whitespace splitting: a stray space or letter becomes <unk> instead of silently vanishing.
+  tok.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.Digits(individual_digits=True),
+      pre_tokenizers.Punctuation(behavior="isolated"),
+  ])
+  tok.decoder = decoders.Fuse()  # concatenate tokens: "1","2","5" -> "125", not "1 2 5"
+  tok.add_special_tokens(list(SPECIAL_TOKENS))
+  return tok
+
+
+def _is_cached(cache_dir: Path) -> bool:
+  """True if cache_dir holds a complete save of this exact vocabulary."""
+  marker = cache_dir / _MARKER
+  return marker.is_file() and marker.read_text() == _VERSION
+
+
+def build_tokenizer(cache_dir: str | Path) -> transformers.PreTrainedTokenizerFast:
+  """The task tokenizer, built into ``cache_dir`` on first use and loaded from there afterwards."""
+  cache_dir = Path(cache_dir)
+  if not _is_cached(cache_dir):
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=_raw_tokenizer(), pad_token=PAD, eos_token=EOS, bos_token=BOS,
+        unk_token=UNK, padding_side="left", clean_up_tokenization_spaces=False)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(cache_dir)
+    tmp = cache_dir / f"{_MARKER}.{os.getpid()}.tmp"
+    tmp.write_text(_VERSION)
+    os.replace(tmp, cache_dir / _MARKER)
+  tok = transformers.AutoTokenizer.from_pretrained(cache_dir)
+  if (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) != (PAD_ID, EOS_ID, BOS_ID):
+    raise RuntimeError(f"tokenizer in {cache_dir} has unexpected special ids; delete it to rebuild")
+  return tok

@@ -1,0 +1,32 @@
+"""The optimizer: AdamW with linear warmup, optional cosine decay, global-norm gradient clipping."""
+from __future__ import annotations
+
+import jax
+import optax
+from flax import nnx
+
+
+def _decay_mask(params):
+  """Weight decay on matrices only: norms and biases (1-D params) are not decayed."""
+  return jax.tree.map(lambda x: x.ndim > 1, params,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def learning_rate_schedule(peak: float, warmup_steps: int, decay_steps: int = 0) -> optax.Schedule:
+  """Linear warmup to ``peak``, then constant (decay_steps=0) or cosine to 10% over decay_steps."""
+  warmup = optax.linear_schedule(0.0, peak, max(warmup_steps, 1))
+  if decay_steps <= 0:
+    after = optax.constant_schedule(peak)
+  else:
+    after = optax.cosine_decay_schedule(peak, max(decay_steps, 1), alpha=0.1)
+  return optax.join_schedules([warmup, after], [max(warmup_steps, 1)])
+
+
+def adamw(peak_lr: float, warmup_steps: int, *, decay_steps: int = 0, weight_decay: float = 0.0,
+          grad_clip: float = 1.0, b1: float = 0.9, b2: float = 0.99) -> optax.GradientTransformation:
+  parts = []
+  if grad_clip > 0:
+    parts.append(optax.clip_by_global_norm(grad_clip))
+  parts.append(optax.adamw(learning_rate_schedule(peak_lr, warmup_steps, decay_steps), b1=b1, b2=b2,
+                           weight_decay=weight_decay, mask=_decay_mask))
+  return optax.chain(*parts)

@@ -1,0 +1,48 @@
+"""The rollout protocol the trainer talks to, and its in-process JAX engine.
+
+The trainer only calls ``generate(prompt ids, counts G_i, temperature, key)`` and
+``set_weights(params, version)``; a vLLM sidecar engine implements the same two methods.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl.rollout import sampler
+
+
+class RolloutEngine(Protocol):
+  def set_weights(self, params, version: int) -> None: ...
+
+  def generate(self, prompt_ids_BxP, prompt_mask_BxP, counts_B, temperature, key, *,
+               greedy: bool = False) -> sampler.SampleOutput: ...
+
+
+class JaxEngine:
+  """Samples with ``jaxrl.rollout.sampler`` from params held in device memory (no copy on sync)."""
+
+  def __init__(self, graphdef, model_cfg, *, max_new_tokens: int, eos_id: int, pad_id: int,
+               top_p: float = 1.0):
+    self._graphdef = graphdef
+    self._model_cfg = model_cfg
+    self._max_new = max_new_tokens
+    self._eos, self._pad = eos_id, pad_id
+    self._top_p = jnp.float32(top_p)
+    self._params = None
+    self.version = -1
+
+  def set_weights(self, params, version: int) -> None:
+    self._params = params
+    self.version = version
+
+  def generate(self, prompt_ids_BxP, prompt_mask_BxP, counts_B, temperature, key, *,
+               greedy: bool = False) -> sampler.SampleOutput:
+    counts_B = np.asarray(counts_B, np.int32)
+    return sampler.generate(
+        self._graphdef, self._params, jnp.asarray(prompt_ids_BxP), jnp.asarray(prompt_mask_BxP),
+        jnp.asarray(counts_B), key, jnp.float32(temperature), self._top_p,
+        num_rollouts=int(counts_B.sum()), max_new_tokens=self._max_new, eos_id=self._eos,
+        pad_id=self._pad, model_cfg=self._model_cfg, greedy=greedy)

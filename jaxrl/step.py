@@ -1,0 +1,158 @@
+"""Jitted steps: scoring responses, the GRPO update, and the supervised (SFT) update.
+
+Everything here is a pure function of arrays; ``jaxrl.train`` owns the loop and side effects.
+Hyperparameters that schedules change (ε_low, ε_high, KL and entropy coefficients, τ) arrive as
+traced arrays in ``StepHparams`` so changing them never recompiles.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxrl import losses, model
+from jaxrl.logprobs import fused_logprobs_entropy
+from jaxrl.types import Array, TrainState, pytree_dataclass
+
+
+@pytree_dataclass
+class StepHparams:
+  """Traced per-step knobs."""
+  loss: losses.LossHparams
+  tau: Array            # f32[] temperature that divides the logits in every scoring pass
+
+
+@pytree_dataclass
+class PolicyBatch:
+  """Rollouts plus rewards: what one GRPO update consumes (rows sharded over the data axes)."""
+  prompt_ids_RxP: Array
+  prompt_mask_RxP: Array
+  response_ids_RxN: Array
+  response_mask_RxN: Array
+  old_logp_RxN: Array
+  rewards_R: Array
+  group_ids_R: Array
+
+
+def score_responses(graphdef, params, prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN,
+                    response_mask_RxN, tau, chunk_size: int):
+  """Log-probs and entropies at τ of each response token given its prompt: (logp_RxN, ent_RxN).
+
+  One forward over prompt ++ response; the hidden state at position p predicts token p+1, so the
+  response tokens are scored by hidden states P-1 .. P+N-2.
+  """
+  p = prompt_ids_RxP.shape[1]
+  n = response_ids_RxN.shape[1]
+  tokens = jnp.concatenate([prompt_ids_RxP, response_ids_RxN], axis=1)
+  valid = jnp.concatenate([prompt_mask_RxP, response_mask_RxN], axis=1)
+  positions = model.positions_from_mask(valid)
+  hidden, lm_head, _ = model.forward(graphdef, params, tokens, positions, valid)
+  hidden_RxNxD = jax.lax.dynamic_slice_in_dim(hidden, p - 1, n, axis=1)
+  logp, ent = fused_logprobs_entropy(hidden_RxNxD, lm_head, response_ids_RxN, tau,
+                                     chunk_size=chunk_size)
+  mask = response_mask_RxN.astype(logp.dtype)
+  return logp * mask, ent * mask
+
+
+def _split_micro(tree, micro: int):
+  return jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class RLStepConfig:
+  """Static structure of the GRPO update (hashable: part of the compiled function)."""
+  loss: losses.LossConfig
+  num_groups: int
+  micro_batches: int = 1
+  scale_by_std: bool = True
+  logprob_chunk: int = 256
+
+
+def rl_update(graphdef, tx: optax.GradientTransformation, cfg: RLStepConfig, state: TrainState,
+              batch: PolicyBatch, hp: StepHparams, ref_params=None):
+  """One GRPO update over the whole batch, accumulating gradients over micro-batches.
+
+  Advantages, informative-group flags and the loss denominator are computed over the whole batch
+  first (groups may straddle micro-batches); each micro-batch loss is then a partial sum of the
+  big-batch loss, so the accumulated gradient equals the big-batch gradient.
+  """
+  mask = batch.response_mask_RxN
+  adv_R = losses.group_advantages(batch.rewards_R, batch.group_ids_R, cfg.num_groups,
+                                  scale_by_std=cfg.scale_by_std)
+  informative_R = losses.informative_rollouts(batch.rewards_R, batch.group_ids_R, cfg.num_groups)
+  denom = losses.loss_denominator(mask, informative_R, cfg.loss)
+
+  ref_logp = None
+  if cfg.loss.use_kl:
+    ref_logp, _ = score_responses(graphdef, ref_params, batch.prompt_ids_RxP, batch.prompt_mask_RxP,
+                                  batch.response_ids_RxN, mask, hp.tau, cfg.logprob_chunk)
+    ref_logp = jax.lax.stop_gradient(ref_logp)
+
+  per_row = dict(prompt_ids=batch.prompt_ids_RxP, prompt_mask=batch.prompt_mask_RxP,
+                 response_ids=batch.response_ids_RxN, mask=mask, old_logp=batch.old_logp_RxN,
+                 adv=adv_R, informative=informative_R,
+                 ref_logp=ref_logp if ref_logp is not None else jnp.zeros_like(batch.old_logp_RxN))
+
+  def micro_loss(params, mb):
+    logp, ent = score_responses(graphdef, params, mb["prompt_ids"], mb["prompt_mask"],
+                                mb["response_ids"], mb["mask"], hp.tau, cfg.logprob_chunk)
+    return losses.grpo_loss(logp, mb["old_logp"], mb["adv"], mb["mask"], ent,
+                            mb["ref_logp"] if cfg.loss.use_kl else None, mb["informative"], denom,
+                            hp.loss, cfg.loss)
+
+  grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+  if cfg.micro_batches == 1:
+    (loss, metrics), grads = grad_fn(state.params, per_row)
+  else:
+    def body(carry, mb):
+      (l, m), g = grad_fn(state.params, mb)
+      acc_l, acc_m, acc_g = carry
+      return (acc_l + l, jax.tree.map(jnp.add, acc_m, m), jax.tree.map(jnp.add, acc_g, g)), None
+
+    mbs = _split_micro(per_row, cfg.micro_batches)
+    first = jax.tree.map(lambda x: x[0], mbs)
+    rest = jax.tree.map(lambda x: x[1:], mbs)
+    (loss, metrics), grads = grad_fn(state.params, first)
+    (loss, metrics, grads), _ = jax.lax.scan(body, (loss, metrics, grads), rest)
+
+  grad_norm = optax.global_norm(grads)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  new_state = dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state)
+  out = dict(losses.finalize_metrics(metrics))
+  out.update(loss=loss, grad_norm=grad_norm,
+             informative_frac=jnp.mean(informative_R.astype(jnp.float32)))
+  return new_state, out
+
+
+def sft_update(graphdef, tx: optax.GradientTransformation, chunk: int, state: TrainState,
+               prompt_ids_BxP, prompt_mask_BxP, target_ids_BxN, target_mask_BxN):
+  """One supervised step: mean negative log-likelihood of the target (completion) tokens at τ=1."""
+  one = jnp.ones((), jnp.float32)
+
+  def nll(params):
+    logp, _ = score_responses(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, target_ids_BxN,
+                              target_mask_BxN, one, chunk)
+    count = jnp.maximum(jnp.sum(target_mask_BxN), 1)
+    return -jnp.sum(logp) / count
+
+  loss, grads = jax.value_and_grad(nll)(state.params)
+  grad_norm = optax.global_norm(grads)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  return (dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state),
+          dict(loss=loss, grad_norm=grad_norm))
+
+
+def init_state(params, tx) -> TrainState:
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+
+def jit_step(fn, state_shardings=None, donate: bool = True):
+  """jit with the train state donated (its buffers are reused for the new state)."""
+  kwargs = dict(donate_argnums=(0,) if donate else ())
+  if state_shardings is not None:
+    kwargs["out_shardings"] = (state_shardings, None)
+  return jax.jit(fn, **kwargs)

@@ -1,0 +1,72 @@
+"""The built-in task as arrays: tokenised prompts and answers of both splits, the SFT corpus, and
+the host-side decode + score used by the loop and by evaluation.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxrl.config import Config
+from jaxrl.data import arithmetic
+from jaxrl.data.prompts import decode_responses, encode_completions, encode_prompts
+from jaxrl.data.tokenizer import build_tokenizer
+from jaxrl.rewards.arithmetic import score_batch
+
+_SFT_STREAM = 7
+
+
+@dataclasses.dataclass
+class TaskData:
+  tokenizer: object
+  vocab_size: int
+  pad_id: int
+  eos_id: int
+  level_names: tuple[str, ...]
+  train_prompt_ids: np.ndarray      # i32[Q, P], left-padded
+  train_prompt_mask: np.ndarray     # bool[Q, P]
+  train_answers: np.ndarray         # object[Q] of str
+  train_levels: np.ndarray          # i32[Q]
+  heldout_prompt_ids: np.ndarray
+  heldout_prompt_mask: np.ndarray
+  heldout_answers: np.ndarray
+  heldout_levels: np.ndarray
+  sft_prompt_ids: np.ndarray        # i32[M, P]
+  sft_prompt_mask: np.ndarray
+  sft_target_ids: np.ndarray        # i32[M, N]: answer + EOS, right-padded
+  sft_target_mask: np.ndarray
+
+  def decode(self, out) -> list[str]:
+    """Response texts of a ``SampleOutput`` (cut at EOS)."""
+    return decode_responses(self.tokenizer, np.asarray(out.tokens_RxN), np.asarray(out.lengths_R))
+
+  def score(self, responses, answers) -> np.ndarray:
+    return score_batch(responses, list(answers))
+
+
+def task_config(cfg: Config) -> arithmetic.TaskConfig:
+  return arithmetic.TaskConfig(
+      levels=arithmetic.parse_levels(cfg.task.levels),
+      num_train_per_level=cfg.task.num_train_per_level,
+      num_heldout_per_level=cfg.task.num_heldout_per_level, seed=cfg.seed,
+      reverse_answer=cfg.task.reverse_answer)
+
+
+def load_task(cfg: Config, tokenizer_dir: str) -> TaskData:
+  tcfg = task_config(cfg)
+  tok = build_tokenizer(tokenizer_dir)
+  train, heldout = arithmetic.build_task(tcfg)
+  p, n = cfg.task.max_prompt_len, cfg.rollout.max_new_tokens
+
+  def split(problems):
+    ids, mask = encode_prompts(tok, [q.prompt for q in problems], p)
+    return (ids, mask, np.asarray([q.answer for q in problems], dtype=object),
+            np.asarray([q.level for q in problems], np.int32))
+
+  sft = arithmetic.sft_corpus(tcfg, cfg.sft.steps * cfg.sft.batch_size // 4 + cfg.sft.batch_size,
+                              seed=cfg.seed * 1000 + _SFT_STREAM)
+  sft_ids, sft_mask = encode_prompts(tok, [a for a, _ in sft], p)
+  tgt_ids, tgt_mask = encode_completions(tok, [b for _, b in sft], n)
+  return TaskData(tok, len(tok), tok.pad_token_id, tok.eos_token_id,
+                  tuple(s.name for s in tcfg.levels), *split(train), *split(heldout),
+                  sft_ids, sft_mask, tgt_ids, tgt_mask)

@@ -1,0 +1,264 @@
+"""The training loop: the only place that owns jit boundaries, the loop and side effects.
+
+One RL step: data cursor → question ids → allocation (uniform here) → rollout engine at τ →
+rewards on the host → question statistics → jitted GRPO update → metrics → checkpoint.
+Before RL: the built-in task, its tokenizer, the SFT warm start and a held-out evaluation; after
+RL: the same evaluation and a before/after table. Every file a run writes lives in ``workdir``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl import losses, model, optim, sharding, sft, step
+from jaxrl.checkpoint import Checkpointer
+from jaxrl.config import Config, to_dict
+from jaxrl.data.cursor import Cursor, next_batch
+from jaxrl.eval import EvalResult, comparison_table, evaluate
+from jaxrl.metrics import MetricsWriter, plot_run
+from jaxrl.progress import Progress
+from jaxrl.rollout.engine import JaxEngine
+from jaxrl.stats import init_stats, update_stats
+from jaxrl.task import TaskData, load_task
+
+log = logging.getLogger(__name__)
+
+# Independent random streams, all derived from config.seed.
+_STREAM_INIT, _STREAM_RL, _STREAM_EVAL = 1, 2, 3
+
+
+def model_config(cfg: Config, vocab_size: int) -> model.ModelConfig:
+  m = cfg.model
+  return model.ModelConfig(
+      vocab_size=m.vocab_size or vocab_size, hidden_size=m.hidden_size,
+      intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
+      num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, rope_theta=m.rope_theta,
+      rms_norm_eps=m.rms_norm_eps, qkv_bias=m.qkv_bias, qk_norm=m.qk_norm,
+      tie_embeddings=m.tie_embeddings, dtype=m.dtype)
+
+
+def rl_step_config(cfg: Config) -> step.RLStepConfig:
+  loss = losses.LossConfig(
+      aggregation=cfg.loss.aggregation, dual_clip=cfg.loss.dual_clip or None,
+      kl_estimator=cfg.loss.kl_estimator, use_kl=cfg.loss.kl_coef > 0,
+      informative_only=cfg.loss.informative_only, max_response_len=cfg.rollout.max_new_tokens)
+  return step.RLStepConfig(loss=loss, num_groups=cfg.batch_questions,
+                           micro_batches=cfg.loss.micro_batches, scale_by_std=cfg.loss.scale_by_std,
+                           logprob_chunk=cfg.loss.logprob_chunk)
+
+
+def step_hparams(cfg: Config, tau: float) -> step.StepHparams:
+  f32 = jnp.float32
+  return step.StepHparams(
+      loss=losses.LossHparams(eps_low=f32(cfg.loss.eps_low), eps_high=f32(cfg.loss.eps_high),
+                              kl_coef=f32(cfg.loss.kl_coef), entropy_coef=f32(cfg.loss.entropy_coef)),
+      tau=f32(tau))
+
+
+def group_outcomes(rewards_R: np.ndarray, group_ids_R: np.ndarray, num_groups: int) -> dict:
+  """Fractions of groups whose rollouts are all correct / all wrong (zero-advantage groups)."""
+  counts = np.bincount(group_ids_R, minlength=num_groups)
+  correct = np.bincount(group_ids_R, weights=rewards_R > 0, minlength=num_groups)
+  present = counts > 0
+  return dict(frac_all_correct=float(np.mean((correct == counts)[present])),
+              frac_all_wrong=float(np.mean((correct == 0)[present])))
+
+
+@dataclasses.dataclass
+class Trainer:
+  """Holds what setup built; ``run`` drives SFT → eval → RL → eval."""
+  cfg: Config
+  workdir: str
+
+  def __post_init__(self):
+    os.makedirs(self.workdir, exist_ok=True)
+    with open(os.path.join(self.workdir, "config.json"), "w") as f:
+      json.dump(to_dict(self.cfg), f, indent=1)
+    self.task: TaskData = load_task(self.cfg, os.path.join(self.workdir, "tokenizer"))
+    self.model_cfg = model_config(self.cfg, self.task.vocab_size)
+    self.mesh = sharding.make_mesh(self.cfg.mesh.data, self.cfg.mesh.fsdp, self.cfg.mesh.tensor)
+    self.graphdef, abstract_params = model.abstract(self.model_cfg)
+    self.param_shardings = sharding.tree_shardings(abstract_params, self.mesh)
+    self.engine = JaxEngine(self.graphdef, self.model_cfg, max_new_tokens=self.cfg.rollout.max_new_tokens,
+                            eos_id=self.task.eos_id, pad_id=self.task.pad_id, top_p=self.cfg.rollout.top_p)
+    self.progress = Progress(enabled=self.cfg.log.progress)
+
+  # -- phases -------------------------------------------------------------------------------------
+
+  def init_params(self):
+    init = lambda: model.create(self.model_cfg, self.cfg.seed * 1000 + _STREAM_INIT)[1]
+    return jax.jit(init, out_shardings=self.param_shardings)()
+
+  def warm_start(self, params):
+    c, t = self.cfg, self.task
+    with self.progress.task("SFT warm start", c.sft.steps) as advance:
+      params, _ = sft.warm_start(
+          self.graphdef, params, self.mesh, prompt_ids_NxP=t.sft_prompt_ids, prompt_mask_NxP=t.sft_prompt_mask,
+          target_ids_NxT=t.sft_target_ids, target_mask_NxT=t.sft_target_mask, steps=c.sft.steps,
+          batch_size=c.sft.batch_size, learning_rate=c.sft.learning_rate,
+          warmup_steps=c.sft.warmup_steps, weight_decay=c.sft.weight_decay, seed=c.seed,
+          chunk=c.loss.logprob_chunk, workdir=self.workdir, progress=advance)
+    return params
+
+  def evaluate(self, params, name: str) -> EvalResult:
+    """Held-out evaluation, cached as ``eval_{name}.json`` (a resumed run does not redo it)."""
+    path = os.path.join(self.workdir, f"eval_{name}.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        return EvalResult.from_json(json.load(f))
+    c, t = self.cfg, self.task
+    self.engine.set_weights(params, -1)
+    per_call = max(1, c.num_rollouts // c.eval.num_samples)
+    calls = -(-len(t.heldout_levels) // per_call)
+
+    with self.progress.task(f"eval ({name})", calls) as advance:
+      done = [0]
+
+      def sample_fn(ids, mask, counts, key, greedy):
+        out = self.engine.generate(ids, mask, counts, c.eval.temperature, key, greedy=greedy)
+        if greedy:
+          done[0] += 1
+          advance(done[0], calls)
+        return t.decode(out), np.asarray(out.group_ids_R)
+
+      result = evaluate(sample_fn, t.heldout_prompt_ids, t.heldout_prompt_mask, t.heldout_levels,
+                        lambda responses, q: t.score(responses, t.heldout_answers[q]),
+                        num_samples=c.eval.num_samples, ks=c.eval_ks, questions_per_call=per_call,
+                        key=jax.random.fold_in(jax.random.PRNGKey(c.seed), _STREAM_EVAL))
+    with open(path + ".tmp", "w") as f:
+      json.dump(result.to_json(), f)
+    os.replace(path + ".tmp", path)
+    return result
+
+  def rl(self, sft_params) -> None:
+    """GRPO steps from the warm start; resumes from the latest checkpoint in ``workdir``."""
+    c, t = self.cfg, self.task
+    tx = optim.adamw(c.optim.learning_rate, c.optim.warmup_steps, weight_decay=c.optim.weight_decay,
+                     grad_clip=c.optim.grad_clip, b1=c.optim.b1, b2=c.optim.b2)
+    state_shardings = step.TrainState(
+        step=sharding.replicated(self.mesh), params=self.param_shardings,
+        opt_state=sharding.tree_shardings(jax.eval_shape(tx.init, sft_params), self.mesh))
+    step_cfg = rl_step_config(c)
+    ref_params = jax.tree.map(jnp.copy, sft_params) if step_cfg.loss.use_kl else None
+    state = jax.jit(functools.partial(step.init_state, tx=tx), out_shardings=state_shardings)(sft_params)
+    stats = init_stats(len(t.train_answers))
+    cursor = Cursor()
+
+    ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=c.checkpoint.keep,
+                        async_save=c.checkpoint.async_save)
+    start = 0
+    if ckpt.latest_step() is not None:
+      start = ckpt.latest_step()
+      abstract = jax.tree.map(
+          lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+          {"state": state, "stats": stats},
+          {"state": state_shardings, "stats": jax.tree.map(lambda _: sharding.replicated(self.mesh), stats)})
+      tree, meta = ckpt.restore(start, abstract)
+      state, stats = tree["state"], tree["stats"]
+      cursor = Cursor(**meta["cursor"])
+      log.info("resumed from step %d (%s)", start, ckpt.directory)
+
+    update = jax.jit(functools.partial(step.rl_update, self.graphdef, tx, step_cfg),
+                     donate_argnums=(0,), out_shardings=(state_shardings, None))
+    writer = MetricsWriter(self.workdir, tensorboard=c.log.tensorboard,
+                           wandb_project=c.log.wandb_project if c.log.wandb else None,
+                           config=to_dict(c), resume_step=start)
+    hp = step_hparams(c, c.rollout.temperature)
+    base_key = jax.random.fold_in(jax.random.PRNGKey(c.seed), _STREAM_RL)
+    stop = _StopFlag()
+    counts_B = np.full(c.batch_questions, c.rollout.group_size, np.int32)
+    try:
+      with self.progress.task("GRPO", c.steps, start) as advance:
+        for i in range(start, c.steps):
+          t0 = time.time()
+          qids_B, cursor = next_batch(cursor, c.seed, len(t.train_answers), c.batch_questions)
+          self.engine.set_weights(state.params, i)
+          out = self.engine.generate(t.train_prompt_ids[qids_B], t.train_prompt_mask[qids_B], counts_B,
+                                     float(hp.tau), jax.random.fold_in(base_key, i))
+          responses = t.decode(out)
+          group_ids_R = np.asarray(out.group_ids_R)
+          t1 = time.time()
+          rewards_R = t.score(responses, t.train_answers[qids_B[group_ids_R]])
+          stats = update_stats(stats, qids_B, group_ids_R, rewards_R, i)
+          batch = step.PolicyBatch(
+              prompt_ids_RxP=out.prompt_ids_RxP, prompt_mask_RxP=out.prompt_mask_RxP,
+              response_ids_RxN=out.tokens_RxN, response_mask_RxN=out.mask_RxN,
+              old_logp_RxN=out.logp_RxN, rewards_R=jnp.asarray(rewards_R, jnp.float32),
+              group_ids_R=out.group_ids_R)
+          t2 = time.time()
+          state, m = update(state, sharding.shard_batch(batch, self.mesh), hp, ref_params)
+          m = jax.device_get(m)
+          t3 = time.time()
+          mask = np.asarray(out.mask_RxN)
+          tokens = float(mask.sum())
+          row = dict(m, reward=float(rewards_R.mean()), pass_rate=float((rewards_R > 0).mean()),
+                     entropy_rollout=float((np.asarray(out.entropy_RxN) * mask).sum() / max(tokens, 1)),
+                     response_len=tokens / len(rewards_R), tau=float(hp.tau),
+                     eps_low=float(hp.loss.eps_low), eps_high=float(hp.loss.eps_high),
+                     rollout_tok_s=tokens / max(t1 - t0, 1e-9),
+                     train_tok_s=(tokens + mask.shape[0] * out.prompt_ids_RxP.shape[1]) / max(t3 - t2, 1e-9),
+                     step_time=t3 - t0, epoch=cursor.epoch,
+                     **group_outcomes(rewards_R, group_ids_R, c.batch_questions))
+          writer.write(i + 1, row)
+          advance(i + 1, c.steps, f"reward {row['reward']:.3f} H {row['entropy']:.3f}")
+          if (i + 1) % c.checkpoint.every == 0 or i + 1 == c.steps or stop.requested:
+            ckpt.save(i + 1, {"state": state, "stats": stats},
+                      {"cursor": dataclasses.asdict(cursor), "step": i + 1})
+          if stop.requested:
+            log.warning("interrupted: checkpoint saved at step %d; run again to resume", i + 1)
+            raise KeyboardInterrupt
+    finally:
+      stop.restore()
+      ckpt.close()
+      writer.close()
+    self.final_params = state.params
+
+  # -- whole run ----------------------------------------------------------------------------------
+
+  def run(self) -> dict:
+    params = self.warm_start(self.init_params())
+    before = self.evaluate(params, "sft")
+    self.rl(params)
+    after = self.evaluate(self.final_params, f"step{self.cfg.steps}")
+    table = comparison_table(before, after, self.cfg.eval_ks)
+    summary = {"before": before.to_json(), "after": after.to_json(), "table": table}
+    with open(os.path.join(self.workdir, "results.md"), "w") as f:
+      f.write(f"# Held-out evaluation (seed {self.cfg.seed}, {self.cfg.steps} RL steps)\n\n{table}\n")
+    if self.cfg.log.plot and os.path.exists(os.path.join(self.workdir, "metrics.jsonl")):
+      plot_run(os.path.join(self.workdir, "metrics.jsonl"), os.path.join(self.workdir, "run.png"))
+    return summary
+
+
+class _StopFlag:
+  """First Ctrl-C: finish the step, checkpoint, stop. Second Ctrl-C: stop at once."""
+
+  def __init__(self):
+    self.requested = False
+    self._previous = signal.getsignal(signal.SIGINT)
+    try:
+      signal.signal(signal.SIGINT, self._handle)
+    except ValueError:  # not the main thread (e.g. inside some test runners)
+      self._previous = None
+
+  def _handle(self, signum, frame):
+    if self.requested:
+      raise KeyboardInterrupt
+    self.requested = True
+    log.warning("Ctrl-C: finishing this step and saving a checkpoint (Ctrl-C again to abort)")
+
+  def restore(self):
+    if self._previous is not None:
+      signal.signal(signal.SIGINT, self._previous)
+
+
+def train(cfg: Config, workdir: str) -> dict:
+  return Trainer(cfg, workdir).run()

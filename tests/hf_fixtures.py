@@ -1,0 +1,63 @@
+"""Tiny random Qwen2/Qwen3 checkpoints saved with transformers' ``save_pretrained``, for parity tests.
+
+Weights are re-initialised away from HF's defaults (norms 1, biases 0, Linear std 0.02) so that a
+wrong norm, bias, transpose or RoPE shows up in the logits instead of vanishing in near-uniform
+attention.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+# Shared by both kinds: GQA (4 query heads on 2 kv heads), float32.
+_COMMON = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               use_sliding_window=False)
+_KINDS = {
+    # head_dim = hidden / heads; a non-default θ and eps so both must be read from config.json.
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+              dict(head_dim=16, rms_norm_eps=1e-5,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
+    # head_dim != hidden / heads, as in real Qwen3 models.
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+              dict(head_dim=32, rms_norm_eps=1e-6, attention_bias=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 50_000.0})),
+}
+
+
+def tiny_hf_config(kind: str, tie: bool):
+  """The transformers config of a tiny ``kind`` model ("qwen2" or "qwen3")."""
+  config_cls, _, extra = _KINDS[kind]
+  return config_cls(**_COMMON, **extra, tie_word_embeddings=tie, dtype="float32")
+
+
+@torch.no_grad()
+def make_tiny_hf_model(kind: str, tie: bool, seed: int = 0):
+  """A random tiny ``Qwen{2,3}ForCausalLM`` (float32, eval mode) with non-trivial norms and biases."""
+  _, model_cls, _ = _KINDS[kind]
+  torch.manual_seed(seed)
+  model = model_cls(tiny_hf_config(kind, tie)).eval()
+  for name, p in model.named_parameters():  # tied weights appear once
+    if name.endswith("norm.weight"):
+      p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    elif name.endswith(".bias"):
+      p.copy_(0.2 * torch.randn_like(p))
+    elif "embed_tokens" in name:
+      p.copy_(torch.randn_like(p))
+    else:  # Linear [out, in]: unit-scale activations, so attention is far from uniform
+      p.copy_(torch.randn_like(p) * p.shape[1] ** -0.5)
+  if tie:
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+  return model
+
+
+def make_tiny_hf(kind: str, tie: bool, out_dir, seed: int = 0) -> pathlib.Path:
+  """Save a random tiny model with ``save_pretrained`` (safetensors) into ``out_dir``; return it."""
+  out = pathlib.Path(out_dir)
+  make_tiny_hf_model(kind, tie, seed).save_pretrained(out)
+  return out

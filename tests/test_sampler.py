@@ -1,0 +1,226 @@
+"""The embedded JAX sampler (jaxrl.rollout.sampler) against independent oracles.
+
+Oracles: the training forward without a cache (π_old must equal what the trainer recomputes),
+Python loops over rows (EOS handling, group expansion), the exact softmax(z/τ) (a chi-square test on
+many one-token samples), and transformers' own greedy ``generate`` on a tiny Qwen2 checkpoint.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from jaxrl import model  # noqa: E402
+from jaxrl.rollout import sampler  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+PAD, EOS = 0, 1
+CFG = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=8)
+# Three prompts of different lengths (7, 3, 5), left-padded to P = 7.
+PROMPTS = [[5, 9, 12, 33, 7, 21, 40], [17, 3, 50], [44, 8, 8, 61, 2]]
+P, N = 7, 10
+
+
+def _left_pad(prompts, p):
+  ids = np.full((len(prompts), p), PAD, np.int32)
+  for i, row in enumerate(prompts):
+    ids[i, p - len(row):] = row
+  mask = np.zeros_like(ids, bool)
+  for i, row in enumerate(prompts):
+    mask[i, p - len(row):] = True
+  return ids, mask
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  graphdef, params = model.create(CFG, seed=0)
+  return graphdef, params
+
+
+def _gen(tiny, counts, key=0, tau=1.0, top_p=1.0, *, cfg=CFG, prompts=PROMPTS, p=P, n=N, eos=EOS,
+         greedy=False):
+  graphdef, params = tiny
+  ids, mask = _left_pad(prompts, p)
+  return sampler.generate(graphdef, params, ids, mask, np.asarray(counts), jax.random.key(key), tau,
+                          top_p, num_rollouts=int(np.sum(counts)), max_new_tokens=n, eos_id=eos,
+                          pad_id=PAD, model_cfg=cfg, greedy=greedy)
+
+
+def _np_log_softmax(z):
+  z = z - z.max(-1, keepdims=True)
+  return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def _teacher_forced_logits(tiny, out):
+  """Float64 logits predicting each response token, from one no-cache forward over prompt ++ response."""
+  graphdef, params = tiny
+  ids = jnp.concatenate([out.prompt_ids_RxP, out.tokens_RxN], axis=1)
+  mask = jnp.concatenate([out.prompt_mask_RxP, out.mask_RxN], axis=1)
+  hidden, lm_head, _ = model.forward(graphdef, params, ids, model.positions_from_mask(mask), mask)
+  logits = np.asarray(hidden @ lm_head, np.float64)
+  p = out.prompt_ids_RxP.shape[1]
+  return logits[:, p - 1:-1]
+
+
+@pytest.mark.parametrize("tau", [0.7, 1.3])
+def test_logp_and_entropy_equal_training_forward(tiny, tau):
+  out = _gen(tiny, [2, 1, 3], key=1, tau=tau)
+  logp_ref = _np_log_softmax(_teacher_forced_logits(tiny, out) / tau)
+  tokens = np.asarray(out.tokens_RxN)
+  mask = np.asarray(out.mask_RxN)
+  want_logp = np.take_along_axis(logp_ref, tokens[..., None], -1)[..., 0]
+  want_entropy = -(np.exp(logp_ref) * logp_ref).sum(-1)
+  np.testing.assert_allclose(np.asarray(out.logp_RxN)[mask], want_logp[mask], atol=1e-5, rtol=0)
+  np.testing.assert_allclose(np.asarray(out.entropy_RxN)[mask], want_entropy[mask], atol=1e-5, rtol=0)
+  assert np.all(np.asarray(out.logp_RxN)[~mask] == 0) and np.all(np.asarray(out.entropy_RxN)[~mask] == 0)
+  assert mask.sum() > 30  # most of the 6 x 10 response tokens are compared
+
+
+def test_per_row_eos_stop():
+  cfg = model.ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_layers=2,
+                          num_heads=4, num_kv_heads=2, head_dim=8)
+  tiny8 = model.create(cfg, seed=3)
+  prompts = [[2, 5, 3], [7, 4, 6, 2, 3]]
+  out = _gen(tiny8, [12, 12], key=2, tau=1.5, cfg=cfg, prompts=prompts, p=5, n=12)
+  tokens, mask = np.asarray(out.tokens_RxN), np.asarray(out.mask_RxN)
+  finished = []
+  for r in range(tokens.shape[0]):
+    hits = np.flatnonzero(tokens[r] == EOS)
+    length = hits[0] + 1 if len(hits) else tokens.shape[1]
+    finished.append(bool(len(hits)))
+    assert out.lengths_R[r] == length
+    assert mask[r, :length].all() and not mask[r, length:].any()
+    assert np.all(tokens[r, length:] == PAD)
+    assert np.all(tokens[r, :length - 1] != EOS)
+  np.testing.assert_array_equal(np.asarray(out.finished_R), finished)
+  assert 0 < sum(finished) < len(finished)  # both kinds of rows are exercised
+
+  # Every row stops at step 0 (EOS := greedy first token): the loop exits at once, layout intact.
+  first = int(_gen(tiny8, [3, 0], cfg=cfg, prompts=prompts, p=5, n=12, greedy=True).tokens_RxN[0, 0])
+  out = _gen(tiny8, [3, 0], cfg=cfg, prompts=prompts, p=5, n=12, eos=first, greedy=True)
+  np.testing.assert_array_equal(out.lengths_R, [1, 1, 1])
+  assert np.all(np.asarray(out.tokens_RxN)[:, 1:] == PAD) and np.all(out.finished_R)
+
+
+def test_no_recompilation_when_counts_temperature_or_top_p_change(tiny):
+  _gen(tiny, [2, 1, 3])
+  compiled = sampler.generate._cache_size()
+  _gen(tiny, [1, 4, 1], key=5, tau=0.6, top_p=0.9)
+  _gen(tiny, [0, 0, 6], key=6, tau=np.float32(1.4), top_p=jnp.float32(1.0))
+  _gen(tiny, np.array([3, 3, 0], np.int64), tau=jnp.array(2.0), top_p=0.5)
+  assert sampler.generate._cache_size() == compiled
+  _gen(tiny, [2, 1, 3], greedy=True)
+  _gen(tiny, [6, 0, 0], tau=0.3, greedy=True)
+  assert sampler.generate._cache_size() == compiled + 1
+
+
+def test_rows_follow_each_questions_own_count(tiny):
+  counts = [0, 3, 1, 2]
+  prompts = PROMPTS + [[11, 12]]
+  out = _gen(tiny, counts, prompts=prompts, tau=0.9)
+  ids, mask = _left_pad(prompts, P)
+  want_groups = [i for i, c in enumerate(counts) for _ in range(c)]
+  np.testing.assert_array_equal(out.group_ids_R, want_groups)
+  np.testing.assert_array_equal(out.prompt_ids_RxP, ids[want_groups])
+  np.testing.assert_array_equal(out.prompt_mask_RxP, mask[want_groups])
+  with pytest.raises(ValueError, match="num_rollouts"):
+    graphdef, params = tiny
+    sampler.generate(graphdef, params, ids, mask, np.asarray(counts), jax.random.key(0), 1.0, 1.0,
+                     num_rollouts=7, max_new_tokens=N, eos_id=EOS, pad_id=PAD, model_cfg=CFG)
+
+
+def test_same_key_same_samples(tiny):
+  a = _gen(tiny, [2, 1, 3], key=7, tau=1.1, top_p=0.95)
+  b = _gen(tiny, [2, 1, 3], key=7, tau=1.1, top_p=0.95)
+  c = _gen(tiny, [2, 1, 3], key=8, tau=1.1, top_p=0.95)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
+  assert not np.array_equal(a.tokens_RxN, c.tokens_RxN)
+
+
+def test_tiny_top_p_is_greedy(tiny):
+  nucleus = _gen(tiny, [2, 1, 3], key=9, tau=1.0, top_p=1e-6)
+  greedy = _gen(tiny, [2, 1, 3], tau=1.0, greedy=True)
+  np.testing.assert_array_equal(nucleus.tokens_RxN, greedy.tokens_RxN)
+  np.testing.assert_array_equal(nucleus.mask_RxN, greedy.mask_RxN)
+  # logp stays that of the full softmax(z/τ), not of the one-token nucleus (which would be 0).
+  assert np.all(np.asarray(nucleus.logp_RxN)[np.asarray(nucleus.mask_RxN)] < -0.1)
+
+
+def _chi2(counts, probs, rows):
+  """Pearson statistic and degrees of freedom, pooling bins with expected count < 5 into one."""
+  expected = rows * probs
+  small = expected < 5
+  obs = np.append(counts[~small], counts[small].sum())
+  exp = np.append(expected[~small], expected[small].sum())
+  keep = exp > 0
+  return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
+
+
+def _chi2_upper(df, z=3.719):
+  """Wilson–Hilferty approximation of the chi-square quantile at upper tail 1e-4 (z = 3.719)."""
+  a = 2.0 / (9 * df)
+  return df * (1 - a + z * np.sqrt(a)) ** 3
+
+
+def test_one_step_samples_follow_softmax_at_tau(tiny):
+  rows, tau = 20_000, 0.7
+  prompt = [[5, 9, 12, 33]]
+  ids, mask = _left_pad(prompt, 4)
+  graphdef, params = tiny
+  hidden, lm_head, _ = model.forward(graphdef, params, ids, model.positions_from_mask(mask), mask)
+  z = np.asarray(hidden[0, -1] @ lm_head, np.float64)
+  probs = np.exp(_np_log_softmax(z / tau))
+  wrong_tau = np.exp(_np_log_softmax(z / 0.8))
+
+  out = _gen(tiny, [rows], key=11, tau=tau, prompts=prompt, p=4, n=1, eos=-1)
+  hist = np.bincount(np.asarray(out.tokens_RxN)[:, 0], minlength=CFG.vocab_size)
+  stat, df = _chi2(hist, probs, rows)
+  assert stat < _chi2_upper(df), (stat, df)
+  stat_wrong, df_wrong = _chi2(hist, wrong_tau, rows)
+  assert stat_wrong > 3 * _chi2_upper(df_wrong), (stat_wrong, df_wrong)  # the test has power
+
+  # top-p: nothing outside the nucleus, and inside it the renormalised softmax(z/τ).
+  top_p = 0.5
+  order = np.argsort(-probs)
+  inside = order[(np.cumsum(probs[order]) - probs[order]) < top_p]
+  out = _gen(tiny, [rows], key=12, tau=tau, top_p=top_p, prompts=prompt, p=4, n=1, eos=-1)
+  hist = np.bincount(np.asarray(out.tokens_RxN)[:, 0], minlength=CFG.vocab_size)
+  assert hist[np.setdiff1d(np.arange(CFG.vocab_size), inside)].sum() == 0
+  assert 2 < len(inside) < CFG.vocab_size // 2
+  stat, df = _chi2(hist[inside], probs[inside] / probs[inside].sum(), rows)
+  assert stat < _chi2_upper(df), (stat, df)
+
+
+def test_greedy_equals_hf_generate(tmp_path):
+  torch = pytest.importorskip("torch")
+  import transformers
+
+  import hf_fixtures
+  from jaxrl import hf
+
+  path = hf_fixtures.make_tiny_hf("qwen2", False, tmp_path / "qwen2")
+  cfg, graphdef, params = hf.load_hf_checkpoint(path)
+  prompts = [[15, 99, 3, 42, 7, 120], [61, 8, 150]]
+  ids, mask = _left_pad(prompts, 6)
+  new, eos = 12, cfg.vocab_size - 1
+  out = sampler.generate(graphdef, params, ids, mask, np.array([1, 1]), jax.random.key(0), 1.0, 1.0,
+                         num_rollouts=2, max_new_tokens=new, eos_id=eos, pad_id=PAD, model_cfg=cfg,
+                         greedy=True)
+
+  hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+  with torch.no_grad():
+    hf_out = hf_model.generate(
+        input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask, dtype=torch.long),
+        do_sample=False, max_new_tokens=new, eos_token_id=eos, pad_token_id=PAD)
+  hf_tokens = hf_out[:, ids.shape[1]:].numpy()
+  hf_tokens = np.pad(hf_tokens, ((0, 0), (0, new - hf_tokens.shape[1])), constant_values=PAD)
+  np.testing.assert_array_equal(np.asarray(out.tokens_RxN), hf_tokens)
+  assert len(set(hf_tokens.ravel().tolist())) > 3  # not a degenerate repeat of one token
