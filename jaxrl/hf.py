@@ -40,7 +40,7 @@ def _is_var(x) -> bool:
 
 
 def _rope_theta(config: dict) -> float:
-  """θ from ``rope_parameters`` (transformers 5), legacy ``rope_scaling`` or top-level ``rope_theta``."""
+  """RoPE θ: ``rope_parameters`` (transformers 5), legacy ``rope_scaling``, top-level ``rope_theta``."""
   rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
   if set(rope) & set(config.get("layer_types") or ()):
     raise ValueError("config.json: per-layer-type rope_parameters are not supported")
@@ -61,16 +61,19 @@ def model_config_from_hf(config: dict) -> ModelConfig:
   for field in _REQUIRED:
     if config.get(field) is None:
       raise ValueError(f"config.json: required field {field!r} is missing")
-  if config.get("hidden_act", "silu") != "silu":
-    raise ValueError(f"config.json: hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
-  if config.get("use_sliding_window", False) or "sliding_attention" in (config.get("layer_types") or ()):
+  act = config.get("hidden_act", "silu")
+  if act != "silu":
+    raise ValueError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
+  sliding = "sliding_attention" in (config.get("layer_types") or ())
+  if config.get("use_sliding_window", False) or sliding:
     raise ValueError("config.json: use_sliding_window / sliding_attention layers are not supported")
   heads = config["num_attention_heads"]
   qwen3 = model_type == "qwen3"
   if qwen3 and config.get("attention_bias", False):
     # HF Qwen3 then also has an o_proj bias, which the Decoder does not have.
-    raise ValueError("config.json: attention_bias=true (q/k/v/o biases) is not supported for qwen3")
-  head_dim = config.get("head_dim") or (_QWEN3_HEAD_DIM_DEFAULT if qwen3 else config["hidden_size"] // heads)
+    raise ValueError("config.json: attention_bias=true (q/k/v/o biases) is unsupported for qwen3")
+  head_dim = config.get("head_dim") or (
+      _QWEN3_HEAD_DIM_DEFAULT if qwen3 else config["hidden_size"] // heads)
   return ModelConfig(
       vocab_size=config["vocab_size"],
       hidden_size=config["hidden_size"],
@@ -209,7 +212,8 @@ def load_hf_checkpoint(path, dtype=jnp.float32, shardings=None):
       want = tuple(var.shape[::-1] if transposed else var.shape)
       array = read(name)
       if array.shape != want:
-        raise ValueError(f"{path}: tensor {name!r} has shape {array.shape}, config.json implies {want}")
+        raise ValueError(
+            f"{path}: tensor {name!r} has shape {array.shape}, config.json implies {want}")
       array = (array.T if transposed else array).astype(np_dtype, order="C")
       if placement is not None and key not in placement:
         raise ValueError(f"shardings has no entry for {'/'.join(map(str, key))}")
@@ -241,8 +245,8 @@ def save_hf_checkpoint(cfg: ModelConfig, params, out_dir, tokenizer=None,
                        max_shard_bytes: int = 5 * 2**30) -> pathlib.Path:
   """Write config.json + safetensors in HF layout (sharded with an index above ``max_shard_bytes``).
 
-  Overwrites any earlier weights in ``out_dir``. Host memory peaks at about one shard. Params keep their dtype, so ``load_hf_checkpoint`` with that
-  dtype gives them back bitwise.
+  Overwrites any earlier weights in ``out_dir``. Host memory peaks at about one shard. Params keep
+  their dtype, so ``load_hf_checkpoint`` with that dtype gives them back bitwise.
   """
   out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)

@@ -102,7 +102,7 @@ class LossHparams:
 
     @classmethod
     def create(cls, eps_low=0.2, eps_high=0.28, kl_coef=0.0, entropy_coef=0.0):
-        """Build from numbers, as f32 arrays so Python floats and arrays share one jit cache entry."""
+        """Build from numbers as f32 arrays (Python floats would be weak-typed: a second trace)."""
         f = lambda x: jnp.asarray(x, jnp.float32)
         return cls(f(eps_low), f(eps_high), f(kl_coef), f(entropy_coef))
 
@@ -190,7 +190,7 @@ def _kl(logp_RxT, ref_logp_RxT, estimator):
 
 def grpo_loss(logp_RxT, old_logp_RxT, adv_R, mask_RxT, entropy_RxT, ref_logp_RxT, informative_R,
               denom, hp: LossHparams, cfg: LossConfig):
-    """Clipped GRPO surrogate + β·KL − λ·entropy, each aggregated and divided by the global denom."""
+    """Clipped GRPO surrogate + β·KL − λ·entropy, each aggregated and divided by `denom`."""
     f32 = lambda x: jnp.asarray(x, jnp.float32)
     mask_RxT = f32(mask_RxT)
     on_RxT = mask_RxT > 0
@@ -223,7 +223,9 @@ def grpo_loss(logp_RxT, old_logp_RxT, adv_R, mask_RxT, entropy_RxT, ref_logp_RxT
         kl_RxT = _kl(logp_RxT, ref_RxT, cfg.kl_estimator)
     kl_loss = hp.kl_coef * _aggregate(kl_RxT, w_RxT, mask_RxT, cfg) / safe_denom
 
-    ent_RxT = jnp.zeros_like(logp_RxT) if entropy_RxT is None else jnp.where(on_RxT, f32(entropy_RxT), 0.0)
+    ent_RxT = jnp.zeros_like(logp_RxT)
+    if entropy_RxT is not None:
+        ent_RxT = jnp.where(on_RxT, f32(entropy_RxT), 0.0)
     entropy_loss = -hp.entropy_coef * _aggregate(ent_RxT, w_RxT, mask_RxT, cfg) / safe_denom
 
     loss = pg_loss + kl_loss + entropy_loss

@@ -33,7 +33,7 @@ def pass_at_k_array(n_Q, c_Q, k) -> np.ndarray:
     k = int(k)
     if np.any(c_Q < 0) or np.any(c_Q > n_Q) or k < 1 or np.any(k > n_Q):
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (k={k})")
-    # Factor j of question q is 1 − k/(n−c+1+j) for j < c, else 1: a ragged product made rectangular.
+    # Factor j of question q is 1 − k/(n−c+1+j) for j < c, else 1: the ragged product, rectangular.
     j_C = np.arange(int(c_Q.max(initial=0)))
     i_QxC = (n_Q - c_Q + 1)[..., None] + j_C
     live_QxC = j_C < c_Q[..., None]

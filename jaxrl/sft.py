@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 def warm_start(graphdef, params, mesh, *, prompt_ids_NxP, prompt_mask_NxP, target_ids_NxT,
                target_mask_NxT, steps: int, batch_size: int, learning_rate: float,
-               warmup_steps: int, weight_decay: float, seed: int, chunk: int, workdir: str,
+               warmup_steps: int, weight_decay: float, chunk: int, workdir: str,
                progress=None):
   """Params after ``steps`` SFT steps on the given examples (loaded from the cache if present)."""
   ckpt = Checkpointer(os.path.join(workdir, "sft"), keep=1, async_save=False)
@@ -37,12 +37,11 @@ def warm_start(graphdef, params, mesh, *, prompt_ids_NxP, prompt_mask_NxP, targe
   state = jax.jit(functools.partial(step.init_state, tx=tx), out_shardings=state_shardings)(params)
   update = jax.jit(functools.partial(step.sft_update, graphdef, tx, chunk), donate_argnums=(0,),
                    out_shardings=(state_shardings, None))
-  rng = np.random.default_rng([seed, 0x5F7])
   num = prompt_ids_NxP.shape[0]
   losses = []
   t0 = time.time()
   for i in range(steps):
-    idx = rng.choice(num, size=batch_size, replace=False)
+    idx = np.arange(i * batch_size, (i + 1) * batch_size) % num  # the corpus is already shuffled
     batch = sharding.shard_batch((prompt_ids_NxP[idx], prompt_mask_NxP[idx], target_ids_NxT[idx],
                                   target_mask_NxT[idx]), mesh)
     state, metrics = update(state, *batch)

@@ -63,7 +63,8 @@ def load_task(cfg: Config, tokenizer_dir: str) -> TaskData:
     return (ids, mask, np.asarray([q.answer for q in problems], dtype=object),
             np.asarray([q.level for q in problems], np.int32))
 
-  sft = arithmetic.sft_corpus(tcfg, cfg.sft.steps * cfg.sft.batch_size // 4 + cfg.sft.batch_size,
+  # Fresh examples for every SFT step (drawing is cheap): the warm start never repeats an example.
+  sft = arithmetic.sft_corpus(tcfg, max(cfg.sft.steps, 1) * cfg.sft.batch_size,
                               seed=cfg.seed * 1000 + _SFT_STREAM)
   sft_ids, sft_mask = encode_prompts(tok, [a for a, _ in sft], p)
   tgt_ids, tgt_mask = encode_completions(tok, [b for _, b in sft], n)

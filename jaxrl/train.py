@@ -105,7 +105,7 @@ class Trainer:
           self.graphdef, params, self.mesh, prompt_ids_NxP=t.sft_prompt_ids, prompt_mask_NxP=t.sft_prompt_mask,
           target_ids_NxT=t.sft_target_ids, target_mask_NxT=t.sft_target_mask, steps=c.sft.steps,
           batch_size=c.sft.batch_size, learning_rate=c.sft.learning_rate,
-          warmup_steps=c.sft.warmup_steps, weight_decay=c.sft.weight_decay, seed=c.seed,
+          warmup_steps=c.sft.warmup_steps, weight_decay=c.sft.weight_decay,
           chunk=c.loss.logprob_chunk, workdir=self.workdir, progress=advance)
     return params
 

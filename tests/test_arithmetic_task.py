@@ -1,12 +1,13 @@
 """The arithmetic task and its verifier, against Python-int oracles.
 
-The held-out rule is re-derived here with a pure-Python splitmix64 (no numpy), answers are recomputed
-from the parsed prompt with Python ints, and the split is checked both by that rule and by direct
-set disjointness against large SFT corpora drawn with several seeds.
+The held-out rule is re-derived here with a pure-Python splitmix64 (no numpy), answers are
+recomputed from the parsed prompt with Python ints, and the split is checked both by that rule and
+by direct set disjointness against large SFT corpora drawn with several seeds.
 """
 
 import re
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from jaxrl.data.arithmetic import (
     LevelSpec,
     TaskConfig,
     build_task,
+    is_heldout,
     max_lengths,
     operand_range,
     parse_levels,
@@ -72,7 +74,8 @@ def digits(x):
 
 @pytest.fixture(scope="module")
 def mixed_cfg():
-    return TaskConfig(levels=MIXED_LEVELS, num_train_per_level=300, num_heldout_per_level=60, seed=3)
+    return TaskConfig(levels=MIXED_LEVELS, num_train_per_level=300, num_heldout_per_level=60,
+                      seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +134,20 @@ def test_heldout_fraction_by_enumeration():
         assert 0.08 < np.mean(flags) < 0.12
 
 
+def test_is_heldout_scalar_and_array_match_oracle():
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 10**9, size=200), rng.integers(0, 10**9, size=200)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow warnings from uint64 scalars
+        for op in "+-*":
+            expected = [oracle_heldout(op, int(x), int(y), 7) for x, y in zip(a, b)]
+            assert is_heldout(op, a, b, 7).tolist() == expected
+            assert [bool(is_heldout(op, int(x), int(y), 7)) for x, y in zip(a, b)] == expected
+
+
 def test_small_level_is_exhausted_exactly():
-    cfg = TaskConfig(levels=(LevelSpec(1, 1),), num_train_per_level=1000, num_heldout_per_level=1000)
+    cfg = TaskConfig(levels=(LevelSpec(1, 1),), num_train_per_level=1000,
+                     num_heldout_per_level=1000)
     train, heldout = build_task(cfg)
     everything = {f"{a}+{b}=" for a in range(10) for b in range(10)}
     assert {p.prompt for p in train} | {p.prompt for p in heldout} == everything
@@ -172,7 +187,8 @@ def test_max_lengths_bound_the_task(mixed_cfg, mixed_task):
 
 def test_parse_levels():
     assert parse_levels("") == DEFAULT_LEVELS
-    assert parse_levels("1x1+, 3x2-,2x1*") == (LevelSpec(1, 1), LevelSpec(3, 2, "-"), LevelSpec(2, 1, "*"))
+    assert parse_levels("1x1+, 3x2-,2x1*") == (
+        LevelSpec(1, 1), LevelSpec(3, 2, "-"), LevelSpec(2, 1, "*"))
     for bad in ("1x1", "2x3-", "ax1+", "1x0+", "1x1/"):
         with pytest.raises(ValueError):
             parse_levels(bad)

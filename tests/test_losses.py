@@ -108,7 +108,7 @@ def oracle_loss(b, cfg, eps_low, eps_high, kl_coef, ent_coef):
 
 
 def make_batch(seed, R=12, T=7, pad_rows=2):
-    """Uneven groups (mixed, all-equal, size-1, empty), ragged lengths, padding rows, -inf padding."""
+    """Uneven groups (mixed, all-equal, size 1, empty), ragged lengths, padding rows, -inf pads."""
     rng = np.random.default_rng(seed)
     base = [0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 3, 3]
     gids = np.array((base * (R // len(base) + 1))[: R - pad_rows] + [-1] * pad_rows, np.int32)
@@ -148,7 +148,8 @@ def run_loss(j, hp, cfg, denom=None):
         return grpo_loss(logp, j["old"], j["adv"], j["mask"], ent, j["ref"], j["informative"],
                          denom, hp, cfg)
 
-    (loss, metrics), grads = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(j["logp"], j["ent"])
+    grad_fn = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)
+    (loss, metrics), grads = grad_fn(j["logp"], j["ent"])
     return loss, metrics, grads, denom
 
 
@@ -170,16 +171,14 @@ def test_group_advantages_match_oracle(scale_by_std):
 def test_group_advantages_small_cases():
     # Sizes 3, 1, 2 (uneven, one singleton) with default all-valid mask.
     adv = np.asarray(group_advantages([1.0, 0.0, 0.0, 1.0, 0.5, 1.5], [0, 0, 0, 1, 2, 2], 3))
-    s = math.sqrt(1 / 3)
-    np.testing.assert_allclose(adv, [(2 / 3) / (s + 1e-6), -(1 / 3) / (s + 1e-6), -(1 / 3) / (s + 1e-6),
-                                     0.0, -0.5 / (math.sqrt(0.5) + 1e-6), 0.5 / (math.sqrt(0.5) + 1e-6)],
-                               rtol=1e-6)
+    s3, s2 = math.sqrt(1 / 3) + 1e-6, math.sqrt(0.5) + 1e-6
+    np.testing.assert_allclose(adv, [(2 / 3) / s3, -(1 / 3) / s3, -(1 / 3) / s3,
+                                     0.0, -0.5 / s2, 0.5 / s2], rtol=1e-6)
     # A constant non-representable reward (0.1) must give exactly 0, not a rounding residue / eps.
     assert np.all(np.asarray(group_advantages([0.1] * 7 + [0.9] * 3, [0] * 7 + [1] * 3, 2)) == 0)
     # Padding rows do not count: without them group 0 is {1, 0}.
     adv = np.asarray(group_advantages([1.0, 0.0, 1.0, 1.0], [0, 0, 0, 0], 1, valid_R=[1, 1, 0, 0]))
-    np.testing.assert_allclose(adv, [0.5 / (math.sqrt(0.5) + 1e-6), -0.5 / (math.sqrt(0.5) + 1e-6), 0, 0],
-                               rtol=1e-6)
+    np.testing.assert_allclose(adv, [0.5 / s2, -0.5 / s2, 0, 0], rtol=1e-6)
 
 
 def test_informative_rollouts_match_oracle():
@@ -233,7 +232,8 @@ AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 @pytest.mark.parametrize("informative_only", [False, True])
 def test_grpo_loss_matches_oracle(aggregation, dual_clip, kl, ent_coef, informative_only):
     cfg = LossConfig(aggregation=aggregation, dual_clip=dual_clip, kl_estimator=kl or "k3",
-                     use_kl=kl is not None, informative_only=informative_only, max_response_len=T_MAX)
+                     use_kl=kl is not None, informative_only=informative_only,
+                     max_response_len=T_MAX)
     b = make_batch(7, R=20)
     hp = LossHparams.create(EPS_LOW, EPS_HIGH, KL_COEF, ent_coef)
     loss, metrics, (g_logp, g_ent), denom = run_loss(as_jnp(b), hp, cfg)
@@ -308,7 +308,8 @@ def test_hparams_are_traced_compile_once():
     j = as_jnp(make_batch(2))
     denom = loss_denominator(j["mask"], j["informative"], cfg)
     losses = []
-    for eps_low, eps_high, beta, lam in itertools.product([0.1, 0.2], [0.2, 0.28, 0.4], [0.0, 0.1], [0.0, 0.01]):
+    grid = itertools.product([0.1, 0.2], [0.2, 0.28, 0.4], [0.0, 0.1], [0.0, 0.01])
+    for eps_low, eps_high, beta, lam in grid:
         hp = LossHparams.create(eps_low, eps_high, beta, lam)
         loss, _ = jitted(j["logp"], j["old"], j["adv"], j["mask"], j["ent"], j["ref"],
                          j["informative"], denom, hp, cfg=cfg)

@@ -43,7 +43,8 @@ def test_large_n_is_stable():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 300).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n), st.integers(1, n))))
+@given(st.integers(1, 300).flatmap(
+    lambda n: st.tuples(st.just(n), st.integers(0, n), st.integers(1, n))))
 def test_matches_exact_fraction(nck):
     n, c, k = nck
     assert pass_at_k(n, c, k) == pytest.approx(float(exact_pass_at_k(n, c, k)), abs=1e-12)

@@ -47,7 +47,8 @@ def _check_len(kind: str, text: str, n: int, max_len: int):
     raise ValueError(f"{kind} {text!r} needs {n} tokens, more than max_len={max_len}")
 
 
-def encode_prompts(tokenizer, prompts: Sequence[str], max_len: int) -> tuple[np.ndarray, np.ndarray]:
+def encode_prompts(tokenizer, prompts: Sequence[str],
+                   max_len: int) -> tuple[np.ndarray, np.ndarray]:
   """(ids_BxP, mask_BxP) with P = max_len, LEFT-padded with pad_id so every prompt ends at P-1."""
   ids_BxP = np.full((len(prompts), max_len), tokenizer.pad_token_id, np.int32)
   mask_BxP = np.zeros((len(prompts), max_len), bool)

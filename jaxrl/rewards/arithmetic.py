@@ -25,7 +25,7 @@ def _is_int_literal(s: str) -> bool:
 
 
 def score(response, answer) -> float:
-  """1.0 iff the stripped response is an integer literal equal to the stripped answer; never raises."""
+  """1.0 iff the stripped response is an integer literal equal to the stripped answer; no raise."""
   if not isinstance(response, str) or not isinstance(answer, str):
     return 0.0
   if len(response) > MAX_RESPONSE_CHARS:
