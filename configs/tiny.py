@@ -6,7 +6,7 @@ Builds a tokenizer and the task in code (no downloads), warm-starts the model by
 held-out pass@1 / pass@8 / greedy accuracy per difficulty level, runs GRPO, evaluates again and
 prints the before/after table. About 10 minutes on 2 CPU cores.
 
-Variants (``configs/tiny.py:ARG``): ``quick`` (a few steps, for smoke tests).
+Variants (``configs/tiny.py:ARG``): ``quick`` (a one-minute smoke run), ``test`` (unit tests).
 """
 from jaxrl.config import default_configdict
 
@@ -17,11 +17,31 @@ def get_config(arg: str = ""):
   c.steps = 200
   c.batch_questions = 16
   c.rollout.group_size = 8
-  if arg == "quick":
+  if arg == "quick":  # a smoke run of the whole pipeline in about a minute
     c.steps = 4
     c.sft.steps = 20
     c.task.num_heldout_per_level = 4
     c.checkpoint.every = 2
+  elif arg == "test":  # the smallest meaningful run, for unit tests (seconds)
+    c.steps = 6
+    c.batch_questions = 4
+    c.rollout.group_size = 4
+    c.model.hidden_size = 32
+    c.model.intermediate_size = 64
+    c.model.num_layers = 2
+    c.model.num_heads = 2
+    c.model.num_kv_heads = 1
+    c.model.head_dim = 16
+    c.sft.steps = 30             # enough for some correct 1-digit answers: mixed-reward groups
+    c.sft.batch_size = 16
+    c.sft.learning_rate = 1e-2
+    c.task.levels = "1x1+,2x1+"
+    c.task.num_train_per_level = 16
+    c.task.num_heldout_per_level = 2
+    c.eval.num_samples = 2
+    c.eval.ks = "1,2"
+    c.checkpoint.every = 3
+    c.log.progress = False
   elif arg:
-    raise ValueError(f"unknown variant {arg!r} of configs/tiny.py (known: quick)")
+    raise ValueError(f"unknown variant {arg!r} of configs/tiny.py (known: quick, test)")
   return c

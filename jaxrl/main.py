@@ -18,12 +18,27 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for everything the ru
 USAGE_ERROR = 2
 
 
+_BAD_FLAG_ERRORS = (flags.Error, OSError, ValueError, TypeError, AttributeError, KeyError)
+
+
+def _usage_error(e: BaseException):
+  """Print one line for a bad flag or config file and exit 2."""
+  cause = e.args[0] if e.args else None
+  if isinstance(e, AttributeError) and isinstance(cause, KeyError):  # ml_collections' unknown key
+    message = f"unknown config field {cause.args[0]}"
+  else:
+    # Errors raised inside a config file arrive wrapped with their traceback: keep the last line.
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    message = lines[-1] if lines else type(e).__name__
+  print(f"jaxrl: error: {message}", file=sys.stderr)
+  sys.exit(USAGE_ERROR)
+
+
 def _parse_flags(argv):
   try:
     return flags.FLAGS(argv)
-  except (flags.Error, FileNotFoundError, ValueError, TypeError, AttributeError, KeyError) as e:
-    print(f"jaxrl: error: {e}", file=sys.stderr)
-    sys.exit(USAGE_ERROR)
+  except _BAD_FLAG_ERRORS as e:
+    _usage_error(e)
 
 
 def main(argv):
@@ -34,10 +49,12 @@ def main(argv):
     print("jaxrl: error: --config and --workdir are required", file=sys.stderr)
     sys.exit(USAGE_ERROR)
   try:
-    cfg = from_configdict(_CONFIG.value)
+    cfg = from_configdict(_CONFIG.value)  # the config file is loaded lazily, here
   except ConfigError as e:
     print(f"jaxrl: error: {e}", file=sys.stderr)
     sys.exit(USAGE_ERROR)
+  except _BAD_FLAG_ERRORS as e:
+    _usage_error(e)
   workdir = os.path.abspath(_WORKDIR.value)
   os.makedirs(workdir, exist_ok=True)
   logging.basicConfig(level=logging.INFO, force=True, format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -28,7 +28,7 @@ def _scalar(value) -> float | None:
 class MetricsWriter:
   """Appends one JSON line per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard/W&B.
 
-  On resume, lines from steps at or after the restored step are dropped first, so the file holds
+  On resume, lines from steps after the restored step are dropped first, so the file holds
   each step once even when a run was interrupted after logging but before checkpointing.
   """
 
@@ -41,7 +41,7 @@ class MetricsWriter:
     self._tb = None
     if tensorboard:
       from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=resume_step or None)
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
     self._wandb = None
     if wandb_project:
       try:
@@ -55,7 +55,7 @@ class MetricsWriter:
     if not os.path.exists(self.path):
       return
     with open(self.path, encoding="utf-8") as f:
-      keep = [line for line in f if line.strip() and json.loads(line).get("step", -1) < step]
+      keep = [line for line in f if line.strip() and json.loads(line).get("step", -1) <= step]
     tmp = self.path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
       f.writelines(keep)

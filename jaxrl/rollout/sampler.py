@@ -4,9 +4,9 @@ One jitted function turns B left-padded prompts and per-question rollout counts 
 sampled responses. The expansion to R rows happens inside jit with a static ``total_repeat_length``,
 so a new allocation (same R) never recompiles; τ and top-p are traced arrays for the same reason.
 
-Alongside each sampled token it returns ℓ = log softmax(z/τ)[token] and the entropy of softmax(z/τ)
-over the FULL vocabulary (never the top-p-truncated one): these are π_old for the trainer, computed by
-the same ``logprobs_entropy_from_logits`` the training forward uses.
+With each sampled token it returns ℓ = log softmax(z/τ)[token] and the entropy of softmax(z/τ)
+over the FULL vocabulary (never the top-p-truncated one): π_old for the trainer, computed by the
+same ``logprobs_entropy_from_logits`` the training forward uses.
 
 Cache layout (``jaxrl.model``): the left-padded prompt fills slots 0..P-1, generated token n goes to
 slot P+n, and ``kv_valid_RxS`` marks the real slots, so RoPE positions and attention match a
@@ -120,7 +120,8 @@ def _generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, key, 
 
     return _DecodeState(
         n=st.n + 1, cache=st.cache,
-        kv_valid_RxS=jax.lax.dynamic_update_slice_in_dim(st.kv_valid_RxS, live_R[:, None], P + st.n, 1),
+        kv_valid_RxS=jax.lax.dynamic_update_slice_in_dim(
+            st.kv_valid_RxS, live_R[:, None], P + st.n, 1),
         logits_RxV=st.logits_RxV,
         tokens_RxN=put(st.tokens_RxN, tok_R),
         mask_RxN=put(st.mask_RxN, live_R),
@@ -135,7 +136,8 @@ def _generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, key, 
     pos_Rx1 = (prompt_len_R + prev)[:, None]
     hidden_Rx1xD, lm_head, cache = model.forward(
         graphdef, params, tok_Rx1, pos_Rx1, st.kv_valid_RxS, st.cache, P + prev)
-    return emit(dataclasses.replace(st, cache=cache, logits_RxV=_logits(hidden_Rx1xD[:, 0], lm_head)))
+    logits_RxV = _logits(hidden_Rx1xD[:, 0], lm_head)
+    return emit(dataclasses.replace(st, cache=cache, logits_RxV=logits_RxV))
 
   def running(st: _DecodeState) -> Array:
     return (st.n < N) & ~jnp.all(st.finished_R)
@@ -158,7 +160,7 @@ def _generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, key, 
 def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, key, temperature, top_p,
              *, num_rollouts: int, max_new_tokens: int, eos_id: int, pad_id: int, model_cfg,
              greedy: bool = False) -> SampleOutput:
-  """Sample counts_B[i] responses to each left-padded prompt i; requires Σ counts_B == num_rollouts.
+  """Sample counts_B[i] responses to each left-padded prompt i; needs Σ counts_B == num_rollouts.
 
   Compiles once per (shapes, num_rollouts, max_new_tokens, eos/pad ids, model_cfg, greedy); counts,
   temperature, top_p and key are traced. ``generate._cache_size()`` counts the compilations.
