@@ -45,16 +45,18 @@ class TaskSection:
   num_train_per_level: int = 400
   num_heldout_per_level: int = 48
   reverse_answer: bool = True
-  max_prompt_len: int = 16
+  digit_width: int = 0              # > 0: aligned layout, numbers zero-padded LSB-first (see data/arithmetic.py)
+  max_prompt_len: int = 0          # 0: the longest prompt of the task (+BOS); else a fixed P
 
 
 @dataclasses.dataclass(frozen=True)
 class SFTSection:
-  steps: int = 600
-  batch_size: int = 64
+  steps: int = 600                  # at most this many steps
+  batch_size: int = 128
   learning_rate: float = 3e-3
-  warmup_steps: int = 50
+  warmup_steps: int = 30
   weight_decay: float = 0.0
+  target_loss: float = 0.0          # > 0: stop once the loss (EMA) is below it
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,7 +74,8 @@ def evaluate(sample_fn: Callable, prompt_ids_QxP: np.ndarray, prompt_mask_QxP: n
                     pass_at=pass_at, greedy=_per_level(greedy_Q, levels_Q, levels))
 
 
-def comparison_table(before: EvalResult, after: EvalResult, ks: Sequence[int]) -> str:
+def comparison_table(before: EvalResult, after: EvalResult, ks: Sequence[int],
+                     level_names: Sequence[str] | None = None) -> str:
   """Markdown table of held-out pass@k and greedy accuracy per level, before → after."""
   head = ["level", "n"]
   cols = []
@@ -84,7 +85,7 @@ def comparison_table(before: EvalResult, after: EvalResult, ks: Sequence[int]) -
   lines = ["| " + " | ".join(head + cols) + " |", "|" + "---|" * (len(head) + len(cols))]
   for lvl in list(before.levels) + ["all"]:
     n = sum(before.num_questions.values()) if lvl == "all" else before.num_questions[lvl]
-    row = [str(lvl), str(n)]
+    row = [level_names[lvl] if level_names is not None and lvl != "all" else str(lvl), str(n)]
     for k in ks:
       b, a = before.pass_at[k][lvl], after.pass_at[k][lvl]
       row += [f"{100 * b:.1f}", f"{100 * a:.1f}", f"{100 * (a - b):+.1f}"]

@@ -21,16 +21,21 @@ log = logging.getLogger(__name__)
 def warm_start(graphdef, params, mesh, *, prompt_ids_NxP, prompt_mask_NxP, target_ids_NxT,
                target_mask_NxT, steps: int, batch_size: int, learning_rate: float,
                warmup_steps: int, weight_decay: float, chunk: int, workdir: str,
-               progress=None):
-  """Params after ``steps`` SFT steps on the given examples (loaded from the cache if present)."""
+               target_loss: float = 0.0, progress=None):
+  """Params after SFT (loaded from ``workdir/sft`` if a previous run finished it).
+
+  Runs ``steps`` steps, or with ``target_loss`` > 0 stops as soon as the running mean of the loss
+  (EMA, 0.1) falls below it: "partly capable" is then a property of the model, not of a step count
+  that would land differently for every seed. The learning rate is then constant after warmup.
+  """
   ckpt = Checkpointer(os.path.join(workdir, "sft"), keep=1, async_save=False)
-  if ckpt.latest_step() == steps:
-    tree, _ = ckpt.restore(steps, {"params": params})
+  if ckpt.latest_step() is not None:
+    tree, meta = ckpt.restore(ckpt.latest_step(), {"params": params})
     ckpt.close()
-    log.info("SFT warm start loaded from %s", ckpt.directory)
-    return tree["params"], None
-  tx = optim.adamw(learning_rate, warmup_steps, decay_steps=max(steps - warmup_steps, 1),
-                   weight_decay=weight_decay)
+    log.info("SFT warm start loaded from %s (%d steps)", ckpt.directory, ckpt.latest_step())
+    return tree["params"], meta
+  decay = 0 if target_loss > 0 else max(steps - warmup_steps, 1)
+  tx = optim.adamw(learning_rate, warmup_steps, decay_steps=decay, weight_decay=weight_decay)
   state_shardings = step.TrainState(
       step=sharding.replicated(mesh), params=sharding.tree_shardings(params, mesh),
       opt_state=sharding.tree_shardings(jax.eval_shape(tx.init, params), mesh))
@@ -38,18 +43,24 @@ def warm_start(graphdef, params, mesh, *, prompt_ids_NxP, prompt_mask_NxP, targe
   update = jax.jit(functools.partial(step.sft_update, graphdef, tx, chunk), donate_argnums=(0,),
                    out_shardings=(state_shardings, None))
   num = prompt_ids_NxP.shape[0]
-  losses = []
+  ema, done = None, 0
   t0 = time.time()
   for i in range(steps):
     idx = np.arange(i * batch_size, (i + 1) * batch_size) % num  # the corpus is already shuffled
     batch = sharding.shard_batch((prompt_ids_NxP[idx], prompt_mask_NxP[idx], target_ids_NxT[idx],
                                   target_mask_NxT[idx]), mesh)
     state, metrics = update(state, *batch)
-    if i % 50 == 0 or i == steps - 1:
-      losses.append((i, float(metrics["loss"])))
-      log.info("sft step %d/%d loss %.4f (%.1fs)", i + 1, steps, losses[-1][1], time.time() - t0)
+    loss = float(metrics["loss"])
+    ema = loss if ema is None else 0.9 * ema + 0.1 * loss
+    done = i + 1
+    if i % 50 == 0:
+      log.info("sft step %d/%d loss %.4f (ema %.4f, %.1fs)", done, steps, loss, ema, time.time() - t0)
     if progress is not None:
-      progress(i + 1, steps)
-  ckpt.save(steps, {"params": state.params}, {"losses": losses})
+      progress(done, steps)
+    if target_loss > 0 and i >= warmup_steps and ema < target_loss:
+      break
+  meta = {"steps": done, "final_loss_ema": ema, "seconds": time.time() - t0}
+  log.info("SFT warm start done: %d steps, loss (ema) %.4f, %.0fs", done, ema, meta["seconds"])
+  ckpt.save(done, {"params": state.params}, meta)
   ckpt.close()
-  return state.params, losses
+  return state.params, meta

@@ -148,11 +148,3 @@ def sft_update(graphdef, tx: optax.GradientTransformation, chunk: int, state: Tr
 
 def init_state(params, tx) -> TrainState:
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-
-
-def jit_step(fn, state_shardings=None, donate: bool = True):
-  """jit with the train state donated (its buffers are reused for the new state)."""
-  kwargs = dict(donate_argnums=(0,) if donate else ())
-  if state_shardings is not None:
-    kwargs["out_shardings"] = (state_shardings, None)
-  return jax.jit(fn, **kwargs)

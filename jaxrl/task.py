@@ -49,14 +49,16 @@ def task_config(cfg: Config) -> arithmetic.TaskConfig:
       levels=arithmetic.parse_levels(cfg.task.levels),
       num_train_per_level=cfg.task.num_train_per_level,
       num_heldout_per_level=cfg.task.num_heldout_per_level, seed=cfg.seed,
-      reverse_answer=cfg.task.reverse_answer)
+      reverse_answer=cfg.task.reverse_answer, digit_width=cfg.task.digit_width)
 
 
 def load_task(cfg: Config, tokenizer_dir: str) -> TaskData:
   tcfg = task_config(cfg)
   tok = build_tokenizer(tokenizer_dir)
   train, heldout = arithmetic.build_task(tcfg)
-  p, n = cfg.task.max_prompt_len, cfg.rollout.max_new_tokens
+  # Prompts are padded to the task's longest (+1 for BOS) so no step computes on dead columns.
+  p = cfg.task.max_prompt_len or arithmetic.max_lengths(tcfg.levels, tcfg.digit_width)[0] + 1
+  n = cfg.rollout.max_new_tokens
 
   def split(problems):
     ids, mask = encode_prompts(tok, [q.prompt for q in problems], p)

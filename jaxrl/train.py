@@ -106,7 +106,8 @@ class Trainer:
           target_ids_NxT=t.sft_target_ids, target_mask_NxT=t.sft_target_mask, steps=c.sft.steps,
           batch_size=c.sft.batch_size, learning_rate=c.sft.learning_rate,
           warmup_steps=c.sft.warmup_steps, weight_decay=c.sft.weight_decay,
-          chunk=c.loss.logprob_chunk, workdir=self.workdir, progress=advance)
+          chunk=c.loss.logprob_chunk, workdir=self.workdir, target_loss=c.sft.target_loss,
+          progress=advance)
     return params
 
   def evaluate(self, params, name: str) -> EvalResult:
@@ -229,7 +230,7 @@ class Trainer:
     before = self.evaluate(params, "sft")
     self.rl(params)
     after = self.evaluate(self.final_params, f"step{self.cfg.steps}")
-    table = comparison_table(before, after, self.cfg.eval_ks)
+    table = comparison_table(before, after, self.cfg.eval_ks, self.task.level_names)
     summary = {"before": before.to_json(), "after": after.to_json(), "table": table}
     with open(os.path.join(self.workdir, "results.md"), "w") as f:
       f.write(f"# Held-out evaluation (seed {self.cfg.seed}, {self.cfg.steps} RL steps)\n\n{table}\n")

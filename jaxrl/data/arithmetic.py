@@ -80,6 +80,7 @@ class TaskConfig:
   digits least-significant first (default on: the carry is then known when each digit is emitted,
   so a tiny transformer can compute the answer left to right). ``heldout_modulus`` = 10 holds out
   about 10% of every level. ``sft_level_weights`` are relative SFT mixing weights (None: uniform).
+  ``digit_width`` > 0 selects the aligned layout (see ``format_problem``).
   """
 
   levels: tuple[LevelSpec, ...] = DEFAULT_LEVELS
@@ -88,6 +89,7 @@ class TaskConfig:
   seed: int = 0
   heldout_modulus: int = 10
   reverse_answer: bool = True
+  digit_width: int = 0
   sft_level_weights: tuple[float, ...] | None = None
 
   def __post_init__(self):
@@ -133,15 +135,36 @@ def is_heldout(op: str, a_N, b_N, heldout_modulus: int) -> np.ndarray:
   return split_hash(op, a_N, b_N) % np.uint64(heldout_modulus) == 0
 
 
-def format_problem(spec: LevelSpec, a: int, b: int, reverse_answer: bool) -> tuple[str, str]:
-  """(prompt, canonical answer) of one problem."""
+def answer_width(op: str, digit_width: int) -> int:
+  """Digits of the zero-padded answer in the aligned layout."""
+  return digit_width + 1 if op == "+" else digit_width if op == "-" else 2 * digit_width
+
+
+def format_problem(spec: LevelSpec, a: int, b: int, reverse_answer: bool,
+                   digit_width: int = 0) -> tuple[str, str]:
+  """(prompt, canonical answer) of one problem.
+
+  ``digit_width`` = 0: numbers as usual ("12+345=", answer "357", or "753" reversed).
+  ``digit_width`` = W: the aligned layout: every number is zero-padded (operands to W digits, the
+  answer to ``answer_width``) and written least-significant digit first ("21000+54300=" → "753000").
+  Digit i of both operands and of the answer then sits at the same offset in every problem, so a
+  tiny model learns one digit-wise rule instead of a length-dependent alignment per level; a level's
+  difficulty is then how many digit positions (and carries) it really uses.
+  """
   value = a + b if spec.op == "+" else a - b if spec.op == "-" else a * b
+  if digit_width:
+    if max(spec.digits_a, spec.digits_b) > digit_width:
+      raise ValueError(f"level {spec.name} does not fit digit_width={digit_width}")
+    a_text, b_text = str(a).zfill(digit_width)[::-1], str(b).zfill(digit_width)[::-1]
+    return f"{a_text}{spec.op}{b_text}=", str(value).zfill(answer_width(spec.op, digit_width))[::-1]
   answer = str(value)
   return f"{a}{spec.op}{b}=", answer[::-1] if reverse_answer else answer
 
 
-def max_lengths(levels: Sequence[LevelSpec]) -> tuple[int, int]:
+def max_lengths(levels: Sequence[LevelSpec], digit_width: int = 0) -> tuple[int, int]:
   """(longest prompt, longest answer) in characters over ``levels``; add BOS / EOS for tokens."""
+  if digit_width:
+    return 2 * digit_width + 2, max(answer_width(s.op, digit_width) for s in levels)
   prompt = max(s.digits_a + s.digits_b + 2 for s in levels)
   answer = max(
       max(s.digits_a, s.digits_b) + 1 if s.op == "+" else s.digits_a if s.op == "-"
@@ -192,7 +215,7 @@ def build_task(cfg: TaskConfig) -> tuple[list[Problem], list[Problem]]:
       # One independent stream per (seed, split, level): resizing one level leaves others intact.
       rng = np.random.default_rng([cfg.seed, split, level])
       for a, b in _sample_unique(spec, n, heldout, cfg.heldout_modulus, rng):
-        prompt, answer = format_problem(spec, a, b, cfg.reverse_answer)
+        prompt, answer = format_problem(spec, a, b, cfg.reverse_answer, cfg.digit_width)
         splits[split].append(Problem(len(splits[split]), level, prompt, answer))
   return splits
 
@@ -224,7 +247,7 @@ def sft_corpus(cfg: TaskConfig, num_examples: int, seed: int,
     if len(pairs) < len(slots):
       raise ValueError(f"level {spec.name} has no train problems to draw")
     for slot, (a, b) in zip(slots, pairs):
-      out[slot] = format_problem(spec, a, b, cfg.reverse_answer)
+      out[slot] = format_problem(spec, a, b, cfg.reverse_answer, cfg.digit_width)
   return out  # type: ignore[return-value]
 
 
