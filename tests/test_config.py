@@ -23,7 +23,7 @@ def run_main(*flags, workdir):
     (["--config=configs/tiny.py", "--config.mesh.fsdp=3"], "batch_questions"),
     (["--config=configs/tiny.py", "--config.model.checkpoint=/no/such/dir"], "model.checkpoint"),
     (["--config=configs/tiny.py", "--config.model.num_kv_heads=3"], "model.num_kv_heads"),
-    (["--config=configs/tiny.py", "--config.eval.ks=1,16"], "eval.ks"),
+    (["--config=configs/tiny.py", "--config.eval.ks=1,64"], "eval.ks"),
     (["--config=configs/tiny.py:nosuchvariant"], "nosuchvariant"),
     (["--config=configs/missing.py"], "missing.py"),
 ])
