@@ -28,83 +28,87 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args():
-    """Command-line flags: problem size, chunk sizes to try, repeats, output path."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--B", type=int, default=8)
-    parser.add_argument("--T", type=int, default=1024)
-    parser.add_argument("--D", type=int, default=256)
-    parser.add_argument("--V", type=int, default=32768)
-    parser.add_argument("--tau", type=float, default=0.7)
-    parser.add_argument("--chunk", type=int, nargs="+", default=[DEFAULT_CHUNK_SIZE])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results",
-                                                      "fused_logprob.md"))
-    return parser.parse_args()
+  """Command-line flags: problem size, chunk sizes to try, repeats, output path."""
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--B", type=int, default=8)
+  parser.add_argument("--T", type=int, default=1024)
+  parser.add_argument("--D", type=int, default=256)
+  parser.add_argument("--V", type=int, default=32768)
+  parser.add_argument("--tau", type=float, default=0.7)
+  parser.add_argument("--chunk", type=int, nargs="+", default=[DEFAULT_CHUNK_SIZE])
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument(
+    "--out", default=os.path.join(REPO_ROOT, "bench", "results", "fused_logprob.md")
+  )
+  return parser.parse_args()
 
 
 def make_step(fn):
-    """Jitted value_and_grad of Σ logp + Σ entropy w.r.t. (hidden, lm_head)."""
-    def objective(hidden_BxTxD, lm_head_DxV, tokens_BxT, tau):
-        logp_BxT, entropy_BxT = fn(hidden_BxTxD, lm_head_DxV, tokens_BxT, tau)
-        return jnp.sum(logp_BxT) + jnp.sum(entropy_BxT)
-    return jax.jit(jax.value_and_grad(objective, argnums=(0, 1)))
+  """Jitted value_and_grad of Σ logp + Σ entropy w.r.t. (hidden, lm_head)."""
+
+  def objective(hidden_BxTxD, lm_head_DxV, tokens_BxT, tau):
+    logp_BxT, entropy_BxT = fn(hidden_BxTxD, lm_head_DxV, tokens_BxT, tau)
+    return jnp.sum(logp_BxT) + jnp.sum(entropy_BxT)
+
+  return jax.jit(jax.value_and_grad(objective, argnums=(0, 1)))
 
 
 def main():
-    """Compile every variant, time them round-robin, print and save the table."""
-    args = parse_args()
-    k_h, k_w, k_t = jax.random.split(jax.random.key(0), 3)
-    hidden_BxTxD = jax.random.normal(k_h, (args.B, args.T, args.D), jnp.float32)
-    lm_head_DxV = jax.random.normal(k_w, (args.D, args.V), jnp.float32) / np.sqrt(args.D)
-    tokens_BxT = jax.random.randint(k_t, (args.B, args.T), 0, args.V)
-    call_args = (hidden_BxTxD, lm_head_DxV, tokens_BxT, jnp.float32(args.tau))
+  """Compile every variant, time them round-robin, print and save the table."""
+  args = parse_args()
+  k_h, k_w, k_t = jax.random.split(jax.random.key(0), 3)
+  hidden_BxTxD = jax.random.normal(k_h, (args.B, args.T, args.D), jnp.float32)
+  lm_head_DxV = jax.random.normal(k_w, (args.D, args.V), jnp.float32) / np.sqrt(args.D)
+  tokens_BxT = jax.random.randint(k_t, (args.B, args.T), 0, args.V)
+  call_args = (hidden_BxTxD, lm_head_DxV, tokens_BxT, jnp.float32(args.tau))
 
-    variants = {"naive [B,T,V]": naive_logprobs_entropy}
-    for chunk in args.chunk:
-        variants[f"fused, chunk {chunk}"] = (
-            lambda *a, c=chunk: fused_logprobs_entropy(*a, chunk_size=c))
+  variants = {"naive [B,T,V]": naive_logprobs_entropy}
+  for chunk in args.chunk:
+    variants[f"fused, chunk {chunk}"] = lambda *a, c=chunk: fused_logprobs_entropy(*a, chunk_size=c)
 
-    compiled, temp_bytes, outputs = {}, {}, {}
-    for name, fn in variants.items():
-        compiled[name] = make_step(fn).lower(*call_args).compile()
-        temp_bytes[name] = compiled[name].memory_analysis().temp_size_in_bytes
-        outputs[name] = jax.block_until_ready(compiled[name](*call_args))  # warm-up
+  compiled, temp_bytes, outputs = {}, {}, {}
+  for name, fn in variants.items():
+    compiled[name] = make_step(fn).lower(*call_args).compile()
+    temp_bytes[name] = compiled[name].memory_analysis().temp_size_in_bytes
+    outputs[name] = jax.block_until_ready(compiled[name](*call_args))  # warm-up
 
-    times = {name: [] for name in variants}
-    for _ in range(args.repeats):
-        for name in variants:
-            start = time.perf_counter()
-            jax.block_until_ready(compiled[name](*call_args))
-            times[name].append(time.perf_counter() - start)
-
-    naive = "naive [B,T,V]"
-    naive_leaves = jax.tree.leaves(outputs[naive])
-    naive_time = statistics.median(times[naive])
-    lines = [
-        f"B={args.B} T={args.T} D={args.D} V={args.V} tau={args.tau}, value_and_grad of "
-        f"sum(logp)+sum(entropy) w.r.t. hidden and lm_head; median of {args.repeats} after warm-up; "
-        f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cores, "
-        f"{platform.machine()}).",
-        "",
-        "| variant | XLA temp (MiB) | naive / variant | median time (s) | variant / naive "
-        "| min time (s) | max rel. diff vs naive |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
+  times = {name: [] for name in variants}
+  for _ in range(args.repeats):
     for name in variants:
-        rel_diff = max(
-            float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
-            for a, b in zip(jax.tree.leaves(outputs[name]), naive_leaves))
-        median = statistics.median(times[name])
-        lines.append(
-            f"| {name} | {temp_bytes[name] / 2**20:.1f} | "
-            f"{temp_bytes[naive] / temp_bytes[name]:.1f}x | {median:.3f} | "
-            f"{median / naive_time:.2f} | {min(times[name]):.3f} | {rel_diff:.1e} |")
-    table = "\n".join(lines) + "\n"
-    print(table)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(table)
+      start = time.perf_counter()
+      jax.block_until_ready(compiled[name](*call_args))
+      times[name].append(time.perf_counter() - start)
+
+  naive = "naive [B,T,V]"
+  naive_leaves = jax.tree.leaves(outputs[naive])
+  naive_time = statistics.median(times[naive])
+  lines = [
+    f"B={args.B} T={args.T} D={args.D} V={args.V} tau={args.tau}, value_and_grad of "
+    f"sum(logp)+sum(entropy) w.r.t. hidden and lm_head; median of {args.repeats} after warm-up; "
+    f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cores, "
+    f"{platform.machine()}).",
+    "",
+    "| variant | XLA temp (MiB) | naive / variant | median time (s) | variant / naive "
+    "| min time (s) | max rel. diff vs naive |",
+    "|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  for name in variants:
+    rel_diff = max(
+      float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+      for a, b in zip(jax.tree.leaves(outputs[name]), naive_leaves)
+    )
+    median = statistics.median(times[name])
+    lines.append(
+      f"| {name} | {temp_bytes[name] / 2**20:.1f} | "
+      f"{temp_bytes[naive] / temp_bytes[name]:.1f}x | {median:.3f} | "
+      f"{median / naive_time:.2f} | {min(times[name]):.3f} | {rel_diff:.1e} |"
+    )
+  table = "\n".join(lines) + "\n"
+  print(table)
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  with open(args.out, "w") as f:
+    f.write(table)
 
 
 if __name__ == "__main__":
-    main()
+  main()

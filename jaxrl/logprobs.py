@@ -21,61 +21,62 @@ DEFAULT_CHUNK_SIZE = 128
 
 
 def logprobs_entropy_from_logits(logits_NxV, tokens_N, tau):
-    """Return (log p(token), entropy) of softmax(logits/τ) per row, in float32."""
-    z_NxV = logits_NxV.astype(jnp.float32) / jnp.asarray(tau, jnp.float32)
-    lse_N = jax.nn.logsumexp(z_NxV, axis=-1)
-    logp_NxV = z_NxV - lse_N[:, None]
-    p_NxV = jnp.exp(logp_NxV)
-    # −Σ p·log p rather than lse − Σ p·z: the latter cancels two large numbers when τ is small.
-    # Masked (−inf) logits would give 0·(−inf) = NaN, in the value and in the gradient; the inner
-    # where keeps both finite (the outer product is then 0·0).
-    safe_logp_NxV = jnp.where(p_NxV > 0, logp_NxV, 0.0)
-    entropy_N = -jnp.sum(p_NxV * safe_logp_NxV, axis=-1)
-    # One-hot select instead of take_along_axis: elementwise + reduce shards over V, a gather does not.
-    vocab_ids_NxV = jax.lax.broadcasted_iota(jnp.int32, logp_NxV.shape, 1)
-    is_token_NxV = vocab_ids_NxV == tokens_N.astype(jnp.int32)[:, None]
-    logp_N = jnp.sum(jnp.where(is_token_NxV, logp_NxV, 0.0), axis=-1)
-    return logp_N, entropy_N
+  """Return (log p(token), entropy) of softmax(logits/τ) per row, in float32."""
+  z_NxV = logits_NxV.astype(jnp.float32) / jnp.asarray(tau, jnp.float32)
+  lse_N = jax.nn.logsumexp(z_NxV, axis=-1)
+  logp_NxV = z_NxV - lse_N[:, None]
+  p_NxV = jnp.exp(logp_NxV)
+  # −Σ p·log p rather than lse − Σ p·z: the latter cancels two large numbers when τ is small.
+  # Masked (−inf) logits would give 0·(−inf) = NaN, in the value and in the gradient; the inner
+  # where keeps both finite (the outer product is then 0·0).
+  safe_logp_NxV = jnp.where(p_NxV > 0, logp_NxV, 0.0)
+  entropy_N = -jnp.sum(p_NxV * safe_logp_NxV, axis=-1)
+  # One-hot select instead of take_along_axis: elementwise + reduce shards over V, a gather does not.
+  vocab_ids_NxV = jax.lax.broadcasted_iota(jnp.int32, logp_NxV.shape, 1)
+  is_token_NxV = vocab_ids_NxV == tokens_N.astype(jnp.int32)[:, None]
+  logp_N = jnp.sum(jnp.where(is_token_NxV, logp_NxV, 0.0), axis=-1)
+  return logp_N, entropy_N
 
 
 def _logits(hidden_NxD, lm_head_DxV):
-    """Float32 logits; bf16 inputs stay bf16 in the matmul but accumulate in float32."""
-    return jnp.matmul(hidden_NxD, lm_head_DxV, preferred_element_type=jnp.float32)
+  """Float32 logits; bf16 inputs stay bf16 in the matmul but accumulate in float32."""
+  return jnp.matmul(hidden_NxD, lm_head_DxV, preferred_element_type=jnp.float32)
 
 
 def naive_logprobs_entropy(hidden_BxTxD, lm_head_DxV, tokens_BxT, tau):
-    """Reference version that materialises the full [B,T,V] logits (tests and benchmarks only)."""
-    B, T, D = hidden_BxTxD.shape
-    logits_NxV = _logits(hidden_BxTxD.reshape(B * T, D), lm_head_DxV)
-    logp_N, entropy_N = logprobs_entropy_from_logits(logits_NxV, tokens_BxT.reshape(B * T), tau)
-    return logp_N.reshape(B, T), entropy_N.reshape(B, T)
+  """Reference version that materialises the full [B,T,V] logits (tests and benchmarks only)."""
+  B, T, D = hidden_BxTxD.shape
+  logits_NxV = _logits(hidden_BxTxD.reshape(B * T, D), lm_head_DxV)
+  logp_N, entropy_N = logprobs_entropy_from_logits(logits_NxV, tokens_BxT.reshape(B * T), tau)
+  return logp_N.reshape(B, T), entropy_N.reshape(B, T)
 
 
 @jax.checkpoint
 def _chunk_logprobs_entropy(lm_head_DxV, tau, hidden_CxD, tokens_C):
-    """One chunk of rows; checkpointed so only its inputs are saved for the backward pass."""
-    return logprobs_entropy_from_logits(_logits(hidden_CxD, lm_head_DxV), tokens_C, tau)
+  """One chunk of rows; checkpointed so only its inputs are saved for the backward pass."""
+  return logprobs_entropy_from_logits(_logits(hidden_CxD, lm_head_DxV), tokens_C, tau)
 
 
-def fused_logprobs_entropy(hidden_BxTxD, lm_head_DxV, tokens_BxT, tau, *,
-                           chunk_size: int = DEFAULT_CHUNK_SIZE):
-    """(log p(token), entropy) per token at τ, chunked over B·T tokens so no [B,T,V] buffer exists."""
-    B, T, D = hidden_BxTxD.shape
-    N = B * T
-    C = min(chunk_size, N)
-    K = -(-N // C)  # number of chunks, rounding up
-    pad = K * C - N
-    # Padded rows (zero hidden, token 0) compute harmless values that are sliced off below; their
-    # cotangents are zero, so they contribute nothing to the gradients.
-    hidden_KxCxD = jnp.pad(hidden_BxTxD.reshape(N, D), ((0, pad), (0, 0))).reshape(K, C, D)
-    tokens_KxC = jnp.pad(tokens_BxT.reshape(N), (0, pad)).reshape(K, C)
-    tau = jnp.asarray(tau, jnp.float32)
+def fused_logprobs_entropy(
+  hidden_BxTxD, lm_head_DxV, tokens_BxT, tau, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+):
+  """(log p(token), entropy) per token at τ, chunked over B·T tokens so no [B,T,V] buffer exists."""
+  B, T, D = hidden_BxTxD.shape
+  N = B * T
+  C = min(chunk_size, N)
+  K = -(-N // C)  # number of chunks, rounding up
+  pad = K * C - N
+  # Padded rows (zero hidden, token 0) compute harmless values that are sliced off below; their
+  # cotangents are zero, so they contribute nothing to the gradients.
+  hidden_KxCxD = jnp.pad(hidden_BxTxD.reshape(N, D), ((0, pad), (0, 0))).reshape(K, C, D)
+  tokens_KxC = jnp.pad(tokens_BxT.reshape(N), (0, pad)).reshape(K, C)
+  tau = jnp.asarray(tau, jnp.float32)
 
-    def one_chunk(xs):
-        hidden_CxD, tokens_C = xs
-        return _chunk_logprobs_entropy(lm_head_DxV, tau, hidden_CxD, tokens_C)
+  def one_chunk(xs):
+    hidden_CxD, tokens_C = xs
+    return _chunk_logprobs_entropy(lm_head_DxV, tau, hidden_CxD, tokens_C)
 
-    logp_KxC, entropy_KxC = jax.lax.map(one_chunk, (hidden_KxCxD, tokens_KxC))
-    logp_BxT = logp_KxC.reshape(K * C)[:N].reshape(B, T)
-    entropy_BxT = entropy_KxC.reshape(K * C)[:N].reshape(B, T)
-    return logp_BxT, entropy_BxT
+  logp_KxC, entropy_KxC = jax.lax.map(one_chunk, (hidden_KxCxD, tokens_KxC))
+  logp_BxT = logp_KxC.reshape(K * C)[:N].reshape(B, T)
+  entropy_BxT = entropy_KxC.reshape(K * C)[:N].reshape(B, T)
+  return logp_BxT, entropy_BxT

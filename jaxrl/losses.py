@@ -21,224 +21,234 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def _valid_or_all(valid_R, n):
-    return jnp.ones((n,), bool) if valid_R is None else jnp.asarray(valid_R, bool)
+  return jnp.ones((n,), bool) if valid_R is None else jnp.asarray(valid_R, bool)
 
 
 def _group_extremes(rewards_R, group_ids_R, num_groups, valid_R):
-    """Per-group max and min over valid rows (empty group: -inf, +inf)."""
-    r_max = jnp.where(valid_R, rewards_R, -jnp.inf)
-    r_min = jnp.where(valid_R, rewards_R, jnp.inf)
-    max_G = jax.ops.segment_max(r_max, group_ids_R, num_segments=num_groups)
-    min_G = jax.ops.segment_min(r_min, group_ids_R, num_segments=num_groups)
-    return max_G, min_G
+  """Per-group max and min over valid rows (empty group: -inf, +inf)."""
+  r_max = jnp.where(valid_R, rewards_R, -jnp.inf)
+  r_min = jnp.where(valid_R, rewards_R, jnp.inf)
+  max_G = jax.ops.segment_max(r_max, group_ids_R, num_segments=num_groups)
+  min_G = jax.ops.segment_min(r_min, group_ids_R, num_segments=num_groups)
+  return max_G, min_G
 
 
 def _gather(values_G, group_ids_R, valid_R):
-    # Padding rows may carry any id (even -1); clamp them to a real group, their value is masked.
-    return values_G[jnp.where(valid_R, group_ids_R, 0)]
+  # Padding rows may carry any id (even -1); clamp them to a real group, their value is masked.
+  return values_G[jnp.where(valid_R, group_ids_R, 0)]
 
 
 def informative_rollouts(rewards_R, group_ids_R, num_groups, valid_R=None):
-    """True where the rollout is valid and its group's valid rewards are not all equal."""
-    rewards_R = jnp.asarray(rewards_R, jnp.float32)
-    group_ids_R = jnp.asarray(group_ids_R, jnp.int32)
-    valid_R = _valid_or_all(valid_R, rewards_R.shape[0])
-    max_G, min_G = _group_extremes(rewards_R, group_ids_R, num_groups, valid_R)
-    return valid_R & _gather(max_G > min_G, group_ids_R, valid_R)
+  """True where the rollout is valid and its group's valid rewards are not all equal."""
+  rewards_R = jnp.asarray(rewards_R, jnp.float32)
+  group_ids_R = jnp.asarray(group_ids_R, jnp.int32)
+  valid_R = _valid_or_all(valid_R, rewards_R.shape[0])
+  max_G, min_G = _group_extremes(rewards_R, group_ids_R, num_groups, valid_R)
+  return valid_R & _gather(max_G > min_G, group_ids_R, valid_R)
 
 
 def group_advantages(rewards_R, group_ids_R, num_groups, scale_by_std=True, eps=1e-6, valid_R=None):
-    """GRPO advantages (r − mean_g)/(std_g + eps), or Dr.GRPO's r − mean_g, by segment sums."""
-    rewards_R = jnp.asarray(rewards_R, jnp.float32)
-    group_ids_R = jnp.asarray(group_ids_R, jnp.int32)
-    valid_R = _valid_or_all(valid_R, rewards_R.shape[0])
-    w_R = valid_R.astype(jnp.float32)
-    count_G = jax.ops.segment_sum(w_R, group_ids_R, num_segments=num_groups)
-    sum_G = jax.ops.segment_sum(rewards_R * w_R, group_ids_R, num_segments=num_groups)
-    mean_G = sum_G / jnp.maximum(count_G, 1.0)
-    dev_R = (rewards_R - _gather(mean_G, group_ids_R, valid_R)) * w_R
-    if scale_by_std:
-        # Two-pass (centred) variance: no cancellation for large reward offsets.
-        sq_G = jax.ops.segment_sum(dev_R * dev_R, group_ids_R, num_segments=num_groups)
-        std_G = jnp.sqrt(sq_G / jnp.maximum(count_G - 1.0, 1.0))
-        dev_R = dev_R / (_gather(std_G, group_ids_R, valid_R) + eps)
-    # Constant groups (incl. size 1) have advantage exactly 0 in exact arithmetic; rounding in the
-    # mean would otherwise leave ~1e-8/eps residues, so zero them explicitly.
-    keep_R = informative_rollouts(rewards_R, group_ids_R, num_groups, valid_R)
-    return jnp.where(keep_R, dev_R, 0.0)
+  """GRPO advantages (r − mean_g)/(std_g + eps), or Dr.GRPO's r − mean_g, by segment sums."""
+  rewards_R = jnp.asarray(rewards_R, jnp.float32)
+  group_ids_R = jnp.asarray(group_ids_R, jnp.int32)
+  valid_R = _valid_or_all(valid_R, rewards_R.shape[0])
+  w_R = valid_R.astype(jnp.float32)
+  count_G = jax.ops.segment_sum(w_R, group_ids_R, num_segments=num_groups)
+  sum_G = jax.ops.segment_sum(rewards_R * w_R, group_ids_R, num_segments=num_groups)
+  mean_G = sum_G / jnp.maximum(count_G, 1.0)
+  dev_R = (rewards_R - _gather(mean_G, group_ids_R, valid_R)) * w_R
+  if scale_by_std:
+    # Two-pass (centred) variance: no cancellation for large reward offsets.
+    sq_G = jax.ops.segment_sum(dev_R * dev_R, group_ids_R, num_segments=num_groups)
+    std_G = jnp.sqrt(sq_G / jnp.maximum(count_G - 1.0, 1.0))
+    dev_R = dev_R / (_gather(std_G, group_ids_R, valid_R) + eps)
+  # Constant groups (incl. size 1) have advantage exactly 0 in exact arithmetic; rounding in the
+  # mean would otherwise leave ~1e-8/eps residues, so zero them explicitly.
+  keep_R = informative_rollouts(rewards_R, group_ids_R, num_groups, valid_R)
+  return jnp.where(keep_R, dev_R, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """Static loss choices (hashable; a change recompiles), fixed for a run."""
+  """Static loss choices (hashable; a change recompiles), fixed for a run."""
 
-    aggregation: str = "token-mean"
-    dual_clip: float | None = None  # c > 1; lower-bounds the objective by c·A when A < 0
-    kl_estimator: str = "k3"
-    use_kl: bool = False
-    informative_only: bool = False
-    max_response_len: int = 0  # T_max of Dr.GRPO's seq-mean-token-sum-norm
+  aggregation: str = "token-mean"
+  dual_clip: float | None = None  # c > 1; lower-bounds the objective by c·A when A < 0
+  kl_estimator: str = "k3"
+  use_kl: bool = False
+  informative_only: bool = False
+  max_response_len: int = 0  # T_max of Dr.GRPO's seq-mean-token-sum-norm
 
-    def __post_init__(self):
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation {self.aggregation!r} not in {AGGREGATIONS}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator {self.kl_estimator!r} not in {KL_ESTIMATORS}")
-        if self.dual_clip is not None and not self.dual_clip > 1.0:
-            raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
-        if self.aggregation == "seq-mean-token-sum-norm" and self.max_response_len <= 0:
-            raise ValueError("seq-mean-token-sum-norm needs max_response_len > 0")
+  def __post_init__(self):
+    if self.aggregation not in AGGREGATIONS:
+      raise ValueError(f"aggregation {self.aggregation!r} not in {AGGREGATIONS}")
+    if self.kl_estimator not in KL_ESTIMATORS:
+      raise ValueError(f"kl_estimator {self.kl_estimator!r} not in {KL_ESTIMATORS}")
+    if self.dual_clip is not None and not self.dual_clip > 1.0:
+      raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
+    if self.aggregation == "seq-mean-token-sum-norm" and self.max_response_len <= 0:
+      raise ValueError("seq-mean-token-sum-norm needs max_response_len > 0")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LossHparams:
-    """Traced f32 scalars that schedules may change every step without recompiling."""
+  """Traced f32 scalars that schedules may change every step without recompiling."""
 
-    eps_low: jax.Array
-    eps_high: jax.Array
-    kl_coef: jax.Array
-    entropy_coef: jax.Array
+  eps_low: jax.Array
+  eps_high: jax.Array
+  kl_coef: jax.Array
+  entropy_coef: jax.Array
 
-    @classmethod
-    def create(cls, eps_low=0.2, eps_high=0.28, kl_coef=0.0, entropy_coef=0.0):
-        """Build from numbers as f32 arrays (Python floats would be weak-typed: a second trace)."""
-        f = lambda x: jnp.asarray(x, jnp.float32)
-        return cls(f(eps_low), f(eps_high), f(kl_coef), f(entropy_coef))
+  @classmethod
+  def create(cls, eps_low=0.2, eps_high=0.28, kl_coef=0.0, entropy_coef=0.0):
+    """Build from numbers as f32 arrays (Python floats would be weak-typed: a second trace)."""
+    f = lambda x: jnp.asarray(x, jnp.float32)
+    return cls(f(eps_low), f(eps_high), f(kl_coef), f(entropy_coef))
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LossMetrics:
-    """Sums and counts, additive across micro-batches (`a + b`); see `finalize_metrics`."""
+  """Sums and counts, additive across micro-batches (`a + b`); see `finalize_metrics`."""
 
-    pg_loss: jax.Array  # −(aggregated objective)/denom: already a share of the global loss
-    kl_loss: jax.Array  # β·(aggregated KL)/denom
-    entropy_loss: jax.Array  # −λ·(aggregated entropy)/denom
-    token_count: jax.Array  # tokens that enter the loss
-    clipped_count: jax.Array  # tokens where the clipped branch is the active min
-    dual_clipped_count: jax.Array  # tokens where the dual clip c·A binds
-    ratio_sum: jax.Array
-    kl_sum: jax.Array
-    entropy_sum: jax.Array
+  pg_loss: jax.Array  # −(aggregated objective)/denom: already a share of the global loss
+  kl_loss: jax.Array  # β·(aggregated KL)/denom
+  entropy_loss: jax.Array  # −λ·(aggregated entropy)/denom
+  token_count: jax.Array  # tokens that enter the loss
+  clipped_count: jax.Array  # tokens where the clipped branch is the active min
+  dual_clipped_count: jax.Array  # tokens where the dual clip c·A binds
+  ratio_sum: jax.Array
+  kl_sum: jax.Array
+  entropy_sum: jax.Array
 
-    def __add__(self, other):
-        return jax.tree.map(jnp.add, self, other)
+  def __add__(self, other):
+    return jax.tree.map(jnp.add, self, other)
 
-    @classmethod
-    def zeros(cls):
-        """All-zero metrics, the identity for accumulation."""
-        return cls(*(jnp.zeros((), jnp.float32) for _ in dataclasses.fields(cls)))
+  @classmethod
+  def zeros(cls):
+    """All-zero metrics, the identity for accumulation."""
+    return cls(*(jnp.zeros((), jnp.float32) for _ in dataclasses.fields(cls)))
 
 
 def finalize_metrics(metrics):
-    """Turn summed metrics into means: clip_frac, kl, entropy, ratio_mean, pg_loss, …."""
-    n = metrics.token_count
-    per_token = lambda s: jnp.where(n > 0, s / jnp.maximum(n, 1.0), 0.0)
-    return {
-        "pg_loss": metrics.pg_loss,
-        "kl_loss": metrics.kl_loss,
-        "entropy_loss": metrics.entropy_loss,
-        "clip_frac": per_token(metrics.clipped_count),
-        "dual_clip_frac": per_token(metrics.dual_clipped_count),
-        "ratio_mean": per_token(metrics.ratio_sum),
-        "kl": per_token(metrics.kl_sum),
-        "entropy": per_token(metrics.entropy_sum),
-        "token_count": n,
-    }
+  """Turn summed metrics into means: clip_frac, kl, entropy, ratio_mean, pg_loss, …."""
+  n = metrics.token_count
+  per_token = lambda s: jnp.where(n > 0, s / jnp.maximum(n, 1.0), 0.0)
+  return {
+    "pg_loss": metrics.pg_loss,
+    "kl_loss": metrics.kl_loss,
+    "entropy_loss": metrics.entropy_loss,
+    "clip_frac": per_token(metrics.clipped_count),
+    "dual_clip_frac": per_token(metrics.dual_clipped_count),
+    "ratio_mean": per_token(metrics.ratio_sum),
+    "kl": per_token(metrics.kl_sum),
+    "entropy": per_token(metrics.entropy_sum),
+    "token_count": n,
+  }
 
 
 def _rollout_weights(mask_RxT, informative_R, cfg):
-    """Mask times the per-rollout weight (0 for non-informative rollouts if informative_only)."""
-    mask_RxT = jnp.asarray(mask_RxT, jnp.float32)
-    if cfg.informative_only:
-        if informative_R is None:
-            raise ValueError("informative_only needs informative_R")
-        mask_RxT = mask_RxT * jnp.asarray(informative_R, jnp.float32)[:, None]
-    return mask_RxT
+  """Mask times the per-rollout weight (0 for non-informative rollouts if informative_only)."""
+  mask_RxT = jnp.asarray(mask_RxT, jnp.float32)
+  if cfg.informative_only:
+    if informative_R is None:
+      raise ValueError("informative_only needs informative_R")
+    mask_RxT = mask_RxT * jnp.asarray(informative_R, jnp.float32)[:, None]
+  return mask_RxT
 
 
 def loss_denominator(mask_RxT, informative_R, cfg: LossConfig):
-    """Global loss denominator for the whole step's batch (tokens or non-empty sequences)."""
-    w_RxT = _rollout_weights(mask_RxT, informative_R, cfg)
-    if cfg.aggregation == "token-mean":
-        return jnp.sum(w_RxT)
-    # Padding rows have no tokens, so "sequences with ≥ 1 token" excludes them in both seq modes.
-    return jnp.sum((jnp.sum(w_RxT, axis=1) > 0).astype(jnp.float32))
+  """Global loss denominator for the whole step's batch (tokens or non-empty sequences)."""
+  w_RxT = _rollout_weights(mask_RxT, informative_R, cfg)
+  if cfg.aggregation == "token-mean":
+    return jnp.sum(w_RxT)
+  # Padding rows have no tokens, so "sequences with ≥ 1 token" excludes them in both seq modes.
+  return jnp.sum((jnp.sum(w_RxT, axis=1) > 0).astype(jnp.float32))
 
 
 def _aggregate(x_RxT, w_RxT, mask_RxT, cfg):
-    """Numerator of the chosen aggregation: a sum over rows, so additive across micro-batches."""
-    xw_RxT = x_RxT * w_RxT
-    if cfg.aggregation == "token-mean":
-        return jnp.sum(xw_RxT)
-    if cfg.aggregation == "seq-mean-token-mean":
-        len_R = jnp.maximum(jnp.sum(mask_RxT, axis=1), 1.0)
-        return jnp.sum(jnp.sum(xw_RxT, axis=1) / len_R)
-    return jnp.sum(xw_RxT) / cfg.max_response_len
+  """Numerator of the chosen aggregation: a sum over rows, so additive across micro-batches."""
+  xw_RxT = x_RxT * w_RxT
+  if cfg.aggregation == "token-mean":
+    return jnp.sum(xw_RxT)
+  if cfg.aggregation == "seq-mean-token-mean":
+    len_R = jnp.maximum(jnp.sum(mask_RxT, axis=1), 1.0)
+    return jnp.sum(jnp.sum(xw_RxT, axis=1) / len_R)
+  return jnp.sum(xw_RxT) / cfg.max_response_len
 
 
 def _kl(logp_RxT, ref_logp_RxT, estimator):
-    """Per-token KL(π_θ ‖ π_ref) estimate from log-probs of the sampled tokens."""
-    d_RxT = ref_logp_RxT - logp_RxT
-    if estimator == "k1":
-        return -d_RxT
-    if estimator == "k2":
-        return 0.5 * d_RxT * d_RxT
-    return jnp.exp(d_RxT) - d_RxT - 1.0
+  """Per-token KL(π_θ ‖ π_ref) estimate from log-probs of the sampled tokens."""
+  d_RxT = ref_logp_RxT - logp_RxT
+  if estimator == "k1":
+    return -d_RxT
+  if estimator == "k2":
+    return 0.5 * d_RxT * d_RxT
+  return jnp.exp(d_RxT) - d_RxT - 1.0
 
 
-def grpo_loss(logp_RxT, old_logp_RxT, adv_R, mask_RxT, entropy_RxT, ref_logp_RxT, informative_R,
-              denom, hp: LossHparams, cfg: LossConfig):
-    """Clipped GRPO surrogate + β·KL − λ·entropy, each aggregated and divided by `denom`."""
-    f32 = lambda x: jnp.asarray(x, jnp.float32)
-    mask_RxT = f32(mask_RxT)
-    on_RxT = mask_RxT > 0
-    w_RxT = _rollout_weights(mask_RxT, informative_R, cfg)
-    # Padded positions may hold -inf log-probs; select them away before exp so neither the value
-    # nor the gradient sees a NaN.
-    logp_RxT = jnp.where(on_RxT, f32(logp_RxT), 0.0)
-    old_RxT = jnp.where(on_RxT, jax.lax.stop_gradient(f32(old_logp_RxT)), 0.0)
-    adv_Rx1 = jax.lax.stop_gradient(f32(adv_R))[:, None]
+def grpo_loss(
+  logp_RxT,
+  old_logp_RxT,
+  adv_R,
+  mask_RxT,
+  entropy_RxT,
+  ref_logp_RxT,
+  informative_R,
+  denom,
+  hp: LossHparams,
+  cfg: LossConfig,
+):
+  """Clipped GRPO surrogate + β·KL − λ·entropy, each aggregated and divided by `denom`."""
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  mask_RxT = f32(mask_RxT)
+  on_RxT = mask_RxT > 0
+  w_RxT = _rollout_weights(mask_RxT, informative_R, cfg)
+  # Padded positions may hold -inf log-probs; select them away before exp so neither the value
+  # nor the gradient sees a NaN.
+  logp_RxT = jnp.where(on_RxT, f32(logp_RxT), 0.0)
+  old_RxT = jnp.where(on_RxT, jax.lax.stop_gradient(f32(old_logp_RxT)), 0.0)
+  adv_Rx1 = jax.lax.stop_gradient(f32(adv_R))[:, None]
 
-    ratio_RxT = jnp.exp(logp_RxT - old_RxT)
-    unclipped_RxT = ratio_RxT * adv_Rx1
-    clipped_RxT = jnp.clip(ratio_RxT, 1.0 - hp.eps_low, 1.0 + hp.eps_high) * adv_Rx1
-    obj_RxT = jnp.minimum(unclipped_RxT, clipped_RxT)
-    is_clipped_RxT = clipped_RxT < unclipped_RxT
-    is_dual_RxT = jnp.zeros_like(is_clipped_RxT)
-    if cfg.dual_clip is not None:
-        floor_RxT = jnp.broadcast_to(cfg.dual_clip * adv_Rx1, obj_RxT.shape)
-        is_dual_RxT = (adv_Rx1 < 0) & (floor_RxT > obj_RxT)
-        obj_RxT = jnp.where(is_dual_RxT, floor_RxT, obj_RxT)
+  ratio_RxT = jnp.exp(logp_RxT - old_RxT)
+  unclipped_RxT = ratio_RxT * adv_Rx1
+  clipped_RxT = jnp.clip(ratio_RxT, 1.0 - hp.eps_low, 1.0 + hp.eps_high) * adv_Rx1
+  obj_RxT = jnp.minimum(unclipped_RxT, clipped_RxT)
+  is_clipped_RxT = clipped_RxT < unclipped_RxT
+  is_dual_RxT = jnp.zeros_like(is_clipped_RxT)
+  if cfg.dual_clip is not None:
+    floor_RxT = jnp.broadcast_to(cfg.dual_clip * adv_Rx1, obj_RxT.shape)
+    is_dual_RxT = (adv_Rx1 < 0) & (floor_RxT > obj_RxT)
+    obj_RxT = jnp.where(is_dual_RxT, floor_RxT, obj_RxT)
 
-    safe_denom = jnp.where(denom > 0, denom, 1.0)  # empty batch: every numerator is 0 too
-    pg_loss = -_aggregate(obj_RxT, w_RxT, mask_RxT, cfg) / safe_denom
+  safe_denom = jnp.where(denom > 0, denom, 1.0)  # empty batch: every numerator is 0 too
+  pg_loss = -_aggregate(obj_RxT, w_RxT, mask_RxT, cfg) / safe_denom
 
-    kl_RxT = jnp.zeros_like(logp_RxT)
-    if cfg.use_kl:
-        if ref_logp_RxT is None:
-            raise ValueError("use_kl needs ref_logp_RxT")
-        ref_RxT = jnp.where(on_RxT, jax.lax.stop_gradient(f32(ref_logp_RxT)), 0.0)
-        kl_RxT = _kl(logp_RxT, ref_RxT, cfg.kl_estimator)
-    kl_loss = hp.kl_coef * _aggregate(kl_RxT, w_RxT, mask_RxT, cfg) / safe_denom
+  kl_RxT = jnp.zeros_like(logp_RxT)
+  if cfg.use_kl:
+    if ref_logp_RxT is None:
+      raise ValueError("use_kl needs ref_logp_RxT")
+    ref_RxT = jnp.where(on_RxT, jax.lax.stop_gradient(f32(ref_logp_RxT)), 0.0)
+    kl_RxT = _kl(logp_RxT, ref_RxT, cfg.kl_estimator)
+  kl_loss = hp.kl_coef * _aggregate(kl_RxT, w_RxT, mask_RxT, cfg) / safe_denom
 
-    ent_RxT = jnp.zeros_like(logp_RxT)
-    if entropy_RxT is not None:
-        ent_RxT = jnp.where(on_RxT, f32(entropy_RxT), 0.0)
-    entropy_loss = -hp.entropy_coef * _aggregate(ent_RxT, w_RxT, mask_RxT, cfg) / safe_denom
+  ent_RxT = jnp.zeros_like(logp_RxT)
+  if entropy_RxT is not None:
+    ent_RxT = jnp.where(on_RxT, f32(entropy_RxT), 0.0)
+  entropy_loss = -hp.entropy_coef * _aggregate(ent_RxT, w_RxT, mask_RxT, cfg) / safe_denom
 
-    loss = pg_loss + kl_loss + entropy_loss
-    tok = lambda x_RxT: jnp.sum(jnp.where(w_RxT > 0, f32(x_RxT), 0.0))
-    metrics = LossMetrics(
-        pg_loss=jax.lax.stop_gradient(pg_loss),
-        kl_loss=jax.lax.stop_gradient(kl_loss),
-        entropy_loss=jax.lax.stop_gradient(entropy_loss),
-        token_count=tok(jnp.ones_like(w_RxT)),
-        clipped_count=tok(is_clipped_RxT),
-        dual_clipped_count=tok(is_dual_RxT),
-        ratio_sum=jax.lax.stop_gradient(tok(ratio_RxT)),
-        kl_sum=jax.lax.stop_gradient(tok(kl_RxT)),
-        entropy_sum=jax.lax.stop_gradient(tok(ent_RxT)),
-    )
-    return loss, metrics
+  loss = pg_loss + kl_loss + entropy_loss
+  tok = lambda x_RxT: jnp.sum(jnp.where(w_RxT > 0, f32(x_RxT), 0.0))
+  metrics = LossMetrics(
+    pg_loss=jax.lax.stop_gradient(pg_loss),
+    kl_loss=jax.lax.stop_gradient(kl_loss),
+    entropy_loss=jax.lax.stop_gradient(entropy_loss),
+    token_count=tok(jnp.ones_like(w_RxT)),
+    clipped_count=tok(is_clipped_RxT),
+    dual_clipped_count=tok(is_dual_RxT),
+    ratio_sum=jax.lax.stop_gradient(tok(ratio_RxT)),
+    kl_sum=jax.lax.stop_gradient(tok(kl_RxT)),
+    entropy_sum=jax.lax.stop_gradient(tok(ent_RxT)),
+  )
+  return loss, metrics

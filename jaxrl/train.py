@@ -210,7 +210,7 @@ class Trainer:
                      step_time=t3 - t0, epoch=cursor.epoch,
                      **group_outcomes(rewards_R, group_ids_R, c.batch_questions))
           writer.write(i + 1, row)
-          advance(i + 1, c.steps, f"reward {row['reward']:.3f} H {row['entropy']:.3f}")
+          advance(i + 1, c.steps, f"reward {row['reward']:.3f} H {row['entropy_rollout']:.3f}")
           if (i + 1) % c.checkpoint.every == 0 or i + 1 == c.steps or stop.requested:
             ckpt.save(i + 1, {"state": state, "stats": stats},
                       {"cursor": dataclasses.asdict(cursor), "step": i + 1})

@@ -11,8 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.logprobs import (fused_logprobs_entropy, logprobs_entropy_from_logits,
-                            naive_logprobs_entropy)
+from jaxrl.logprobs import (
+  fused_logprobs_entropy,
+  logprobs_entropy_from_logits,
+  naive_logprobs_entropy,
+)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -23,51 +26,52 @@ B, T, D, V, CHUNK = 3, 45, 32, 512, 16
 
 
 def _inputs(seed=0, b=B, t=T, d=D, v=V, dtype=jnp.float32):
-    k_h, k_w, k_t, k_c = jax.random.split(jax.random.key(seed), 4)
-    hidden = jax.random.normal(k_h, (b, t, d), jnp.float32).astype(dtype)
-    # Scale so logits/τ span a few units: peaked but not one-hot distributions.
-    lm_head = (jax.random.normal(k_w, (d, v), jnp.float32) * 2.0 / np.sqrt(d)).astype(dtype)
-    tokens = jax.random.randint(k_t, (b, t), 0, v)
-    weights = jax.random.normal(k_c, (2, b, t), jnp.float32)
-    return hidden, lm_head, tokens, weights
+  k_h, k_w, k_t, k_c = jax.random.split(jax.random.key(seed), 4)
+  hidden = jax.random.normal(k_h, (b, t, d), jnp.float32).astype(dtype)
+  # Scale so logits/τ span a few units: peaked but not one-hot distributions.
+  lm_head = (jax.random.normal(k_w, (d, v), jnp.float32) * 2.0 / np.sqrt(d)).astype(dtype)
+  tokens = jax.random.randint(k_t, (b, t), 0, v)
+  weights = jax.random.normal(k_c, (2, b, t), jnp.float32)
+  return hidden, lm_head, tokens, weights
 
 
 def _rel_err(actual, expected):
-    """Max abs error relative to the largest reference magnitude (elementwise rtol breaks near 0)."""
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return np.max(np.abs(actual - expected)) / np.max(np.abs(expected))
+  """Max abs error relative to the largest reference magnitude (elementwise rtol breaks near 0)."""
+  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  return np.max(np.abs(actual - expected)) / np.max(np.abs(expected))
 
 
 def _oracle(hidden, lm_head, tokens, weights, tau):
-    """Float64 numpy values and analytic gradients of Σ w_logp·logp + w_ent·H."""
-    h = np.asarray(hidden, np.float64)
-    h_NxD = h.reshape(-1, h.shape[-1])
-    w_DxV = np.asarray(lm_head, np.float64)
-    tok_N = np.asarray(tokens).reshape(-1)
-    z_NxV = h_NxD @ w_DxV / tau
-    m_N = z_NxV.max(-1, keepdims=True)
-    logp_NxV = z_NxV - m_N - np.log(np.exp(z_NxV - m_N).sum(-1, keepdims=True))
-    p_NxV = np.exp(logp_NxV)
-    ent_N = -(p_NxV * logp_NxV).sum(-1)
-    rows = np.arange(len(tok_N))
-    logp_N = logp_NxV[rows, tok_N]
-    onehot_NxV = np.zeros_like(z_NxV)
-    onehot_NxV[rows, tok_N] = 1.0
-    w_lp = np.asarray(weights[0], np.float64).reshape(-1, 1)
-    w_ent = np.asarray(weights[1], np.float64).reshape(-1, 1)
-    # d logp/dz = onehot − p ; dH/dz = −p·(log p + H), with z = logits/τ.
-    dz_NxV = w_lp * (onehot_NxV - p_NxV) - w_ent * p_NxV * (logp_NxV + ent_N[:, None])
-    dlogits_NxV = dz_NxV / tau
-    grad_h = (dlogits_NxV @ w_DxV.T).reshape(h.shape)
-    grad_w = h_NxD.T @ dlogits_NxV
-    return logp_N.reshape(tokens.shape), ent_N.reshape(tokens.shape), grad_h, grad_w
+  """Float64 numpy values and analytic gradients of Σ w_logp·logp + w_ent·H."""
+  h = np.asarray(hidden, np.float64)
+  h_NxD = h.reshape(-1, h.shape[-1])
+  w_DxV = np.asarray(lm_head, np.float64)
+  tok_N = np.asarray(tokens).reshape(-1)
+  z_NxV = h_NxD @ w_DxV / tau
+  m_N = z_NxV.max(-1, keepdims=True)
+  logp_NxV = z_NxV - m_N - np.log(np.exp(z_NxV - m_N).sum(-1, keepdims=True))
+  p_NxV = np.exp(logp_NxV)
+  ent_N = -(p_NxV * logp_NxV).sum(-1)
+  rows = np.arange(len(tok_N))
+  logp_N = logp_NxV[rows, tok_N]
+  onehot_NxV = np.zeros_like(z_NxV)
+  onehot_NxV[rows, tok_N] = 1.0
+  w_lp = np.asarray(weights[0], np.float64).reshape(-1, 1)
+  w_ent = np.asarray(weights[1], np.float64).reshape(-1, 1)
+  # d logp/dz = onehot − p ; dH/dz = −p·(log p + H), with z = logits/τ.
+  dz_NxV = w_lp * (onehot_NxV - p_NxV) - w_ent * p_NxV * (logp_NxV + ent_N[:, None])
+  dlogits_NxV = dz_NxV / tau
+  grad_h = (dlogits_NxV @ w_DxV.T).reshape(h.shape)
+  grad_w = h_NxD.T @ dlogits_NxV
+  return logp_N.reshape(tokens.shape), ent_N.reshape(tokens.shape), grad_h, grad_w
 
 
 def _objective(fn):
-    def objective(hidden, lm_head, tokens, weights, tau):
-        logp, ent = fn(hidden, lm_head, tokens, tau)
-        return jnp.sum(weights[0] * logp) + jnp.sum(weights[1] * ent), (logp, ent)
-    return jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))
+  def objective(hidden, lm_head, tokens, weights, tau):
+    logp, ent = fn(hidden, lm_head, tokens, tau)
+    return jnp.sum(weights[0] * logp) + jnp.sum(weights[1] * ent), (logp, ent)
+
+  return jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))
 
 
 FUSED = _objective(lambda *a: fused_logprobs_entropy(*a, chunk_size=CHUNK))
@@ -76,147 +80,149 @@ NAIVE = _objective(naive_logprobs_entropy)
 
 @pytest.mark.parametrize("tau", TAUS)
 def test_fused_matches_naive_values_and_gradients(tau):
-    hidden, lm_head, tokens, weights = _inputs()
-    tau = jnp.float32(tau)
-    (_, (logp_f, ent_f)), (gh_f, gw_f) = FUSED(hidden, lm_head, tokens, weights, tau)
-    (_, (logp_n, ent_n)), (gh_n, gw_n) = NAIVE(hidden, lm_head, tokens, weights, tau)
-    assert logp_f.shape == ent_f.shape == (B, T)
-    assert _rel_err(logp_f, logp_n) <= 1e-5
-    assert _rel_err(ent_f, ent_n) <= 1e-5
-    assert _rel_err(gh_f, gh_n) <= 1e-5
-    assert _rel_err(gw_f, gw_n) <= 1e-5
+  hidden, lm_head, tokens, weights = _inputs()
+  tau = jnp.float32(tau)
+  (_, (logp_f, ent_f)), (gh_f, gw_f) = FUSED(hidden, lm_head, tokens, weights, tau)
+  (_, (logp_n, ent_n)), (gh_n, gw_n) = NAIVE(hidden, lm_head, tokens, weights, tau)
+  assert logp_f.shape == ent_f.shape == (B, T)
+  assert _rel_err(logp_f, logp_n) <= 1e-5
+  assert _rel_err(ent_f, ent_n) <= 1e-5
+  assert _rel_err(gh_f, gh_n) <= 1e-5
+  assert _rel_err(gw_f, gw_n) <= 1e-5
 
 
 @pytest.mark.parametrize("tau", TAUS)
 def test_fused_matches_float64_oracle(tau):
-    hidden, lm_head, tokens, weights = _inputs(seed=1)
-    logp_o, ent_o, gh_o, gw_o = _oracle(hidden, lm_head, tokens, weights, tau)
-    (_, (logp, ent)), (gh, gw) = FUSED(hidden, lm_head, tokens, weights, jnp.float32(tau))
-    assert _rel_err(logp, logp_o) <= 1e-5
-    assert _rel_err(ent, ent_o) <= 1e-5
-    assert np.all(np.asarray(ent) >= 0) and np.all(np.asarray(ent) <= np.log(V) + 1e-5)
-    assert _rel_err(gh, gh_o) <= 1e-5
-    assert _rel_err(gw, gw_o) <= 1e-5
+  hidden, lm_head, tokens, weights = _inputs(seed=1)
+  logp_o, ent_o, gh_o, gw_o = _oracle(hidden, lm_head, tokens, weights, tau)
+  (_, (logp, ent)), (gh, gw) = FUSED(hidden, lm_head, tokens, weights, jnp.float32(tau))
+  assert _rel_err(logp, logp_o) <= 1e-5
+  assert _rel_err(ent, ent_o) <= 1e-5
+  assert np.all(np.asarray(ent) >= 0) and np.all(np.asarray(ent) <= np.log(V) + 1e-5)
+  assert _rel_err(gh, gh_o) <= 1e-5
+  assert _rel_err(gw, gw_o) <= 1e-5
 
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 64, 135, 1000])
 def test_any_chunk_size_gives_the_same_answer(chunk_size):
-    hidden, lm_head, tokens, _ = _inputs(seed=2)
-    tau = jnp.float32(0.9)
-    logp_n, ent_n = naive_logprobs_entropy(hidden, lm_head, tokens, tau)
-    logp_f, ent_f = fused_logprobs_entropy(hidden, lm_head, tokens, tau, chunk_size=chunk_size)
-    assert _rel_err(logp_f, logp_n) <= 1e-5
-    assert _rel_err(ent_f, ent_n) <= 1e-5
+  hidden, lm_head, tokens, _ = _inputs(seed=2)
+  tau = jnp.float32(0.9)
+  logp_n, ent_n = naive_logprobs_entropy(hidden, lm_head, tokens, tau)
+  logp_f, ent_f = fused_logprobs_entropy(hidden, lm_head, tokens, tau, chunk_size=chunk_size)
+  assert _rel_err(logp_f, logp_n) <= 1e-5
+  assert _rel_err(ent_f, ent_n) <= 1e-5
 
 
 def test_tau_is_traced_one_compile_for_two_values():
-    hidden, lm_head, tokens, _ = _inputs()
-    traces = []
+  hidden, lm_head, tokens, _ = _inputs()
+  traces = []
 
-    @jax.jit
-    def f(hidden, lm_head, tokens, tau):
-        traces.append(1)  # Python side effect: runs once per trace, not per call
-        return fused_logprobs_entropy(hidden, lm_head, tokens, tau, chunk_size=CHUNK)
+  @jax.jit
+  def f(hidden, lm_head, tokens, tau):
+    traces.append(1)  # Python side effect: runs once per trace, not per call
+    return fused_logprobs_entropy(hidden, lm_head, tokens, tau, chunk_size=CHUNK)
 
-    logp_a, ent_a = f(hidden, lm_head, tokens, jnp.float32(0.7))
-    logp_b, ent_b = f(hidden, lm_head, tokens, jnp.float32(1.3))
-    assert len(traces) == 1 and f._cache_size() == 1
-    # And τ really is used: the two results differ and each matches its own oracle.
-    for tau, logp, ent in [(0.7, logp_a, ent_a), (1.3, logp_b, ent_b)]:
-        logp_o, ent_o, _, _ = _oracle(hidden, lm_head, tokens, jnp.zeros((2, B, T)), tau)
-        assert _rel_err(logp, logp_o) <= 1e-5 and _rel_err(ent, ent_o) <= 1e-5
-    assert not np.allclose(ent_a, ent_b)
+  logp_a, ent_a = f(hidden, lm_head, tokens, jnp.float32(0.7))
+  logp_b, ent_b = f(hidden, lm_head, tokens, jnp.float32(1.3))
+  assert len(traces) == 1 and f._cache_size() == 1
+  # And τ really is used: the two results differ and each matches its own oracle.
+  for tau, logp, ent in [(0.7, logp_a, ent_a), (1.3, logp_b, ent_b)]:
+    logp_o, ent_o, _, _ = _oracle(hidden, lm_head, tokens, jnp.zeros((2, B, T)), tau)
+    assert _rel_err(logp, logp_o) <= 1e-5 and _rel_err(ent, ent_o) <= 1e-5
+  assert not np.allclose(ent_a, ent_b)
 
 
 def test_from_logits_single_position_and_masked_vocab():
-    """The sampler's use: one row per sequence, with −inf on masked (e.g. padded) vocab ids."""
-    rng = np.random.default_rng(3)
-    logits = rng.normal(size=(5, 50)) * 4.0
-    logits[:, 40:] = -np.inf
-    logits[0] *= 100.0  # near one-hot row: entropy must stay ≥ 0 and finite
-    tokens = np.array([0, 3, 39, 7, 12])
-    tau = 0.8
-    logp, ent = logprobs_entropy_from_logits(jnp.asarray(logits, jnp.float32), jnp.asarray(tokens),
-                                             jnp.float32(tau))
-    assert logp.dtype == ent.dtype == jnp.float32
-    for i in range(5):  # per-row Python loop over the finite entries
-        z = logits[i, :40] / tau
-        lse = np.log(np.sum(np.exp(z - z.max()))) + z.max()
-        p = np.exp(z - lse)
-        np.testing.assert_allclose(logp[i], z[tokens[i]] - lse, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(ent[i], -np.sum(p * (z - lse)), rtol=1e-5, atol=1e-5)
+  """The sampler's use: one row per sequence, with −inf on masked (e.g. padded) vocab ids."""
+  rng = np.random.default_rng(3)
+  logits = rng.normal(size=(5, 50)) * 4.0
+  logits[:, 40:] = -np.inf
+  logits[0] *= 100.0  # near one-hot row: entropy must stay ≥ 0 and finite
+  tokens = np.array([0, 3, 39, 7, 12])
+  tau = 0.8
+  logp, ent = logprobs_entropy_from_logits(
+    jnp.asarray(logits, jnp.float32), jnp.asarray(tokens), jnp.float32(tau)
+  )
+  assert logp.dtype == ent.dtype == jnp.float32
+  for i in range(5):  # per-row Python loop over the finite entries
+    z = logits[i, :40] / tau
+    lse = np.log(np.sum(np.exp(z - z.max()))) + z.max()
+    p = np.exp(z - lse)
+    np.testing.assert_allclose(logp[i], z[tokens[i]] - lse, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ent[i], -np.sum(p * (z - lse)), rtol=1e-5, atol=1e-5)
 
-    def total(lg):
-        lp, h = logprobs_entropy_from_logits(lg, jnp.asarray(tokens), jnp.float32(tau))
-        return jnp.sum(lp) + jnp.sum(h)
+  def total(lg):
+    lp, h = logprobs_entropy_from_logits(lg, jnp.asarray(tokens), jnp.float32(tau))
+    return jnp.sum(lp) + jnp.sum(h)
 
-    grad = np.asarray(jax.grad(total)(jnp.asarray(logits, jnp.float32)))
-    assert np.all(np.isfinite(grad)) and np.all(grad[:, 40:] == 0)
+  grad = np.asarray(jax.grad(total)(jnp.asarray(logits, jnp.float32)))
+  assert np.all(np.isfinite(grad)) and np.all(grad[:, 40:] == 0)
 
 
 def test_bfloat16_inputs_compute_in_float32():
-    hidden, lm_head, tokens, weights = _inputs(seed=4, dtype=jnp.bfloat16)
-    tau = 1.0
-    (_, (logp, ent)), (gh, gw) = FUSED(hidden, lm_head, tokens, weights, jnp.float32(tau))
-    assert logp.dtype == ent.dtype == jnp.float32
-    assert gh.dtype == gw.dtype == jnp.bfloat16
-    # Oracle on the bf16-rounded inputs: only float32 rounding separates them, not bf16's 3 digits.
-    logp_o, ent_o, _, _ = _oracle(hidden.astype(jnp.float32), lm_head.astype(jnp.float32), tokens,
-                                  weights, tau)
-    assert _rel_err(logp, logp_o) <= 1e-5
-    assert _rel_err(ent, ent_o) <= 1e-5
+  hidden, lm_head, tokens, weights = _inputs(seed=4, dtype=jnp.bfloat16)
+  tau = 1.0
+  (_, (logp, ent)), (gh, gw) = FUSED(hidden, lm_head, tokens, weights, jnp.float32(tau))
+  assert logp.dtype == ent.dtype == jnp.float32
+  assert gh.dtype == gw.dtype == jnp.bfloat16
+  # Oracle on the bf16-rounded inputs: only float32 rounding separates them, not bf16's 3 digits.
+  logp_o, ent_o, _, _ = _oracle(
+    hidden.astype(jnp.float32), lm_head.astype(jnp.float32), tokens, weights, tau
+  )
+  assert _rel_err(logp, logp_o) <= 1e-5
+  assert _rel_err(ent, ent_o) <= 1e-5
 
 
 def _contains_primitive(jaxpr, name):
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == name:
-            return True
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            if _contains_primitive(sub, name):
-                return True
-    return False
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == name:
+      return True
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      if _contains_primitive(sub, name):
+        return True
+  return False
 
 
 def test_no_gather_on_the_vocab_axis():
-    hidden, lm_head, tokens, weights = _inputs()
+  hidden, lm_head, tokens, weights = _inputs()
 
-    def objective(hidden, lm_head, tau):
-        logp, ent = fused_logprobs_entropy(hidden, lm_head, tokens, tau, chunk_size=CHUNK)
-        return jnp.sum(logp) + jnp.sum(ent)
+  def objective(hidden, lm_head, tau):
+    logp, ent = fused_logprobs_entropy(hidden, lm_head, tokens, tau, chunk_size=CHUNK)
+    return jnp.sum(logp) + jnp.sum(ent)
 
-    args = (hidden, lm_head, jnp.float32(1.0))
-    grad_jaxpr = jax.make_jaxpr(jax.value_and_grad(objective, argnums=(0, 1)))(*args).jaxpr
-    assert not _contains_primitive(grad_jaxpr, "gather")
-    assert _contains_primitive(jax.make_jaxpr(objective)(*args).jaxpr, "remat2")  # jax.checkpoint
+  args = (hidden, lm_head, jnp.float32(1.0))
+  grad_jaxpr = jax.make_jaxpr(jax.value_and_grad(objective, argnums=(0, 1)))(*args).jaxpr
+  assert not _contains_primitive(grad_jaxpr, "gather")
+  assert _contains_primitive(jax.make_jaxpr(objective)(*args).jaxpr, "remat2")  # jax.checkpoint
 
 
 def _temp_bytes(fn, b, t, d, v):
-    hidden, lm_head, tokens, _ = _inputs(b=b, t=t, d=d, v=v)
+  hidden, lm_head, tokens, _ = _inputs(b=b, t=t, d=d, v=v)
 
-    def objective(hidden, lm_head, tau):
-        logp, ent = fn(hidden, lm_head, tokens, tau)
-        return jnp.sum(logp) + jnp.sum(ent)
+  def objective(hidden, lm_head, tau):
+    logp, ent = fn(hidden, lm_head, tokens, tau)
+    return jnp.sum(logp) + jnp.sum(ent)
 
-    grad_fn = jax.jit(jax.value_and_grad(objective, argnums=(0, 1)))
-    compiled = grad_fn.lower(hidden, lm_head, jnp.float32(0.7)).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+  grad_fn = jax.jit(jax.value_and_grad(objective, argnums=(0, 1)))
+  compiled = grad_fn.lower(hidden, lm_head, jnp.float32(0.7)).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
 
 
 def test_fused_gradient_temp_memory_is_far_below_naive_and_flat_in_t():
-    fused = lambda *a: fused_logprobs_entropy(*a, chunk_size=64)
-    fused_mib = _temp_bytes(fused, 4, 400, 64, 4096) / 2**20
-    fused_long_mib = _temp_bytes(fused, 4, 1600, 64, 4096) / 2**20
-    naive_mib = _temp_bytes(naive_logprobs_entropy, 4, 400, 64, 4096) / 2**20
-    # Observed on this machine (jax 0.10.2 CPU, highest precision): fused 5.0 MiB at T=400 and
-    # 5.0 MiB at T=1600; naive 100 MiB at T=400 (20x).
-    assert fused_mib < naive_mib / 10
-    assert fused_long_mib < 1.25 * fused_mib
+  fused = lambda *a: fused_logprobs_entropy(*a, chunk_size=64)
+  fused_mib = _temp_bytes(fused, 4, 400, 64, 4096) / 2**20
+  fused_long_mib = _temp_bytes(fused, 4, 1600, 64, 4096) / 2**20
+  naive_mib = _temp_bytes(naive_logprobs_entropy, 4, 400, 64, 4096) / 2**20
+  # Observed on this machine (jax 0.10.2 CPU, highest precision): fused 5.0 MiB at T=400 and
+  # 5.0 MiB at T=1600; naive 100 MiB at T=400 (20x).
+  assert fused_mib < naive_mib / 10
+  assert fused_long_mib < 1.25 * fused_mib
 
 
 @pytest.mark.slow
 def test_vocab_sharded_over_tensor_axis_matches_and_never_gathers_logits():
-    """Two fake CPU devices (own process: the device count is fixed at JAX start-up)."""
-    script = textwrap.dedent("""
+  """Two fake CPU devices (own process: the device count is fixed at JAX start-up)."""
+  script = textwrap.dedent("""
         import jax, jax.numpy as jnp, numpy as np
         jax.config.update("jax_num_cpu_devices", 2)
         jax.config.update("jax_default_matmul_precision", "highest")
@@ -245,8 +251,9 @@ def test_vocab_sharded_over_tensor_axis_matches_and_never_gathers_logits():
                 assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b)), mode
         print("OK")
     """)
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
+  env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run(
+    [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+  )
+  assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]

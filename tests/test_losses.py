@@ -14,14 +14,14 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from jaxrl.losses import (
-    LossConfig,
-    LossHparams,
-    LossMetrics,
-    finalize_metrics,
-    group_advantages,
-    grpo_loss,
-    informative_rollouts,
-    loss_denominator,
+  LossConfig,
+  LossHparams,
+  LossMetrics,
+  finalize_metrics,
+  group_advantages,
+  grpo_loss,
+  informative_rollouts,
+  loss_denominator,
 )
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -34,123 +34,147 @@ T_MAX = 9
 
 
 def oracle_advantages(rewards, gids, num_groups, scale_by_std=True, eps=1e-6, valid=None):
-    R = len(rewards)
-    valid = [True] * R if valid is None else list(valid)
-    adv = [0.0] * R
-    for g in range(num_groups):
-        members = [j for j in range(R) if valid[j] and gids[j] == g]
-        vals = [float(rewards[j]) for j in members]
-        if len(vals) < 2 or max(vals) == min(vals):
-            continue
-        mean = sum(vals) / len(vals)
-        std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
-        for j in members:
-            d = float(rewards[j]) - mean
-            adv[j] = d / (std + eps) if scale_by_std else d
-    return np.array(adv)
+  R = len(rewards)
+  valid = [True] * R if valid is None else list(valid)
+  adv = [0.0] * R
+  for g in range(num_groups):
+    members = [j for j in range(R) if valid[j] and gids[j] == g]
+    vals = [float(rewards[j]) for j in members]
+    if len(vals) < 2 or max(vals) == min(vals):
+      continue
+    mean = sum(vals) / len(vals)
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
+    for j in members:
+      d = float(rewards[j]) - mean
+      adv[j] = d / (std + eps) if scale_by_std else d
+  return np.array(adv)
 
 
 def oracle_informative(rewards, gids, valid):
-    out = []
-    for j in range(len(rewards)):
-        group = [rewards[i] for i in range(len(rewards)) if valid[i] and gids[i] == gids[j]]
-        out.append(bool(valid[j]) and max(group) != min(group))
-    return np.array(out)
+  out = []
+  for j in range(len(rewards)):
+    group = [rewards[i] for i in range(len(rewards)) if valid[i] and gids[i] == gids[j]]
+    out.append(bool(valid[j]) and max(group) != min(group))
+  return np.array(out)
 
 
 def oracle_loss(b, cfg, eps_low, eps_high, kl_coef, ent_coef):
-    """Loss, d loss/d logp, d loss/d entropy and token metrics, one token at a time."""
-    R, T = b["mask"].shape
-    rows = [r for r in range(R) if (b["informative"][r] or not cfg.informative_only)]
-    lens = {r: sum(b["mask"][r]) for r in range(R)}
-    if cfg.aggregation == "token-mean":
-        denom = sum(lens[r] for r in rows)
-    else:
-        denom = sum(1 for r in rows if lens[r] > 0)
-    total = 0.0
-    g_logp, g_ent = np.zeros((R, T)), np.zeros((R, T))
-    m = dict(tokens=0, clipped=0, dual=0, ratio=0.0, kl=0.0, ent=0.0, pg=0.0)
-    for r in rows:
-        norm = {"token-mean": 1.0, "seq-mean-token-mean": max(lens[r], 1),
-                "seq-mean-token-sum-norm": cfg.max_response_len}[cfg.aggregation]
-        a = float(b["adv"][r])
-        for t in range(T):
-            if not b["mask"][r][t]:
-                continue
-            lp, old, ref, h = (float(b[k][r][t]) for k in ("logp", "old", "ref", "ent"))
-            rho = math.exp(lp - old)
-            unclipped = rho * a
-            clipped = min(max(rho, 1 - eps_low), 1 + eps_high) * a
-            obj, grad_obj = (clipped, 0.0) if clipped < unclipped else (unclipped, rho * a)
-            dual = cfg.dual_clip is not None and a < 0 and cfg.dual_clip * a > obj
-            if dual:
-                obj, grad_obj = cfg.dual_clip * a, 0.0
-            kl = dkl = 0.0
-            if cfg.use_kl:
-                d = ref - lp
-                kl, dkl = {"k1": (-d, 1.0), "k2": (0.5 * d * d, -d),
-                           "k3": (math.exp(d) - d - 1, 1 - math.exp(d))}[cfg.kl_estimator]
-            if denom > 0:
-                total += (-obj + kl_coef * kl - ent_coef * h) / norm / denom
-                g_logp[r, t] = (-grad_obj + kl_coef * dkl) / norm / denom
-                g_ent[r, t] = -ent_coef / norm / denom
-                m["pg"] += -obj / norm / denom
-            m["tokens"] += 1
-            m["clipped"] += clipped < unclipped
-            m["dual"] += dual
-            m["ratio"] += rho
-            m["kl"] += kl
-            m["ent"] += h
-    return total, g_logp, g_ent, denom, m
+  """Loss, d loss/d logp, d loss/d entropy and token metrics, one token at a time."""
+  R, T = b["mask"].shape
+  rows = [r for r in range(R) if (b["informative"][r] or not cfg.informative_only)]
+  lens = {r: sum(b["mask"][r]) for r in range(R)}
+  if cfg.aggregation == "token-mean":
+    denom = sum(lens[r] for r in rows)
+  else:
+    denom = sum(1 for r in rows if lens[r] > 0)
+  total = 0.0
+  g_logp, g_ent = np.zeros((R, T)), np.zeros((R, T))
+  m = dict(tokens=0, clipped=0, dual=0, ratio=0.0, kl=0.0, ent=0.0, pg=0.0)
+  for r in rows:
+    norm = {
+      "token-mean": 1.0,
+      "seq-mean-token-mean": max(lens[r], 1),
+      "seq-mean-token-sum-norm": cfg.max_response_len,
+    }[cfg.aggregation]
+    a = float(b["adv"][r])
+    for t in range(T):
+      if not b["mask"][r][t]:
+        continue
+      lp, old, ref, h = (float(b[k][r][t]) for k in ("logp", "old", "ref", "ent"))
+      rho = math.exp(lp - old)
+      unclipped = rho * a
+      clipped = min(max(rho, 1 - eps_low), 1 + eps_high) * a
+      obj, grad_obj = (clipped, 0.0) if clipped < unclipped else (unclipped, rho * a)
+      dual = cfg.dual_clip is not None and a < 0 and cfg.dual_clip * a > obj
+      if dual:
+        obj, grad_obj = cfg.dual_clip * a, 0.0
+      kl = dkl = 0.0
+      if cfg.use_kl:
+        d = ref - lp
+        kl, dkl = {
+          "k1": (-d, 1.0),
+          "k2": (0.5 * d * d, -d),
+          "k3": (math.exp(d) - d - 1, 1 - math.exp(d)),
+        }[cfg.kl_estimator]
+      if denom > 0:
+        total += (-obj + kl_coef * kl - ent_coef * h) / norm / denom
+        g_logp[r, t] = (-grad_obj + kl_coef * dkl) / norm / denom
+        g_ent[r, t] = -ent_coef / norm / denom
+        m["pg"] += -obj / norm / denom
+      m["tokens"] += 1
+      m["clipped"] += clipped < unclipped
+      m["dual"] += dual
+      m["ratio"] += rho
+      m["kl"] += kl
+      m["ent"] += h
+  return total, g_logp, g_ent, denom, m
 
 
 # ---------------------------------------------------------------- data
 
 
 def make_batch(seed, R=12, T=7, pad_rows=2):
-    """Uneven groups (mixed, all-equal, size 1, empty), ragged lengths, padding rows, -inf pads."""
-    rng = np.random.default_rng(seed)
-    base = [0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 3, 3]
-    gids = np.array((base * (R // len(base) + 1))[: R - pad_rows] + [-1] * pad_rows, np.int32)
-    num_groups = 6  # groups 4 and 5 are empty
-    rewards = rng.integers(0, 2, R).astype(np.float32)
-    rewards[gids == 1] = 1.0  # an all-correct group: not informative
-    rewards[np.flatnonzero(gids == 0)[:2]] = [0.0, 1.0]
-    rewards[np.flatnonzero(gids == 3)[:2]] = [1.0, 0.0]
-    valid = gids >= 0
-    lens = np.where(valid, rng.integers(1, T + 1, R), 0)
-    lens[[0, 6]] = [1, T]  # a one-token row (seq-mean divides by 1) and a full-length row
-    mask = np.arange(T)[None, :] < lens[:, None]
-    logp = -rng.exponential(1.0, (R, T))
-    old = logp + rng.normal(0, 0.5, (R, T))
-    ref = logp + rng.normal(0, 0.3, (R, T))
-    ent = rng.uniform(0, 3, (R, T))
-    for x in (logp, old, ref):
-        x[~mask] = -np.inf
-    ent[~mask] = np.nan
-    adv = oracle_advantages(rewards, gids, num_groups, valid=valid)
-    return dict(rewards=rewards, gids=gids, num_groups=num_groups, valid=valid, mask=mask,
-                logp=logp, old=old, ref=ref, ent=ent, adv=adv,
-                informative=oracle_informative(rewards, gids, valid))
+  """Uneven groups (mixed, all-equal, size 1, empty), ragged lengths, padding rows, -inf pads."""
+  rng = np.random.default_rng(seed)
+  base = [0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 3, 3]
+  gids = np.array((base * (R // len(base) + 1))[: R - pad_rows] + [-1] * pad_rows, np.int32)
+  num_groups = 6  # groups 4 and 5 are empty
+  rewards = rng.integers(0, 2, R).astype(np.float32)
+  rewards[gids == 1] = 1.0  # an all-correct group: not informative
+  rewards[np.flatnonzero(gids == 0)[:2]] = [0.0, 1.0]
+  rewards[np.flatnonzero(gids == 3)[:2]] = [1.0, 0.0]
+  valid = gids >= 0
+  lens = np.where(valid, rng.integers(1, T + 1, R), 0)
+  lens[[0, 6]] = [1, T]  # a one-token row (seq-mean divides by 1) and a full-length row
+  mask = np.arange(T)[None, :] < lens[:, None]
+  logp = -rng.exponential(1.0, (R, T))
+  old = logp + rng.normal(0, 0.5, (R, T))
+  ref = logp + rng.normal(0, 0.3, (R, T))
+  ent = rng.uniform(0, 3, (R, T))
+  for x in (logp, old, ref):
+    x[~mask] = -np.inf
+  ent[~mask] = np.nan
+  adv = oracle_advantages(rewards, gids, num_groups, valid=valid)
+  return dict(
+    rewards=rewards,
+    gids=gids,
+    num_groups=num_groups,
+    valid=valid,
+    mask=mask,
+    logp=logp,
+    old=old,
+    ref=ref,
+    ent=ent,
+    adv=adv,
+    informative=oracle_informative(rewards, gids, valid),
+  )
 
 
 def as_jnp(b):
-    f = lambda k: jnp.asarray(b[k], jnp.float32)
-    return dict(logp=f("logp"), old=f("old"), ref=f("ref"), ent=f("ent"), adv=f("adv"),
-                mask=jnp.asarray(b["mask"]), informative=jnp.asarray(b["informative"]))
+  f = lambda k: jnp.asarray(b[k], jnp.float32)
+  return dict(
+    logp=f("logp"),
+    old=f("old"),
+    ref=f("ref"),
+    ent=f("ent"),
+    adv=f("adv"),
+    mask=jnp.asarray(b["mask"]),
+    informative=jnp.asarray(b["informative"]),
+  )
 
 
 def run_loss(j, hp, cfg, denom=None):
-    if denom is None:
-        denom = loss_denominator(j["mask"], j["informative"], cfg)
+  if denom is None:
+    denom = loss_denominator(j["mask"], j["informative"], cfg)
 
-    def f(logp, ent):
-        return grpo_loss(logp, j["old"], j["adv"], j["mask"], ent, j["ref"], j["informative"],
-                         denom, hp, cfg)
+  def f(logp, ent):
+    return grpo_loss(
+      logp, j["old"], j["adv"], j["mask"], ent, j["ref"], j["informative"], denom, hp, cfg
+    )
 
-    grad_fn = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)
-    (loss, metrics), grads = grad_fn(j["logp"], j["ent"])
-    return loss, metrics, grads, denom
+  grad_fn = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)
+  (loss, metrics), grads = grad_fn(j["logp"], j["ent"])
+  return loss, metrics, grads, denom
 
 
 # ---------------------------------------------------------------- advantages
@@ -158,34 +182,37 @@ def run_loss(j, hp, cfg, denom=None):
 
 @pytest.mark.parametrize("scale_by_std", [True, False])
 def test_group_advantages_match_oracle(scale_by_std):
-    for seed in range(5):
-        b = make_batch(seed, R=16)
-        got = group_advantages(b["rewards"], b["gids"], b["num_groups"], scale_by_std,
-                               valid_R=b["valid"])
-        want = oracle_advantages(b["rewards"], b["gids"], b["num_groups"], scale_by_std,
-                                 valid=b["valid"])
-        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
-        assert np.all(np.asarray(got)[~b["valid"]] == 0)
+  for seed in range(5):
+    b = make_batch(seed, R=16)
+    got = group_advantages(
+      b["rewards"], b["gids"], b["num_groups"], scale_by_std, valid_R=b["valid"]
+    )
+    want = oracle_advantages(
+      b["rewards"], b["gids"], b["num_groups"], scale_by_std, valid=b["valid"]
+    )
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+    assert np.all(np.asarray(got)[~b["valid"]] == 0)
 
 
 def test_group_advantages_small_cases():
-    # Sizes 3, 1, 2 (uneven, one singleton) with default all-valid mask.
-    adv = np.asarray(group_advantages([1.0, 0.0, 0.0, 1.0, 0.5, 1.5], [0, 0, 0, 1, 2, 2], 3))
-    s3, s2 = math.sqrt(1 / 3) + 1e-6, math.sqrt(0.5) + 1e-6
-    np.testing.assert_allclose(adv, [(2 / 3) / s3, -(1 / 3) / s3, -(1 / 3) / s3,
-                                     0.0, -0.5 / s2, 0.5 / s2], rtol=1e-6)
-    # A constant non-representable reward (0.1) must give exactly 0, not a rounding residue / eps.
-    assert np.all(np.asarray(group_advantages([0.1] * 7 + [0.9] * 3, [0] * 7 + [1] * 3, 2)) == 0)
-    # Padding rows do not count: without them group 0 is {1, 0}.
-    adv = np.asarray(group_advantages([1.0, 0.0, 1.0, 1.0], [0, 0, 0, 0], 1, valid_R=[1, 1, 0, 0]))
-    np.testing.assert_allclose(adv, [0.5 / s2, -0.5 / s2, 0, 0], rtol=1e-6)
+  # Sizes 3, 1, 2 (uneven, one singleton) with default all-valid mask.
+  adv = np.asarray(group_advantages([1.0, 0.0, 0.0, 1.0, 0.5, 1.5], [0, 0, 0, 1, 2, 2], 3))
+  s3, s2 = math.sqrt(1 / 3) + 1e-6, math.sqrt(0.5) + 1e-6
+  np.testing.assert_allclose(
+    adv, [(2 / 3) / s3, -(1 / 3) / s3, -(1 / 3) / s3, 0.0, -0.5 / s2, 0.5 / s2], rtol=1e-6
+  )
+  # A constant non-representable reward (0.1) must give exactly 0, not a rounding residue / eps.
+  assert np.all(np.asarray(group_advantages([0.1] * 7 + [0.9] * 3, [0] * 7 + [1] * 3, 2)) == 0)
+  # Padding rows do not count: without them group 0 is {1, 0}.
+  adv = np.asarray(group_advantages([1.0, 0.0, 1.0, 1.0], [0, 0, 0, 0], 1, valid_R=[1, 1, 0, 0]))
+  np.testing.assert_allclose(adv, [0.5 / s2, -0.5 / s2, 0, 0], rtol=1e-6)
 
 
 def test_informative_rollouts_match_oracle():
-    for seed in range(5):
-        b = make_batch(seed, R=16)
-        got = informative_rollouts(b["rewards"], b["gids"], b["num_groups"], b["valid"])
-        np.testing.assert_array_equal(np.asarray(got), b["informative"])
+  for seed in range(5):
+    b = make_batch(seed, R=16)
+    got = informative_rollouts(b["rewards"], b["gids"], b["num_groups"], b["valid"])
+    np.testing.assert_array_equal(np.asarray(got), b["informative"])
 
 
 _R, _NG = 16, 5
@@ -194,30 +221,30 @@ _adv_jit = jax.jit(group_advantages, static_argnames=("num_groups", "scale_by_st
 
 @settings(max_examples=150, deadline=None)
 @given(
-    gids=st.lists(st.integers(0, _NG - 1), min_size=_R, max_size=_R),
-    rewards=st.lists(st.integers(-2, 3), min_size=_R, max_size=_R),
-    valid=st.lists(st.booleans(), min_size=_R, max_size=_R),
-    shift=st.integers(-5, 5),
+  gids=st.lists(st.integers(0, _NG - 1), min_size=_R, max_size=_R),
+  rewards=st.lists(st.integers(-2, 3), min_size=_R, max_size=_R),
+  valid=st.lists(st.booleans(), min_size=_R, max_size=_R),
+  shift=st.integers(-5, 5),
 )
 def test_group_advantages_properties(gids, rewards, valid, shift):
-    r = np.array(rewards, np.float32)
-    g, v = np.array(gids, np.int32), np.array(valid)
-    adv = np.asarray(_adv_jit(r, g, num_groups=_NG, scale_by_std=True, valid_R=v))
-    dr = np.asarray(_adv_jit(r, g, num_groups=_NG, scale_by_std=False, valid_R=v))
-    np.testing.assert_allclose(adv, oracle_advantages(r, g, _NG, True, valid=v), atol=1e-5)
-    np.testing.assert_allclose(dr, oracle_advantages(r, g, _NG, False, valid=v), atol=1e-5)
-    for k in range(_NG):
-        sel = v & (g == k)
-        if sel.sum() >= 2 and r[sel].max() > r[sel].min():
-            # Integer rewards: std ≥ 0.25, so the eps shrinkage is ≤ 4e-6.
-            assert abs(adv[sel].mean()) < 1e-5 and abs(dr[sel].mean()) < 1e-5
-            assert abs(adv[sel].std(ddof=1) - 1.0) < 1e-5
-        else:
-            assert np.all(adv[sel] == 0) and np.all(dr[sel] == 0)
-    assert np.all(adv[~v] == 0)
-    # Shifting every reward leaves the advantages unchanged.
-    shifted = np.asarray(_adv_jit(r + shift, g, num_groups=_NG, scale_by_std=True, valid_R=v))
-    np.testing.assert_allclose(shifted, adv, atol=1e-5)
+  r = np.array(rewards, np.float32)
+  g, v = np.array(gids, np.int32), np.array(valid)
+  adv = np.asarray(_adv_jit(r, g, num_groups=_NG, scale_by_std=True, valid_R=v))
+  dr = np.asarray(_adv_jit(r, g, num_groups=_NG, scale_by_std=False, valid_R=v))
+  np.testing.assert_allclose(adv, oracle_advantages(r, g, _NG, True, valid=v), atol=1e-5)
+  np.testing.assert_allclose(dr, oracle_advantages(r, g, _NG, False, valid=v), atol=1e-5)
+  for k in range(_NG):
+    sel = v & (g == k)
+    if sel.sum() >= 2 and r[sel].max() > r[sel].min():
+      # Integer rewards: std ≥ 0.25, so the eps shrinkage is ≤ 4e-6.
+      assert abs(adv[sel].mean()) < 1e-5 and abs(dr[sel].mean()) < 1e-5
+      assert abs(adv[sel].std(ddof=1) - 1.0) < 1e-5
+    else:
+      assert np.all(adv[sel] == 0) and np.all(dr[sel] == 0)
+  assert np.all(adv[~v] == 0)
+  # Shifting every reward leaves the advantages unchanged.
+  shifted = np.asarray(_adv_jit(r + shift, g, num_groups=_NG, scale_by_std=True, valid_R=v))
+  np.testing.assert_allclose(shifted, adv, atol=1e-5)
 
 
 # ---------------------------------------------------------------- loss vs oracle
@@ -231,96 +258,124 @@ AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 @pytest.mark.parametrize("ent_coef", [0.0, 0.01])
 @pytest.mark.parametrize("informative_only", [False, True])
 def test_grpo_loss_matches_oracle(aggregation, dual_clip, kl, ent_coef, informative_only):
-    cfg = LossConfig(aggregation=aggregation, dual_clip=dual_clip, kl_estimator=kl or "k3",
-                     use_kl=kl is not None, informative_only=informative_only,
-                     max_response_len=T_MAX)
-    b = make_batch(7, R=20)
-    hp = LossHparams.create(EPS_LOW, EPS_HIGH, KL_COEF, ent_coef)
-    loss, metrics, (g_logp, g_ent), denom = run_loss(as_jnp(b), hp, cfg)
-    w_loss, w_glogp, w_gent, w_denom, wm = oracle_loss(b, cfg, EPS_LOW, EPS_HIGH, KL_COEF, ent_coef)
-    assert wm["clipped"] > 0 and (dual_clip is None or wm["dual"] > 0)  # the cases are exercised
-    assert float(denom) == w_denom
-    np.testing.assert_allclose(float(loss), w_loss, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(np.asarray(g_logp), w_glogp, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(np.asarray(g_ent), w_gent, rtol=1e-5, atol=1e-7)
-    fin = finalize_metrics(metrics)
-    n = wm["tokens"]
-    assert float(fin["token_count"]) == n
-    np.testing.assert_allclose(float(fin["clip_frac"]), wm["clipped"] / n, rtol=1e-6)
-    np.testing.assert_allclose(float(fin["dual_clip_frac"]), wm["dual"] / n, rtol=1e-6)
-    np.testing.assert_allclose(float(fin["ratio_mean"]), wm["ratio"] / n, rtol=1e-5)
-    np.testing.assert_allclose(float(fin["kl"]), wm["kl"] / n, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(float(fin["entropy"]), wm["ent"] / n, rtol=1e-5)
-    np.testing.assert_allclose(float(fin["pg_loss"]), wm["pg"], rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(float(fin["pg_loss"] + fin["kl_loss"] + fin["entropy_loss"]),
-                               float(loss), rtol=1e-6, atol=1e-7)
+  cfg = LossConfig(
+    aggregation=aggregation,
+    dual_clip=dual_clip,
+    kl_estimator=kl or "k3",
+    use_kl=kl is not None,
+    informative_only=informative_only,
+    max_response_len=T_MAX,
+  )
+  b = make_batch(7, R=20)
+  hp = LossHparams.create(EPS_LOW, EPS_HIGH, KL_COEF, ent_coef)
+  loss, metrics, (g_logp, g_ent), denom = run_loss(as_jnp(b), hp, cfg)
+  w_loss, w_glogp, w_gent, w_denom, wm = oracle_loss(b, cfg, EPS_LOW, EPS_HIGH, KL_COEF, ent_coef)
+  assert wm["clipped"] > 0 and (dual_clip is None or wm["dual"] > 0)  # the cases are exercised
+  assert float(denom) == w_denom
+  np.testing.assert_allclose(float(loss), w_loss, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(g_logp), w_glogp, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(g_ent), w_gent, rtol=1e-5, atol=1e-7)
+  fin = finalize_metrics(metrics)
+  n = wm["tokens"]
+  assert float(fin["token_count"]) == n
+  np.testing.assert_allclose(float(fin["clip_frac"]), wm["clipped"] / n, rtol=1e-6)
+  np.testing.assert_allclose(float(fin["dual_clip_frac"]), wm["dual"] / n, rtol=1e-6)
+  np.testing.assert_allclose(float(fin["ratio_mean"]), wm["ratio"] / n, rtol=1e-5)
+  np.testing.assert_allclose(float(fin["kl"]), wm["kl"] / n, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(float(fin["entropy"]), wm["ent"] / n, rtol=1e-5)
+  np.testing.assert_allclose(float(fin["pg_loss"]), wm["pg"], rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(
+    float(fin["pg_loss"] + fin["kl_loss"] + fin["entropy_loss"]), float(loss), rtol=1e-6, atol=1e-7
+  )
 
 
 @pytest.mark.parametrize("aggregation", AGGS)
 def test_micro_batches_equal_one_batch(aggregation):
-    cfg = LossConfig(aggregation=aggregation, dual_clip=2.0, kl_estimator="k3", use_kl=True,
-                     informative_only=True, max_response_len=T_MAX)
-    hp = LossHparams.create(EPS_LOW, EPS_HIGH, KL_COEF, 0.01)
-    j = as_jnp(make_batch(3, R=16))
-    loss, metrics, (g_logp, g_ent), denom = run_loss(j, hp, cfg)
-    acc_loss, acc_metrics = 0.0, LossMetrics.zeros()
-    acc_glogp, acc_gent = [], []
-    for i in range(4):
-        part = {k: v[4 * i: 4 * i + 4] for k, v in j.items()}
-        l, m, (gl, ge), _ = run_loss(part, hp, cfg, denom=denom)  # the global denominator
-        acc_loss, acc_metrics = acc_loss + l, acc_metrics + m
-        acc_glogp.append(gl)
-        acc_gent.append(ge)
-    assert abs(float(acc_loss) - float(loss)) <= 1e-6
-    np.testing.assert_allclose(np.concatenate(acc_glogp), np.asarray(g_logp), rtol=0, atol=1e-6)
-    np.testing.assert_allclose(np.concatenate(acc_gent), np.asarray(g_ent), rtol=0, atol=1e-6)
-    for k, v in finalize_metrics(metrics).items():
-        np.testing.assert_allclose(float(finalize_metrics(acc_metrics)[k]), float(v), rtol=1e-5,
-                                   atol=1e-7, err_msg=k)
+  cfg = LossConfig(
+    aggregation=aggregation,
+    dual_clip=2.0,
+    kl_estimator="k3",
+    use_kl=True,
+    informative_only=True,
+    max_response_len=T_MAX,
+  )
+  hp = LossHparams.create(EPS_LOW, EPS_HIGH, KL_COEF, 0.01)
+  j = as_jnp(make_batch(3, R=16))
+  loss, metrics, (g_logp, g_ent), denom = run_loss(j, hp, cfg)
+  acc_loss, acc_metrics = 0.0, LossMetrics.zeros()
+  acc_glogp, acc_gent = [], []
+  for i in range(4):
+    part = {k: v[4 * i : 4 * i + 4] for k, v in j.items()}
+    l, m, (gl, ge), _ = run_loss(part, hp, cfg, denom=denom)  # the global denominator
+    acc_loss, acc_metrics = acc_loss + l, acc_metrics + m
+    acc_glogp.append(gl)
+    acc_gent.append(ge)
+  assert abs(float(acc_loss) - float(loss)) <= 1e-6
+  np.testing.assert_allclose(np.concatenate(acc_glogp), np.asarray(g_logp), rtol=0, atol=1e-6)
+  np.testing.assert_allclose(np.concatenate(acc_gent), np.asarray(g_ent), rtol=0, atol=1e-6)
+  for k, v in finalize_metrics(metrics).items():
+    np.testing.assert_allclose(
+      float(finalize_metrics(acc_metrics)[k]), float(v), rtol=1e-5, atol=1e-7, err_msg=k
+    )
 
 
 @pytest.mark.parametrize("aggregation", AGGS)
 @pytest.mark.parametrize("informative_only", [False, True])
 def test_empty_batch_gives_zero_not_nan(aggregation, informative_only):
-    cfg = LossConfig(aggregation=aggregation, use_kl=True, informative_only=informative_only,
-                     max_response_len=T_MAX)
-    hp = LossHparams.create(EPS_LOW, EPS_HIGH, KL_COEF, 0.01)
-    j = as_jnp(make_batch(1))
-    if informative_only:  # tokens exist, but no group is informative
-        j["informative"] = jnp.zeros_like(j["informative"])
-    else:
-        j["mask"] = jnp.zeros_like(j["mask"])
-    loss, metrics, (g_logp, g_ent), denom = run_loss(j, hp, cfg)
-    assert float(denom) == 0 and float(loss) == 0
-    assert np.all(np.asarray(g_logp) == 0) and np.all(np.asarray(g_ent) == 0)
-    assert all(np.isfinite(float(v)) for v in finalize_metrics(metrics).values())
+  cfg = LossConfig(
+    aggregation=aggregation, use_kl=True, informative_only=informative_only, max_response_len=T_MAX
+  )
+  hp = LossHparams.create(EPS_LOW, EPS_HIGH, KL_COEF, 0.01)
+  j = as_jnp(make_batch(1))
+  if informative_only:  # tokens exist, but no group is informative
+    j["informative"] = jnp.zeros_like(j["informative"])
+  else:
+    j["mask"] = jnp.zeros_like(j["mask"])
+  loss, metrics, (g_logp, g_ent), denom = run_loss(j, hp, cfg)
+  assert float(denom) == 0 and float(loss) == 0
+  assert np.all(np.asarray(g_logp) == 0) and np.all(np.asarray(g_ent) == 0)
+  assert all(np.isfinite(float(v)) for v in finalize_metrics(metrics).values())
 
 
 def test_hparams_are_traced_compile_once():
-    traces = []
+  traces = []
 
-    def counted(*args, cfg):
-        traces.append(1)
-        return grpo_loss(*args, cfg=cfg)
+  def counted(*args, cfg):
+    traces.append(1)
+    return grpo_loss(*args, cfg=cfg)
 
-    jitted = jax.jit(counted, static_argnames=("cfg",))
-    cfg = LossConfig(use_kl=True)
-    j = as_jnp(make_batch(2))
-    denom = loss_denominator(j["mask"], j["informative"], cfg)
-    losses = []
-    grid = itertools.product([0.1, 0.2], [0.2, 0.28, 0.4], [0.0, 0.1], [0.0, 0.01])
-    for eps_low, eps_high, beta, lam in grid:
-        hp = LossHparams.create(eps_low, eps_high, beta, lam)
-        loss, _ = jitted(j["logp"], j["old"], j["adv"], j["mask"], j["ent"], j["ref"],
-                         j["informative"], denom, hp, cfg=cfg)
-        losses.append(float(loss))
-    assert len(traces) == 1 and jitted._cache_size() == 1
-    assert len(set(losses)) == len(losses)  # every hyperparameter actually reached the loss
+  jitted = jax.jit(counted, static_argnames=("cfg",))
+  cfg = LossConfig(use_kl=True)
+  j = as_jnp(make_batch(2))
+  denom = loss_denominator(j["mask"], j["informative"], cfg)
+  losses = []
+  grid = itertools.product([0.1, 0.2], [0.2, 0.28, 0.4], [0.0, 0.1], [0.0, 0.01])
+  for eps_low, eps_high, beta, lam in grid:
+    hp = LossHparams.create(eps_low, eps_high, beta, lam)
+    loss, _ = jitted(
+      j["logp"],
+      j["old"],
+      j["adv"],
+      j["mask"],
+      j["ent"],
+      j["ref"],
+      j["informative"],
+      denom,
+      hp,
+      cfg=cfg,
+    )
+    losses.append(float(loss))
+  assert len(traces) == 1 and jitted._cache_size() == 1
+  assert len(set(losses)) == len(losses)  # every hyperparameter actually reached the loss
 
 
 def test_config_validation():
-    for bad in [dict(aggregation="mean"), dict(kl_estimator="k4"), dict(dual_clip=1.0),
-                dict(aggregation="seq-mean-token-sum-norm")]:
-        with pytest.raises(ValueError):
-            LossConfig(**bad)
-    hash(LossConfig(dual_clip=3.0))  # usable as a static jit argument
+  for bad in [
+    dict(aggregation="mean"),
+    dict(kl_estimator="k4"),
+    dict(dual_clip=1.0),
+    dict(aggregation="seq-mean-token-sum-norm"),
+  ]:
+    with pytest.raises(ValueError):
+      LossConfig(**bad)
+  hash(LossConfig(dual_clip=3.0))  # usable as a static jit argument

@@ -11,53 +11,54 @@ from jaxrl.passk import pass_at_k, pass_at_k_array
 
 
 def exact_pass_at_k(n, c, k):
-    """1 − C(n−c,k)/C(n,k) in exact rational arithmetic (math.comb is 0 when k > n−c)."""
-    return 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+  """1 − C(n−c,k)/C(n,k) in exact rational arithmetic (math.comb is 0 when k > n−c)."""
+  return 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
 
 
 @pytest.mark.parametrize(
-    "n,c,k,expected",
-    [(16, 4, 1, 0.25), (16, 4, 8, 0.961538), (256, 3, 16, 0.176673)],
+  "n,c,k,expected",
+  [(16, 4, 1, 0.25), (16, 4, 8, 0.961538), (256, 3, 16, 0.176673)],
 )
 def test_algorithms_examples(n, c, k, expected):
-    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=5e-7)
-    assert pass_at_k_array([n], [c], k)[0] == pytest.approx(expected, abs=5e-7)
+  assert pass_at_k(n, c, k) == pytest.approx(expected, abs=5e-7)
+  assert pass_at_k_array([n], [c], k)[0] == pytest.approx(expected, abs=5e-7)
 
 
 def test_edge_cases():
-    assert pass_at_k(8, 0, 3) == 0.0
-    assert pass_at_k(8, 8, 3) == 1.0
-    assert pass_at_k(8, 6, 3) == 1.0  # n − c < k: every 3-subset holds a correct sample
-    assert pass_at_k(10, 3, 1) == pytest.approx(0.3, abs=1e-15)  # pass@1 is the accuracy
-    for bad in [(4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5)]:
-        with pytest.raises(ValueError):
-            pass_at_k(*bad)
+  assert pass_at_k(8, 0, 3) == 0.0
+  assert pass_at_k(8, 8, 3) == 1.0
+  assert pass_at_k(8, 6, 3) == 1.0  # n − c < k: every 3-subset holds a correct sample
+  assert pass_at_k(10, 3, 1) == pytest.approx(0.3, abs=1e-15)  # pass@1 is the accuracy
+  for bad in [(4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5)]:
     with pytest.raises(ValueError):
-        pass_at_k_array([4, 4], [2, 5], 1)
+      pass_at_k(*bad)
+  with pytest.raises(ValueError):
+    pass_at_k_array([4, 4], [2, 5], 1)
 
 
 def test_large_n_is_stable():
-    # C(1024, 512) overflows float64; the product form does not.
-    got = pass_at_k(1024, 10, 512)
-    assert got == pytest.approx(float(exact_pass_at_k(1024, 10, 512)), rel=1e-12)
+  # C(1024, 512) overflows float64; the product form does not.
+  got = pass_at_k(1024, 10, 512)
+  assert got == pytest.approx(float(exact_pass_at_k(1024, 10, 512)), rel=1e-12)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 300).flatmap(
-    lambda n: st.tuples(st.just(n), st.integers(0, n), st.integers(1, n))))
+@given(
+  st.integers(1, 300).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n), st.integers(1, n)))
+)
 def test_matches_exact_fraction(nck):
-    n, c, k = nck
-    assert pass_at_k(n, c, k) == pytest.approx(float(exact_pass_at_k(n, c, k)), abs=1e-12)
+  n, c, k = nck
+  assert pass_at_k(n, c, k) == pytest.approx(float(exact_pass_at_k(n, c, k)), abs=1e-12)
 
 
 def test_array_matches_scalar_loop():
-    rng = np.random.default_rng(0)
-    n_Q = rng.integers(16, 64, size=200)
-    c_Q = np.array([rng.integers(0, n + 1) for n in n_Q])
-    for k in (1, 4, 16):
-        got_Q = pass_at_k_array(n_Q, c_Q, k)
-        want_Q = [float(exact_pass_at_k(int(n), int(c), k)) for n, c in zip(n_Q, c_Q)]
-        np.testing.assert_allclose(got_Q, want_Q, rtol=0, atol=1e-12)
-    # Scalar n broadcasts over questions; all-zero c gives an empty product.
-    np.testing.assert_allclose(pass_at_k_array(16, [0, 4, 16], 8), [0.0, pass_at_k(16, 4, 8), 1.0])
-    np.testing.assert_array_equal(pass_at_k_array(16, [0, 0], 2), [0.0, 0.0])
+  rng = np.random.default_rng(0)
+  n_Q = rng.integers(16, 64, size=200)
+  c_Q = np.array([rng.integers(0, n + 1) for n in n_Q])
+  for k in (1, 4, 16):
+    got_Q = pass_at_k_array(n_Q, c_Q, k)
+    want_Q = [float(exact_pass_at_k(int(n), int(c), k)) for n, c in zip(n_Q, c_Q)]
+    np.testing.assert_allclose(got_Q, want_Q, rtol=0, atol=1e-12)
+  # Scalar n broadcasts over questions; all-zero c gives an empty product.
+  np.testing.assert_allclose(pass_at_k_array(16, [0, 4, 16], 8), [0.0, pass_at_k(16, 4, 8), 1.0])
+  np.testing.assert_array_equal(pass_at_k_array(16, [0, 0], 2), [0.0, 0.0])

@@ -6,19 +6,27 @@ pay for those imports.
 """
 
 from jaxrl.data.arithmetic import (
-    DEFAULT_LEVELS,
-    LevelSpec,
-    Problem,
-    TaskConfig,
-    build_task,
-    format_problem,
-    is_heldout,
-    max_lengths,
-    parse_levels,
-    sft_corpus,
+  DEFAULT_LEVELS,
+  LevelSpec,
+  Problem,
+  TaskConfig,
+  build_task,
+  format_problem,
+  is_heldout,
+  max_lengths,
+  parse_levels,
+  sft_corpus,
 )
 
 __all__ = [
-    "DEFAULT_LEVELS", "LevelSpec", "Problem", "TaskConfig", "build_task", "format_problem",
-    "is_heldout", "max_lengths", "parse_levels", "sft_corpus",
+  "DEFAULT_LEVELS",
+  "LevelSpec",
+  "Problem",
+  "TaskConfig",
+  "build_task",
+  "format_problem",
+  "is_heldout",
+  "max_lengths",
+  "parse_levels",
+  "sft_corpus",
 ]
