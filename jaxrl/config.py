@@ -70,7 +70,10 @@ class RolloutSection:
 
 @dataclasses.dataclass(frozen=True)
 class OptimSection:
-  learning_rate: float = 1e-3
+  # RL learning rate. On the tiny task 1e-3 collapsed the policy within 200 steps (reward 0.40 →
+  # 0.01); 3e-4 and 5e-4 both rose steadily (0.54 → 0.87 in 150 steps), 3e-4 with smaller
+  # gradient norms.
+  learning_rate: float = 3e-4
   warmup_steps: int = 10
   weight_decay: float = 0.0
   grad_clip: float = 1.0
@@ -90,7 +93,7 @@ class LossSection:
   informative_only: bool = True
   scale_by_std: bool = True
   micro_batches: int = 1
-  logprob_chunk: int = 256
+  logprob_chunk: int = 128         # tokens per chunk of the fused log-prob (bench/fused_logprob.py)
 
 
 @dataclasses.dataclass(frozen=True)
