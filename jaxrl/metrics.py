@@ -94,15 +94,18 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def plot_run(metrics_path: str, out_png: str,
-             keys=("reward", "entropy", "pass_rate", "frac_all_correct", "frac_all_wrong",
-                   "response_len", "kl", "clip_frac", "grad_norm")) -> str:
-  """A grid of per-step curves (raw and smoothed) from metrics.jsonl, saved as a PNG."""
+             keys=("reward", "entropy_rollout", "informative_frac", "frac_all_correct",
+                   "frac_all_wrong", "response_len", "kl", "clip_frac", "grad_norm")) -> str:
+  """A grid of per-step curves (raw and smoothed) from metrics.jsonl, saved as a PNG.
+
+  Curves that are zero throughout (KL without a reference, clipping in on-policy steps) are left out.
+  """
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   rows = read_jsonl(metrics_path)
-  keys = [k for k in keys if any(isinstance(r.get(k), float) for r in rows)]
+  keys = [k for k in keys if any(isinstance(r.get(k), float) and r[k] != 0 for r in rows)]
   cols = 3
   fig, axes = plt.subplots(max(1, math.ceil(len(keys) / cols)), cols,
                            figsize=(4 * cols, 2.8 * max(1, math.ceil(len(keys) / cols))),
