@@ -7,33 +7,41 @@ held-out pass@1 / pass@8 / greedy accuracy per difficulty level, runs GRPO, eval
 prints the before/after table. About 3 minutes on 2 CPU cores; held-out pass@1 goes from ~40% (SFT)
 to ~80% (3 seeds: +40.2 to +41.8 points), greedy accuracy from ~73% to ~96%.
 
-Variants (``configs/tiny.py:ARG``): ``quick`` (a one-minute smoke run), ``test`` (unit tests).
+Variants (``configs/tiny.py:ARG``, comma-separated): method presets ``grpo`` (the default), ``e3``,
+``dynamo``, ``eepo``, ``es`` (entropy scheduling), ``all``; sizes ``quick`` (a one-minute smoke run)
+and ``test`` (unit tests). Every field stays overridable: ``--config.allocation.method=dynamo``.
 """
 from jaxrl.config import default_configdict
 
 
-def get_config(arg: str = ""):
-  c = default_configdict()
-  c.seed = 0
-  c.steps = 300
-  c.batch_questions = 16
-  c.rollout.group_size = 8
-  # Aligned layout: numbers zero-padded to 5 digits, least-significant digit first. The tiny model
-  # learns one digit-wise rule for every level (the natural layout needs a length-dependent alignment
-  # per level and left the hard levels at 0% after SFT); a level's difficulty is then how many digit
-  # positions and carries it uses.
-  c.task.digit_width = 5
-  c.task.levels = "2x1+,2x2+,3x2+,3x3+,4x3+,4x4+,5x4+,5x5+"   # 1+1 has only ~10 held-out problems
-  c.eval.num_samples = 16          # pass@1 = mean accuracy of 16 samples at τ = 1; pass@8 unbiased
-  c.rollout.max_new_tokens = 8
-  # Stop the warm start while the model is partly capable (most levels 20-80% pass@1).
-  c.sft.target_loss = 0.25
-  if arg == "quick":  # a smoke run of the whole pipeline in about a minute
+PRESETS = ("grpo", "e3", "dynamo", "eepo", "es", "all")
+SIZES = ("quick", "test")
+
+
+def _apply_preset(c, name: str) -> None:
+  """The methods of the four papers, each alone and all together (ALGORITHMS.md §3-§7)."""
+  if name in ("e3", "all"):
+    c.allocation.method = "e3"             # difficulty-ranked budgets, bounds widen per epoch
+    c.temperature.method = "e3"            # entropy targeting (+ annealing after 60% of the steps)
+  if name == "dynamo":
+    c.allocation.method = "dynamo"         # variance-driven water-level allocation
+  if name in ("dynamo", "all"):
+    c.modulation.enabled = True            # token-level advantage modulation
+  if name in ("eepo", "all"):
+    c.eepo.enabled = True                  # sample → (gate) forget → sample
+  if name == "es":
+    c.clip.method = "adaptive"             # clip-higher steered to a constant entropy target
+    c.clip.schedule = "constant"
+    c.clip.h_target = 0.25
+
+
+def _apply_size(c, name: str) -> None:
+  if name == "quick":  # a smoke run of the whole pipeline in about a minute
     c.steps = 4
     c.sft.steps = 20
     c.task.num_heldout_per_level = 4
     c.checkpoint.every = 2
-  elif arg == "test":  # the smallest meaningful run, for unit tests (seconds)
+  elif name == "test":  # the smallest meaningful run, for unit tests (seconds)
     c.steps = 6
     c.batch_questions = 4
     c.rollout.group_size = 4
@@ -49,12 +57,43 @@ def get_config(arg: str = ""):
     c.task.levels = "1x1+,2x1+"
     c.task.digit_width = 0       # natural layout: 1-2 digit answers, short sequences
     c.rollout.max_new_tokens = 4
-    c.task.num_train_per_level = 16
+    c.task.num_train_per_level = 8     # 16 questions: an epoch is 4 steps (E3 re-ranks)
     c.task.num_heldout_per_level = 2
     c.eval.num_samples = 2
     c.eval.ks = "1,2"
     c.checkpoint.every = 3
     c.log.progress = False
-  elif arg:
-    raise ValueError(f"unknown variant {arg!r} of configs/tiny.py (known: quick, test)")
+    c.allocation.g_min = 2       # DynaMO bounds around G = 4
+    c.allocation.g_max = 8
+    c.allocation.e3_g_min_floor = 2
+    c.clip.warmup = 1
+    c.clip.window = 2
+    c.eepo.alpha = 100.0         # the gate always fires, so the forgetting step runs in tests
+
+
+def get_config(arg: str = ""):
+  """``arg``: a comma-separated list of at most one preset and one size, e.g. "e3" or "e3,test"."""
+  c = default_configdict()
+  c.seed = 0
+  c.steps = 300
+  c.batch_questions = 16
+  c.rollout.group_size = 8
+  # Aligned layout: numbers zero-padded to 5 digits, least-significant digit first. The tiny model
+  # learns one digit-wise rule for every level (the natural layout needs a length-dependent alignment
+  # per level and left the hard levels at 0% after SFT); a level's difficulty is then how many digit
+  # positions and carries it uses.
+  c.task.digit_width = 5
+  c.task.levels = "2x1+,2x2+,3x2+,3x3+,4x3+,4x4+,5x4+,5x5+"   # 1+1 has only ~10 held-out problems
+  c.rollout.max_new_tokens = 8
+  c.eval.num_samples = 16          # pass@1 = mean accuracy of 16 samples at τ = 1; pass@8 unbiased
+  # Stop the warm start while the model is partly capable (most levels 20-80% pass@1).
+  c.sft.target_loss = 0.25
+  for name in filter(None, (part.strip() for part in arg.split(","))):
+    if name in PRESETS:
+      _apply_preset(c, name)
+    elif name in SIZES:
+      _apply_size(c, name)
+    else:
+      raise ValueError(f"unknown variant {name!r} of configs/tiny.py "
+                       f"(presets: {', '.join(PRESETS)}; sizes: {', '.join(SIZES)})")
   return c

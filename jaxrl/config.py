@@ -128,6 +128,65 @@ class CheckpointSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class AllocationSection:
+  """How the step's fixed budget R = batch_questions * rollout.group_size is split over questions."""
+  method: str = "uniform"           # uniform | e3 | dynamo
+  e3_step: int = 2                  # E3 bounds curriculum: G_min/G_max widen by this per epoch
+  e3_g_min_floor: int = 4
+  e3_g_max_cap: int = 12
+  e3_curriculum: bool = True        # False: bounds stay (g_min, g_max) below
+  g_min: int = 4                    # DynaMO bounds (and E3 bounds without the curriculum)
+  g_max: int = 12
+  dynamo_min_history: int = 4
+  dynamo_floor: float = 0.01
+  dynamo_mastered: float = 0.85
+
+
+@dataclasses.dataclass(frozen=True)
+class TemperatureSection:
+  method: str = "fixed"             # fixed (rollout.temperature) | e3 (entropy targeting)
+  anneal: bool = True               # E3 annealing of the entropy target (Eq. 5)
+  anneal_start: int = 0             # 0: floor(0.6 * steps)
+  eta: float = 0.9
+  tau_min: float = 0.1
+  tau_max: float = 3.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipSection:
+  method: str = "fixed"             # fixed (loss.eps_high) | adaptive (Entropy Scheduling)
+  schedule: str = "constant"        # constant | cosine | stable_then_anneal
+  h_target: float = 0.2             # constant target, and H_0 of the decaying schedules
+  h_end: float = 0.1
+  rho: float = 0.1                  # stable_then_anneal: the last rho * steps anneal
+  c0: float = 0.28
+  c_min: float = 0.2
+  c_max: float = 0.4
+  delta: float = 0.01
+  window: int = 4
+  warmup: int = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class EEPOSection:
+  enabled: bool = False
+  m: int = 3                        # gate: mean entropy of the last m steps ...
+  alpha: float = 0.3                # ... below alpha fires the unlearning step
+  lr: float = 3e-3                  # eta of the plain SGD ascent step on the rollout copy
+  eps_l: float = 1e-3
+  eps_r: float = 1e-2
+  old_logp_from: str = "rollout"    # rollout (θ', the paper) | policy (recompute under θ)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModulationSection:
+  enabled: bool = False             # DynaMO token-level advantage modulation
+  alpha: float = 0.4
+  gamma: float = 50.0
+  tau: float = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   seed: int = 0
   steps: int = 200                  # RL steps
@@ -142,6 +201,11 @@ class Config:
   eval: EvalSection = EvalSection()
   log: LogSection = LogSection()
   checkpoint: CheckpointSection = CheckpointSection()
+  allocation: AllocationSection = AllocationSection()
+  temperature: TemperatureSection = TemperatureSection()
+  clip: ClipSection = ClipSection()
+  eepo: EEPOSection = EEPOSection()
+  modulation: ModulationSection = ModulationSection()
 
   @property
   def num_rollouts(self) -> int:
@@ -159,6 +223,11 @@ _CHOICES = {
     "rollout.engine": ("jax",),
     "model.dtype": ("float32", "bfloat16"),
     "task.name": ("arithmetic",),
+    "allocation.method": ("uniform", "e3", "dynamo"),
+    "temperature.method": ("fixed", "e3"),
+    "clip.method": ("fixed", "adaptive"),
+    "clip.schedule": ("constant", "cosine", "stable_then_anneal"),
+    "eepo.old_logp_from": ("rollout", "policy"),
 }
 
 
@@ -233,6 +302,24 @@ def _validate(cfg: Config) -> None:
     raise ConfigError("eval.ks", f"expected comma-separated integers, got {cfg.eval.ks!r}") from None
   need(all(1 <= k <= cfg.eval.num_samples for k in ks), "eval.ks",
        f"every k must be in [1, eval.num_samples={cfg.eval.num_samples}], got {ks}")
+  a = cfg.allocation
+  need(1 <= a.g_min <= a.g_max, "allocation.g_min",
+       f"need 1 <= g_min <= g_max, got g_min={a.g_min} g_max={a.g_max}")
+  need(a.g_min <= cfg.rollout.group_size <= a.g_max, "allocation.g_max",
+       f"the mean group size rollout.group_size={cfg.rollout.group_size} must lie in "
+       f"[g_min, g_max] = [{a.g_min}, {a.g_max}]")
+  need(a.e3_g_min_floor <= cfg.rollout.group_size <= a.e3_g_max_cap, "allocation.e3_g_min_floor",
+       "need e3_g_min_floor <= rollout.group_size <= e3_g_max_cap")
+  t = cfg.temperature
+  need(0 < t.tau_min <= t.tau_max, "temperature.tau_min", "need 0 < tau_min <= tau_max")
+  need(t.tau_min <= cfg.rollout.temperature <= t.tau_max, "rollout.temperature",
+       f"must lie in [temperature.tau_min, temperature.tau_max] = [{t.tau_min}, {t.tau_max}]")
+  c = cfg.clip
+  need(c.c_min <= c.c0 <= c.c_max, "clip.c0", f"need c_min <= c0 <= c_max, got {c.c_min}, {c.c0}, {c.c_max}")
+  need(c.window >= 1, "clip.window", "must be >= 1")
+  need(cfg.eepo.m >= 1, "eepo.m", "must be >= 1")
+  need(not cfg.eepo.enabled or cfg.num_rollouts % 2 == 0, "eepo.enabled",
+       f"EEPO splits the step's R = {cfg.num_rollouts} rollouts into two equal stages: R must be even")
   need(cfg.checkpoint.every >= 1, "checkpoint.every", "must be >= 1")
   need(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
 

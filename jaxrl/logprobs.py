@@ -80,3 +80,52 @@ def fused_logprobs_entropy(
   logp_BxT = logp_KxC.reshape(K * C)[:N].reshape(B, T)
   entropy_BxT = entropy_KxC.reshape(K * C)[:N].reshape(B, T)
   return logp_BxT, entropy_BxT
+
+
+def logp_log1m_p_from_logits(logits_NxV, tokens_N, tau):
+  """Return (log p(token), log(1 − p(token))) of softmax(logits/τ) per row, in float32.
+
+  For p ≥ ½, log(1 − p) is logsumexp over the other logits minus logsumexp over all of them
+  (ALGORITHMS.md §5): finite, with a finite nonzero gradient (−p on the token's logit), even where
+  p rounds to 1 and log(1 − exp(log p)) is −inf. For p < ½ that difference cancels (absolute error
+  ≈ ulp(logsumexp), a large relative error when p is small), so log1p(−p) is used there instead.
+  """
+  z_NxV = logits_NxV.astype(jnp.float32) / jnp.asarray(tau, jnp.float32)
+  lse_N = jax.nn.logsumexp(z_NxV, axis=-1)
+  # Iota compare rather than a gather, as above, so V may be sharded.
+  vocab_ids_NxV = jax.lax.broadcasted_iota(jnp.int32, z_NxV.shape, 1)
+  is_token_NxV = vocab_ids_NxV == tokens_N.astype(jnp.int32)[:, None]
+  logp_N = jnp.sum(jnp.where(is_token_NxV, z_NxV, 0.0), axis=-1) - lse_N
+  others_lse_N = jax.nn.logsumexp(jnp.where(is_token_NxV, -jnp.inf, z_NxV), axis=-1)
+  small_N = logp_N < jnp.log(0.5)
+  # Double where: the log1p branch sees only p < ½, so its gradient stays finite where unused.
+  log1m_small_N = jnp.log1p(-jnp.exp(jnp.where(small_N, logp_N, jnp.log(0.25))))
+  return logp_N, jnp.where(small_N, log1m_small_N, others_lse_N - lse_N)
+
+
+@jax.checkpoint
+def _chunk_log1m_p(lm_head_DxV, tau, hidden_CxD, tokens_C):
+  """One chunk of rows; checkpointed so only its inputs are saved for the backward pass."""
+  return logp_log1m_p_from_logits(_logits(hidden_CxD, lm_head_DxV), tokens_C, tau)
+
+
+def fused_log1m_p(hidden_BxTxD, lm_head_DxV, tokens_BxT, tau, *, chunk_size=DEFAULT_CHUNK_SIZE):
+  """(log p, log(1 − p)) of each token at τ, chunked over B·T tokens so no [B,T,V] buffer exists."""
+  B, T, D = hidden_BxTxD.shape
+  N = B * T
+  C = min(chunk_size, N)
+  K = -(-N // C)
+  pad = K * C - N
+  # Padded rows (zero hidden → uniform logits, token 0) are finite and sliced off below.
+  hidden_KxCxD = jnp.pad(hidden_BxTxD.reshape(N, D), ((0, pad), (0, 0))).reshape(K, C, D)
+  tokens_KxC = jnp.pad(tokens_BxT.reshape(N), (0, pad)).reshape(K, C)
+  tau = jnp.asarray(tau, jnp.float32)
+
+  def one_chunk(xs):
+    hidden_CxD, tokens_C = xs
+    return _chunk_log1m_p(lm_head_DxV, tau, hidden_CxD, tokens_C)
+
+  logp_KxC, log1m_p_KxC = jax.lax.map(one_chunk, (hidden_KxCxD, tokens_KxC))
+  logp_BxT = logp_KxC.reshape(K * C)[:N].reshape(B, T)
+  log1m_p_BxT = log1m_p_KxC.reshape(K * C)[:N].reshape(B, T)
+  return logp_BxT, log1m_p_BxT

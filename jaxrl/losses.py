@@ -7,6 +7,9 @@ computed once over the whole step's batch (`loss_denominator`): summing `grpo_lo
 micro-batches that share that denominator gives exactly the loss and gradient of one big batch.
 Metrics are returned as additive sums and counts for the same reason; `finalize_metrics` turns
 them into means once all micro-batches are summed.
+
+The method extras sit at the end: DynaMO's token-level advantage modulation (§4), whose output
+feeds `grpo_loss(..., adv_RxT=...)`, and EEPO's unlearning loss (§5) for the rollout copy θ'.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from jaxrl.logprobs import logp_log1m_p_from_logits
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -199,8 +204,14 @@ def grpo_loss(
   denom,
   hp: LossHparams,
   cfg: LossConfig,
+  *,
+  adv_RxT=None,
 ):
-  """Clipped GRPO surrogate + β·KL − λ·entropy, each aggregated and divided by `denom`."""
+  """Clipped GRPO surrogate + β·KL − λ·entropy, each aggregated and divided by `denom`.
+
+  `adv_RxT`, if given, is a per-token advantage (e.g. `dynamo_modulate`'s) used in the surrogate
+  and the dual clip instead of `adv_R` broadcast over tokens; `adv_R` is then ignored.
+  """
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   mask_RxT = f32(mask_RxT)
   on_RxT = mask_RxT > 0
@@ -209,17 +220,22 @@ def grpo_loss(
   # nor the gradient sees a NaN.
   logp_RxT = jnp.where(on_RxT, f32(logp_RxT), 0.0)
   old_RxT = jnp.where(on_RxT, jax.lax.stop_gradient(f32(old_logp_RxT)), 0.0)
-  adv_Rx1 = jax.lax.stop_gradient(f32(adv_R))[:, None]
+  if adv_RxT is None:
+    adv_RxT = jnp.broadcast_to(f32(adv_R)[:, None], mask_RxT.shape)
+  else:
+    # Masked positions may hold anything; zero them so no NaN reaches the (zero-weighted) sum.
+    adv_RxT = jnp.where(on_RxT, f32(adv_RxT), 0.0)
+  adv_RxT = jax.lax.stop_gradient(adv_RxT)
 
   ratio_RxT = jnp.exp(logp_RxT - old_RxT)
-  unclipped_RxT = ratio_RxT * adv_Rx1
-  clipped_RxT = jnp.clip(ratio_RxT, 1.0 - hp.eps_low, 1.0 + hp.eps_high) * adv_Rx1
+  unclipped_RxT = ratio_RxT * adv_RxT
+  clipped_RxT = jnp.clip(ratio_RxT, 1.0 - hp.eps_low, 1.0 + hp.eps_high) * adv_RxT
   obj_RxT = jnp.minimum(unclipped_RxT, clipped_RxT)
   is_clipped_RxT = clipped_RxT < unclipped_RxT
   is_dual_RxT = jnp.zeros_like(is_clipped_RxT)
   if cfg.dual_clip is not None:
-    floor_RxT = jnp.broadcast_to(cfg.dual_clip * adv_Rx1, obj_RxT.shape)
-    is_dual_RxT = (adv_Rx1 < 0) & (floor_RxT > obj_RxT)
+    floor_RxT = cfg.dual_clip * adv_RxT
+    is_dual_RxT = (adv_RxT < 0) & (floor_RxT > obj_RxT)
     obj_RxT = jnp.where(is_dual_RxT, floor_RxT, obj_RxT)
 
   safe_denom = jnp.where(denom > 0, denom, 1.0)  # empty batch: every numerator is 0 too
@@ -252,3 +268,82 @@ def grpo_loss(
     entropy_sum=jax.lax.stop_gradient(tok(ent_RxT)),
   )
   return loss, metrics
+
+
+def dynamo_modulate(
+  adv, logp, old_logp, entropy, mask, eps_low, eps_high, alpha=0.4, gamma=50.0, tau=0.9
+):
+  """DynaMO per-token advantage A·f·g (Eq. 8–14), f32[R,T], no gradient, 0 on masked tokens.
+
+  `adv` is the sequence advantage f[R]; `logp`, `old_logp`, `entropy` and `mask` are [R,T] (entropy
+  of the full softmax at τ). The normaliser max Ξ and the entropy range H_min/H_max are taken over
+  the valid tokens of the arrays given: with micro-batching that is the micro-batch, not the whole
+  step. Every hyperparameter may be a traced scalar.
+  """
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  mask_RxT = f32(mask)
+  on_RxT = mask_RxT > 0
+  # Padded positions may hold −inf log-probs or garbage entropies: zero them before any arithmetic.
+  logp_RxT = jnp.where(on_RxT, f32(logp), 0.0)
+  old_RxT = jnp.where(on_RxT, f32(old_logp), 0.0)
+  ent_RxT = jnp.where(on_RxT, f32(entropy), 0.0)
+  adv_RxT = jnp.broadcast_to(f32(adv)[:, None], mask_RxT.shape)
+  alpha = f32(alpha)
+
+  # Stabilisation f: Ξ estimates |ΔH| of Eq. 10–11 from the sampled token only.
+  ratio_RxT = jnp.exp(logp_RxT - old_RxT)
+  unclipped_RxT = ((adv_RxT > 0) & (ratio_RxT <= 1.0 + eps_high)) | (
+    (adv_RxT < 0) & (ratio_RxT >= 1.0 - eps_low)
+  )
+  xi_RxT = jnp.where(unclipped_RxT, ratio_RxT * adv_RxT, 0.0)
+  t1_RxT = jnp.exp(logp_RxT) * (logp_RxT + ent_RxT)
+  len_Rx1 = jnp.maximum(jnp.sum(mask_RxT, axis=1, keepdims=True), 1.0)
+  mean_t1_Rx1 = jnp.sum(t1_RxT * mask_RxT, axis=1, keepdims=True) / len_Rx1
+  big_xi_RxT = jnp.abs(xi_RxT * (t1_RxT - mean_t1_Rx1)) * mask_RxT
+  x_RxT = big_xi_RxT / (jnp.max(big_xi_RxT) + 1e-8)
+  lam_min = 1.0 - alpha
+  f_RxT = lam_min + (1.0 - lam_min) * jax.nn.sigmoid(-gamma * (x_RxT - tau))
+
+  # Compensation g for A > 0; an all-masked batch has no entropy range, use g = 1 there.
+  any_on = jnp.any(on_RxT)
+  h_max = jnp.where(any_on, jnp.max(jnp.where(on_RxT, ent_RxT, -jnp.inf)), 0.0)
+  h_min = jnp.where(any_on, jnp.min(jnp.where(on_RxT, ent_RxT, jnp.inf)), 0.0)
+  g_pos_RxT = 1.0 + alpha * (h_max - ent_RxT) / (h_max - h_min + 1e-8)
+  g_RxT = jnp.where(adv_RxT > 0, g_pos_RxT, 1.0)
+  return jax.lax.stop_gradient(adv_RxT * f_RxT * g_RxT) * mask_RxT
+
+
+def eepo_unlearning_loss_from_logp(logp_RxT, log1m_p_RxT, mask_RxT, eps_l, eps_r):
+  """EEPO's L = mean_k (1/T_k)·Σ_t m_t·[p_t ≥ ε_L]·log(1 − p_t), from log p and log(1 − p).
+
+  The caller ascends L (θ' ← θ' + η·∇L). Value: each log(1 − p) term is floored at log ε_R.
+  Gradient: straight-through, that of the unfloored `log1m_p_RxT` (−p on the token's logit when it
+  comes from `logp_log1m_p_from_logits`), so a dominant token keeps a gradient where the paper's
+  clip of p to 1 − ε_R would give none. Tokens with p < ε_L contribute 0 in value and gradient.
+  T_k counts the valid tokens of sequence k; rows with none (padding) are left out of the mean.
+  """
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  mask_RxT = f32(mask_RxT)
+  logp_RxT = f32(logp_RxT)
+  log1m_p_RxT = f32(log1m_p_RxT)
+  active_RxT = (mask_RxT > 0) & (jax.lax.stop_gradient(jnp.exp(logp_RxT)) >= eps_l)
+  term_RxT = jnp.where(active_RxT, log1m_p_RxT, 0.0)
+  floored_RxT = jnp.maximum(term_RxT, jnp.log(f32(eps_r)))
+  # Forward: exactly the floored value (term − sg(term) is exactly 0); backward: d term.
+  term_RxT = jax.lax.stop_gradient(floored_RxT) + (term_RxT - jax.lax.stop_gradient(term_RxT))
+  term_RxT = jnp.where(active_RxT, term_RxT, 0.0)
+  len_R = jnp.sum(mask_RxT, axis=1)
+  seq_R = jnp.sum(term_RxT, axis=1) / jnp.maximum(len_R, 1.0)
+  num_seqs = jnp.sum((len_R > 0).astype(jnp.float32))
+  return jnp.sum(seq_R) / jnp.maximum(num_seqs, 1.0)
+
+
+def eepo_unlearning_loss(logits, tokens, mask, eps_l, eps_r):
+  """EEPO unlearning loss from logits f[R,T,V] at τ = 1 (divide by τ first); see `_from_logp`."""
+  R, T, V = logits.shape
+  logp_N, log1m_p_N = logp_log1m_p_from_logits(
+    jnp.reshape(logits, (R * T, V)), jnp.reshape(jnp.asarray(tokens), (R * T,)), 1.0
+  )
+  return eepo_unlearning_loss_from_logp(
+    logp_N.reshape(R, T), log1m_p_N.reshape(R, T), mask, eps_l, eps_r
+  )

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxrl import losses, model
-from jaxrl.logprobs import fused_logprobs_entropy
+from jaxrl.logprobs import fused_log1m_p, fused_logprobs_entropy
 from jaxrl.types import Array, TrainState, pytree_dataclass
 
 
@@ -36,12 +36,12 @@ class PolicyBatch:
   group_ids_R: Array
 
 
-def score_responses(graphdef, params, prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN,
-                    response_mask_RxN, tau, chunk_size: int):
-  """Log-probs and entropies at τ of each response token given its prompt: (logp_RxN, ent_RxN).
+def response_hidden(graphdef, params, prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN,
+                    response_mask_RxN):
+  """Hidden states that predict each response token, and the LM head: (hidden_RxNxD, lm_head_DxV).
 
   One forward over prompt ++ response; the hidden state at position p predicts token p+1, so the
-  response tokens are scored by hidden states P-1 .. P+N-2.
+  response tokens are predicted by hidden states P-1 .. P+N-2.
   """
   p = prompt_ids_RxP.shape[1]
   n = response_ids_RxN.shape[1]
@@ -49,7 +49,14 @@ def score_responses(graphdef, params, prompt_ids_RxP, prompt_mask_RxP, response_
   valid = jnp.concatenate([prompt_mask_RxP, response_mask_RxN], axis=1)
   positions = model.positions_from_mask(valid)
   hidden, lm_head, _ = model.forward(graphdef, params, tokens, positions, valid)
-  hidden_RxNxD = jax.lax.dynamic_slice_in_dim(hidden, p - 1, n, axis=1)
+  return jax.lax.dynamic_slice_in_dim(hidden, p - 1, n, axis=1), lm_head
+
+
+def score_responses(graphdef, params, prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN,
+                    response_mask_RxN, tau, chunk_size: int):
+  """Log-probs and entropies at τ of each response token given its prompt: (logp_RxN, ent_RxN)."""
+  hidden_RxNxD, lm_head = response_hidden(graphdef, params, prompt_ids_RxP, prompt_mask_RxP,
+                                          response_ids_RxN, response_mask_RxN)
   logp, ent = fused_logprobs_entropy(hidden_RxNxD, lm_head, response_ids_RxN, tau,
                                      chunk_size=chunk_size)
   mask = response_mask_RxN.astype(logp.dtype)
@@ -67,7 +74,11 @@ class RLStepConfig:
   num_groups: int
   micro_batches: int = 1
   scale_by_std: bool = True
-  logprob_chunk: int = 256
+  logprob_chunk: int = 128
+  modulation: bool = False        # DynaMO token-level advantage modulation
+  modulation_alpha: float = 0.4
+  modulation_gamma: float = 50.0
+  modulation_tau: float = 0.9
 
 
 def rl_update(graphdef, tx: optax.GradientTransformation, cfg: RLStepConfig, state: TrainState,
@@ -98,9 +109,14 @@ def rl_update(graphdef, tx: optax.GradientTransformation, cfg: RLStepConfig, sta
   def micro_loss(params, mb):
     logp, ent = score_responses(graphdef, params, mb["prompt_ids"], mb["prompt_mask"],
                                 mb["response_ids"], mb["mask"], hp.tau, cfg.logprob_chunk)
+    adv_RxT = None
+    if cfg.modulation:  # DynaMO: min/max statistics are over this micro-batch
+      adv_RxT = losses.dynamo_modulate(mb["adv"], logp, mb["old_logp"], ent, mb["mask"],
+                                       hp.loss.eps_low, hp.loss.eps_high, cfg.modulation_alpha,
+                                       cfg.modulation_gamma, cfg.modulation_tau)
     return losses.grpo_loss(logp, mb["old_logp"], mb["adv"], mb["mask"], ent,
                             mb["ref_logp"] if cfg.loss.use_kl else None, mb["informative"], denom,
-                            hp.loss, cfg.loss)
+                            hp.loss, cfg.loss, adv_RxT=adv_RxT)
 
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
   if cfg.micro_batches == 1:
@@ -144,6 +160,24 @@ def sft_update(graphdef, tx: optax.GradientTransformation, chunk: int, state: Tr
   params = optax.apply_updates(state.params, updates)
   return (dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state),
           dict(loss=loss, grad_norm=grad_norm))
+
+
+def eepo_forget(graphdef, chunk: int, params, prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN,
+                response_mask_RxN, tau, *, lr: float, eps_l: float, eps_r: float):
+  """EEPO's forgetting step on the rollout copy: θ' = θ + η·∇L, one plain SGD ascent step.
+
+  L is the unlearning objective of ALGORITHMS.md §5 over the stage-1 responses at τ (log(1-p)
+  computed stably by the fused path); no optimizer state. Returns (θ', L).
+  """
+
+  def objective(p):
+    hidden_RxNxD, lm_head = response_hidden(graphdef, p, prompt_ids_RxP, prompt_mask_RxP,
+                                            response_ids_RxN, response_mask_RxN)
+    logp, log1m_p = fused_log1m_p(hidden_RxNxD, lm_head, response_ids_RxN, tau, chunk_size=chunk)
+    return losses.eepo_unlearning_loss_from_logp(logp, log1m_p, response_mask_RxN, eps_l, eps_r)
+
+  value, grads = jax.value_and_grad(objective)(params)
+  return jax.tree.map(lambda p, g: p + lr * g, params, grads), value
 
 
 def init_state(params, tx) -> TrainState:

@@ -24,8 +24,10 @@ from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import Config, to_dict
 from jaxrl.data.cursor import Cursor, next_batch
 from jaxrl.eval import EvalResult, comparison_table, evaluate
+from jaxrl.methods import Methods, eepo_stage1_counts
 from jaxrl.metrics import MetricsWriter, plot_run
 from jaxrl.progress import Progress
+from jaxrl.rollout import sampler
 from jaxrl.rollout.engine import JaxEngine
 from jaxrl.stats import init_stats, update_stats
 from jaxrl.task import TaskData, load_task
@@ -51,15 +53,18 @@ def rl_step_config(cfg: Config) -> step.RLStepConfig:
       aggregation=cfg.loss.aggregation, dual_clip=cfg.loss.dual_clip or None,
       kl_estimator=cfg.loss.kl_estimator, use_kl=cfg.loss.kl_coef > 0,
       informative_only=cfg.loss.informative_only, max_response_len=cfg.rollout.max_new_tokens)
+  mod = cfg.modulation
   return step.RLStepConfig(loss=loss, num_groups=cfg.batch_questions,
                            micro_batches=cfg.loss.micro_batches, scale_by_std=cfg.loss.scale_by_std,
-                           logprob_chunk=cfg.loss.logprob_chunk)
+                           logprob_chunk=cfg.loss.logprob_chunk, modulation=mod.enabled,
+                           modulation_alpha=mod.alpha, modulation_gamma=mod.gamma,
+                           modulation_tau=mod.tau)
 
 
-def step_hparams(cfg: Config, tau: float) -> step.StepHparams:
+def step_hparams(cfg: Config, tau, eps_high) -> step.StepHparams:
   f32 = jnp.float32
   return step.StepHparams(
-      loss=losses.LossHparams(eps_low=f32(cfg.loss.eps_low), eps_high=f32(cfg.loss.eps_high),
+      loss=losses.LossHparams(eps_low=f32(cfg.loss.eps_low), eps_high=f32(eps_high),
                               kl_coef=f32(cfg.loss.kl_coef), entropy_coef=f32(cfg.loss.entropy_coef)),
       tau=f32(tau))
 
@@ -151,7 +156,10 @@ class Trainer:
     step_cfg = rl_step_config(c)
     ref_params = jax.tree.map(jnp.copy, sft_params) if step_cfg.loss.use_kl else None
     state = jax.jit(functools.partial(step.init_state, tx=tx), out_shardings=state_shardings)(sft_params)
-    stats = init_stats(len(t.train_answers))
+    methods = Methods(c, self.model_cfg.vocab_size)
+    log.info("methods: %s", methods.describe())
+    tree = {"state": state, "stats": init_stats(len(t.train_answers)),
+            "policies": methods.init(len(t.train_answers))}
     cursor = Cursor()
 
     ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=c.checkpoint.keep,
@@ -159,60 +167,85 @@ class Trainer:
     start = 0
     if ckpt.latest_step() is not None:
       start = ckpt.latest_step()
-      abstract = jax.tree.map(
-          lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-          {"state": state, "stats": stats},
-          {"state": state_shardings, "stats": jax.tree.map(lambda _: sharding.replicated(self.mesh), stats)})
+      rep = sharding.replicated(self.mesh)
+      target_shardings = {"state": state_shardings,
+                          "stats": jax.tree.map(lambda _: rep, tree["stats"]),
+                          "policies": jax.tree.map(lambda _: rep, tree["policies"])}
+      abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                              tree, target_shardings)
       tree, meta = ckpt.restore(start, abstract)
-      state, stats = tree["state"], tree["stats"]
       cursor = Cursor(**meta["cursor"])
       log.info("resumed from step %d (%s)", start, ckpt.directory)
+    state, stats, policies = tree["state"], tree["stats"], tree["policies"]
 
-    update = jax.jit(functools.partial(step.rl_update, self.graphdef, tx, step_cfg),
-                     donate_argnums=(0,), out_shardings=(state_shardings, None))
+    self._update = jax.jit(functools.partial(step.rl_update, self.graphdef, tx, step_cfg),
+                           donate_argnums=(0,), out_shardings=(state_shardings, None))
     writer = MetricsWriter(self.workdir, tensorboard=c.log.tensorboard,
                            wandb_project=c.log.wandb_project if c.log.wandb else None,
                            config=to_dict(c), resume_step=start)
-    hp = step_hparams(c, c.rollout.temperature)
     base_key = jax.random.fold_in(jax.random.PRNGKey(c.seed), _STREAM_RL)
     stop = _StopFlag()
-    counts_B = np.full(c.batch_questions, c.rollout.group_size, np.int32)
     try:
       with self.progress.task("GRPO", c.steps, start) as advance:
         for i in range(start, c.steps):
           t0 = time.time()
+          epoch_before = cursor.epoch
           qids_B, cursor = next_batch(cursor, c.seed, len(t.train_answers), c.batch_questions)
-          self.engine.set_weights(state.params, i)
-          out = self.engine.generate(t.train_prompt_ids[qids_B], t.train_prompt_mask[qids_B], counts_B,
-                                     float(hp.tau), jax.random.fold_in(base_key, i))
+          counts_B = methods.allocate(policies.alloc, stats, jnp.asarray(qids_B))
+          tau = policies.temperature.tau
+          out, eepo_row = self._rollouts(state.params, methods, policies, qids_B, counts_B, tau,
+                                         jax.random.fold_in(base_key, i), i)
+          if eepo_row:
+            policies = dataclasses.replace(policies, gate=eepo_row.pop("gate_state"))
           responses = t.decode(out)
           group_ids_R = np.asarray(out.group_ids_R)
           t1 = time.time()
           rewards_R = t.score(responses, t.train_answers[qids_B[group_ids_R]])
           stats = update_stats(stats, qids_B, group_ids_R, rewards_R, i)
+          # Entropy of the step's rollouts at τ under the params that sampled them (E3's H_t and
+          # the clip controller's measured entropy: known before this step's update).
+          mask = np.asarray(out.mask_RxN)
+          tokens = float(mask.sum())
+          h_t = float((np.asarray(out.entropy_RxN) * mask).sum() / max(tokens, 1.0))
+          clip_state = methods.update_clip(policies.clip, h_t)
+          eps_high = methods.clip.current(clip_state)
+          hp = step_hparams(c, tau, eps_high)
           batch = step.PolicyBatch(
               prompt_ids_RxP=out.prompt_ids_RxP, prompt_mask_RxP=out.prompt_mask_RxP,
               response_ids_RxN=out.tokens_RxN, response_mask_RxN=out.mask_RxN,
               old_logp_RxN=out.logp_RxN, rewards_R=jnp.asarray(rewards_R, jnp.float32),
               group_ids_R=out.group_ids_R)
           t2 = time.time()
-          state, m = update(state, sharding.shard_batch(batch, self.mesh), hp, ref_params)
+          state, m = self._update(state, sharding.shard_batch(batch, self.mesh), hp, ref_params)
           m = jax.device_get(m)
           t3 = time.time()
-          mask = np.asarray(out.mask_RxN)
-          tokens = float(mask.sum())
+          temp_state = methods.update_temperature(policies.temperature, h_t)
+          policies = dataclasses.replace(policies, temperature=temp_state, clip=clip_state)
+          if cursor.epoch != epoch_before:  # a pass over the data ended: E3 re-ranks, bounds widen
+            policies = dataclasses.replace(
+                policies, alloc=methods.on_epoch_end(policies.alloc, stats, epoch_before))
+          counts = np.asarray(counts_B)
           row = dict(m, reward=float(rewards_R.mean()), pass_rate=float((rewards_R > 0).mean()),
-                     entropy_rollout=float((np.asarray(out.entropy_RxN) * mask).sum() / max(tokens, 1)),
-                     response_len=tokens / len(rewards_R), tau=float(hp.tau),
-                     eps_low=float(hp.loss.eps_low), eps_high=float(hp.loss.eps_high),
+                     entropy_rollout=h_t, response_len=tokens / len(rewards_R), tau=float(tau),
+                     tau_next=float(temp_state.tau), tau_clamped=float(temp_state.clamped),
+                     entropy_target=float(methods.temperature.target(temp_state)),
+                     eps_low=float(hp.loss.eps_low), eps_high=float(eps_high),
+                     clip_target=float(methods.clip.target(clip_state)),
+                     alloc_min=float(counts.min()), alloc_max=float(counts.max()),
+                     alloc_std=float(counts.std()),
+                     alloc_hist=np.bincount(counts, minlength=counts.max() + 1).tolist(),
                      rollout_tok_s=tokens / max(t1 - t0, 1e-9),
                      train_tok_s=(tokens + mask.shape[0] * out.prompt_ids_RxP.shape[1]) / max(t3 - t2, 1e-9),
                      step_time=t3 - t0, epoch=cursor.epoch,
-                     **group_outcomes(rewards_R, group_ids_R, c.batch_questions))
+                     # Compiled versions of the hot functions: constant after the first step, or
+                     # something (a shape, a Python scalar) is recompiling every step.
+                     compiles_update=self._update._cache_size(),
+                     compiles_sampler=sampler.generate._cache_size(),
+                     **eepo_row, **group_outcomes(rewards_R, group_ids_R, c.batch_questions))
           writer.write(i + 1, row)
-          advance(i + 1, c.steps, f"reward {row['reward']:.3f} H {row['entropy_rollout']:.3f}")
+          advance(i + 1, c.steps, f"reward {row['reward']:.3f} H {h_t:.3f} τ {float(tau):.2f}")
           if (i + 1) % c.checkpoint.every == 0 or i + 1 == c.steps or stop.requested:
-            ckpt.save(i + 1, {"state": state, "stats": stats},
+            ckpt.save(i + 1, {"state": state, "stats": stats, "policies": policies},
                       {"cursor": dataclasses.asdict(cursor), "step": i + 1})
           if stop.requested:
             log.warning("interrupted: checkpoint saved at step %d; run again to resume", i + 1)
@@ -222,6 +255,46 @@ class Trainer:
       ckpt.close()
       writer.close()
     self.final_params = state.params
+
+  def _rollouts(self, params, methods: Methods, policies, qids_B, counts_B, tau, key, step_index):
+    """The step's rollouts: one stage, or EEPO's sample → gate → forget → sample (then θ again)."""
+    c, t = self.cfg, self.task
+    ids, mask = t.train_prompt_ids[qids_B], t.train_prompt_mask[qids_B]
+    self.engine.set_weights(params, step_index)
+    if not c.eepo.enabled:
+      return self.engine.generate(ids, mask, counts_B, tau, key), {}
+    counts1_B = eepo_stage1_counts(counts_B)
+    out1 = self.engine.generate(ids, mask, counts1_B, tau, jax.random.fold_in(key, 1))
+    mask1 = np.asarray(out1.mask_RxN)
+    h1 = float((np.asarray(out1.entropy_RxN) * mask1).sum() / max(mask1.sum(), 1))
+    fire, gate_state = methods.gate(policies.gate, h1)
+    unlearn = float("nan")
+    if bool(fire):
+      params2, unlearn = self._forget(params, out1.prompt_ids_RxP, out1.prompt_mask_RxP,
+                                      out1.tokens_RxN, out1.mask_RxN, jnp.float32(tau))
+      self.engine.set_weights(params2, step_index)  # θ' is a temporary rollout version
+    out2 = self.engine.generate(ids, mask, counts_B - counts1_B, tau, jax.random.fold_in(key, 2))
+    self.engine.set_weights(params, step_index)
+    out = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out1, out2)
+    if bool(fire) and c.eepo.old_logp_from == "policy":
+      old_logp, _ = self._score(params, out.prompt_ids_RxP, out.prompt_mask_RxP, out.tokens_RxN,
+                                out.mask_RxN, jnp.float32(tau))
+      out = dataclasses.replace(out, logp_RxN=old_logp)
+    mask2 = np.asarray(out2.mask_RxN)
+    h2 = float((np.asarray(out2.entropy_RxN) * mask2).sum() / max(mask2.sum(), 1))
+    return out, {"eepo_gate": float(bool(fire)), "eepo_unlearn_loss": float(unlearn),
+                 "entropy_stage1": h1, "entropy_stage2": h2, "gate_state": gate_state}
+
+  @functools.cached_property
+  def _forget(self):
+    e = self.cfg.eepo
+    return jax.jit(functools.partial(step.eepo_forget, self.graphdef, self.cfg.loss.logprob_chunk,
+                                     lr=e.lr, eps_l=e.eps_l, eps_r=e.eps_r))
+
+  @functools.cached_property
+  def _score(self):
+    return jax.jit(functools.partial(step.score_responses, self.graphdef,
+                                     chunk_size=self.cfg.loss.logprob_chunk))
 
   # -- whole run ----------------------------------------------------------------------------------
 

@@ -1,0 +1,119 @@
+"""The four papers' policies, built once from the config and composed in the loop.
+
+Each policy is a pure optax-style object from ``jaxrl.allocation`` / ``jaxrl.schedules``; this module
+only chooses them from the config, holds their states in one checkpointable pytree, and jits their
+per-step decisions (so a new value never recompiles). The loop in ``jaxrl.train`` calls, per step:
+
+  counts_B = allocate(...)           before sampling (E3 ranks / DynaMO priorities)
+  τ_t      = temperature.current     before sampling; temperature.update(H_t) after it
+  clip.update(H_t); ε_high = clip.current   after sampling, before the update (ES Algorithm 1)
+  gate(H_stage1)                     EEPO, between the two rollout stages
+  on_epoch_end(stats, epoch)         when the data cursor finishes a pass (E3 ranks and bounds)
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl import allocation, schedules
+from jaxrl.config import Config
+from jaxrl.types import pytree_dataclass
+
+log = logging.getLogger(__name__)
+
+
+@pytree_dataclass
+class PolicyStates:
+  """Every controller's state; saved in each checkpoint."""
+  alloc: Any
+  temperature: schedules.TemperatureState
+  clip: schedules.ClipState
+  gate: schedules.GateState
+
+
+def _allocator(cfg: Config) -> allocation.Allocator:
+  a, g = cfg.allocation, cfg.rollout.group_size
+  if a.method == "e3":
+    return allocation.e3_allocator(g, step=a.e3_step, g_min_floor=a.e3_g_min_floor,
+                                   g_max_cap=a.e3_g_max_cap, curriculum=a.e3_curriculum)
+  if a.method == "dynamo":
+    return allocation.dynamo_allocator(g, a.g_min, a.g_max, min_history=a.dynamo_min_history,
+                                       floor=a.dynamo_floor, mastered=a.dynamo_mastered)
+  return allocation.uniform_allocator(g)
+
+
+def _temperature(cfg: Config, vocab_size: int) -> schedules.TemperatureController:
+  t = cfg.temperature
+  if t.method == "e3":
+    return schedules.e3_temperature_controller(
+        vocab_size, t_max=cfg.steps, tau0=cfg.rollout.temperature, eta=t.eta, anneal=t.anneal,
+        anneal_start=t.anneal_start or None, tau_min=t.tau_min, tau_max=t.tau_max)
+  return schedules.fixed_temperature(cfg.rollout.temperature)
+
+
+def _schedule(cfg: Config) -> schedules.Schedule:
+  c = cfg.clip
+  if c.schedule == "cosine":
+    return schedules.cosine_schedule(c.h_target, c.h_end, cfg.steps)
+  if c.schedule == "stable_then_anneal":
+    return schedules.stable_then_anneal_schedule(c.h_target, c.h_end, cfg.steps, c.rho)
+  return schedules.constant_schedule(c.h_target)
+
+
+def _clip(cfg: Config) -> schedules.ClipController:
+  c = cfg.clip
+  if c.method == "adaptive":
+    return schedules.adaptive_clip_controller(_schedule(cfg), c0=c.c0, c_min=c.c_min, c_max=c.c_max,
+                                              delta=c.delta, window=c.window, warmup=c.warmup)
+  return schedules.fixed_clip(cfg.loss.eps_high)
+
+
+@dataclasses.dataclass
+class Methods:
+  """The run's policies and their jitted decision functions."""
+  cfg: Config
+  vocab_size: int
+
+  def __post_init__(self):
+    cfg = self.cfg
+    self.allocator = _allocator(cfg)
+    self.temperature = _temperature(cfg, self.vocab_size)
+    self.clip = _clip(cfg)
+    self.gate_ctl = schedules.eepo_gate_controller(cfg.eepo.m, cfg.eepo.alpha)
+    if cfg.temperature.method == "e3" and cfg.clip.method == "adaptive":
+      log.warning("temperature.method=e3 and clip.method=adaptive both steer entropy; running both "
+                  "(ALGORITHMS.md §7 allows it), but their effects are confounded")
+    self.allocate = jax.jit(self.allocator.allocate)
+    self.on_epoch_end = jax.jit(self.allocator.on_epoch_end)
+    self.update_temperature = jax.jit(self.temperature.update)
+    self.update_clip = jax.jit(self.clip.update)
+    self.gate = jax.jit(self.gate_ctl.gate)
+
+  def init(self, num_questions: int) -> PolicyStates:
+    return PolicyStates(alloc=self.allocator.init(num_questions), temperature=self.temperature.init(),
+                        clip=self.clip.init(), gate=self.gate_ctl.init())
+
+  def describe(self) -> str:
+    c = self.cfg
+    parts = [f"allocation={c.allocation.method}", f"temperature={c.temperature.method}",
+             f"clip={c.clip.method}" + (f"({c.clip.schedule})" if c.clip.method == "adaptive" else ""),
+             f"eepo={'on' if c.eepo.enabled else 'off'}",
+             f"modulation={'on' if c.modulation.enabled else 'off'}"]
+    return ", ".join(parts)
+
+
+def eepo_stage1_counts(counts_B: jnp.ndarray) -> jnp.ndarray:
+  """Stage-1 rollouts per question: ⌊G_i/2⌋, and ⌈G_i/2⌉ for the first half of the odd G_i.
+
+  **Decision:** the paper takes ⌊G_i/2⌋. With G_i chosen per question that sum varies, and so would
+  the sampler's shapes; rounding half of the odd groups up (their number is even, as Σ G_i = R is)
+  makes both stages exactly R/2 rollouts, so neither recompiles.
+  """
+  odd_B = (counts_B % 2).astype(jnp.int32)
+  rank_B = jnp.cumsum(odd_B) - odd_B            # index of each odd group among the odd ones
+  up_B = odd_B * (rank_B < jnp.sum(odd_B) // 2)
+  return counts_B // 2 + up_B

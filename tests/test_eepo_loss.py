@@ -1,0 +1,349 @@
+"""EEPO unlearning loss (ALGORITHMS.md §5) and the fused log(1 − p) path it trains through.
+
+Oracles are float64 numpy: log(1 − p) as log Σ_{j≠a} e^{z_j} − log Σ_j e^{z_j}, and its analytic
+gradient (q_j − p_j off the token, −p_a on it, q = softmax over the other logits).
+"""
+
+import math
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl.logprobs import fused_log1m_p, logp_log1m_p_from_logits
+from jaxrl.losses import eepo_unlearning_loss, eepo_unlearning_loss_from_logp
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+EPS_L, EPS_R = 1e-3, 1e-2
+B, T, D, V, CHUNK = 3, 29, 16, 96, 16  # B·T = 87: not a multiple of the chunk
+
+
+def _rel_err(actual, expected):
+  """Max abs error relative to the largest reference magnitude."""
+  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  return np.max(np.abs(actual - expected)) / np.max(np.abs(expected))
+
+
+def _lse(x, axis=-1):
+  m = np.max(x, axis=axis, keepdims=True)
+  return (m + np.log(np.sum(np.exp(x - m), axis=axis, keepdims=True)))[..., 0]
+
+
+def oracle_rows(z_NxV, tok_N):
+  """Float64 log p, log(1 − p) and d log(1 − p)/dz per row."""
+  z = np.asarray(z_NxV, np.float64)
+  rows = np.arange(len(tok_N))
+  lse = _lse(z)
+  others = z.copy()
+  others[rows, tok_N] = -np.inf
+  lse_o = _lse(others)
+  p = np.exp(z - lse[:, None])
+  q = np.exp(others - lse_o[:, None])
+  return z[rows, tok_N] - lse, lse_o - lse, q - p
+
+
+def oracle_loss(logits, tokens, mask, eps_l, eps_r):
+  """L and dL/dlogits by loops over sequences and tokens (float64)."""
+  R, Tn, Vn = logits.shape
+  logp, log1m, dz = oracle_rows(logits.reshape(-1, Vn), tokens.reshape(-1))
+  logp, log1m, dz = logp.reshape(R, Tn), log1m.reshape(R, Tn), dz.reshape(R, Tn, Vn)
+  seqs = [k for k in range(R) if sum(mask[k]) > 0]
+  total, grad = 0.0, np.zeros_like(dz)
+  for k in seqs:
+    t_k = sum(mask[k])
+    for t in range(Tn):
+      if mask[k][t] and math.exp(logp[k, t]) >= eps_l:
+        total += max(log1m[k, t], math.log(eps_r)) / t_k / len(seqs)
+        grad[k, t] = dz[k, t] / t_k / len(seqs)  # straight-through: the unfloored gradient
+  return total, grad
+
+
+# ------------------------------------------------------------------------- worked examples
+
+
+def test_worked_example_e1():
+  logits = jnp.array([[[2.0, 0.0, 0.0]]])
+  tokens, mask = jnp.array([[0]]), jnp.array([[1]])
+  loss, grad = jax.value_and_grad(eepo_unlearning_loss)(logits, tokens, mask, EPS_L, EPS_R)
+  np.testing.assert_allclose(float(loss), -1.5463976, rtol=0, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(grad)[0, 0], [-0.786986, 0.393493, 0.393493], atol=1e-5)
+  p = jax.nn.softmax(logits + 1.0 * grad, axis=-1)[0, 0, 0]  # one ascent step of size 1
+  assert round(float(p), 4) == 0.5316
+
+
+def test_worked_example_e3():
+  tiny = 1e-12
+  probs = np.array(
+    [
+      [[0.9, 0.1, tiny], [0.5, 0.5, tiny], [1 / 3, 1 / 3, 1 / 3]],  # last position is padding
+      [[0.99, 0.01, tiny], [0.2, 0.8, tiny], [0.1, 0.9, tiny]],
+    ]
+  )
+  mask = jnp.array([[1, 1, 0], [1, 1, 1]])
+  loss = eepo_unlearning_loss(
+    jnp.asarray(np.log(probs), jnp.float32), jnp.zeros((2, 3), jnp.int32), mask, EPS_L, EPS_R
+  )
+  np.testing.assert_allclose(float(loss), -1.5712121, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------ loss against the loop oracle
+
+
+def _loss_batch(seed):
+  rng = np.random.default_rng(seed)
+  R, Tn, Vn = 5, 6, 11
+  logits = rng.normal(0.0, 2.0, (R, Tn, Vn))
+  tokens = rng.integers(0, Vn, (R, Tn))
+  mask = (rng.uniform(size=(R, Tn)) < 0.8).astype(np.int32)
+  mask[4] = 0  # padding row: not in the mean
+  # Dominant tokens (floor binds, gradient must survive) and negligible ones (below ε_L).
+  logits[0, 0, tokens[0, 0]] = 12.0
+  logits[1, 1, tokens[1, 1]] = 40.0  # p rounds to 1 in float32
+  logits[2, 2, tokens[2, 2]] = -12.0
+  mask[:3, :3] = 1
+  return logits, tokens, mask
+
+
+LOSS_AND_GRAD = jax.jit(jax.value_and_grad(eepo_unlearning_loss))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_loss_and_gradient_match_loop_oracle(seed):
+  logits, tokens, mask = _loss_batch(seed)
+  expected, expected_grad = oracle_loss(logits, tokens, mask, EPS_L, EPS_R)
+  loss, grad = LOSS_AND_GRAD(
+    jnp.asarray(logits, jnp.float32), jnp.asarray(tokens), jnp.asarray(mask), EPS_L, EPS_R
+  )
+  np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
+  assert np.all(np.isfinite(grad)) and _rel_err(grad, expected_grad) <= 1e-5
+  # The floor binds at the dominant tokens yet their gradient is −p_a/(T_k·n), not 0.
+  assert np.asarray(grad)[1, 1, tokens[1, 1]] < -0.9 * expected_grad[1, 1].max()
+  assert np.all(np.asarray(grad)[2, 2] == 0)  # p < ε_L: no gradient
+  assert np.all(np.asarray(grad)[mask == 0] == 0)
+
+
+def test_floor_is_value_only_straight_through():
+  logp = jnp.log(jnp.array([[0.999, 0.5]]))
+  log1m = jnp.log(jnp.array([[0.001, 0.5]]))
+  mask = jnp.ones((1, 2))
+  loss, (g_logp, g_log1m) = jax.value_and_grad(eepo_unlearning_loss_from_logp, argnums=(0, 1))(
+    logp, log1m, mask, EPS_L, EPS_R
+  )
+  np.testing.assert_allclose(float(loss), (math.log(EPS_R) + math.log(0.5)) / 2, rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(g_log1m), [[0.5, 0.5]])
+  np.testing.assert_array_equal(np.asarray(g_logp), [[0.0, 0.0]])  # the ε_L gate carries none
+
+
+def test_eps_are_traced():
+  logits, tokens, mask = _loss_batch(5)
+  args = (jnp.asarray(logits, jnp.float32), jnp.asarray(tokens), jnp.asarray(mask))
+  fn = jax.jit(eepo_unlearning_loss)
+  for eps_l, eps_r in [(1e-3, 1e-2), (0.05, 0.2)]:
+    expected, _ = oracle_loss(logits, tokens, mask, eps_l, eps_r)
+    got = fn(*args, jnp.float32(eps_l), jnp.float32(eps_r))
+    np.testing.assert_allclose(float(got), expected, rtol=1e-5)
+  assert fn._cache_size() == 1
+
+
+# ------------------------------------------------------------------------ fused log(1 − p)
+
+
+def _inputs(seed=0, b=B, t=T, d=D, v=V):
+  k_h, k_w, k_t, k_m = jax.random.split(jax.random.key(seed), 4)
+  hidden = jax.random.normal(k_h, (b, t, d), jnp.float32)
+  lm_head = jax.random.normal(k_w, (d, v), jnp.float32) * 3.0 / np.sqrt(d)
+  tokens = jax.random.randint(k_t, (b, t), 0, v)
+  mask = (jax.random.uniform(k_m, (b, t)) < 0.85).astype(jnp.float32)
+  return hidden, lm_head, tokens, mask
+
+
+def _oracle_fused(hidden, lm_head, tokens, w_logp, w_log1m, tau):
+  """Float64 values and gradients of Σ w_logp·log p + w_log1m·log(1 − p)."""
+  h = np.asarray(hidden, np.float64).reshape(-1, hidden.shape[-1])
+  w = np.asarray(lm_head, np.float64)
+  tok = np.asarray(tokens).reshape(-1)
+  z = h @ w / tau
+  logp, log1m, dlog1m = oracle_rows(z, tok)
+  p = np.exp(z - _lse(z)[:, None])
+  onehot = np.zeros_like(z)
+  onehot[np.arange(len(tok)), tok] = 1.0
+  dz = np.reshape(w_logp, (-1, 1)) * (onehot - p) + np.reshape(w_log1m, (-1, 1)) * dlog1m
+  dlogits = dz / tau
+  shape = tokens.shape
+  return (
+    logp.reshape(shape),
+    log1m.reshape(shape),
+    (dlogits @ w.T).reshape(hidden.shape),
+    h.T @ dlogits,
+  )
+
+
+def _weighted(fn):
+  def objective(hidden, lm_head, tokens, w_logp, w_log1m, tau):
+    logp, log1m = fn(hidden, lm_head, tokens, tau)
+    return jnp.sum(w_logp * logp) + jnp.sum(w_log1m * log1m), (logp, log1m)
+
+  return jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))
+
+
+FUSED = _weighted(lambda *a: fused_log1m_p(*a, chunk_size=CHUNK))
+
+
+@pytest.mark.parametrize("tau", [0.6, 1.0, 1.4])
+def test_fused_matches_float64_oracle_and_naive_autodiff(tau):
+  hidden, lm_head, tokens, _ = _inputs(seed=1)
+  w = jax.random.normal(jax.random.key(9), (2, B, T))
+  (_, (logp, log1m)), (gh, gw) = FUSED(hidden, lm_head, tokens, w[0], w[1], jnp.float32(tau))
+  logp_o, log1m_o, gh_o, gw_o = _oracle_fused(hidden, lm_head, tokens, w[0], w[1], tau)
+  assert logp.shape == log1m.shape == (B, T)
+  assert _rel_err(logp, logp_o) <= 1e-5 and _rel_err(log1m, log1m_o) <= 1e-5
+  assert _rel_err(gh, gh_o) <= 1e-5 and _rel_err(gw, gw_o) <= 1e-5
+
+  # The textbook formula log(1 − exp(log p)) on materialised logits, where p is far from 1.
+  def naive(hidden, lm_head, tokens, tau):
+    z = jnp.einsum("btd,dv->btv", hidden, lm_head) / tau
+    lp = jnp.take_along_axis(jax.nn.log_softmax(z), tokens[..., None], axis=-1)[..., 0]
+    return lp, jnp.log1p(-jnp.exp(lp))
+
+  (_, (_, log1m_n)), (gh_n, gw_n) = _weighted(naive)(hidden, lm_head, tokens, w[0], w[1], tau)
+  assert float(jnp.max(jnp.exp(logp))) < 0.99  # well-conditioned regime for the naive formula
+  assert _rel_err(log1m, log1m_n) <= 1e-5
+  assert _rel_err(gh, gh_n) <= 1e-5 and _rel_err(gw, gw_n) <= 1e-5
+
+
+def test_fused_is_stable_as_p_goes_to_one():
+  """Logit gap 30 (and 60): naive float32 log(1 − p) is −inf or far off; fused matches float64."""
+  n, v = 6, 12
+  z = np.random.default_rng(0).normal(size=(n, v))
+  tok = np.arange(n) % v
+  z[np.arange(n), tok] = z.max(axis=1) + np.array([30.0, 30.0, 45.0, 60.0, 5.0, 0.0])
+  hidden = jnp.asarray(z, jnp.float32)[None]  # lm_head = I: the hidden state is the logit row
+  lm_head = jnp.eye(v, dtype=jnp.float32)
+  tokens = jnp.asarray(tok)[None]
+  w = jnp.ones((2, 1, n), jnp.float32).at[0].set(0.0)
+  for tau in (1.0, 0.7):
+    (_, (logp, log1m)), (gh, _) = FUSED(hidden, lm_head, tokens, w[0], w[1], jnp.float32(tau))
+    _, log1m_o, gh_o, _ = _oracle_fused(hidden, lm_head, tokens, w[0], w[1], tau)
+    np.testing.assert_allclose(np.asarray(log1m), log1m_o, rtol=1e-5)
+    assert np.all(np.isfinite(gh)) and _rel_err(gh, gh_o) <= 1e-5
+    # d log(1 − p_a)/dz_a = −p_a ≈ −1/τ per logit, not 0 and not inf.
+    np.testing.assert_allclose(np.asarray(gh)[0, :4, tok[:4]].diagonal(), -1.0 / tau, rtol=1e-5)
+    with np.errstate(divide="ignore"):  # log1p(−1) = −inf is the point being made
+      naive = np.log1p(-np.exp(np.asarray(logp, np.float32)))
+    assert not np.all(np.abs(naive[0, :4] - log1m_o[0, :4]) < 1.0)
+
+
+@pytest.mark.parametrize("tau", [0.7, 1.3])
+def test_loss_gradient_through_fused_equals_logits_version(tau):
+  hidden, lm_head, tokens, mask = _inputs(seed=2)
+  tau = jnp.float32(tau)
+
+  def via_fused(hidden, lm_head):
+    logp, log1m = fused_log1m_p(hidden, lm_head, tokens, tau, chunk_size=CHUNK)
+    return eepo_unlearning_loss_from_logp(logp, log1m, mask, EPS_L, EPS_R)
+
+  def via_logits(hidden, lm_head):
+    logits = jnp.einsum("btd,dv->btv", hidden, lm_head) / tau
+    return eepo_unlearning_loss(logits, tokens, mask, EPS_L, EPS_R)
+
+  loss_f, grads_f = jax.jit(jax.value_and_grad(via_fused, argnums=(0, 1)))(hidden, lm_head)
+  loss_n, grads_n = jax.jit(jax.value_and_grad(via_logits, argnums=(0, 1)))(hidden, lm_head)
+  np.testing.assert_allclose(float(loss_f), float(loss_n), rtol=1e-5)
+  for a, b in zip(grads_f, grads_n):
+    assert _rel_err(a, b) <= 1e-5
+  # And both equal the loop oracle on float64 logits.
+  z = np.einsum("btd,dv->btv", np.asarray(hidden, np.float64), np.asarray(lm_head, np.float64))
+  expected, _ = oracle_loss(z / float(tau), np.asarray(tokens), np.asarray(mask), EPS_L, EPS_R)
+  np.testing.assert_allclose(float(loss_f), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 87, 500])
+def test_any_chunk_size_gives_the_same_answer(chunk_size):
+  hidden, lm_head, tokens, _ = _inputs(seed=3)
+  tau = jnp.float32(0.9)
+  z = np.asarray(hidden, np.float64).reshape(-1, D) @ np.asarray(lm_head, np.float64) / 0.9
+  logp_o, log1m_o, _ = oracle_rows(z, np.asarray(tokens).reshape(-1))
+  logp, log1m = fused_log1m_p(hidden, lm_head, tokens, tau, chunk_size=chunk_size)
+  assert _rel_err(logp, logp_o.reshape(B, T)) <= 1e-5
+  assert _rel_err(log1m, log1m_o.reshape(B, T)) <= 1e-5
+
+
+def _contains_primitive(jaxpr, name):
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == name:
+      return True
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      if _contains_primitive(sub, name):
+        return True
+  return False
+
+
+def _loss_via_fused(chunk_size):
+  def loss(hidden, lm_head, tokens, mask, tau):
+    logp, log1m = fused_log1m_p(hidden, lm_head, tokens, tau, chunk_size=chunk_size)
+    return eepo_unlearning_loss_from_logp(logp, log1m, mask, EPS_L, EPS_R)
+
+  return loss
+
+
+def _loss_via_logits(hidden, lm_head, tokens, mask, tau):
+  return eepo_unlearning_loss(hidden @ lm_head / tau, tokens, mask, EPS_L, EPS_R)
+
+
+def test_no_gather_on_the_vocab_axis():
+  hidden, lm_head, tokens, mask = _inputs()
+  args = (hidden, lm_head, tokens, mask, jnp.float32(1.0))
+  loss = _loss_via_fused(CHUNK)
+  grad_jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(*args).jaxpr
+  assert not _contains_primitive(grad_jaxpr, "gather")
+  assert _contains_primitive(jax.make_jaxpr(loss)(*args).jaxpr, "remat2")  # jax.checkpoint
+
+
+def _temp_bytes(loss, t):
+  hidden, lm_head, tokens, mask = _inputs(b=4, t=t, d=64, v=4096)
+  grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  compiled = grad_fn.lower(hidden, lm_head, tokens, mask, jnp.float32(0.7)).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_fused_gradient_temp_memory_is_far_below_naive_and_flat_in_t():
+  fused_mib = _temp_bytes(_loss_via_fused(64), 400) / 2**20
+  fused_long_mib = _temp_bytes(_loss_via_fused(64), 1600) / 2**20
+  naive_mib = _temp_bytes(_loss_via_logits, 400) / 2**20
+  # Observed here (jax 0.10.2 CPU): fused 5.0 MiB at T=400 and T=1600, naive 75 MiB at T=400.
+  assert fused_mib < naive_mib / 10, (fused_mib, naive_mib)
+  assert fused_long_mib < 1.25 * fused_mib, (fused_mib, fused_long_mib)
+
+
+def test_row_function_on_masked_vocab():
+  """−inf logits (masked vocab ids) stay out of both sums, with finite gradients."""
+  z = np.random.default_rng(4).normal(size=(4, 10)) * 3
+  z[:, 7:] = -np.inf
+  tok = np.array([0, 3, 6, 2])
+  logp, log1m = logp_log1m_p_from_logits(jnp.asarray(z, jnp.float32), jnp.asarray(tok), 1.0)
+  logp_o, log1m_o, _ = oracle_rows(z[:, :7], tok)
+  np.testing.assert_allclose(np.asarray(logp), logp_o, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(log1m), log1m_o, rtol=1e-5)
+  grad = jax.grad(lambda x: jnp.sum(logp_log1m_p_from_logits(x, jnp.asarray(tok), 1.0)[1]))(
+    jnp.asarray(z, jnp.float32)
+  )
+  assert np.all(np.isfinite(grad)) and np.all(np.asarray(grad)[:, 7:] == 0)
+
+
+def test_log1m_p_is_relatively_accurate_for_every_p():
+  """Elementwise rtol 1e-5 from p ≈ 1e-7 to p = 1 − 1e-17: neither form alone achieves this."""
+  v = 50
+  z = np.random.default_rng(5).normal(size=(41, v))
+  z[:, 0] = np.linspace(-12.0, 45.0, 41) + _lse(z[:, 1:])  # token 0's logit sweeps p over (0, 1)
+  logp, log1m = logp_log1m_p_from_logits(jnp.asarray(z, jnp.float32), jnp.zeros(41, int), 1.0)
+  # Float64 oracle on the float32-rounded logits, so input rounding is not counted as error.
+  logp_o, log1m_o, dz_o = oracle_rows(np.asarray(jnp.asarray(z, jnp.float32), np.float64), [0] * 41)
+  assert np.exp(logp_o).min() < 1e-5 and np.exp(logp_o).max() > 1 - 1e-15
+  np.testing.assert_allclose(np.asarray(log1m), log1m_o, rtol=1e-5)
+  grad = jax.grad(lambda x: jnp.sum(logp_log1m_p_from_logits(x, jnp.zeros(41, int), 1.0)[1]))(
+    jnp.asarray(z, jnp.float32)
+  )
+  assert np.all(np.isfinite(grad)) and _rel_err(grad, dz_o) <= 1e-5
