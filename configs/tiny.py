@@ -33,6 +33,9 @@ def _apply_preset(c, name: str) -> None:
     c.clip.method = "adaptive"             # clip-higher steered to a constant entropy target
     c.clip.schedule = "constant"
     c.clip.h_target = 0.25
+    # Two optimizer updates per step: the second is off-policy (ρ ≠ 1), so the clip can bind. With
+    # one on-policy update ε_high has nothing to act on.
+    c.loss.mini_batches = 2
 
 
 def _apply_size(c, name: str) -> None:

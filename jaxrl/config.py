@@ -92,7 +92,8 @@ class LossSection:
   entropy_coef: float = 0.0
   informative_only: bool = True
   scale_by_std: bool = True
-  micro_batches: int = 1
+  mini_batches: int = 1             # optimizer updates per step; > 1 makes later updates off-policy
+  micro_batches: int = 1            # gradient accumulation within each mini-batch
   logprob_chunk: int = 128         # tokens per chunk of the fused log-prob (bench/fused_logprob.py)
 
 
@@ -279,9 +280,12 @@ def _validate(cfg: Config) -> None:
   need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
   need(cfg.loss.eps_low >= 0 and cfg.loss.eps_high >= 0, "loss.eps_low", "clip ranges must be >= 0")
   need(cfg.loss.dual_clip == 0 or cfg.loss.dual_clip > 1, "loss.dual_clip", "must be 0 (off) or > 1")
+  need(cfg.loss.mini_batches >= 1, "loss.mini_batches", "must be >= 1")
   need(cfg.loss.micro_batches >= 1, "loss.micro_batches", "must be >= 1")
-  need(cfg.num_rollouts % cfg.loss.micro_batches == 0, "loss.micro_batches",
-       f"R = batch_questions*group_size = {cfg.num_rollouts} is not divisible by {cfg.loss.micro_batches}")
+  chunks = cfg.loss.mini_batches * cfg.loss.micro_batches
+  need(cfg.num_rollouts % chunks == 0, "loss.micro_batches",
+       f"R = batch_questions*group_size = {cfg.num_rollouts} is not divisible by "
+       f"mini_batches*micro_batches = {chunks}")
   m = cfg.model
   need(m.num_heads % max(m.num_kv_heads, 1) == 0 and m.num_kv_heads > 0, "model.num_kv_heads",
        f"num_heads={m.num_heads} must be a positive multiple of num_kv_heads={m.num_kv_heads}")
@@ -291,8 +295,8 @@ def _validate(cfg: Config) -> None:
   for name in ("data", "fsdp", "tensor"):
     need(getattr(cfg.mesh, name) >= 1, f"mesh.{name}", "must be >= 1")
   rows = cfg.mesh.data * cfg.mesh.fsdp
-  need((cfg.num_rollouts // cfg.loss.micro_batches) % rows == 0, "batch_questions",
-       f"a micro-batch of {cfg.num_rollouts // cfg.loss.micro_batches} rollouts is not divisible "
+  need((cfg.num_rollouts // chunks) % rows == 0, "batch_questions",
+       f"a micro-batch of {cfg.num_rollouts // chunks} rollouts is not divisible "
        f"over the data axes (data*fsdp = {rows})")
   need(cfg.sft.batch_size % rows == 0, "sft.batch_size",
        f"{cfg.sft.batch_size} is not divisible over the data axes (data*fsdp = {rows})")

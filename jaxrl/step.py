@@ -72,7 +72,8 @@ class RLStepConfig:
   """Static structure of the GRPO update (hashable: part of the compiled function)."""
   loss: losses.LossConfig
   num_groups: int
-  micro_batches: int = 1
+  mini_batches: int = 1           # optimizer updates per step (contiguous row blocks)
+  micro_batches: int = 1          # gradient-accumulation chunks per mini-batch
   scale_by_std: bool = True
   logprob_chunk: int = 128
   modulation: bool = False        # DynaMO token-level advantage modulation
@@ -83,17 +84,19 @@ class RLStepConfig:
 
 def rl_update(graphdef, tx: optax.GradientTransformation, cfg: RLStepConfig, state: TrainState,
               batch: PolicyBatch, hp: StepHparams, ref_params=None):
-  """One GRPO update over the whole batch, accumulating gradients over micro-batches.
+  """GRPO on one step's rollouts: ``cfg.mini_batches`` optimizer updates, each over one contiguous
+  mini-batch of rows, each accumulating gradients over ``cfg.micro_batches`` micro-batches.
 
-  Advantages, informative-group flags and the loss denominator are computed over the whole batch
-  first (groups may straddle micro-batches); each micro-batch loss is then a partial sum of the
-  big-batch loss, so the accumulated gradient equals the big-batch gradient.
+  Advantages and informative-group flags are computed over the whole batch first (groups may
+  straddle mini- and micro-batches). Each mini-batch has its own loss denominator, computed before
+  its micro-batches, so a micro-batch loss is a partial sum of the mini-batch loss and the
+  accumulated gradient equals the mini-batch gradient. With one mini-batch the update is on-policy
+  (ρ = 1, the clip never binds); later mini-batches see ρ ≠ 1, where ε_low/ε_high act.
   """
   mask = batch.response_mask_RxN
   adv_R = losses.group_advantages(batch.rewards_R, batch.group_ids_R, cfg.num_groups,
                                   scale_by_std=cfg.scale_by_std)
   informative_R = losses.informative_rollouts(batch.rewards_R, batch.group_ids_R, cfg.num_groups)
-  denom = losses.loss_denominator(mask, informative_R, cfg.loss)
 
   ref_logp = None
   if cfg.loss.use_kl:
@@ -106,7 +109,7 @@ def rl_update(graphdef, tx: optax.GradientTransformation, cfg: RLStepConfig, sta
                  adv=adv_R, informative=informative_R,
                  ref_logp=ref_logp if ref_logp is not None else jnp.zeros_like(batch.old_logp_RxN))
 
-  def micro_loss(params, mb):
+  def micro_loss(params, mb, denom):
     logp, ent = score_responses(graphdef, params, mb["prompt_ids"], mb["prompt_mask"],
                                 mb["response_ids"], mb["mask"], hp.tau, cfg.logprob_chunk)
     adv_RxT = None
@@ -119,28 +122,35 @@ def rl_update(graphdef, tx: optax.GradientTransformation, cfg: RLStepConfig, sta
                             hp.loss, cfg.loss, adv_RxT=adv_RxT)
 
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-  if cfg.micro_batches == 1:
-    (loss, metrics), grads = grad_fn(state.params, per_row)
+
+  def one_update(state, rows):
+    denom = losses.loss_denominator(rows["mask"], rows["informative"], cfg.loss)
+    if cfg.micro_batches == 1:
+      (loss, metrics), grads = grad_fn(state.params, rows, denom)
+    else:
+      def body(carry, mb):
+        (l, m), g = grad_fn(state.params, mb, denom)
+        acc_l, acc_m, acc_g = carry
+        return (acc_l + l, jax.tree.map(jnp.add, acc_m, m), jax.tree.map(jnp.add, acc_g, g)), None
+
+      mbs = _split_micro(rows, cfg.micro_batches)
+      first = jax.tree.map(lambda x: x[0], mbs)
+      rest = jax.tree.map(lambda x: x[1:], mbs)
+      (loss, metrics), grads = grad_fn(state.params, first, denom)
+      (loss, metrics, grads), _ = jax.lax.scan(body, (loss, metrics, grads), rest)
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    new_state = dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state)
+    return new_state, dict(losses.finalize_metrics(metrics), loss=loss, grad_norm=grad_norm)
+
+  if cfg.mini_batches == 1:
+    state, out = one_update(state, per_row)
   else:
-    def body(carry, mb):
-      (l, m), g = grad_fn(state.params, mb)
-      acc_l, acc_m, acc_g = carry
-      return (acc_l + l, jax.tree.map(jnp.add, acc_m, m), jax.tree.map(jnp.add, acc_g, g)), None
-
-    mbs = _split_micro(per_row, cfg.micro_batches)
-    first = jax.tree.map(lambda x: x[0], mbs)
-    rest = jax.tree.map(lambda x: x[1:], mbs)
-    (loss, metrics), grads = grad_fn(state.params, first)
-    (loss, metrics, grads), _ = jax.lax.scan(body, (loss, metrics, grads), rest)
-
-  grad_norm = optax.global_norm(grads)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  new_state = dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state)
-  out = dict(losses.finalize_metrics(metrics))
-  out.update(loss=loss, grad_norm=grad_norm,
-             informative_frac=jnp.mean(informative_R.astype(jnp.float32)))
-  return new_state, out
+    state, outs = jax.lax.scan(one_update, state, _split_micro(per_row, cfg.mini_batches))
+    out = jax.tree.map(lambda x: jnp.mean(x, axis=0), outs)  # metrics averaged over the updates
+  out["informative_frac"] = jnp.mean(informative_R.astype(jnp.float32))
+  return state, out
 
 
 def sft_update(graphdef, tx: optax.GradientTransformation, chunk: int, state: TrainState,

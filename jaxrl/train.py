@@ -55,7 +55,8 @@ def rl_step_config(cfg: Config) -> step.RLStepConfig:
       informative_only=cfg.loss.informative_only, max_response_len=cfg.rollout.max_new_tokens)
   mod = cfg.modulation
   return step.RLStepConfig(loss=loss, num_groups=cfg.batch_questions,
-                           micro_batches=cfg.loss.micro_batches, scale_by_std=cfg.loss.scale_by_std,
+                           mini_batches=cfg.loss.mini_batches, micro_batches=cfg.loss.micro_batches,
+                           scale_by_std=cfg.loss.scale_by_std,
                            logprob_chunk=cfg.loss.logprob_chunk, modulation=mod.enabled,
                            modulation_alpha=mod.alpha, modulation_gamma=mod.gamma,
                            modulation_tau=mod.tau)
