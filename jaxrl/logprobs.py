@@ -51,16 +51,12 @@ def naive_logprobs_entropy(hidden_BxTxD, lm_head_DxV, tokens_BxT, tau):
   return logp_N.reshape(B, T), entropy_N.reshape(B, T)
 
 
-@jax.checkpoint
-def _chunk_logprobs_entropy(lm_head_DxV, tau, hidden_CxD, tokens_C):
-  """One chunk of rows; checkpointed so only its inputs are saved for the backward pass."""
-  return logprobs_entropy_from_logits(_logits(hidden_CxD, lm_head_DxV), tokens_C, tau)
+def _map_token_chunks(row_fn, hidden_BxTxD, lm_head_DxV, tokens_BxT, tau, chunk_size):
+  """Apply ``row_fn(logits_NxV, tokens_N, tau) -> tuple of [N]`` chunk by chunk over the B·T tokens.
 
-
-def fused_logprobs_entropy(
-  hidden_BxTxD, lm_head_DxV, tokens_BxT, tau, *, chunk_size: int = DEFAULT_CHUNK_SIZE
-):
-  """(log p(token), entropy) per token at τ, chunked over B·T tokens so no [B,T,V] buffer exists."""
+  Each chunk's logits exist only inside a ``jax.checkpoint``-ed function, so the backward pass
+  recomputes them too: no [B,T,V] buffer in either pass.
+  """
   B, T, D = hidden_BxTxD.shape
   N = B * T
   C = min(chunk_size, N)
@@ -72,14 +68,20 @@ def fused_logprobs_entropy(
   tokens_KxC = jnp.pad(tokens_BxT.reshape(N), (0, pad)).reshape(K, C)
   tau = jnp.asarray(tau, jnp.float32)
 
-  def one_chunk(xs):
-    hidden_CxD, tokens_C = xs
-    return _chunk_logprobs_entropy(lm_head_DxV, tau, hidden_CxD, tokens_C)
+  @jax.checkpoint
+  def one_chunk(lm_head, tau, hidden_CxD, tokens_C):
+    return row_fn(_logits(hidden_CxD, lm_head), tokens_C, tau)
 
-  logp_KxC, entropy_KxC = jax.lax.map(one_chunk, (hidden_KxCxD, tokens_KxC))
-  logp_BxT = logp_KxC.reshape(K * C)[:N].reshape(B, T)
-  entropy_BxT = entropy_KxC.reshape(K * C)[:N].reshape(B, T)
-  return logp_BxT, entropy_BxT
+  outs_KxC = jax.lax.map(lambda xs: one_chunk(lm_head_DxV, tau, *xs), (hidden_KxCxD, tokens_KxC))
+  return tuple(o.reshape(K * C)[:N].reshape(B, T) for o in outs_KxC)
+
+
+def fused_logprobs_entropy(
+  hidden_BxTxD, lm_head_DxV, tokens_BxT, tau, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+):
+  """(log p(token), entropy) per token at τ, chunked over B·T tokens so no [B,T,V] buffer exists."""
+  return _map_token_chunks(logprobs_entropy_from_logits, hidden_BxTxD, lm_head_DxV, tokens_BxT,
+                           tau, chunk_size)
 
 
 def logp_log1m_p_from_logits(logits_NxV, tokens_N, tau):
@@ -103,29 +105,7 @@ def logp_log1m_p_from_logits(logits_NxV, tokens_N, tau):
   return logp_N, jnp.where(small_N, log1m_small_N, others_lse_N - lse_N)
 
 
-@jax.checkpoint
-def _chunk_log1m_p(lm_head_DxV, tau, hidden_CxD, tokens_C):
-  """One chunk of rows; checkpointed so only its inputs are saved for the backward pass."""
-  return logp_log1m_p_from_logits(_logits(hidden_CxD, lm_head_DxV), tokens_C, tau)
-
-
 def fused_log1m_p(hidden_BxTxD, lm_head_DxV, tokens_BxT, tau, *, chunk_size=DEFAULT_CHUNK_SIZE):
   """(log p, log(1 − p)) of each token at τ, chunked over B·T tokens so no [B,T,V] buffer exists."""
-  B, T, D = hidden_BxTxD.shape
-  N = B * T
-  C = min(chunk_size, N)
-  K = -(-N // C)
-  pad = K * C - N
-  # Padded rows (zero hidden → uniform logits, token 0) are finite and sliced off below.
-  hidden_KxCxD = jnp.pad(hidden_BxTxD.reshape(N, D), ((0, pad), (0, 0))).reshape(K, C, D)
-  tokens_KxC = jnp.pad(tokens_BxT.reshape(N), (0, pad)).reshape(K, C)
-  tau = jnp.asarray(tau, jnp.float32)
-
-  def one_chunk(xs):
-    hidden_CxD, tokens_C = xs
-    return _chunk_log1m_p(lm_head_DxV, tau, hidden_CxD, tokens_C)
-
-  logp_KxC, log1m_p_KxC = jax.lax.map(one_chunk, (hidden_KxCxD, tokens_KxC))
-  logp_BxT = logp_KxC.reshape(K * C)[:N].reshape(B, T)
-  log1m_p_BxT = log1m_p_KxC.reshape(K * C)[:N].reshape(B, T)
-  return logp_BxT, log1m_p_BxT
+  return _map_token_chunks(logp_log1m_p_from_logits, hidden_BxTxD, lm_head_DxV, tokens_BxT, tau,
+                           chunk_size)
