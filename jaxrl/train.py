@@ -70,6 +70,12 @@ def step_hparams(cfg: Config, tau, eps_high) -> step.StepHparams:
       tau=f32(tau))
 
 
+def token_mean_entropy(out) -> float:
+  """Token-weighted mean entropy at τ over every generated token of a ``SampleOutput``."""
+  mask = np.asarray(out.mask_RxN)
+  return float((np.asarray(out.entropy_RxN) * mask).sum() / max(mask.sum(), 1))
+
+
 def group_outcomes(rewards_R: np.ndarray, group_ids_R: np.ndarray, num_groups: int) -> dict:
   """Fractions of groups whose rollouts are all correct / all wrong (zero-advantage groups)."""
   counts = np.bincount(group_ids_R, minlength=num_groups)
@@ -207,7 +213,7 @@ class Trainer:
           # the clip controller's measured entropy: known before this step's update).
           mask = np.asarray(out.mask_RxN)
           tokens = float(mask.sum())
-          h_t = float((np.asarray(out.entropy_RxN) * mask).sum() / max(tokens, 1.0))
+          h_t = token_mean_entropy(out)
           clip_state = methods.update_clip(policies.clip, h_t)
           eps_high = methods.clip.current(clip_state)
           hp = step_hparams(c, tau, eps_high)
@@ -266,8 +272,7 @@ class Trainer:
       return self.engine.generate(ids, mask, counts_B, tau, key), {}
     counts1_B = eepo_stage1_counts(counts_B)
     out1 = self.engine.generate(ids, mask, counts1_B, tau, jax.random.fold_in(key, 1))
-    mask1 = np.asarray(out1.mask_RxN)
-    h1 = float((np.asarray(out1.entropy_RxN) * mask1).sum() / max(mask1.sum(), 1))
+    h1 = token_mean_entropy(out1)
     fire, gate_state = methods.gate(policies.gate, h1)
     unlearn = float("nan")
     if bool(fire):
@@ -281,8 +286,7 @@ class Trainer:
       old_logp, _ = self._score(params, out.prompt_ids_RxP, out.prompt_mask_RxP, out.tokens_RxN,
                                 out.mask_RxN, jnp.float32(tau))
       out = dataclasses.replace(out, logp_RxN=old_logp)
-    mask2 = np.asarray(out2.mask_RxN)
-    h2 = float((np.asarray(out2.entropy_RxN) * mask2).sum() / max(mask2.sum(), 1))
+    h2 = token_mean_entropy(out2)
     return out, {"eepo_gate": float(bool(fire)), "eepo_unlearn_loss": float(unlearn),
                  "entropy_stage1": h1, "entropy_stage2": h2, "gate_state": gate_state}
 

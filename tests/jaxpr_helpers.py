@@ -1,0 +1,13 @@
+"""Inspecting traced programs in tests (e.g. asserting that no gather on the vocab axis exists)."""
+import jax
+
+
+def contains_primitive(jaxpr, name: str) -> bool:
+  """True if ``name`` appears in ``jaxpr`` or any sub-jaxpr (scan/map/checkpoint bodies)."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == name:
+      return True
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      if contains_primitive(sub, name):
+        return True
+  return False
