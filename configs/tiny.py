@@ -9,13 +9,17 @@ to ~80% (3 seeds: +40.2 to +41.8 points), greedy accuracy from ~73% to ~96%.
 
 Variants (``configs/tiny.py:ARG``, comma-separated): method presets ``grpo`` (the default), ``e3``,
 ``dynamo``, ``eepo``, ``es`` (entropy scheduling), ``all``; sizes ``quick`` (a one-minute smoke run)
-and ``test`` (unit tests). Every field stays overridable: ``--config.allocation.method=dynamo``.
+and ``test`` (unit tests); ``anneal`` adds the annealing-phase curriculum (harder levels, 2× the
+rollouts per question, longer responses from 60% of the steps, or where the entropy schedule
+anneals), e.g. ``configs/tiny.py:e3,anneal``. Every field stays overridable:
+``--config.allocation.method=dynamo``.
 """
 from jaxrl.config import default_configdict
 
 
 PRESETS = ("grpo", "e3", "dynamo", "eepo", "es", "all")
 SIZES = ("quick", "test")
+PHASES = ("anneal",)
 
 
 def _apply_preset(c, name: str) -> None:
@@ -74,6 +78,17 @@ def _apply_size(c, name: str) -> None:
     c.eepo.alpha = 100.0         # the gate always fires, so the forgetting step runs in tests
 
 
+def _apply_anneal_phase(c) -> None:
+  """The annealing-phase curriculum (Entropy Scheduling §5): where the entropy schedule anneals
+  (E3: 60% of the steps), switch to the harder half of the levels with twice the rollouts per
+  question and room for longer answers."""
+  levels = [x.strip() for x in c.task.levels.split(",")]
+  c.anneal_phase.enabled = True
+  c.anneal_phase.mixture = ",".join(levels[len(levels) // 2:])
+  c.anneal_phase.group_size = 2 * c.rollout.group_size
+  c.anneal_phase.max_new_tokens = c.rollout.max_new_tokens + 4
+
+
 def get_config(arg: str = ""):
   """``arg``: a comma-separated list of at most one preset and one size, e.g. "e3" or "e3,test"."""
   c = default_configdict()
@@ -91,12 +106,15 @@ def get_config(arg: str = ""):
   c.eval.num_samples = 16          # pass@1 = mean accuracy of 16 samples at τ = 1; pass@8 unbiased
   # Stop the warm start while the model is partly capable (most levels 20-80% pass@1).
   c.sft.target_loss = 0.25
-  for name in filter(None, (part.strip() for part in arg.split(","))):
+  names = list(filter(None, (part.strip() for part in arg.split(","))))
+  for name in names:
     if name in PRESETS:
       _apply_preset(c, name)
     elif name in SIZES:
       _apply_size(c, name)
-    else:
-      raise ValueError(f"unknown variant {name!r} of configs/tiny.py "
-                       f"(presets: {', '.join(PRESETS)}; sizes: {', '.join(SIZES)})")
+    elif name not in PHASES:
+      raise ValueError(f"unknown variant {name!r} of configs/tiny.py (presets: {', '.join(PRESETS)}; "
+                       f"sizes: {', '.join(SIZES)}; phases: {', '.join(PHASES)})")
+  if "anneal" in names:  # last: it derives from the levels and sizes chosen above
+    _apply_anneal_phase(c)
   return c

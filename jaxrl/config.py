@@ -188,6 +188,18 @@ class ModulationSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class AnnealPhaseSection:
+  """The annealing-phase curriculum (Entropy Scheduling §5): from step ``start`` on, the run samples
+  a different data mixture, more rollouts per question and longer responses. The switch compiles the
+  train step and the sampler once for the new shapes; nothing recompiles afterwards."""
+  enabled: bool = False
+  start: int = 0                    # first step; 0 = where the entropy schedule anneals (else 0.6·steps)
+  mixture: str = ""                 # "" = keep; else "LEVEL:WEIGHT,..." e.g. "4x4+:1,5x5+:2"
+  group_size: int = 0               # 0 = keep (paper: 8 → 32); allocation bounds scale with it
+  max_new_tokens: int = 0           # 0 = keep (paper: 4k → 16k)
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   seed: int = 0
   steps: int = 200                  # RL steps
@@ -207,11 +219,30 @@ class Config:
   clip: ClipSection = ClipSection()
   eepo: EEPOSection = EEPOSection()
   modulation: ModulationSection = ModulationSection()
+  anneal_phase: AnnealPhaseSection = AnnealPhaseSection()
 
   @property
   def num_rollouts(self) -> int:
     """R: rollouts per step (static)."""
     return self.batch_questions * self.rollout.group_size
+
+  def annealing(self) -> "Config":
+    """The run's config inside the annealing phase: the phase's group size and response length, and
+    every allocation bound scaled by G_anneal / G so the allocators keep their shape around the new G.
+    """
+    p = self.anneal_phase
+    g = p.group_size or self.rollout.group_size
+    ratio = g / self.rollout.group_size
+    lo = lambda b: max(1, min(g, int(b * ratio)))    # scaled bounds still contain G
+    hi = lambda b: max(g, -(-int(b * g) // self.rollout.group_size))
+    a = self.allocation
+    return dataclasses.replace(
+        self, anneal_phase=dataclasses.replace(p, enabled=False),
+        rollout=dataclasses.replace(self.rollout, group_size=g,
+                                    max_new_tokens=p.max_new_tokens or self.rollout.max_new_tokens),
+        allocation=dataclasses.replace(a, g_min=lo(a.g_min), g_max=hi(a.g_max),
+                                       e3_g_min_floor=lo(a.e3_g_min_floor),
+                                       e3_g_max_cap=hi(a.e3_g_max_cap)))
 
   @property
   def eval_ks(self) -> tuple[int, ...]:
@@ -325,7 +356,39 @@ def _validate(cfg: Config) -> None:
   need(not cfg.eepo.enabled or cfg.num_rollouts % 2 == 0, "eepo.enabled",
        f"EEPO splits the step's R = {cfg.num_rollouts} rollouts into two equal stages: R must be even")
   need(cfg.checkpoint.every >= 1, "checkpoint.every", "must be >= 1")
+  if cfg.anneal_phase.enabled:
+    _validate_anneal_phase(cfg)
   need(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
+
+
+def parse_mixture(spec: str, field: str) -> tuple[tuple[str, float], ...]:
+  """``"A:2,B"`` → ``(("A", 2.0), ("B", 1.0))``: pool names with weights (default 1)."""
+  out = []
+  for part in filter(None, (x.strip() for x in spec.split(","))):
+    name, sep, weight = part.rpartition(":") if ":" in part else (part, "", "1")
+    try:
+      w = float(weight)
+    except ValueError:
+      w = -1.0
+    if not name.strip() or not w > 0:
+      raise ConfigError(field, f"expected NAME or NAME:WEIGHT with WEIGHT > 0, got {part!r}")
+    out.append((name.strip(), w))
+  return tuple(out)
+
+
+def _validate_anneal_phase(cfg: Config) -> None:
+  p = cfg.anneal_phase
+  if p.start < 0:
+    raise ConfigError("anneal_phase.start", f"must be >= 0 (0 = where the entropy schedule anneals), "
+                      f"got {p.start}")
+  for name in ("group_size", "max_new_tokens"):
+    if getattr(p, name) < 0:
+      raise ConfigError(f"anneal_phase.{name}", f"must be >= 0 (0 = keep), got {getattr(p, name)}")
+  parse_mixture(p.mixture, "anneal_phase.mixture")
+  try:
+    _validate(cfg.annealing())
+  except ConfigError as e:  # the same checks, in the phase's shapes: name the phase field
+    raise ConfigError("anneal_phase.group_size", f"in the annealing phase, {e}") from None
 
 
 def from_configdict(config_dict) -> Config:

@@ -66,6 +66,9 @@ def main(argv):
   from jaxrl.train import train
   try:
     summary = train(cfg, workdir)
+  except ConfigError as e:  # found while building the task (e.g. an unknown level in a mixture)
+    print(f"jaxrl: error: {e}", file=sys.stderr)
+    sys.exit(USAGE_ERROR)
   except KeyboardInterrupt:
     print("\njaxrl: interrupted; run the same command again to resume.", file=sys.stderr)
     sys.exit(130)

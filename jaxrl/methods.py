@@ -97,6 +97,17 @@ class Methods:
     return PolicyStates(alloc=self.allocator.init(num_questions), temperature=self.temperature.init(),
                         clip=self.clip.init(), gate=self.gate_ctl.init())
 
+  def start_phase(self, alloc, stats, epoch: int, num_questions: int):
+    """Allocation state at the start of a phase with a new group size (bounds scale with G).
+
+    E3 recomputes its epoch's bounds around the new G and re-ranks on the statistics so far (the
+    new mixture's questions need ranks relative to each other); the others restart from ``init``
+    (DynaMO's state is only its bounds; it reads live statistics).
+    """
+    if self.cfg.allocation.method == "e3":
+      return self.on_epoch_end(alloc, stats, epoch - 1)
+    return self.allocator.init(num_questions)
+
   def describe(self) -> str:
     c = self.cfg
     parts = [f"allocation={c.allocation.method}", f"temperature={c.temperature.method}",

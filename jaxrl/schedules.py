@@ -47,10 +47,15 @@ def e3_temperature(tau, h_target, h_current, vocab_size) -> Array:
   return tau * (1.0 + tau * log_alpha / f)
 
 
+def e3_anneal_start(t_max):
+  """E3's default t_anneal = ⌊0.6·t_max⌋, in integers: also exact for a traced t_max."""
+  return (3 * t_max) // 5
+
+
 def e3_entropy_target(step, h_init, t_max, eta=0.9, anneal_start=None) -> Array:
   """E3 Eq. 5: H_init before t_anneal (default ⌊0.6·t_max⌋), then cosine down to η·H_init."""
   if anneal_start is None:
-    anneal_start = (3 * t_max) // 5  # ⌊0.6·t_max⌋ in integers: also exact for a traced t_max
+    anneal_start = e3_anneal_start(t_max)
   step = jnp.asarray(step, jnp.float32)
   start = jnp.asarray(anneal_start, jnp.float32)
   span = jnp.maximum(jnp.asarray(t_max, jnp.float32) - start, 1.0)
@@ -101,9 +106,14 @@ def cosine_schedule(h0, h_end, total) -> Schedule:
   return lambda step: _cosine(h0, h_end, jnp.asarray(step, jnp.float32) / total)
 
 
+def stable_anneal_start(total, rho=0.1) -> float:
+  """Where the stable-then-anneal schedule leaves H_c: (1−ρ)·T."""
+  return (1.0 - rho) * total
+
+
 def stable_then_anneal_schedule(h_c, h_end, total, rho=0.1) -> Schedule:
   """S(t) = H_c until (1−ρ)·T, then a cosine from H_c to H_end at T (WSD-like)."""
-  start = (1.0 - rho) * total
+  start = stable_anneal_start(total, rho)
   span = max(total - start, 1e-9)
   return lambda step: _cosine(h_c, h_end, (jnp.asarray(step, jnp.float32) - start) / span)
 

@@ -7,8 +7,9 @@ import dataclasses
 
 import numpy as np
 
-from jaxrl.config import Config
+from jaxrl.config import Config, ConfigError, parse_mixture
 from jaxrl.data import arithmetic
+from jaxrl.data.cursor import Mixture
 from jaxrl.data.prompts import decode_responses, encode_completions, encode_prompts
 from jaxrl.data.tokenizer import build_tokenizer
 from jaxrl.rewards.arithmetic import score_batch
@@ -42,6 +43,29 @@ class TaskData:
 
   def score(self, responses, answers) -> np.ndarray:
     return score_batch(responses, list(answers))
+
+  def level_index(self, name: str) -> int | None:
+    """Index of a level given by its name ("2+1") or its config spec ("2x1+")."""
+    if name in self.level_names:
+      return self.level_names.index(name)
+    try:
+      (spec,) = arithmetic.parse_levels(name)
+    except ValueError:
+      return None
+    return self.level_names.index(spec.name) if spec.name in self.level_names else None
+
+  def mixture(self, spec: str, field: str, stream: int = 0) -> Mixture:
+    """Training questions as a weighted mixture of levels (``"4x4+:1,5x5+:2"``); "" = all of them."""
+    parts = parse_mixture(spec, field)
+    if not parts:
+      return dataclasses.replace(Mixture.whole(len(self.train_answers)), stream=stream)
+    pools = []
+    for name, _ in parts:
+      level = self.level_index(name)
+      if level is None:
+        raise ConfigError(field, f"unknown level {name!r} (levels: {', '.join(self.level_names)})")
+      pools.append(np.flatnonzero(self.train_levels == level).astype(np.int32))
+    return Mixture(tuple(pools), tuple(w for _, w in parts), stream)
 
 
 def task_config(cfg: Config) -> arithmetic.TaskConfig:

@@ -22,10 +22,11 @@ import numpy as np
 from jaxrl import losses, model, optim, sharding, sft, step
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import Config, to_dict
-from jaxrl.data.cursor import Cursor, next_batch
+from jaxrl.data.cursor import Mixture, MixtureCursor, next_mixture_batch
 from jaxrl.eval import EvalResult, comparison_table, evaluate
 from jaxrl.methods import Methods, eepo_stage1_counts
 from jaxrl.metrics import MetricsWriter, plot_run
+from jaxrl.phases import Phase, phase_at, run_phases
 from jaxrl.progress import Progress
 from jaxrl.rollout import sampler
 from jaxrl.rollout.engine import JaxEngine
@@ -86,6 +87,15 @@ def group_outcomes(rewards_R: np.ndarray, group_ids_R: np.ndarray, num_groups: i
 
 
 @dataclasses.dataclass
+class _PhaseRuntime:
+  """What a phase compiles and samples with: its policies, its train step, its data mixture."""
+  phase: Phase
+  methods: Methods
+  update: object        # jitted step.rl_update for the phase's shapes
+  mixture: Mixture
+
+
+@dataclasses.dataclass
 class Trainer:
   """Holds what setup built; ``run`` drives SFT → eval → RL → eval."""
   cfg: Config
@@ -103,6 +113,9 @@ class Trainer:
     self.engine = JaxEngine(self.graphdef, self.model_cfg, max_new_tokens=self.cfg.rollout.max_new_tokens,
                             eos_id=self.task.eos_id, pad_id=self.task.pad_id, top_p=self.cfg.rollout.top_p)
     self.progress = Progress(enabled=self.cfg.log.progress)
+    self._updates = {}    # phase index → its jitted train step
+    for phase in run_phases(self.cfg):  # a bad mixture fails here, before anything compiles
+      self.task.mixture(phase.mixture, "anneal_phase.mixture")
 
   # -- phases -------------------------------------------------------------------------------------
 
@@ -160,14 +173,15 @@ class Trainer:
     state_shardings = step.TrainState(
         step=sharding.replicated(self.mesh), params=self.param_shardings,
         opt_state=sharding.tree_shardings(jax.eval_shape(tx.init, sft_params), self.mesh))
-    step_cfg = rl_step_config(c)
-    ref_params = jax.tree.map(jnp.copy, sft_params) if step_cfg.loss.use_kl else None
+    use_kl = c.loss.kl_coef > 0
+    ref_params = jax.tree.map(jnp.copy, sft_params) if use_kl else None
     state = jax.jit(functools.partial(step.init_state, tx=tx), out_shardings=state_shardings)(sft_params)
-    methods = Methods(c, self.model_cfg.vocab_size)
-    log.info("methods: %s", methods.describe())
-    tree = {"state": state, "stats": init_stats(len(t.train_answers)),
-            "policies": methods.init(len(t.train_answers))}
-    cursor = Cursor()
+    phases = run_phases(c)
+    num_q = len(t.train_answers)
+    rt = self._enter_phase(phases[0], tx, state_shardings)
+    log.info("methods: %s", rt.methods.describe())
+    tree = {"state": state, "stats": init_stats(num_q), "policies": rt.methods.init(num_q)}
+    cursor = MixtureCursor.start(rt.mixture)
 
     ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=c.checkpoint.keep,
                         async_save=c.checkpoint.async_save)
@@ -181,12 +195,12 @@ class Trainer:
       abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                               tree, target_shardings)
       tree, meta = ckpt.restore(start, abstract)
-      cursor = Cursor(**meta["cursor"])
-      log.info("resumed from step %d (%s)", start, ckpt.directory)
+      if meta["phase"] != rt.phase.index:
+        rt = self._enter_phase(phases[meta["phase"]], tx, state_shardings)
+      cursor = MixtureCursor.from_json(meta["cursor"])
+      log.info("resumed from step %d, %s phase (%s)", start, rt.phase.name, ckpt.directory)
     state, stats, policies = tree["state"], tree["stats"], tree["policies"]
 
-    self._update = jax.jit(functools.partial(step.rl_update, self.graphdef, tx, step_cfg),
-                           donate_argnums=(0,), out_shardings=(state_shardings, None))
     writer = MetricsWriter(self.workdir, tensorboard=c.log.tensorboard,
                            wandb_project=c.log.wandb_project if c.log.wandb else None,
                            config=to_dict(c), resume_step=start)
@@ -196,8 +210,15 @@ class Trainer:
       with self.progress.task("GRPO", c.steps, start) as advance:
         for i in range(start, c.steps):
           t0 = time.time()
-          epoch_before = cursor.epoch
-          qids_B, cursor = next_batch(cursor, c.seed, len(t.train_answers), c.batch_questions)
+          if phase_at(phases, i) is not rt.phase:  # the annealing phase begins: new shapes, new data
+            epoch = cursor.epoch(rt.mixture)
+            rt = self._enter_phase(phase_at(phases, i), tx, state_shardings)
+            cursor = MixtureCursor.start(rt.mixture, epoch0=epoch)
+            policies = dataclasses.replace(
+                policies, alloc=rt.methods.start_phase(policies.alloc, stats, epoch, num_q))
+          methods = rt.methods
+          epoch_before = cursor.epoch(rt.mixture)
+          qids_B, cursor = next_mixture_batch(cursor, c.seed, rt.mixture, c.batch_questions)
           counts_B = methods.allocate(policies.alloc, stats, jnp.asarray(qids_B))
           tau = policies.temperature.tau
           out, eepo_row = self._rollouts(state.params, methods, policies, qids_B, counts_B, tau,
@@ -223,12 +244,12 @@ class Trainer:
               old_logp_RxN=out.logp_RxN, rewards_R=jnp.asarray(rewards_R, jnp.float32),
               group_ids_R=out.group_ids_R)
           t2 = time.time()
-          state, m = self._update(state, sharding.shard_batch(batch, self.mesh), hp, ref_params)
+          state, m = rt.update(state, sharding.shard_batch(batch, self.mesh), hp, ref_params)
           m = jax.device_get(m)
           t3 = time.time()
           temp_state = methods.update_temperature(policies.temperature, h_t)
           policies = dataclasses.replace(policies, temperature=temp_state, clip=clip_state)
-          if cursor.epoch != epoch_before:  # a pass over the data ended: E3 re-ranks, bounds widen
+          if cursor.epoch(rt.mixture) != epoch_before:  # a pass over the data ended: E3 re-ranks, bounds widen
             policies = dataclasses.replace(
                 policies, alloc=methods.on_epoch_end(policies.alloc, stats, epoch_before))
           counts = np.asarray(counts_B)
@@ -243,17 +264,19 @@ class Trainer:
                      alloc_hist=np.bincount(counts, minlength=counts.max() + 1).tolist(),
                      rollout_tok_s=tokens / max(t1 - t0, 1e-9),
                      train_tok_s=(tokens + mask.shape[0] * out.prompt_ids_RxP.shape[1]) / max(t3 - t2, 1e-9),
-                     step_time=t3 - t0, epoch=cursor.epoch,
+                     step_time=t3 - t0, epoch=cursor.epoch(rt.mixture), phase=rt.phase.index,
+                     group_size=rt.phase.cfg.rollout.group_size,
+                     max_new_tokens=rt.phase.cfg.rollout.max_new_tokens,
                      # Compiled versions of the hot functions: constant after the first step, or
                      # something (a shape, a Python scalar) is recompiling every step.
-                     compiles_update=self._update._cache_size(),
+                     compiles_update=sum(f._cache_size() for f in self._updates.values()),
                      compiles_sampler=sampler.generate._cache_size(),
                      **eepo_row, **group_outcomes(rewards_R, group_ids_R, c.batch_questions))
           writer.write(i + 1, row)
           advance(i + 1, c.steps, f"reward {row['reward']:.3f} H {h_t:.3f} τ {float(tau):.2f}")
           if (i + 1) % c.checkpoint.every == 0 or i + 1 == c.steps or stop.requested:
             ckpt.save(i + 1, {"state": state, "stats": stats, "policies": policies},
-                      {"cursor": dataclasses.asdict(cursor), "step": i + 1})
+                      {"cursor": cursor.to_json(), "phase": rt.phase.index, "step": i + 1})
           if stop.requested:
             log.warning("interrupted: checkpoint saved at step %d; run again to resume", i + 1)
             raise KeyboardInterrupt
@@ -261,7 +284,23 @@ class Trainer:
       stop.restore()
       ckpt.close()
       writer.close()
-    self.final_params = state.params
+    self.final_params, self.final_stats = state.params, stats
+
+  def _enter_phase(self, phase: Phase, tx, state_shardings) -> _PhaseRuntime:
+    """The phase's policies, jitted train step and mixture; the engine samples its response length."""
+    pc = phase.cfg
+    if phase.index not in self._updates:
+      self._updates[phase.index] = jax.jit(
+          functools.partial(step.rl_update, self.graphdef, tx, rl_step_config(pc)),
+          donate_argnums=(0,), out_shardings=(state_shardings, None))
+    self.engine.max_new_tokens = pc.rollout.max_new_tokens
+    mixture = self.task.mixture(phase.mixture, "anneal_phase.mixture", stream=phase.index)
+    if phase.index:
+      log.info("%s phase from step %d: %d questions (%s), G=%d, max_new_tokens=%d", phase.name,
+               phase.start + 1, mixture.size, phase.mixture or "all", pc.rollout.group_size,
+               pc.rollout.max_new_tokens)
+    return _PhaseRuntime(phase, Methods(pc, self.model_cfg.vocab_size),
+                         self._updates[phase.index], mixture)
 
   def _rollouts(self, params, methods: Methods, policies, qids_B, counts_B, tau, key, step_index):
     """The step's rollouts: one stage, or EEPO's sample → gate → forget → sample (then θ again)."""
@@ -293,8 +332,10 @@ class Trainer:
   @functools.cached_property
   def _forget(self):
     e = self.cfg.eepo
+    # θ' gets θ's shardings, so stage 2 reuses the sampler compiled for stage 1.
     return jax.jit(functools.partial(step.eepo_forget, self.graphdef, self.cfg.loss.logprob_chunk,
-                                     lr=e.lr, eps_l=e.eps_l, eps_r=e.eps_r))
+                                     lr=e.lr, eps_l=e.eps_l, eps_r=e.eps_r),
+                   out_shardings=(self.param_shardings, None))
 
   @functools.cached_property
   def _score(self):

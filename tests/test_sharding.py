@@ -4,7 +4,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 from jaxrl import sharding
 from jax.sharding import PartitionSpec as P

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -28,7 +27,7 @@ class JaxEngine:
                top_p: float = 1.0):
     self._graphdef = graphdef
     self._model_cfg = model_cfg
-    self._max_new = max_new_tokens
+    self.max_new_tokens = max_new_tokens  # set by the loop when a phase changes it
     self._eos, self._pad = eos_id, pad_id
     self._top_p = jnp.float32(top_p)
     self._params = None
@@ -44,5 +43,5 @@ class JaxEngine:
     return sampler.generate(
         self._graphdef, self._params, jnp.asarray(prompt_ids_BxP), jnp.asarray(prompt_mask_BxP),
         jnp.asarray(counts_B), key, jnp.float32(temperature), self._top_p,
-        num_rollouts=int(counts_B.sum()), max_new_tokens=self._max_new, eos_id=self._eos,
+        num_rollouts=int(counts_B.sum()), max_new_tokens=self.max_new_tokens, eos_id=self._eos,
         pad_id=self._pad, model_cfg=self._model_cfg, greedy=greedy)
