@@ -20,11 +20,15 @@ import sys
 import numpy as np
 
 PRESETS = ("grpo", "e3", "dynamo", "eepo", "es", "all")
+# Not the same budget: the annealing phase doubles G for the last 40% of the steps (section f).
+ANNEAL = "e3,anneal"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(preset: str, seed: int, steps: int, root: str) -> str:
   workdir = os.path.join(root, f"{preset}_s{seed}")
+  if os.path.exists(os.path.join(workdir, f"eval_step{steps}.json")):
+    return workdir  # finished earlier
   shared = os.path.join(root, f"grpo_s{seed}")
   if preset != "grpo" and not os.path.exists(os.path.join(workdir, "sft")):
     os.makedirs(workdir, exist_ok=True)
@@ -65,7 +69,7 @@ def eval_row(name: str, evals: list[dict]) -> str:
 
 def summarize(root: str, seeds, steps: int) -> tuple[str, dict]:
   anneal_start = int(0.6 * steps)
-  res = {p: {s: metrics(os.path.join(root, f"{p}_s{s}")) for s in seeds} for p in PRESETS}
+  res = {p: {s: metrics(os.path.join(root, f"{p}_s{s}")) for s in seeds} for p in PRESETS + (ANNEAL,)}
   lines = [f"# Methods on the tiny task ({steps} steps, seeds {list(seeds)}, same rollout budget)\n"]
 
   # (a) E3 temperature: entropy vs H_init before annealing.
@@ -119,6 +123,24 @@ def summarize(root: str, seeds, steps: int) -> tuple[str, dict]:
   lines.append(eval_row("SFT start", sft))
   for p in PRESETS:
     lines.append(eval_row(p, [final_eval(os.path.join(root, f"{p}_s{s}"), steps) for s in seeds]))
+  # (f) The annealing-phase curriculum on top of E3.
+  lines.append(f"\n## (f) Annealing phase (`{ANNEAL}`): from step {anneal_start + 1}, only the hard half "
+               "of the levels, G 8 → 16, max response 8 → 12 tokens (so a larger budget in that phase)\n")
+  ev = {p: [final_eval(os.path.join(root, f"{p}_s{s}"), steps) for s in seeds] for p in ("e3", ANNEAL)}
+  levels = [k for k in ev["e3"][0]["pass_at"]["1"] if k != "all"]
+  hard = levels[len(levels) // 2:]
+  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  from jaxrl.data.arithmetic import parse_levels
+  from tiny import get_config
+  names = [spec.name for spec in parse_levels(get_config("").task.levels)]
+  lines.append("| preset | pass@1 all | pass@1 hard levels (" + ", ".join(names[int(k)] for k in hard) +
+               ") | pass@1 easy levels | "
+               "pass@8 all | greedy all |")
+  lines.append("|---|---|---|---|---|---|")
+  for p, evals in ev.items():
+    m = lambda ks, n="1": 100 * np.mean([np.mean([e["pass_at"][n][k] for k in ks]) for e in evals])
+    lines.append(f"| {p} | {m(['all']):.1f} | {m(hard):.1f} | {m(levels[:len(levels) // 2]):.1f} | "
+                 f"{m(['all'], '8'):.1f} | {100 * np.mean([e['greedy']['all'] for e in evals]):.1f} |")
   return "\n".join(lines) + "\n", res
 
 
@@ -154,7 +176,7 @@ def main():
   if not args.summarize_only:
     with cf.ThreadPoolExecutor(args.jobs) as pool:  # grpo first: it makes each seed's SFT
       list(pool.map(lambda s: run("grpo", s, args.steps, args.root), args.seeds))
-      jobs = [(p, s) for s in args.seeds for p in PRESETS if p != "grpo"]
+      jobs = [(p, s) for s in args.seeds for p in PRESETS + (ANNEAL,) if p != "grpo"]
       list(pool.map(lambda ps: run(ps[0], ps[1], args.steps, args.root), jobs))
   text, res = summarize(args.root, args.seeds, args.steps)
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
