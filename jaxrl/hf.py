@@ -11,6 +11,8 @@ Name map (HF -> jaxrl): ``model.`` prefix dropped; ``*_proj.weight`` and ``lm_he
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import json
 import pathlib
 from collections.abc import Iterator
@@ -242,11 +244,13 @@ def to_hf_tensors(params) -> Iterator[tuple[str, np.ndarray]]:
 
 
 def save_hf_checkpoint(cfg: ModelConfig, params, out_dir, tokenizer=None,
-                       max_shard_bytes: int = 5 * 2**30) -> pathlib.Path:
+                       max_shard_bytes: int = 5 * 2**30, untie: bool = False) -> pathlib.Path:
   """Write config.json + safetensors in HF layout (sharded with an index above ``max_shard_bytes``).
 
   Overwrites any earlier weights in ``out_dir``. Host memory peaks at about one shard. Params keep
-  their dtype, so ``load_hf_checkpoint`` with that dtype gives them back bitwise.
+  their dtype, so ``load_hf_checkpoint`` with that dtype gives them back bitwise. ``untie`` writes
+  a tied model as an untied one (an explicit ``lm_head.weight``): vLLM's CPU build keeps a stale
+  packed copy of a tied head after ``reload_weights``.
   """
   out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
@@ -254,6 +258,12 @@ def save_hf_checkpoint(cfg: ModelConfig, params, out_dir, tokenizer=None,
     stale.unlink(missing_ok=True)  # a leftover file or shard from an earlier save would be read back
   leaves = jax.tree.leaves(params)
   dtype = leaves[0].dtype
+  tensors = to_hf_tensors(params)
+  if untie and cfg.tie_embeddings:
+    cfg = dataclasses.replace(cfg, tie_embeddings=False)
+    embed = params["embed_tokens"][...]                       # [V, D]: HF's lm_head layout too
+    leaves = [*leaves, embed]
+    tensors = itertools.chain(tensors, [("lm_head.weight", np.asarray(jax.device_get(embed)))])
   (out / "config.json").write_text(json.dumps(hf_config_from_model(cfg, dtype), indent=2))
 
   # Plan shards from sizes alone so tensors are materialised on host one shard at a time.
@@ -266,7 +276,6 @@ def save_hf_checkpoint(cfg: ModelConfig, params, out_dir, tokenizer=None,
     acc += size
   bounds.append((start, len(sizes)))
 
-  tensors = to_hf_tensors(params)
   weight_map = {}
   for shard, (lo, hi) in enumerate(bounds):
     fname = ("model.safetensors" if len(bounds) == 1

@@ -29,7 +29,7 @@ from jaxrl.metrics import MetricsWriter, plot_run
 from jaxrl.phases import Phase, phase_at, run_phases
 from jaxrl.progress import Progress
 from jaxrl.rollout import sampler
-from jaxrl.rollout.engine import JaxEngine
+from jaxrl.rollout.build import build_engine
 from jaxrl.stats import init_stats, update_stats
 from jaxrl.task import TaskData, load_task
 
@@ -110,8 +110,10 @@ class Trainer:
     self.mesh = sharding.make_mesh(self.cfg.mesh.data, self.cfg.mesh.fsdp, self.cfg.mesh.tensor)
     self.graphdef, abstract_params = model.abstract(self.model_cfg)
     self.param_shardings = sharding.tree_shardings(abstract_params, self.mesh)
-    self.engine = JaxEngine(self.graphdef, self.model_cfg, max_new_tokens=self.cfg.rollout.max_new_tokens,
-                            eos_id=self.task.eos_id, pad_id=self.task.pad_id, top_p=self.cfg.rollout.top_p)
+    t = self.task
+    self.engine = build_engine(self.cfg, self.graphdef, self.model_cfg, tokenizer=t.tokenizer,
+                               eos_id=t.eos_id, pad_id=t.pad_id,
+                               prompt_len=t.train_prompt_ids.shape[1], workdir=self.workdir)
     self.progress = Progress(enabled=self.cfg.log.progress)
     self._updates = {}    # phase index → its jitted train step
     for phase in run_phases(self.cfg):  # a bad mixture fails here, before anything compiles
@@ -303,31 +305,51 @@ class Trainer:
                          self._updates[phase.index], mixture)
 
   def _rollouts(self, params, methods: Methods, policies, qids_B, counts_B, tau, key, step_index):
-    """The step's rollouts: one stage, or EEPO's sample → gate → forget → sample (then θ again)."""
+    """The step's rollouts: one stage, or EEPO's sample → gate → forget → sample.
+
+    EEPO's θ' is a temporary rollout version; the next step's ``set_weights`` replaces it.
+    """
     c, t = self.cfg, self.task
     ids, mask = t.train_prompt_ids[qids_B], t.train_prompt_mask[qids_B]
     self.engine.set_weights(params, step_index)
     if not c.eepo.enabled:
-      return self.engine.generate(ids, mask, counts_B, tau, key), {}
+      return self._sample(params, ids, mask, counts_B, tau, key)
     counts1_B = eepo_stage1_counts(counts_B)
-    out1 = self.engine.generate(ids, mask, counts1_B, tau, jax.random.fold_in(key, 1))
+    out1, info1 = self._sample(params, ids, mask, counts1_B, tau, jax.random.fold_in(key, 1))
     h1 = token_mean_entropy(out1)
     fire, gate_state = methods.gate(policies.gate, h1)
-    unlearn = float("nan")
+    unlearn, params2 = float("nan"), params
     if bool(fire):
       params2, unlearn = self._forget(params, out1.prompt_ids_RxP, out1.prompt_mask_RxP,
                                       out1.tokens_RxN, out1.mask_RxN, jnp.float32(tau))
-      self.engine.set_weights(params2, step_index)  # θ' is a temporary rollout version
-    out2 = self.engine.generate(ids, mask, counts_B - counts1_B, tau, jax.random.fold_in(key, 2))
-    self.engine.set_weights(params, step_index)
+      self.engine.set_weights(params2, f"{step_index}-forget")
+    out2, info2 = self._sample(params2, ids, mask, counts_B - counts1_B, tau,
+                               jax.random.fold_in(key, 2))
     out = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out1, out2)
     if bool(fire) and c.eepo.old_logp_from == "policy":
       old_logp, _ = self._score(params, out.prompt_ids_RxP, out.prompt_mask_RxP, out.tokens_RxN,
                                 out.mask_RxN, jnp.float32(tau))
       out = dataclasses.replace(out, logp_RxN=old_logp)
-    h2 = token_mean_entropy(out2)
+    gaps = [d["rollout_logp_gap"] for d in (info1, info2) if d]
     return out, {"eepo_gate": float(bool(fire)), "eepo_unlearn_loss": float(unlearn),
-                 "entropy_stage1": h1, "entropy_stage2": h2, "gate_state": gate_state}
+                 "entropy_stage1": h1, "entropy_stage2": token_mean_entropy(out2),
+                 "gate_state": gate_state, **({"rollout_logp_gap": max(gaps)} if gaps else {})}
+
+  def _sample(self, params, ids_BxP, mask_BxP, counts_B, tau, key):
+    """Rollouts from the engine, with π_old log-probs and entropies at τ under ``params``.
+
+    The JAX sampler returns both. A vLLM sidecar returns its own log-probs but no entropies: the
+    rollouts are scored here under the params that sampled them (one forward, as the update does),
+    those log-probs serve as π_old, and the largest gap to the server's is logged.
+    """
+    out = self.engine.generate(ids_BxP, mask_BxP, counts_B, tau, key)
+    if self.engine.provides_entropy:
+      return out, {}
+    logp, ent = self._score(params, jnp.asarray(out.prompt_ids_RxP), jnp.asarray(out.prompt_mask_RxP),
+                            jnp.asarray(out.tokens_RxN), jnp.asarray(out.mask_RxN), jnp.float32(tau))
+    gap = float(np.max(np.abs(np.asarray(logp) - out.logp_RxN), initial=0.0))
+    out = jax.tree.map(jnp.asarray, dataclasses.replace(out, logp_RxN=logp, entropy_RxN=ent))
+    return out, {"rollout_logp_gap": gap}
 
   @functools.cached_property
   def _forget(self):
@@ -345,10 +367,14 @@ class Trainer:
   # -- whole run ----------------------------------------------------------------------------------
 
   def run(self) -> dict:
-    params = self.warm_start(self.init_params())
-    before = self.evaluate(params, "sft")
-    self.rl(params)
-    after = self.evaluate(self.final_params, f"step{self.cfg.steps}")
+    """SFT → eval → RL → eval; the rollout engine (a sidecar server) stops however this ends."""
+    try:
+      params = self.warm_start(self.init_params())
+      before = self.evaluate(params, "sft")
+      self.rl(params)
+      after = self.evaluate(self.final_params, f"step{self.cfg.steps}")
+    finally:
+      self.engine.close()
     table = comparison_table(before, after, self.cfg.eval_ks, self.task.level_names)
     summary = {"before": before.to_json(), "after": after.to_json(), "table": table}
     with open(os.path.join(self.workdir, "results.md"), "w") as f:

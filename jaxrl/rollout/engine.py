@@ -14,7 +14,12 @@ from jaxrl.rollout import sampler
 
 
 class RolloutEngine(Protocol):
-  def set_weights(self, params, version: int) -> None: ...
+  provides_entropy: bool    # False: the trainer scores the rollouts for π_old and entropies
+  max_new_tokens: int       # set by the loop when a phase changes it
+
+  def set_weights(self, params, version) -> None: ...
+
+  def close(self) -> None: ...
 
   def generate(self, prompt_ids_BxP, prompt_mask_BxP, counts_B, temperature, key, *,
                greedy: bool = False) -> sampler.SampleOutput: ...
@@ -22,6 +27,7 @@ class RolloutEngine(Protocol):
 
 class JaxEngine:
   """Samples with ``jaxrl.rollout.sampler`` from params held in device memory (no copy on sync)."""
+  provides_entropy = True
 
   def __init__(self, graphdef, model_cfg, *, max_new_tokens: int, eos_id: int, pad_id: int,
                top_p: float = 1.0):
@@ -33,9 +39,12 @@ class JaxEngine:
     self._params = None
     self.version = -1
 
-  def set_weights(self, params, version: int) -> None:
+  def set_weights(self, params, version) -> None:
     self._params = params
     self.version = version
+
+  def close(self) -> None:
+    self._params = None
 
   def generate(self, prompt_ids_BxP, prompt_mask_BxP, counts_B, temperature, key, *,
                greedy: bool = False) -> sampler.SampleOutput:

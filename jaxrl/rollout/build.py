@@ -1,0 +1,53 @@
+"""The rollout engine a config asks for: the built-in JAX sampler or vLLM sidecars."""
+from __future__ import annotations
+
+import os
+
+from jaxrl.config import Config, ConfigError
+from jaxrl.phases import run_phases
+from jaxrl.rollout.engine import JaxEngine
+
+
+def _max_response(cfg: Config) -> int:
+  return max(p.cfg.rollout.max_new_tokens for p in run_phases(cfg))
+
+
+def build_engine(cfg: Config, graphdef, model_cfg, *, tokenizer, eos_id: int, pad_id: int,
+                 prompt_len: int, workdir: str):
+  common = dict(max_new_tokens=cfg.rollout.max_new_tokens, eos_id=eos_id, pad_id=pad_id,
+                top_p=cfg.rollout.top_p)
+  if cfg.rollout.engine == "jax":
+    return JaxEngine(graphdef, model_cfg, **common)
+  from jaxrl.rollout import vllm_engine
+  from jaxrl.rollout.sidecar import LaunchConfig
+
+  v = cfg.vllm
+  if v.weight_transfer == "nccl":
+    # vLLM's NCCL path (/init_weight_transfer_engine with a torch-free nccl_unique_id handshake,
+    # /start_weight_update, /update_weights {names, dtypes, shapes} while the trainer broadcasts
+    # the tensors, /finish_weight_update) needs CUDA on both sides; it is not built yet.
+    raise ConfigError("vllm.weight_transfer", "'nccl' needs GPUs and is not implemented in this "
+                      "build; use 'files' (HF safetensors in tmpfs + reload_weights, CPU and GPU)")
+  m = model_cfg
+  if not m.qk_norm and m.head_dim * m.num_heads != m.hidden_size:
+    raise ConfigError("model.head_dim", f"vLLM's Qwen2 derives head_dim = hidden_size / num_heads = "
+                      f"{m.hidden_size // m.num_heads}, not {m.head_dim}: make them agree")
+  if m.head_dim < 32:
+    raise ConfigError("model.head_dim", f"{m.head_dim}: vLLM's CPU attention needs head_dim >= 32")
+  urls = tuple(u.strip() for u in v.urls.split(",") if u.strip())
+  launch = None
+  if not urls:
+    python = v.python if os.path.isabs(v.python) else os.path.abspath(v.python)
+    need = prompt_len + _max_response(cfg)
+    max_len = v.max_model_len or -(-need // 16) * 16
+    if max_len < need:
+      raise ConfigError("vllm.max_model_len", f"{max_len} < prompt length {prompt_len} + "
+                        f"longest response {_max_response(cfg)}")
+    launch = LaunchConfig(python=python, log_dir=workdir, host=v.host, port=v.port,
+                          dtype=v.dtype or cfg.model.dtype, max_model_len=max_len,
+                          max_num_seqs=v.max_num_seqs, startup_timeout=v.startup_timeout,
+                          extra_args=tuple(v.extra_args.split()))
+  engine_cfg = vllm_engine.EngineConfig(
+      launch=launch, urls=urls, request_timeout=v.request_timeout, retries=v.retries,
+      max_restarts=v.max_restarts, weights_root=v.weights_dir, sync_every=v.sync_every)
+  return vllm_engine.VllmEngine(model_cfg, tokenizer, engine_cfg, workdir=workdir, **common)

