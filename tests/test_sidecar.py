@@ -8,6 +8,7 @@ attention needs head_dim >= 32; its Qwen2 derives head_dim = hidden / heads).
 """
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -48,7 +49,9 @@ def sidecar_env():
 def served(sidecar_env, tmp_path_factory):
   """A launched sidecar engine holding random params of the sidecar model (version 0)."""
   workdir = str(tmp_path_factory.mktemp("sidecar"))
-  cfg = _vllm_config(**{"rollout.max_new_tokens": 8})
+  # Short request timeout and no per-request retry: the hang test detects a stopped server fast.
+  cfg = _vllm_config(**{"rollout.max_new_tokens": 8, "vllm.request_timeout": 10.0,
+                        "vllm.retries": 0})
   task = load_task(cfg, os.path.join(workdir, "tokenizer"))
   mcfg = model_config(cfg, task.vocab_size)
   graphdef, params = model.create(mcfg, 0)
@@ -173,6 +176,18 @@ def test_config_errors_for_models_vllm_cannot_serve(tmp_path):
     with pytest.raises(ConfigError) as e:
       Trainer(_vllm_config(**overrides), str(tmp_path))
     assert e.value.field == field
+
+
+def test_hung_server_times_out_and_is_restarted(served):
+  engine, graphdef, params, task = served
+  starts = engine.sidecar.starts
+  os.kill(engine.sidecar.server_pid(), signal.SIGSTOP)   # alive but answering nothing
+  ids, mask = _prompts(task)
+  out = engine.generate(ids, mask, np.array([2, 1, 1]), 1.0, jax.random.PRNGKey(5))
+  assert engine.sidecar.starts == starts + 1
+  assert engine.client.weight_version(engine.sidecar.url) == "0"      # re-synced version
+  np.testing.assert_allclose(out.logp_RxN, _score(graphdef, params, out, 1.0), atol=1e-4)
+  assert not any(group_members(g) for g in engine.sidecar.group_ids[:-1])
 
 
 def test_no_server_left_after_close(served):
