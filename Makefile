@@ -48,6 +48,7 @@ test-fast: $(VENV)/.dev
 
 bench: $(VENV)/.dev
 	$(PY) bench/fused_logprob.py
+	$(PY) bench/allocators.py
 
 clean-venv:
 	rm -rf $(VENV) $(VLLM_VENV)
