@@ -1,0 +1,47 @@
+"""Custom reward functions for tests/test_math_verifier.py, loaded by workers as `reward_fns:NAME`.
+
+`chaos` misbehaves on command, to drive every failure path of the pool with one function: the
+response names what to do, anything else is graded by exact match.
+"""
+
+import math
+import os
+import signal
+import sys
+import time
+
+NOT_CALLABLE = 3
+
+
+def exact(response: str, answer: str) -> float:
+  """1.0 iff the stripped strings are equal."""
+  return 1.0 if response.strip() == answer.strip() else 0.0
+
+
+def chaos(response: str, answer: str):
+  """Behaves as the response says: hang (in Python or, like C code, deaf to signals), crash, ..."""
+  if response == "hang_python":
+    while True:
+      pass
+  if response == "hang_c":
+    # C code does not run Python signal handlers; blocking SIGALRM has the same effect here.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    time.sleep(3600)
+  if response == "crash":
+    os.kill(os.getpid(), signal.SIGSEGV)
+  if response == "exit":
+    os._exit(3)
+  if response == "raise":
+    raise ValueError("bad response")
+  if response == "memory":
+    return float(len(bytearray(8 << 30)))  # 8 GiB: over the worker's address-space limit
+  if response == "string":
+    return "1.0"
+  if response == "nan":
+    return math.nan
+  return exact(response, answer)
+
+
+def imported_modules(response: str, answer: str) -> float:
+  """1.0 iff the module named by ``response`` is imported in this process."""
+  return float(response in sys.modules)
