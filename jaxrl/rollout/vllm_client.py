@@ -2,16 +2,33 @@
 
 Stdlib only (urllib + a thread pool): one request per question with ``n = G_i``, spread round-robin
 over the servers, each with a timeout and bounded retries. Log-probs are those of the sampled tokens
-at the request's temperature (the server runs with ``--logprobs-mode processed_logprobs``).
+at the request's temperature (the server runs with ``--logprobs-mode processed_logprobs``). The
+timeout bounds one whole request (responses are not streamed): it must exceed the slowest rollout
+batch, or a busy server counts as hung.
 
-Weight update without NCCL (works on CPU and GPU; ../shared/spec/SIDECAR.md): the trainer writes an
-HF-layout directory, then per server: pause (finish in-flight requests) → ``reload_weights`` from that
-directory → reset the prefix cache (cached KV of the old weights) → set the weight version → resume.
+Failures: a connection refused or reset, a timeout or an HTTP 5xx is retried and then raised as
+``ServerError`` (the server is down or hung: the engine restarts it); an HTTP 4xx is raised at once
+as ``RequestError`` (the request itself is wrong: a restart would not help).
+
+Weight update without NCCL (works on CPU and GPU; ../shared/spec/SIDECAR.md): the trainer writes
+an HF-layout directory, then per server: pause (finish in-flight requests) → ``reload_weights``
+from that directory → reset the prefix cache (cached KV of the old weights) → set the weight
+version → resume → read the version back (``GET /weight_info``).
+
+The NCCL path (GPU only; ``vllm.weight_transfer = "nccl"``, not built: the config refuses it) would
+be: server started with ``--weight-transfer-config '{"backend":"nccl"}'``; once,
+``POST /init_weight_transfer_engine`` with the rendezvous (``nccl_unique_id_b64``: a torch-free
+handshake, so the JAX trainer can join the NCCL group as rank 0); per push, ``POST /pause`` →
+``/start_weight_update`` → ``/update_weights {names, dtype_names, shapes}`` while the trainer
+broadcasts each tensor in that order from device memory → ``/finish_weight_update
+{weight_version}`` → ``/resume``. The CPU build has no accelerator for it ("Cannot access
+accelerator device").
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import http.client
 import json
 import logging
 import time
@@ -23,6 +40,10 @@ log = logging.getLogger(__name__)
 
 class ServerError(RuntimeError):
   """A request failed after its retries (the server is down, hung, or answered an error)."""
+
+
+class RequestError(RuntimeError):
+  """The server rejected a request (HTTP 4xx): retrying or restarting the server cannot help."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,44 +65,56 @@ def _post(url: str, payload: dict | None, timeout: float):
 
 class VllmClient:
   def __init__(self, urls: list[str], *, timeout: float = 120.0, retries: int = 2,
-               max_concurrency: int = 32):
+               max_concurrency: int = 256):
     if not urls:
       raise ValueError("VllmClient needs at least one server URL")
     self.urls = [u.rstrip("/") for u in urls]
     self.timeout, self.retries = timeout, retries
+    # One thread per in-flight question: fewer threads would cap the server's batch.
     self._pool = cf.ThreadPoolExecutor(max_concurrency, thread_name_prefix="vllm-client")
+    self._closed = False
 
   def close(self) -> None:
+    """Cancel queued requests; running ones stop retrying (the server may be replaced)."""
+    self._closed = True
     self._pool.shutdown(wait=False, cancel_futures=True)
 
   def post(self, url: str, path: str, payload: dict | None = None, timeout: float | None = None):
-    """POST with bounded retries; ServerError names the endpoint and the last failure."""
+    """POST with bounded retries; the error names the endpoint and the last failure."""
     last = None
     for attempt in range(self.retries + 1):
       try:
         return _post(f"{url}{path}", payload, self.timeout if timeout is None else timeout)
       except urllib.error.HTTPError as e:
         detail = e.read()[:500].decode(errors="replace")
-        if e.code < 500:  # a bad request will not get better by retrying
-          raise ServerError(f"{url}{path}: HTTP {e.code}: {detail}") from None
+        if e.code < 500:
+          raise RequestError(f"{url}{path}: HTTP {e.code}: {detail}") from None
         last = f"HTTP {e.code}: {detail}"
-      except (urllib.error.URLError, OSError, TimeoutError) as e:
+      # OSError: refused, reset, timed out; HTTPException and ValueError: a truncated answer.
+      except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:
         last = repr(e)
-      if attempt < self.retries:
+      if attempt < self.retries and not self._closed:
         log.warning("%s%s failed (%s); retry %d/%d", url, path, last, attempt + 1, self.retries)
         time.sleep(min(0.5 * 2 ** attempt, 4.0))
-    raise ServerError(f"{url}{path} failed after {self.retries + 1} attempts: {last}")
+      else:
+        break
+    raise ServerError(f"{url}{path} failed after {attempt + 1} attempt(s): {last}")
 
   # -- rollouts ------------------------------------------------------------------------------------
 
   def complete(self, prompts: list[list[int]], counts: list[int], *, temperature: float,
                max_tokens: int, stop_token_ids: list[int], seed: int, top_p: float = 1.0,
                model: str | None = None) -> list[list[Completion]]:
-    """``counts[i]`` completions of each token-id prompt (questions with 0 are skipped), in order."""
+    """``counts[i]`` completions of each token-id prompt (questions with 0 are skipped), in order.
+
+    ``temperature = 0`` is greedy: vLLM then accepts only ``n = 1``, and the one answer stands for
+    all ``counts[i]`` rows.
+    """
+    greedy = float(temperature) == 0.0
+
     def one(i: int) -> list[Completion]:
-      if counts[i] == 0:
-        return []
-      payload = {"prompt": prompts[i], "n": int(counts[i]), "temperature": float(temperature),
+      n = 1 if greedy else int(counts[i])
+      payload = {"prompt": prompts[i], "n": n, "temperature": float(temperature),
                  "top_p": float(top_p), "max_tokens": int(max_tokens),
                  "stop_token_ids": list(stop_token_ids), "seed": int(seed) + i, "logprobs": 0,
                  "return_token_ids": True, "skip_special_tokens": False}
@@ -90,12 +123,19 @@ class VllmClient:
       url = self.urls[i % len(self.urls)]
       body = self.post(url, "/v1/completions", payload)
       choices = sorted(body["choices"], key=lambda c: c["index"])
-      if len(choices) != counts[i]:
-        raise ServerError(f"{url}: asked for n={counts[i]} completions, got {len(choices)}")
-      return [Completion(list(c["token_ids"]), [float(x) for x in c["logprobs"]["token_logprobs"]],
+      if len(choices) != n:
+        raise ServerError(f"{url}: asked for n={n} completions, got {len(choices)}")
+      done = [Completion(list(c["token_ids"]), [float(x) for x in c["logprobs"]["token_logprobs"]],
                          c.get("finish_reason") or "length") for c in choices]
+      return done * int(counts[i]) if greedy else done
 
-    return list(self._pool.map(one, range(len(prompts))))
+    futures = {i: self._pool.submit(one, i) for i in range(len(prompts)) if counts[i] > 0}
+    try:
+      return [futures[i].result() if i in futures else [] for i in range(len(prompts))]
+    except BaseException:
+      for f in futures.values():  # the rollout is lost: do not keep a failing server busy
+        f.cancel()
+      raise
 
   # -- weights -------------------------------------------------------------------------------------
 
@@ -104,8 +144,26 @@ class VllmClient:
       return [m["id"] for m in json.loads(r.read())["data"]]
 
   def weight_version(self, url: str) -> str | None:
-    with urllib.request.urlopen(f"{url}/weight_info", timeout=self.timeout) as r:
-      return json.loads(r.read())["weight_version"]
+    """The version the server reports (``"default"`` until one is set)."""
+    try:
+      with urllib.request.urlopen(f"{url}/weight_info", timeout=self.timeout) as r:
+        return json.loads(r.read())["weight_version"]
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:
+      raise ServerError(f"{url}/weight_info: {e!r}") from None
+
+  def _verify(self, url: str, version: str) -> None:
+    got = self.weight_version(url)
+    if got != version:
+      raise ServerError(f"{url}: after the weight update the server reports version {got!r}, "
+                        f"expected {version!r}")
+
+  def set_version(self, version: str) -> None:
+    """Label the weights every server holds (after a start on a weights directory) and verify."""
+    def one(url: str) -> None:
+      self.post(url, "/update_weight_version", {"new_version": version})
+      self._verify(url, version)
+
+    list(self._pool.map(one, self.urls))
 
   def load_weights(self, weights_dir: str, version: str) -> None:
     """Every server: pause → reload_weights(dir) → reset prefix cache → set version → resume."""
@@ -119,9 +177,6 @@ class VllmClient:
         self.post(url, "/update_weight_version", {"new_version": version})
       finally:
         self.post(url, "/resume", None)
-      got = self.weight_version(url)
-      if got != version:
-        raise ServerError(f"{url}: after the weight update the server reports version {got!r}, "
-                          f"expected {version!r}")
+      self._verify(url, version)
 
     list(self._pool.map(one, self.urls))

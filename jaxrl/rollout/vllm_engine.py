@@ -6,9 +6,15 @@ and returns the same ``SampleOutput`` layout as the JAX sampler. The server retu
 log-probs at τ but no entropies (``provides_entropy = False``): the trainer scores the rollouts
 under the sampling params, which gives both.
 
-Faults: a server that dies or hangs mid-rollout (connection refused or reset, timeout) is restarted
-from the current weights directory (launch mode), and the whole rollout is retried; after
-``max_restarts`` consecutive failures, ``SidecarError``.
+Faults: a server that dies or hangs mid-rollout or mid-push (connection refused or reset, timeout)
+is restarted from the current weights directory (launch mode), labelled with the current version,
+and the whole rollout or push is retried; after ``max_restarts`` consecutive failures, or when the
+server rejects a request (HTTP 4xx: a restart cannot help), ``SidecarError``.
+
+``sync_every = k`` skips pushing step versions that are not multiples of k (the servers keep
+sampling from the last pushed step, up to k-1 updates stale). Any other version (EEPO's θ', the
+evaluation's params) is always pushed, and so is the first step after one: the servers never keep
+sampling from a temporary θ'.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ import numpy as np
 from jaxrl import hf
 from jaxrl.rollout.sampler import SampleOutput
 from jaxrl.rollout.sidecar import LaunchConfig, Sidecar, SidecarError
-from jaxrl.rollout.vllm_client import ServerError, VllmClient
+from jaxrl.rollout.vllm_client import RequestError, ServerError, VllmClient
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +45,11 @@ class EngineConfig:
   max_restarts: int = 2
   weights_root: str = ""             # "" = /dev/shm when it has room, else the run's workdir
   sync_every: int = 1                # push every k-th new version (EEPO's θ' always)
+
+
+def _step_version(version: str | None) -> int | None:
+  """The training step a version names (``"12"``), or None (``"12-forget"``, ``"-1"``, None)."""
+  return int(version) if version is not None and version.isdigit() else None
 
 
 def _weights_root(configured: str, fallback: str, need_bytes: int) -> str:
@@ -75,33 +86,69 @@ class VllmEngine:
     version = str(version)
     if version == self.version:
       return
-    if (self.version is not None and self.cfg.sync_every > 1 and version.lstrip("-").isdigit()
-        and int(version) % self.cfg.sync_every):
-      return  # between syncs the servers keep sampling from the last pushed version
+    step, held = _step_version(version), _step_version(self.version)
+    k = self.cfg.sync_every
+    if k > 1 and step is not None and held is not None and step % k:
+      return  # between syncs the servers keep sampling from the last pushed step
     t0 = time.time()
     if self._root is None:
       size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
       self._root = _weights_root(self.cfg.weights_root, os.path.join(self.workdir, "sidecar"), size)
+      if self.sidecar is not None and os.path.basename(self._root).startswith("jaxrl-weights-"):
+        self.sidecar.cleanup_dir = self._root   # ours alone: the guard removes it if we die
     self._pushes += 1
-    new_dir = os.path.join(self._root, f"v{self._pushes:06d}")
+    new_dir = os.path.abspath(os.path.join(self._root, f"v{self._pushes:06d}"))
     hf.save_hf_checkpoint(self.model_cfg, params, new_dir, tokenizer=self.tokenizer, untie=True)
-    if self.sidecar is not None and not self.sidecar.alive():
-      self._start(new_dir)
-    else:
-      self.client.load_weights(os.path.abspath(new_dir), version)
+    fresh = self.sidecar is not None and not self.sidecar.alive()
+    try:
+      # A server (re)started on new_dir already holds it: nothing left to push then.
+      self._with_restarts(f"weight push {version}", new_dir, version,
+                          lambda: self.client.load_weights(new_dir, version), fresh=fresh,
+                          done_by_start=True)
+    except BaseException:
+      shutil.rmtree(new_dir, ignore_errors=True)
+      raise
     old, self._dir, self.version = self._dir, new_dir, version
     if old is not None:
       shutil.rmtree(old, ignore_errors=True)
     self.push_seconds.append(time.time() - t0)
     log.debug("weights %s pushed in %.2f s", version, self.push_seconds[-1])
 
-  def _start(self, model_dir: str) -> None:
-    """(Re)start the launched server on ``model_dir`` and point the client at it."""
-    self.sidecar.restart(os.path.abspath(model_dir))
+  def _start(self, model_dir: str, version: str) -> None:
+    """(Re)start the launched server on ``model_dir``, point the client at it, label the version."""
     if self.client is not None:
-      self.client.close()
+      self.client.close()  # its running requests stop retrying against the old server
+    self.sidecar.restart(model_dir)
     self.client = VllmClient([self.sidecar.url], timeout=self.cfg.request_timeout,
                              retries=self.cfg.retries)
+    self.client.set_version(version)
+
+  def _with_restarts(self, what: str, model_dir: str, version: str, call, *, fresh: bool = False,
+                     done_by_start: bool = False):
+    """``call()``; when the server is down or hung, restart it on ``model_dir`` (labelled
+    ``version``) and call again, at most ``max_restarts`` times. ``fresh``: start it first;
+    ``done_by_start``: a successful (re)start is all ``call`` would have done."""
+    failures, start = 0, fresh
+    while True:
+      try:
+        if start:
+          self._start(model_dir, version)
+          start = False
+          if done_by_start:
+            return None
+        return call()
+      except RequestError as e:
+        raise SidecarError(f"the vLLM server rejected the {what} request: {e}") from None
+      except ServerError as e:
+        if self.sidecar is None:
+          raise SidecarError(f"{what} failed (attached servers are not restarted): {e}") from None
+        failures += 1
+        if failures > self.cfg.max_restarts:
+          raise SidecarError(f"{what} failed after {failures - 1} sidecar restart(s) "
+                             f"(vllm.max_restarts): {e}; log: {self.sidecar.log_path}") from None
+        log.warning("vLLM sidecar failed during the %s (%s): restart %d/%d on %s", what, e,
+                    failures, self.cfg.max_restarts, model_dir)
+        start = True
 
   # -- rollouts ------------------------------------------------------------------------------------
 
@@ -113,19 +160,13 @@ class VllmEngine:
     # One seed per call from the step's key: a resumed run sends the same requests.
     seed = int(jax.random.randint(key, (), 0, 2**30))
     tau = 0.0 if greedy else float(temperature)
-    for attempt in range(self.cfg.max_restarts + 1):
-      try:
-        done = self.client.complete(prompts, counts_B.tolist(), temperature=tau,
-                                    max_tokens=self.max_new_tokens, stop_token_ids=[self._eos],
-                                    seed=seed, top_p=1.0 if greedy else self._top_p)
-        break
-      except ServerError as e:
-        if self.sidecar is None or attempt == self.cfg.max_restarts:
-          raise SidecarError(f"rollout failed after {attempt} sidecar restart(s): {e}") from None
-        log.warning("sidecar failed mid-rollout (%s): restarting from %s (%d/%d)", e, self._dir,
-                    attempt + 1, self.cfg.max_restarts)
-        self._start(self._dir)
-        self.client.load_weights(os.path.abspath(self._dir), self.version)  # re-sync the version
+    if self.sidecar is not None and self._dir is None:
+      raise SidecarError("generate() before set_weights(): no sidecar has been started yet")
+    done = self._with_restarts(
+        "rollout", self._dir, self.version,
+        lambda: self.client.complete(prompts, counts_B.tolist(), temperature=tau,
+                                     max_tokens=self.max_new_tokens, stop_token_ids=[self._eos],
+                                     seed=seed, top_p=1.0 if greedy else self._top_p))
     return self._assemble(ids_BxP, mask_BxP, counts_B, done)
 
   def _assemble(self, ids_BxP, mask_BxP, counts_B, done) -> SampleOutput:
