@@ -1,61 +1,100 @@
-"""Hugging Face checkpoints <-> jaxrl ``Decoder`` params (Qwen2 / Qwen2.5 / Qwen3).
+"""Hugging Face checkpoints <-> jaxrl ``Decoder`` params (Qwen2 / Qwen2.5 / Qwen3 / Llama 3.x).
 
-Loading reads ``config.json`` and safetensors (single file or sharded with an index) one tensor at a
-time, so the host never holds a second full copy of the model, and places each tensor straight onto
-its sharding. Export writes the same HF layout with numpy only (no torch), which both transformers
-and a vLLM sidecar's ``reload_weights`` read.
+Loading reads ``config.json`` and safetensors (single file or sharded with an index) and builds each
+param device shard by device shard: a shard's bytes are read from the file with ``pread`` (only
+the rows it needs, never a memory map whose pages would pile up in the process), cast, and handed
+to its device. So host memory holds at most one device shard beyond what the devices hold, for
+loop and scanned (stacked [L, ...]) params alike. Export writes the same HF layout with numpy only
+(no torch), which both transformers and a vLLM sidecar's ``reload_weights`` read.
 
 Name map (HF -> jaxrl): ``model.`` prefix dropped; ``*_proj.weight`` and ``lm_head.weight`` are
-[out, in] in HF and [in, out] here; ``{q,k,v}_proj.bias`` become ``{q,k,v}_bias``.
+[out, in] in HF and [in, out] here; ``{q,k,v}_proj.bias`` become ``{q,k,v}_bias``; with
+``scan_layers`` the L tensors ``model.layers.{l}.X`` are one param ``layers/X`` of shape [L, ...].
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import json
+import math
+import os
 import pathlib
+import struct
 from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxrl import model as jaxrl_model
 from jaxrl.model import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
-_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "llama": "LlamaForCausalLM"}
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")
+# ModelConfig fields that say how to run the model, not what it is: never read from config.json.
+EXECUTION_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat")
 # transformers' own defaults, so a config.json that omits these loads the same in both frameworks.
 _ROPE_THETA_DEFAULT = 10_000.0
 _QWEN3_HEAD_DIM_DEFAULT = 128
 _MAX_POSITIONS = 32768
+_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
+                       "BF16": ml_dtypes.bfloat16}
+_SAFETENSORS_NAMES = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}
 
 
 def _is_var(x) -> bool:
   return isinstance(x, nnx.Variable)
 
 
-def _rope_theta(config: dict) -> float:
-  """RoPE θ: ``rope_parameters`` (transformers 5), legacy ``rope_scaling``, top-level ``rope_theta``."""
+def _rope_fields(config: dict) -> dict:
+  """ModelConfig's RoPE fields from ``rope_parameters`` (transformers 5), legacy ``rope_scaling``
+  and top-level ``rope_theta``, with transformers' fallbacks (``standardize_rope_params``)."""
   rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
   if set(rope) & set(config.get("layer_types") or ()):
     raise ValueError("config.json: per-layer-type rope_parameters are not supported")
   rope_type = rope.get("rope_type", rope.get("type", "default"))
-  if rope_type != "default":
-    raise ValueError(f"config.json: rope_type {rope_type!r} is not supported (only 'default')")
   if rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
     raise ValueError("config.json: partial_rotary_factor != 1 is not supported")
-  return float(rope.get("rope_theta", config.get("rope_theta", _ROPE_THETA_DEFAULT)))
+  fields = {"rope_theta": float(rope.get("rope_theta", config.get("rope_theta", _ROPE_THETA_DEFAULT)))}
+
+  def need(key):
+    if rope.get(key) is None:
+      raise ValueError(f"config.json: rope_type {rope_type!r} needs rope_parameters[{key!r}]")
+    return rope[key]
+
+  if rope_type == "default":
+    return fields
+  if rope_type == "linear":
+    return {**fields, "rope_type": "linear", "rope_factor": float(need("factor"))}
+  if rope_type == "llama3":
+    # transformers prefers a top-level original_max_position_embeddings, then the rope dict's,
+    # then max_position_embeddings.
+    original = (config.get("original_max_position_embeddings")
+                or rope.get("original_max_position_embeddings")
+                or config.get("max_position_embeddings"))
+    if original is None:
+      raise ValueError("config.json: rope_type 'llama3' needs original_max_position_embeddings")
+    return {**fields, "rope_type": "llama3", "rope_factor": float(need("factor")),
+            "rope_low_freq_factor": float(need("low_freq_factor")),
+            "rope_high_freq_factor": float(need("high_freq_factor")),
+            "rope_original_max_positions": int(original)}
+  raise ValueError(f"config.json: rope_type {rope_type!r} is not supported "
+                   f"(supported: {', '.join(jaxrl_model.ROPE_TYPES)})")
 
 
-def model_config_from_hf(config: dict) -> ModelConfig:
-  """ModelConfig from a Qwen2/Qwen2.5/Qwen3 ``config.json`` dict; ValueError names any bad field."""
+def model_config_from_hf(config: dict, **execution) -> ModelConfig:
+  """ModelConfig from a Qwen2/Qwen2.5/Qwen3/Llama ``config.json`` dict; ValueError names any bad
+  field. ``execution``: any of ``EXECUTION_FIELDS`` (e.g. ``scan_layers=True``)."""
+  unknown = set(execution) - set(EXECUTION_FIELDS)
+  if unknown:
+    raise TypeError(f"model_config_from_hf: unknown options {sorted(unknown)} "
+                    f"(allowed: {EXECUTION_FIELDS})")
   model_type = config.get("model_type")
   if model_type not in SUPPORTED_MODEL_TYPES:
     raise ValueError(f"config.json: model_type {model_type!r} is not supported "
@@ -69,11 +108,14 @@ def model_config_from_hf(config: dict) -> ModelConfig:
   sliding = "sliding_attention" in (config.get("layer_types") or ())
   if config.get("use_sliding_window", False) or sliding:
     raise ValueError("config.json: use_sliding_window / sliding_attention layers are not supported")
+  if model_type in ("qwen3", "llama") and config.get("attention_bias", False):
+    # HF then also has an o_proj bias, which the Decoder does not have.
+    raise ValueError(f"config.json: attention_bias=true (q/k/v/o biases) is unsupported for "
+                     f"{model_type}")
+  if model_type == "llama" and config.get("mlp_bias", False):
+    raise ValueError("config.json: mlp_bias=true (gate/up/down biases) is unsupported for llama")
   heads = config["num_attention_heads"]
   qwen3 = model_type == "qwen3"
-  if qwen3 and config.get("attention_bias", False):
-    # HF Qwen3 then also has an o_proj bias, which the Decoder does not have.
-    raise ValueError("config.json: attention_bias=true (q/k/v/o biases) is unsupported for qwen3")
   head_dim = config.get("head_dim") or (
       _QWEN3_HEAD_DIM_DEFAULT if qwen3 else config["hidden_size"] // heads)
   return ModelConfig(
@@ -84,21 +126,44 @@ def model_config_from_hf(config: dict) -> ModelConfig:
       num_heads=heads,
       num_kv_heads=config.get("num_key_value_heads") or heads,
       head_dim=head_dim,
-      rope_theta=_rope_theta(config),
       rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
       # Qwen2 attention always has q/k/v biases (transformers ignores attention_bias there).
-      qkv_bias=not qwen3,
+      qkv_bias=model_type == "qwen2",
       qk_norm=qwen3,
       tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+      **_rope_fields(config),
+      **execution,
   )
 
 
+def load_model_config(path, **execution) -> ModelConfig:
+  """ModelConfig of an HF directory (its config.json), e.g. to plan shardings before loading."""
+  config_file = pathlib.Path(path) / "config.json"
+  if not config_file.exists():
+    raise FileNotFoundError(f"{path}: no config.json")
+  return model_config_from_hf(json.loads(config_file.read_text()), **execution)
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict:
+  rope = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+  if cfg.rope_type != "default":
+    rope["factor"] = cfg.rope_factor
+  if cfg.rope_type == "llama3":
+    rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+                original_max_position_embeddings=cfg.rope_original_max_positions)
+  return rope
+
+
 def hf_config_from_model(cfg: ModelConfig, dtype="float32") -> dict:
-  """The ``config.json`` dict transformers 5 (and vLLM) needs to rebuild this architecture."""
-  if cfg.qk_norm == cfg.qkv_bias:
-    raise ValueError(f"qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm} has no HF equivalent "
-                     "(Qwen2: biases and no qk-norm; Qwen3: qk-norm and no biases)")
-  model_type = "qwen3" if cfg.qk_norm else "qwen2"
+  """The ``config.json`` dict transformers 5 (and vLLM) needs to rebuild this architecture.
+
+  q/k/v biases make it Qwen2, q/k norms Qwen3, neither Llama.
+  """
+  if cfg.qk_norm and cfg.qkv_bias:
+    raise ValueError("qkv_bias=True with qk_norm=True has no HF equivalent "
+                     "(Qwen2: biases; Qwen3: qk-norm; Llama: neither)")
+  model_type = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+  rope = _rope_parameters(cfg)
   config = {
       "architectures": [_ARCHITECTURES[model_type]],
       "model_type": model_type,
@@ -111,16 +176,23 @@ def hf_config_from_model(cfg: ModelConfig, dtype="float32") -> dict:
       "head_dim": cfg.head_dim,
       "hidden_act": "silu",
       "rms_norm_eps": cfg.rms_norm_eps,
-      "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-      "rope_theta": cfg.rope_theta,  # for readers older than transformers 5
-      "max_position_embeddings": _MAX_POSITIONS,
+      "rope_parameters": rope,
+      # For readers older than transformers 5 (e.g. a vLLM sidecar's): top-level θ, rope_scaling.
+      "rope_theta": cfg.rope_theta,
+      "rope_scaling": ({k: v for k, v in rope.items() if k != "rope_theta"}
+                       if cfg.rope_type != "default" else None),
+      "max_position_embeddings": max(_MAX_POSITIONS, cfg.rope_original_max_positions
+                                     if cfg.rope_type == "llama3" else 0),
       "tie_word_embeddings": cfg.tie_embeddings,
-      "use_sliding_window": False,
       "attention_dropout": 0.0,
       "dtype": str(jnp.dtype(dtype)),
   }
-  if model_type == "qwen3":
+  if model_type == "qwen2":
+    config["use_sliding_window"] = False
+  else:
     config["attention_bias"] = False
+  if model_type == "llama":
+    config["mlp_bias"] = False
   return config
 
 
@@ -137,13 +209,18 @@ def _key(key_path) -> tuple:
   return tuple(out)
 
 
+def _is_stacked(key: tuple) -> bool:
+  """A scanned model's layer param: ``layers/<module>/<leaf>`` with no layer index."""
+  return len(key) >= 2 and key[0] == "layers" and not isinstance(key[1], int)
+
+
 def hf_name(key: tuple) -> tuple[str, bool]:
-  """HF tensor name for a jaxrl param path, and whether HF stores it transposed."""
+  """HF tensor name for a jaxrl (per-layer) param path, and whether HF stores it transposed."""
   if key == ("lm_head",):
     return "lm_head.weight", True
   if key in (("embed_tokens",), ("norm",)):
     return f"model.{key[0]}.weight", False
-  if len(key) >= 3 and key[0] == "layers":
+  if len(key) >= 3 and key[0] == "layers" and isinstance(key[1], int):
     module, leaf = ".".join(str(k) for k in key[:-1]), key[-1]
     if leaf.endswith("_proj"):
       return f"model.{module}.{leaf}.weight", True
@@ -154,45 +231,103 @@ def hf_name(key: tuple) -> tuple[str, bool]:
   raise ValueError(f"no HF name for jaxrl param {'/'.join(map(str, key))}")
 
 
-def _tensor_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
-  """HF tensor name -> safetensors file holding it (single file or every shard of an index)."""
+class _SafetensorsFile:
+  """One safetensors file read by explicit ``pread``s of row ranges (no mmap, no full reads)."""
+
+  def __init__(self, path: pathlib.Path):
+    self.path = path
+    self._fd = os.open(path, os.O_RDONLY)
+    try:
+      (size,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+      header = json.loads(os.pread(self._fd, size, 8))
+    except (struct.error, ValueError) as e:
+      os.close(self._fd)
+      raise ValueError(f"{path}: not a safetensors file ({e})") from e
+    header.pop("__metadata__", None)
+    self._base = 8 + size
+    self.tensors = {}
+    for name, info in header.items():
+      if info["dtype"] not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, expected one of "
+                         f"{sorted(_SAFETENSORS_DTYPES)}")
+      dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
+      shape, (begin, end) = tuple(info["shape"]), info["data_offsets"]
+      if end - begin != math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape}")
+      self.tensors[name] = (dtype, shape, begin)
+
+  def close(self):
+    os.close(self._fd)
+
+  def rows(self, name: str, lo: int, hi: int) -> np.ndarray:
+    """Rows lo..hi-1 (along axis 0) of a tensor; the whole of a 0-d one."""
+    dtype, shape, begin = self.tensors[name]
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    out = np.empty((hi - lo, *shape[1:]) if shape else (), dtype)
+    view = out.reshape(-1).view(np.uint8)
+    offset, done = self._base + begin + lo * row_bytes, 0
+    while done < view.size:   # pread may return fewer bytes than asked
+      n = os.preadv(self._fd, [view[done:]], offset + done)
+      if n <= 0:
+        raise ValueError(f"{self.path}: tensor {name!r} is truncated")
+      done += n
+    return out
+
+
+def _tensor_files(path: pathlib.Path) -> list[pathlib.Path]:
+  """The safetensors files of an HF directory (single file or every shard of an index)."""
   single, index = path / "model.safetensors", path / "model.safetensors.index.json"
   if single.exists():
-    files = [single]
-  elif index.exists():
+    return [single]
+  if index.exists():
     weight_map = json.loads(index.read_text())["weight_map"]
-    files = [path / f for f in sorted(set(weight_map.values()))]
-  else:
-    raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
-  where = {}
-  for f in files:
-    with safe_open(f, framework="numpy") as handle:  # reads the header only
-      where.update((name, f) for name in handle.keys())
-  return where
+    return [path / f for f in sorted(set(weight_map.values()))]
+  raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
 
 
-def _place(array: np.ndarray, sharding) -> jax.Array:
+def _read(handle: _SafetensorsFile, name: str, index: tuple, transposed: bool, dtype) -> np.ndarray:
+  """The block ``index`` (slices in jaxrl's layout) of one HF tensor, cast to ``dtype``."""
+  hf_index = index[::-1] if transposed else index
+  rows = hf_index[0] if hf_index else slice(0, 1)
+  block = handle.rows(name, rows.start, rows.stop)
+  if len(hf_index) == 2:
+    block = block[:, hf_index[1]]
+  return (block.T if transposed else block).astype(dtype, order="C")
+
+
+def _assemble(shape, sharding, read_block) -> jax.Array:
+  """A global array from ``read_block(index)``, reading each distinct device block once and
+  holding one block on host at a time; ``sharding=None``: the whole array on the default device."""
+  full = tuple(slice(0, n) for n in shape)
   if sharding is None:
-    return jnp.asarray(array)
-  if sharding.is_fully_addressable:
-    return jax.device_put(array, sharding)
-  # Multi-process: each process holds the whole tensor on host and hands over its own shards.
-  return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+    return jnp.asarray(read_block(full))
+  by_block: dict[tuple, list] = {}
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
+    index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+    by_block.setdefault(tuple((s.start, s.stop) for s in index), []).append((device, index))
+  on_device = {}
+  for group in by_block.values():
+    block = read_block(group[0][1])
+    for device, _ in group:
+      on_device[device] = jax.device_put(block, device)
+    del block
+  arrays = [on_device[d] for d in sharding.addressable_devices_indices_map(shape)]
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
-def load_hf_checkpoint(path, dtype=jnp.float32, shardings=None):
+def load_hf_checkpoint(path, dtype=jnp.float32, shardings=None, *, scan_layers: bool = False,
+                       remat: str = "none", compute_dtype: str = "float32"):
   """(ModelConfig, graphdef, params) from an HF directory, streamed and cast to ``dtype``.
 
-  ``shardings``: None (default device) or a pytree of ``NamedSharding`` with the structure of the
-  params (e.g. ``jaxrl.sharding.tree_shardings(abstract_params, mesh)``).
+  ``dtype`` becomes ``ModelConfig.param_dtype``; ``scan_layers``, ``remat`` and ``compute_dtype``
+  (``ModelConfig.dtype``) say how to run it. ``shardings``: None (default device) or a pytree of
+  ``NamedSharding`` with the structure of the params, e.g. ``sharding.tree_shardings(
+  model.abstract(load_model_config(path, scan_layers=True))[1], mesh)``.
   """
   path = pathlib.Path(path)
-  config_file = path / "config.json"
-  if not config_file.exists():
-    raise FileNotFoundError(f"{path}: no config.json")
-  cfg = model_config_from_hf(json.loads(config_file.read_text()))
+  cfg = load_model_config(path, param_dtype=jnp.dtype(dtype).name, scan_layers=scan_layers,
+                          remat=remat, dtype=compute_dtype)
   graphdef, abstract = jaxrl_model.abstract(cfg)
-  files = _tensor_files(path)
   placement = None
   if shardings is not None:
     placement = {_key(p): s for p, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
@@ -200,32 +335,50 @@ def load_hf_checkpoint(path, dtype=jnp.float32, shardings=None):
   expected = set()
 
   with contextlib.ExitStack() as stack:
-    handles = {f: stack.enter_context(safe_open(f, framework="numpy")) for f in set(files.values())}
+    handles = {}
+    for f in _tensor_files(path):
+      handle = _SafetensorsFile(f)
+      stack.callback(handle.close)
+      handles.update((name, handle) for name in handle.tensors)
 
-    def read(name):
-      return handles[files[name]].get_tensor(name)
+    def check(name, key, want):
+      expected.add(name)
+      if name not in handles:
+        raise ValueError(f"{path}: tensor {name!r} (jaxrl {'/'.join(map(str, key))}) is missing")
+      shape = handles[name].tensors[name][1]
+      if shape != want:
+        raise ValueError(f"{path}: tensor {name!r} has shape {shape}, config.json implies {want}")
 
     def load_one(key_path, var):
       key = _key(key_path)
-      name, transposed = hf_name(key)
-      expected.add(name)
-      if name not in files:
-        raise ValueError(f"{path}: tensor {name!r} (jaxrl {'/'.join(map(str, key))}) is missing")
-      want = tuple(var.shape[::-1] if transposed else var.shape)
-      array = read(name)
-      if array.shape != want:
-        raise ValueError(
-            f"{path}: tensor {name!r} has shape {array.shape}, config.json implies {want}")
-      array = (array.T if transposed else array).astype(np_dtype, order="C")
+      stacked = _is_stacked(key)
+      per_layer = ([("layers", i, *key[1:]) for i in range(cfg.num_layers)] if stacked else [key])
+      names = [hf_name(k)[0] for k in per_layer]
+      transposed = hf_name(per_layer[0])[1]
+      inner = var.shape[1:] if stacked else var.shape
+      for name in names:
+        check(name, key, tuple(inner[::-1] if transposed else inner))
+
+      def read_block(index):
+        if not stacked:
+          return _read(handles[names[0]], names[0], index, transposed, np_dtype)
+        out = np.empty(tuple(s.stop - s.start for s in index), np_dtype)
+        for j, layer in enumerate(range(index[0].start, index[0].stop)):
+          out[j] = _read(handles[names[layer]], names[layer], index[1:], transposed, np_dtype)
+        return out
+
       if placement is not None and key not in placement:
         raise ValueError(f"shardings has no entry for {'/'.join(map(str, key))}")
-      return var.replace(_place(array, None if placement is None else placement[key]))
+      sharding = None if placement is None else placement[key]
+      return var.replace(_assemble(var.shape, sharding, read_block))
 
     params = jax.tree_util.tree_map_with_path(load_one, abstract, is_leaf=_is_var)
 
-    unexpected = sorted(n for n in set(files) - expected if not n.endswith("rotary_emb.inv_freq"))
+    unexpected = sorted(n for n in set(handles) - expected if not n.endswith("rotary_emb.inv_freq"))
     if cfg.tie_embeddings and "lm_head.weight" in unexpected:
-      if not np.array_equal(read("lm_head.weight"), read("model.embed_tokens.weight")):
+      head, embed = ("lm_head.weight", "model.embed_tokens.weight")
+      n = handles[embed].tensors[embed][1][0]
+      if not np.array_equal(handles[head].rows(head, 0, n), handles[embed].rows(embed, 0, n)):
         raise ValueError(f"{path}: tie_word_embeddings is true but lm_head.weight differs from "
                          "model.embed_tokens.weight")
       unexpected.remove("lm_head.weight")
@@ -235,12 +388,36 @@ def load_hf_checkpoint(path, dtype=jnp.float32, shardings=None):
   return cfg, graphdef, params
 
 
-def to_hf_tensors(params) -> Iterator[tuple[str, np.ndarray]]:
-  """(HF name, host array in HF layout) for every param, one at a time, in the params' dtype."""
+def _hf_entries(params) -> list[tuple[str, bool, object, int | None]]:
+  """(HF name, transposed, leaf, layer index into a stacked leaf or None) for every HF tensor,
+  a scanned model's stacked leaves expanded layer by layer where they first appear."""
+  entries, stacked = [], []
   for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    name, transposed = hf_name(_key(key_path))
-    array = np.asarray(jax.device_get(leaf))
-    yield name, np.ascontiguousarray(array.T if transposed else array)
+    key = _key(key_path)
+    if _is_stacked(key):
+      if not stacked:
+        entries.append(stacked)   # placeholder, filled below
+      stacked.append((key, leaf))
+    else:
+      entries.append((*hf_name(key), leaf, None))
+  layers = [(*hf_name(("layers", i, *key[1:])), leaf, i)
+            for i in range(stacked[0][1].shape[0] if stacked else 0) for key, leaf in stacked]
+  out = []
+  for e in entries:
+    out.extend(layers if e is stacked else [e])
+  return out
+
+
+def _host(leaf, layer, transposed) -> np.ndarray:
+  array = np.asarray(jax.device_get(leaf if layer is None else leaf[layer]))
+  return np.ascontiguousarray(array.T if transposed else array)
+
+
+def to_hf_tensors(params) -> Iterator[tuple[str, np.ndarray]]:
+  """(HF name, host array in HF layout) for every HF tensor, one at a time, in the params' dtype
+  (a scanned model's stacked params are unstacked into per-layer tensors)."""
+  for name, transposed, leaf, layer in _hf_entries(params):
+    yield name, _host(leaf, layer, transposed)
 
 
 def save_hf_checkpoint(cfg: ModelConfig, params, out_dir, tokenizer=None,
@@ -256,18 +433,20 @@ def save_hf_checkpoint(cfg: ModelConfig, params, out_dir, tokenizer=None,
   out.mkdir(parents=True, exist_ok=True)
   for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
     stale.unlink(missing_ok=True)  # a leftover file or shard from an earlier save would be read back
-  leaves = jax.tree.leaves(params)
-  dtype = leaves[0].dtype
-  tensors = to_hf_tensors(params)
+  entries = _hf_entries(params)
   if untie and cfg.tie_embeddings:
     cfg = dataclasses.replace(cfg, tie_embeddings=False)
-    embed = params["embed_tokens"][...]                       # [V, D]: HF's lm_head layout too
-    leaves = [*leaves, embed]
-    tensors = itertools.chain(tensors, [("lm_head.weight", np.asarray(jax.device_get(embed)))])
+    # [V, D] is HF's lm_head layout too, so it is written untransposed.
+    entries.append(("lm_head.weight", False, params["embed_tokens"][...], None))
+  dtype = entries[0][2].dtype
+  if np.dtype(dtype) not in _SAFETENSORS_NAMES:
+    raise ValueError(f"params of dtype {dtype} cannot be saved (supported: "
+                     f"{sorted(str(d) for d in _SAFETENSORS_NAMES)})")
   (out / "config.json").write_text(json.dumps(hf_config_from_model(cfg, dtype), indent=2))
 
   # Plan shards from sizes alone so tensors are materialised on host one shard at a time.
-  sizes = [leaf.size * leaf.dtype.itemsize for leaf in leaves]
+  sizes = [math.prod(leaf.shape[layer is not None:]) * leaf.dtype.itemsize
+           for _, _, leaf, layer in entries]
   bounds, start, acc = [], 0, 0
   for i, size in enumerate(sizes):
     if acc and acc + size > max_shard_bytes:
@@ -280,7 +459,8 @@ def save_hf_checkpoint(cfg: ModelConfig, params, out_dir, tokenizer=None,
   for shard, (lo, hi) in enumerate(bounds):
     fname = ("model.safetensors" if len(bounds) == 1
              else f"model-{shard + 1:05d}-of-{len(bounds):05d}.safetensors")
-    chunk = dict(next(tensors) for _ in range(lo, hi))
+    chunk = {name: _host(leaf, layer, transposed)
+             for name, transposed, leaf, layer in entries[lo:hi]}
     save_file(chunk, out / fname, metadata={"format": "pt"})
     weight_map.update((name, fname) for name in chunk)
     del chunk

@@ -1,4 +1,4 @@
-"""Qwen2 / Qwen2.5 / Qwen3-family decoder in Flax NNX, used functionally.
+"""Qwen2 / Qwen2.5 / Qwen3 / Llama 3.x decoder in Flax NNX, used functionally.
 
 The module is built once; training and sampling call ``forward(graphdef, params, ...)`` on a split
 ``nnx.State``, so params are a plain pytree that jit, optax, orbax and sharding act on.
@@ -7,10 +7,18 @@ chunked path in ``jaxrl.logprobs`` and never through a [B, T, V] logits buffer.
 
 Every parameter names its logical axes (``logical_axes`` metadata); ``jaxrl.sharding`` alone maps
 them onto the mesh. Linear kernels are stored [in, out] (HF stores [out, in]).
+
+Two layouts of the L decoder layers compute the same function from the same init:
+  loop (``scan_layers=False``): ``params["layers"][i]`` per layer, applied by a Python loop;
+  scan (``scan_layers=True``):  one ``params["layers"]`` whose leaves carry a leading [L] axis
+    (logical axis "layers"), applied by ``jax.lax.scan``, so compile time does not grow with L.
+Both run every layer through one function (optionally rematerialised, ``remat``), and both keep
+the KV cache as one [L, B, S, K, E] array per k/v, updated in place.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +26,31 @@ from flax import nnx
 
 from jaxrl.types import Array, pytree_dataclass
 
+ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = ("float32", "bfloat16")
+
+
+def _remat_policy(name: str):
+  """The ``jax.checkpoint`` policy of a ``ModelConfig.remat`` name (None: save nothing)."""
+  if name == "full":
+    return None
+  if name == "dots":   # keep the projections' outputs, recompute norms, RoPE, softmax, SiLU
+    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  if name == "offload":   # as "dots", but parked in pinned host memory between the passes
+    return jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+  raise ValueError(name)
+
+
+REMAT_POLICIES = ("none", "full", "dots", "offload")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Architecture of a Qwen2/Qwen3-style decoder (the fields of an HF ``config.json``)."""
+  """Architecture (the fields of an HF ``config.json``) and how to execute it.
+
+  The execution fields (``dtype``, ``param_dtype``, ``scan_layers``, ``remat``) never change the
+  function computed, only precision, memory and compile time.
+  """
   vocab_size: int
   hidden_size: int
   intermediate_size: int
@@ -31,41 +60,80 @@ class ModelConfig:
   head_dim: int
   rope_theta: float = 1_000_000.0
   rms_norm_eps: float = 1e-6
-  qkv_bias: bool = True          # Qwen2: True; Qwen3: False
+  qkv_bias: bool = True          # Qwen2: True; Qwen3, Llama: False
   qk_norm: bool = False          # Qwen3: RMSNorm over head_dim on q and k before RoPE
   tie_embeddings: bool = False
-  dtype: str = "float32"         # compute dtype of matmuls (params keep their own dtype)
+  dtype: str = "float32"         # compute dtype of activations and matmuls
+  # RoPE frequency scaling, as HF ``rope_parameters``: "linear" divides every frequency by
+  # ``rope_factor``; "llama3" divides the low ones, keeps the high ones, interpolates between.
+  rope_type: str = "default"
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_positions: int = 8192
+  param_dtype: str = "float32"   # storage dtype of the params (and so of grads and AdamW moments)
+  scan_layers: bool = False      # stack the layers on a leading axis and lax.scan over them
+  remat: str = "none"            # per layer: "none" | "full" | "dots" | "offload" (see _remat_policy)
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not one of {DTYPES}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"ModelConfig.remat={self.remat!r} is not one of {REMAT_POLICIES}")
+    if self.rope_type not in ROPE_TYPES:
+      raise ValueError(f"ModelConfig.rope_type={self.rope_type!r} is not one of {ROPE_TYPES}")
+    if self.rope_type != "default" and self.rope_factor <= 0:
+      raise ValueError(f"ModelConfig.rope_factor={self.rope_factor} must be > 0")
+    if self.rope_type == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor:
+      raise ValueError(f"llama3 RoPE needs rope_high_freq_factor ({self.rope_high_freq_factor}) > "
+                       f"rope_low_freq_factor ({self.rope_low_freq_factor})")
 
 
 @pytree_dataclass
 class KVCache:
-  """Per-layer key/value cache; slot s holds sequence position s of the (left-padded) batch."""
-  k: tuple[Array, ...]   # L x [B, S, K, E]
-  v: tuple[Array, ...]   # L x [B, S, K, E]
+  """Keys/values of every layer; slot s holds sequence position s of the (left-padded) batch.
+
+  Heads come before slots so that both attention matmuls read a layer's cache as it lies (batch
+  dims b, k leading); a [.., S, K, E] layout made XLA transpose every layer's cache each step.
+  """
+  k: Array   # [L, B, K, S, E]
+  v: Array   # [L, B, K, S, E]
+
+  def write(self, layer, start, k_BxTxKxE: Array, v_BxTxKxE: Array) -> KVCache:
+    """Store T new keys/values of ``layer`` (int or traced) at slots start..start+T-1, in place."""
+    at = (layer, 0, 0, start, 0)
+
+    def put(cache, x_BxTxKxE):
+      return jax.lax.dynamic_update_slice(
+          cache, jnp.swapaxes(x_BxTxKxE, 1, 2)[None].astype(cache.dtype), at)
+
+    return KVCache(k=put(self.k, k_BxTxKxE), v=put(self.v, v_BxTxKxE))
+
+  def layer(self, layer) -> tuple[Array, Array]:
+    """(k_BxKxSxE, v_BxKxSxE) of one layer."""
+    return (jax.lax.dynamic_index_in_dim(self.k, layer, keepdims=False),
+            jax.lax.dynamic_index_in_dim(self.v, layer, keepdims=False))
 
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> KVCache:
-  shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
-  zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-  return KVCache(k=zeros, v=zeros)
+  shape = (cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim)
+  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
-def _param(rngs: nnx.Rngs, shape, axes, scale: float | None = None) -> nnx.Param:
+def _param(cfg: ModelConfig, rngs: nnx.Rngs, shape, axes, scale: float | None = None) -> nnx.Param:
   """A normal(0, scale) parameter (scale = 1/sqrt(fan_in) by default) tagged with logical axes."""
   scale = shape[0] ** -0.5 if scale is None else scale
-  return nnx.Param(scale * jax.random.normal(rngs.params(), shape, jnp.float32), logical_axes=axes)
+  value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
+  return nnx.Param(value.astype(cfg.param_dtype), logical_axes=axes)
 
 
-def _zeros(shape, axes) -> nnx.Param:
-  return nnx.Param(jnp.zeros(shape, jnp.float32), logical_axes=axes)
-
-
-def _ones(shape, axes) -> nnx.Param:
-  return nnx.Param(jnp.ones(shape, jnp.float32), logical_axes=axes)
+def _const(cfg: ModelConfig, value: float, shape, axes) -> nnx.Param:
+  return nnx.Param(jnp.full(shape, value, cfg.param_dtype), logical_axes=axes)
 
 
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
@@ -75,11 +143,30 @@ def rms_norm(x: Array, weight: Array, eps: float) -> Array:
   return (weight.astype(jnp.float32) * x32).astype(x.dtype)
 
 
-def rope(x_BxTxHxE: Array, positions_BxT: Array, theta: float) -> Array:
+def rope_inv_freq(cfg: ModelConfig) -> Array:
+  """RoPE inverse frequencies [E/2] in float32, with the config's scaling, in transformers' order
+  of float32 operations (``modeling_rope_utils``), so the angles match its to the last bit or so."""
+  half = cfg.head_dim // 2
+  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+  if cfg.rope_type == "linear":
+    return inv_freq / cfg.rope_factor
+  if cfg.rope_type == "llama3":
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    context = cfg.rope_original_max_positions
+    wavelen = 2 * math.pi / inv_freq
+    # Wavelengths beyond context/low were never seen whole in pretraining: stretch them by factor.
+    scaled = jnp.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < context / high) & ~(wavelen > context / low)
+    return jnp.where(medium, smoothed, scaled)
+  return inv_freq
+
+
+def rope(x_BxTxHxE: Array, positions_BxT: Array, inv_freq_half: Array) -> Array:
   """Rotary embedding in HF's rotate-half layout (first and second halves of head_dim pair up)."""
   half = x_BxTxHxE.shape[-1] // 2
-  inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
-  angles_BxTxhalf = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
+  angles_BxTxhalf = positions_BxT.astype(jnp.float32)[..., None] * inv_freq_half
   cos = jnp.cos(angles_BxTxhalf)[:, :, None, :]
   sin = jnp.sin(angles_BxTxhalf)[:, :, None, :]
   x32 = x_BxTxHxE.astype(jnp.float32)
@@ -94,17 +181,17 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     d, h, k, e = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    self.q_proj = _param(rngs, (d, h * e), ("embed", "heads"))
-    self.k_proj = _param(rngs, (d, k * e), ("embed", "kv_heads"))
-    self.v_proj = _param(rngs, (d, k * e), ("embed", "kv_heads"))
-    self.o_proj = _param(rngs, (h * e, d), ("heads", "embed"))
+    self.q_proj = _param(cfg, rngs, (d, h * e), ("embed", "heads"))
+    self.k_proj = _param(cfg, rngs, (d, k * e), ("embed", "kv_heads"))
+    self.v_proj = _param(cfg, rngs, (d, k * e), ("embed", "kv_heads"))
+    self.o_proj = _param(cfg, rngs, (h * e, d), ("heads", "embed"))
     if cfg.qkv_bias:
-      self.q_bias = _zeros((h * e,), ("heads",))
-      self.k_bias = _zeros((k * e,), ("kv_heads",))
-      self.v_bias = _zeros((k * e,), ("kv_heads",))
+      self.q_bias = _const(cfg, 0.0, (h * e,), ("heads",))
+      self.k_bias = _const(cfg, 0.0, (k * e,), ("kv_heads",))
+      self.v_bias = _const(cfg, 0.0, (k * e,), ("kv_heads",))
     if cfg.qk_norm:
-      self.q_norm = _ones((e,), ("norm",))
-      self.k_norm = _ones((e,), ("norm",))
+      self.q_norm = _const(cfg, 1.0, (e,), ("norm",))
+      self.k_norm = _const(cfg, 1.0, (e,), ("norm",))
 
   def _project(self, x, kernel, bias_name, heads):
     cfg = self.cfg
@@ -113,7 +200,7 @@ class Attention(nnx.Module):
       y = y + getattr(self, bias_name)[...].astype(x.dtype)
     return y.reshape(*x.shape[:2], heads, cfg.head_dim)
 
-  def __call__(self, x_BxTxD, positions_BxT, kv_valid_BxS, start, cache_k, cache_v):
+  def __call__(self, x_BxTxD, positions_BxT, kv_valid_BxS, start, cache: KVCache | None, layer):
     """Attend from T new tokens (slots start..start+T-1) to all S cache slots (or the T tokens)."""
     cfg = self.cfg
     b, t, _ = x_BxTxD.shape
@@ -123,24 +210,27 @@ class Attention(nnx.Module):
     if cfg.qk_norm:
       q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
       k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
-    q = rope(q, positions_BxT, cfg.rope_theta)
-    k = rope(k, positions_BxT, cfg.rope_theta)
-    if cache_k is not None:
-      cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, start, 0, 0))
-      cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, start, 0, 0))
-      k, v = cache_k.astype(x_BxTxD.dtype), cache_v.astype(x_BxTxD.dtype)
-    s = k.shape[1]
+    inv_freq = rope_inv_freq(cfg)
+    q = rope(q, positions_BxT, inv_freq)
+    k = rope(k, positions_BxT, inv_freq)
+    if cache is not None:
+      cache = cache.write(layer, start, k, v)
+      k_BxKxSxE, v_BxKxSxE = cache.layer(layer)
+      k_BxKxSxE, v_BxKxSxE = k_BxKxSxE.astype(x_BxTxD.dtype), v_BxKxSxE.astype(x_BxTxD.dtype)
+    else:
+      k_BxKxSxE, v_BxKxSxE = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+    s = k_BxKxSxE.shape[2]
     rep = cfg.num_heads // cfg.num_kv_heads
     q = q.reshape(b, t, cfg.num_kv_heads, rep, cfg.head_dim)
-    scores = jnp.einsum("btkre,bske->bkrts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkre,bkse->bkrts", q, k_BxKxSxE, preferred_element_type=jnp.float32)
     scores = scores * (cfg.head_dim ** -0.5)
     query_slot_T = start + jnp.arange(t)
     causal_TxS = jnp.arange(s)[None, :] <= query_slot_T[:, None]
     allowed_BxTxS = causal_TxS[None] & kv_valid_BxS[:, None, :].astype(bool)
     scores = jnp.where(allowed_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkrts,bske->btkre", probs, v).reshape(b, t, cfg.num_heads * cfg.head_dim)
-    return out @ self.o_proj[...].astype(out.dtype), cache_k, cache_v
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxE.dtype)
+    out = jnp.einsum("bkrts,bkse->btkre", probs, v_BxKxSxE).reshape(b, t, cfg.num_heads * cfg.head_dim)
+    return out @ self.o_proj[...].astype(out.dtype), cache
 
 
 class MLP(nnx.Module):
@@ -148,9 +238,9 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, f = cfg.hidden_size, cfg.intermediate_size
-    self.gate_proj = _param(rngs, (d, f), ("embed", "mlp"))
-    self.up_proj = _param(rngs, (d, f), ("embed", "mlp"))
-    self.down_proj = _param(rngs, (f, d), ("mlp", "embed"))
+    self.gate_proj = _param(cfg, rngs, (d, f), ("embed", "mlp"))
+    self.up_proj = _param(cfg, rngs, (d, f), ("embed", "mlp"))
+    self.down_proj = _param(cfg, rngs, (f, d), ("mlp", "embed"))
 
   def __call__(self, x_BxTxD):
     dt = x_BxTxD.dtype
@@ -163,18 +253,47 @@ class DecoderLayer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.input_layernorm = _ones((cfg.hidden_size,), ("norm",))
+    self.input_layernorm = _const(cfg, 1.0, (cfg.hidden_size,), ("norm",))
     self.self_attn = Attention(cfg, rngs)
-    self.post_attention_layernorm = _ones((cfg.hidden_size,), ("norm",))
+    self.post_attention_layernorm = _const(cfg, 1.0, (cfg.hidden_size,), ("norm",))
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, positions, kv_valid, start, cache_k, cache_v):
+  def __call__(self, x, positions, kv_valid, start, cache, layer):
     eps = self.cfg.rms_norm_eps
-    h, cache_k, cache_v = self.self_attn(
-        rms_norm(x, self.input_layernorm[...], eps), positions, kv_valid, start, cache_k, cache_v)
+    h, cache = self.self_attn(
+        rms_norm(x, self.input_layernorm[...], eps), positions, kv_valid, start, cache, layer)
     x = x + h
     x = x + self.mlp(rms_norm(x, self.post_attention_layernorm[...], eps))
-    return x, cache_k, cache_v
+    return x, cache
+
+
+def _is_var(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
+  """One DecoderLayer whose params hold the given layers' params on a leading "layers" axis."""
+  graphdef = nnx.split(layers[0])[0]
+  states = [nnx.split(layer)[1] for layer in layers]
+
+  def stack(*vs):
+    axes = vs[0].get_metadata()["logical_axes"]
+    return vs[0].replace(jnp.stack([v[...] for v in vs]), logical_axes=("layers", *axes))
+
+  return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=_is_var))
+
+
+def _layer_fn(cfg: ModelConfig, graphdef: nnx.GraphDef):
+  """The pure per-layer function (state_i, x, positions, kv_valid, start, cache, i) -> (x, cache),
+  rematerialised by ``cfg.remat``; the same function runs in loop and scan mode."""
+
+  def apply(state, x, positions, kv_valid, start, cache, layer):
+    return nnx.merge(graphdef, state)(x, positions, kv_valid, start, cache, layer)
+
+  if cfg.remat == "none":
+    return apply
+  # Inside scan, CSE cannot merge the recomputation into the forward, so the guard is not needed.
+  return jax.checkpoint(apply, policy=_remat_policy(cfg.remat), prevent_cse=not cfg.scan_layers)
 
 
 class Decoder(nnx.Module):
@@ -182,11 +301,14 @@ class Decoder(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), 0.02)
-    self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
-    self.norm = _ones((cfg.hidden_size,), ("norm",))
+    self.embed_tokens = _param(cfg, rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
+                               0.02)
+    # Built one by one in both modes, so a seed gives the same weights whether scanned or not.
+    layers = [DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)]
+    self.layers = _stack_layers(layers) if cfg.scan_layers else nnx.List(layers)
+    self.norm = _const(cfg, 1.0, (cfg.hidden_size,), ("norm",))
     if not cfg.tie_embeddings:
-      self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
+      self.lm_head = _param(cfg, rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
 
   def lm_head_weight(self) -> Array:
     """The output projection as [D, V] (the transposed embedding when tied)."""
@@ -201,18 +323,23 @@ class Decoder(nnx.Module):
     Without a cache, S = T and token t attends to tokens ≤ t that are valid. With a cache, the T
     tokens are written at slots ``start..start+T-1`` and attend to valid slots up to their own.
     """
-    dtype = jnp.dtype(self.cfg.dtype)
-    x = jnp.take(self.embed_tokens[...], tokens_BxT, axis=0).astype(dtype)
-    new_k, new_v = [], []
-    for i, layer in enumerate(self.layers):
-      ck = cache.k[i] if cache is not None else None
-      cv = cache.v[i] if cache is not None else None
-      x, ck, cv = layer(x, positions_BxT, kv_valid_BxS, start, ck, cv)
-      new_k.append(ck)
-      new_v.append(cv)
-    x = rms_norm(x, self.norm[...], self.cfg.rms_norm_eps)
-    new_cache = KVCache(k=tuple(new_k), v=tuple(new_v)) if cache is not None else None
-    return x, new_cache
+    cfg = self.cfg
+    x = jnp.take(self.embed_tokens[...], tokens_BxT, axis=0).astype(cfg.dtype)
+    if cfg.scan_layers:
+      graphdef, stacked = nnx.split(self.layers)
+      layer_fn = _layer_fn(cfg, graphdef)
+
+      def body(x_and_cache, state_and_index):
+        (x, cache), (state, i) = x_and_cache, state_and_index
+        return layer_fn(state, x, positions_BxT, kv_valid_BxS, start, cache, i), None
+
+      (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, jnp.arange(cfg.num_layers)))
+    else:
+      for i, layer in enumerate(self.layers):
+        graphdef, state = nnx.split(layer)
+        x, cache = _layer_fn(cfg, graphdef)(state, x, positions_BxT, kv_valid_BxS, start, cache, i)
+    x = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
+    return x, cache
 
 
 def create(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]:

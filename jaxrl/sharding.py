@@ -22,6 +22,7 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tensor",
     "mlp": "tensor",
     "norm": None,
+    "layers": None,   # the stacked layer axis of scan_layers: lax.scan slices it, so never split
 }
 
 

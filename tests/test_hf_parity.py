@@ -231,7 +231,8 @@ def _config(hf_dirs, kind="qwen2"):
 
 
 @pytest.mark.parametrize("edit,match", [
-    ({"model_type": "llama"}, "model_type 'llama' is not supported"),
+    ({"model_type": "gemma"}, "model_type 'gemma' is not supported"),
+    ({"model_type": "llama", "mlp_bias": True}, "mlp_bias"),
     ({"hidden_size": None}, "'hidden_size' is missing"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"use_sliding_window": True}, "sliding"),
@@ -247,9 +248,9 @@ def test_unsupported_config_is_named(hf_dirs, edit, match):
 
 def test_unsupported_model_type_dir(hf_dirs, tmp_path):
   path = shutil.copytree(hf_dirs["qwen2", False], tmp_path / "c")
-  config = {**_config(hf_dirs), "model_type": "llama"}
+  config = {**_config(hf_dirs), "model_type": "gemma"}
   (path / "config.json").write_text(json.dumps(config))
-  with pytest.raises(ValueError, match="model_type 'llama'"):
+  with pytest.raises(ValueError, match="model_type 'gemma'"):
     hf.load_hf_checkpoint(path)
 
 
