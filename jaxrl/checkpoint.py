@@ -35,6 +35,16 @@ class Checkpointer:
                                                           meta=ocp.args.JsonRestore()))
     return out["tree"], out["meta"]
 
+  def restore_params(self, step: int, abstract_params):
+    """Only the train state's params (e.g. for evaluation), restored onto ``abstract_params``'
+    shapes, dtypes and shardings; the optimizer state and statistics are not read."""
+    target = {"state": {"params": abstract_params}}
+    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype),
+                                target)
+    out = self._mgr.restore(step, args=ocp.args.Composite(tree=ocp.args.PyTreeRestore(
+        item=target, restore_args=restore_args, partial_restore=True)))
+    return out["tree"]["state"]["params"]
+
   def wait(self) -> None:
     self._mgr.wait_until_finished()
 

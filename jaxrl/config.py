@@ -7,7 +7,6 @@ raises ``ConfigError`` naming the dotted field; ``jaxrl.main`` prints that one l
 from __future__ import annotations
 
 import dataclasses
-import os
 import typing
 from typing import Any
 
@@ -34,8 +33,15 @@ class ModelSection:
   qkv_bias: bool = True
   qk_norm: bool = False
   tie_embeddings: bool = True
-  dtype: str = "float32"
-  checkpoint: str = ""              # HF-layout directory to start from ("" = random init + SFT)
+  dtype: str = "float32"            # compute dtype of activations and matmuls
+  param_dtype: str = "float32"      # storage dtype of the params (and so of their gradients)
+  scan_layers: bool = False         # layers stacked on one axis and lax.scan'ed: compile time flat in depth
+  remat: str = "none"               # per-layer rematerialisation: none | full | dots | offload
+  # HF-layout directory to start from ("" = random init + SFT). Its config.json then defines the
+  # architecture (the fields above up to tie_embeddings only describe a model built from scratch,
+  # or one planned with --plan before its weights are downloaded).
+  checkpoint: str = ""
+  hub_id: str = ""                  # where to download ``checkpoint`` from, for the error message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +53,33 @@ class TaskSection:
   reverse_answer: bool = True
   digit_width: int = 0              # > 0: aligned layout, numbers zero-padded LSB-first (see data/arithmetic.py)
   max_prompt_len: int = 0          # 0: the longest prompt of the task (+BOS); else a fixed P
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+  """Math datasets for ``task.name = "math"``: local jsonl / parquet / ``datasets.save_to_disk`` dirs."""
+  train: str = ""                   # "PATH[:WEIGHT],..." a weighted mixture of datasets
+  heldout: str = ""                 # validation set, evaluated before/after and every eval.every steps
+  split: str = "train"              # the split of a DatasetDict saved with save_to_disk
+  question_field: str = "problem"   # dotted paths into a row, e.g. "reward_model.ground_truth"
+  answer_field: str = "answer"
+  id_field: str = ""                # "" = the row number
+  level_field: str = ""             # "" = one level; else rows are grouped by this field's value
+  strict: bool = False              # a row with an empty question or missing answer is an error
+  template: str = "boxed"           # boxed (asks for \boxed{}) | plain | a string with {question}
+  system_prompt: str = ""
+  chat_template: bool = True        # wrap in the tokenizer's chat template when it has one
+  overlength: str = "drop"          # prompts longer than task.max_prompt_len: drop | truncate | error
+  max_heldout: int = 0              # 0 = every held-out question
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSection:
+  """Math rewards run in a pool of worker processes (``jaxrl.rewards.pool``)."""
+  fn: str = ""                      # "" = the task's verifier; else "module:function"
+  workers: int = 0                  # 0 = min(8, CPUs)
+  time_limit: float = 5.0           # seconds per answer; over it the answer scores 0 (counted)
+  memory_limit_mb: int = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +132,7 @@ class OptimSection:
   grad_clip: float = 1.0
   b1: float = 0.9
   b2: float = 0.99
+  state_dtype: str = "float32"      # AdamW moments (float32 even for bfloat16 params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +260,8 @@ class Config:
   batch_questions: int = 16         # B: questions per RL step
   model: ModelSection = ModelSection()
   task: TaskSection = TaskSection()
+  data: DataSection = DataSection()
+  reward: RewardSection = RewardSection()
   sft: SFTSection = SFTSection()
   rollout: RolloutSection = RolloutSection()
   vllm: VllmSection = VllmSection()
@@ -276,7 +312,11 @@ _CHOICES = {
     "rollout.engine": ("jax", "vllm"),
     "vllm.weight_transfer": ("files", "nccl"),
     "model.dtype": ("float32", "bfloat16"),
-    "task.name": ("arithmetic",),
+    "model.param_dtype": ("float32", "bfloat16"),
+    "model.remat": ("none", "full", "dots", "offload"),
+    "optim.state_dtype": ("float32", "bfloat16"),
+    "task.name": ("arithmetic", "math"),
+    "data.overlength": ("drop", "truncate", "error"),
     "allocation.method": ("uniform", "e3", "dynamo"),
     "temperature.method": ("fixed", "e3"),
     "clip.method": ("fixed", "adaptive"),
@@ -343,8 +383,15 @@ def _validate(cfg: Config) -> None:
   need(m.num_heads % max(m.num_kv_heads, 1) == 0 and m.num_kv_heads > 0, "model.num_kv_heads",
        f"num_heads={m.num_heads} must be a positive multiple of num_kv_heads={m.num_kv_heads}")
   need(m.head_dim % 2 == 0, "model.head_dim", "must be even (RoPE)")
-  need(not m.checkpoint or os.path.isdir(m.checkpoint), "model.checkpoint",
-       f"directory not found: {m.checkpoint!r}")
+  need(cfg.task.name != "math" or bool(m.checkpoint), "model.checkpoint",
+       "the math task starts from a pretrained HF checkpoint: set model.checkpoint")
+  need(cfg.task.name != "math" or bool(cfg.data.train), "data.train",
+       "the math task needs a training set: data.train = PATH[:WEIGHT],...")
+  need(cfg.task.name != "math" or cfg.sft.steps == 0, "sft.steps",
+       "the math task has no SFT corpus (it starts from a pretrained checkpoint): set sft.steps=0")
+  need(cfg.reward.workers >= 0, "reward.workers", "must be >= 0 (0 = min(8, CPUs))")
+  need(cfg.reward.time_limit > 0, "reward.time_limit", "must be > 0")
+  need(cfg.data.max_heldout >= 0, "data.max_heldout", "must be >= 0")
   for name in ("data", "fsdp", "tensor"):
     need(getattr(cfg.mesh, name) >= 1, f"mesh.{name}", "must be >= 1")
   rows = cfg.mesh.data * cfg.mesh.fsdp

@@ -41,6 +41,17 @@ def _per_level(values_Q: np.ndarray, levels_Q: np.ndarray, levels: Sequence[int]
   return out
 
 
+def engine_sampler(engine, decode: Callable, temperature: float, on_call: Callable | None = None):
+  """The ``sample_fn`` of ``evaluate`` over a rollout engine: responses decoded to text."""
+  def sample_fn(ids, mask, counts, key, greedy):
+    out = engine.generate(ids, mask, counts, temperature, key, greedy=greedy)
+    if greedy and on_call is not None:   # one greedy call per chunk of questions
+      on_call()
+    return decode(out), np.asarray(out.group_ids_R)
+
+  return sample_fn
+
+
 def evaluate(sample_fn: Callable, prompt_ids_QxP: np.ndarray, prompt_mask_QxP: np.ndarray,
              levels_Q: np.ndarray, score_fn: Callable, *, num_samples: int, ks: Sequence[int],
              questions_per_call: int, key) -> EvalResult:
@@ -93,3 +104,8 @@ def comparison_table(before: EvalResult, after: EvalResult, ks: Sequence[int],
     row += [f"{100 * b:.1f}", f"{100 * a:.1f}", f"{100 * (a - b):+.1f}"]
     lines.append("| " + " | ".join(row) + " |")
   return "\n".join(lines)
+
+
+if __name__ == "__main__":   # python -m jaxrl.eval: the benchmark evaluation CLI
+  from jaxrl.eval_main import run
+  run()

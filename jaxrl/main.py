@@ -14,6 +14,9 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py[:arg]).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for everything the run writes.")
+_PLAN = flags.DEFINE_bool(
+    "plan", False, "Print the per-device memory plan of the configured mesh and exit (no weights "
+    "needed; with fake devices via XLA_FLAGS it also compiles the train step ahead of time).")
 
 USAGE_ERROR = 2
 
@@ -45,7 +48,7 @@ def main(argv):
   del argv
   from jaxrl.config import ConfigError, from_configdict
 
-  if _CONFIG.value is None or not _WORKDIR.value:
+  if _CONFIG.value is None or not (_WORKDIR.value or _PLAN.value):
     print("jaxrl: error: --config and --workdir are required", file=sys.stderr)
     sys.exit(USAGE_ERROR)
   try:
@@ -55,6 +58,18 @@ def main(argv):
     sys.exit(USAGE_ERROR)
   except _BAD_FLAG_ERRORS as e:
     _usage_error(e)
+  if _PLAN.value:
+    from jaxrl import plan
+    try:
+      print(plan.run(cfg))
+    except ConfigError as e:
+      print(f"jaxrl: error: {e}", file=sys.stderr)
+      sys.exit(USAGE_ERROR)
+    return
+  from jaxrl.arch import checkpoint_error
+  if (error := checkpoint_error(cfg)) is not None:  # before the run directory is written
+    print(f"jaxrl: error: {error}", file=sys.stderr)
+    sys.exit(USAGE_ERROR)
   workdir = os.path.abspath(_WORKDIR.value)
   os.makedirs(workdir, exist_ok=True)
   logging.basicConfig(level=logging.INFO, force=True, format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -1,5 +1,8 @@
-"""The built-in task as arrays: tokenised prompts and answers of both splits, the SFT corpus, and
-the host-side decode + score used by the loop and by evaluation.
+"""The task as arrays: tokenised prompts and answers of both splits, the SFT corpus, and the
+host-side decode + score used by the loop and by evaluation.
+
+Two tasks fill it: the built-in arithmetic task (its own tokenizer, exact-match rewards in process)
+and the math task (``jaxrl.math_task``: a checkpoint's tokenizer, datasets, math-verify in a pool).
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from jaxrl.data.cursor import Mixture
 from jaxrl.data.prompts import decode_responses, encode_completions, encode_prompts
 from jaxrl.data.tokenizer import build_tokenizer
 from jaxrl.rewards.arithmetic import score_batch
+from jaxrl.rewards.pool import VerifyResult
 
 _SFT_STREAM = 7
 
@@ -36,13 +40,26 @@ class TaskData:
   sft_prompt_mask: np.ndarray
   sft_target_ids: np.ndarray        # i32[M, N]: answer + EOS, right-padded
   sft_target_mask: np.ndarray
+  # (responses, answers) -> VerifyResult; None = the arithmetic task's exact match, in process
+  scorer: object = None
+  base_mixture: Mixture | None = None   # the training mixture ("" spec); None = all questions
 
   def decode(self, out) -> list[str]:
     """Response texts of a ``SampleOutput`` (cut at EOS)."""
     return decode_responses(self.tokenizer, np.asarray(out.tokens_RxN), np.asarray(out.lengths_R))
 
+  def verify(self, responses, answers) -> VerifyResult:
+    """Rewards with the verifier's failure counts (timeouts, errors, ...) for the metrics."""
+    if self.scorer is None:
+      return VerifyResult(score_batch(responses, list(answers)), 0, 0, 0, 0)
+    return self.scorer(responses, answers)
+
   def score(self, responses, answers) -> np.ndarray:
-    return score_batch(responses, list(answers))
+    return self.verify(responses, answers).rewards_R
+
+  def close(self) -> None:
+    if self.scorer is not None:
+      self.scorer.close()
 
   def level_index(self, name: str) -> int | None:
     """Index of a level given by its name ("2+1") or its config spec ("2x1+")."""
@@ -58,7 +75,8 @@ class TaskData:
     """Training questions as a weighted mixture of levels (``"4x4+:1,5x5+:2"``); "" = all of them."""
     parts = parse_mixture(spec, field)
     if not parts:
-      return dataclasses.replace(Mixture.whole(len(self.train_answers)), stream=stream)
+      whole = self.base_mixture or Mixture.whole(len(self.train_answers))
+      return dataclasses.replace(whole, stream=stream)
     pools = []
     for name, _ in parts:
       level = self.level_index(name)
@@ -77,6 +95,9 @@ def task_config(cfg: Config) -> arithmetic.TaskConfig:
 
 
 def load_task(cfg: Config, tokenizer_dir: str) -> TaskData:
+  if cfg.task.name == "math":
+    from jaxrl import math_task
+    return TaskData(**math_task.load(cfg))
   tcfg = task_config(cfg)
   tok = build_tokenizer(tokenizer_dir)
   train, heldout = arithmetic.build_task(tcfg)

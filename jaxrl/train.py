@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl import losses, model, optim, sharding, sft, step
+from jaxrl import arch, hf, losses, model, optim, sharding, sft, step
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import Config, to_dict
 from jaxrl.data.cursor import Mixture, MixtureCursor, next_mixture_batch
-from jaxrl.eval import EvalResult, comparison_table, evaluate
+from jaxrl.eval import EvalResult, comparison_table, engine_sampler, evaluate
 from jaxrl.methods import Methods, eepo_stage1_counts
 from jaxrl.metrics import MetricsWriter, plot_run
 from jaxrl.phases import Phase, phase_at, run_phases
@@ -37,16 +37,6 @@ log = logging.getLogger(__name__)
 
 # Independent random streams, all derived from config.seed.
 _STREAM_INIT, _STREAM_RL, _STREAM_EVAL = 1, 2, 3
-
-
-def model_config(cfg: Config, vocab_size: int) -> model.ModelConfig:
-  m = cfg.model
-  return model.ModelConfig(
-      vocab_size=m.vocab_size or vocab_size, hidden_size=m.hidden_size,
-      intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
-      num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, rope_theta=m.rope_theta,
-      rms_norm_eps=m.rms_norm_eps, qkv_bias=m.qkv_bias, qk_norm=m.qk_norm,
-      tie_embeddings=m.tie_embeddings, dtype=m.dtype)
 
 
 def rl_step_config(cfg: Config) -> step.RLStepConfig:
@@ -106,7 +96,7 @@ class Trainer:
     with open(os.path.join(self.workdir, "config.json"), "w") as f:
       json.dump(to_dict(self.cfg), f, indent=1)
     self.task: TaskData = load_task(self.cfg, os.path.join(self.workdir, "tokenizer"))
-    self.model_cfg = model_config(self.cfg, self.task.vocab_size)
+    self.model_cfg = arch.model_config(self.cfg, self.task.vocab_size)
     self.mesh = sharding.make_mesh(self.cfg.mesh.data, self.cfg.mesh.fsdp, self.cfg.mesh.tensor)
     self.graphdef, abstract_params = model.abstract(self.model_cfg)
     self.param_shardings = sharding.tree_shardings(abstract_params, self.mesh)
@@ -122,11 +112,21 @@ class Trainer:
   # -- phases -------------------------------------------------------------------------------------
 
   def init_params(self):
+    """The checkpoint's weights streamed onto their shardings, or a seeded random init."""
+    m = self.cfg.model
+    if m.checkpoint:
+      log.info("loading %s (params %s, compute %s)", m.checkpoint, m.param_dtype, m.dtype)
+      _, _, params = hf.load_hf_checkpoint(
+          m.checkpoint, dtype=jnp.dtype(m.param_dtype), shardings=self.param_shardings,
+          scan_layers=m.scan_layers, remat=m.remat, compute_dtype=m.dtype)
+      return params
     init = lambda: model.create(self.model_cfg, self.cfg.seed * 1000 + _STREAM_INIT)[1]
     return jax.jit(init, out_shardings=self.param_shardings)()
 
   def warm_start(self, params):
     c, t = self.cfg, self.task
+    if c.sft.steps == 0:
+      return params
     with self.progress.task("SFT warm start", c.sft.steps) as advance:
       params, _ = sft.warm_start(
           self.graphdef, params, self.mesh, prompt_ids_NxP=t.sft_prompt_ids, prompt_mask_NxP=t.sft_prompt_mask,
@@ -151,13 +151,11 @@ class Trainer:
     with self.progress.task(f"eval ({name})", calls) as advance:
       done = [0]
 
-      def sample_fn(ids, mask, counts, key, greedy):
-        out = self.engine.generate(ids, mask, counts, c.eval.temperature, key, greedy=greedy)
-        if greedy:
-          done[0] += 1
-          advance(done[0], calls)
-        return t.decode(out), np.asarray(out.group_ids_R)
+      def on_call():
+        done[0] += 1
+        advance(done[0], calls)
 
+      sample_fn = engine_sampler(self.engine, t.decode, c.eval.temperature, on_call)
       result = evaluate(sample_fn, t.heldout_prompt_ids, t.heldout_prompt_mask, t.heldout_levels,
                         lambda responses, q: t.score(responses, t.heldout_answers[q]),
                         num_samples=c.eval.num_samples, ks=c.eval_ks, questions_per_call=per_call,
@@ -171,7 +169,8 @@ class Trainer:
     """GRPO steps from the warm start; resumes from the latest checkpoint in ``workdir``."""
     c, t = self.cfg, self.task
     tx = optim.adamw(c.optim.learning_rate, c.optim.warmup_steps, weight_decay=c.optim.weight_decay,
-                     grad_clip=c.optim.grad_clip, b1=c.optim.b1, b2=c.optim.b2)
+                     grad_clip=c.optim.grad_clip, b1=c.optim.b1, b2=c.optim.b2,
+                     state_dtype=jnp.dtype(c.optim.state_dtype))
     state_shardings = step.TrainState(
         step=sharding.replicated(self.mesh), params=self.param_shardings,
         opt_state=sharding.tree_shardings(jax.eval_shape(tx.init, sft_params), self.mesh))
@@ -230,7 +229,8 @@ class Trainer:
           responses = t.decode(out)
           group_ids_R = np.asarray(out.group_ids_R)
           t1 = time.time()
-          rewards_R = t.score(responses, t.train_answers[qids_B[group_ids_R]])
+          verified = t.verify(responses, t.train_answers[qids_B[group_ids_R]])
+          rewards_R = verified.rewards_R
           stats = update_stats(stats, qids_B, group_ids_R, rewards_R, i)
           # Entropy of the step's rollouts at τ under the params that sampled them (E3's H_t and
           # the clip controller's measured entropy: known before this step's update).
@@ -273,7 +273,10 @@ class Trainer:
                      # something (a shape, a Python scalar) is recompiling every step.
                      compiles_update=sum(f._cache_size() for f in self._updates.values()),
                      compiles_sampler=sampler.generate._cache_size(),
-                     **eepo_row, **group_outcomes(rewards_R, group_ids_R, c.batch_questions))
+                     **verified.metrics(), **eepo_row,
+                     **group_outcomes(rewards_R, group_ids_R, c.batch_questions))
+          if c.eval.every and (i + 1) % c.eval.every == 0 and i + 1 < c.steps:
+            row.update(self._validate(state.params, i + 1))
           writer.write(i + 1, row)
           advance(i + 1, c.steps, f"reward {row['reward']:.3f} H {h_t:.3f} τ {float(tau):.2f}")
           if (i + 1) % c.checkpoint.every == 0 or i + 1 == c.steps or stop.requested:
@@ -287,6 +290,15 @@ class Trainer:
       ckpt.close()
       writer.close()
     self.final_params, self.final_stats = state.params, stats
+
+  def _validate(self, params, step_number: int) -> dict:
+    """The periodic held-out evaluation (``eval.every``), as ``val/…`` metrics of the step."""
+    result = self.evaluate(params, f"step{step_number}")
+    row = {f"val/pass@{k}": v["all"] for k, v in result.pass_at.items()}
+    row["val/greedy"] = result.greedy["all"]
+    log.info("step %d held-out: %s", step_number,
+             ", ".join(f"{k} {100 * v:.1f}" for k, v in row.items()))
+    return row
 
   def _enter_phase(self, phase: Phase, tx, state_shardings) -> _PhaseRuntime:
     """The phase's policies, jitted train step and mixture; the engine samples its response length."""
@@ -375,6 +387,7 @@ class Trainer:
       after = self.evaluate(self.final_params, f"step{self.cfg.steps}")
     finally:
       self.engine.close()
+      self.task.close()
     table = comparison_table(before, after, self.cfg.eval_ks, self.task.level_names)
     summary = {"before": before.to_json(), "after": after.to_json(), "table": table}
     with open(os.path.join(self.workdir, "results.md"), "w") as f:

@@ -32,7 +32,8 @@ from jaxrl.rollout.sidecar import (LaunchConfig, Sidecar, SidecarError, group_me
                                    owned_pids)
 from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine
 from jaxrl.task import load_task
-from jaxrl.train import Trainer, model_config
+from jaxrl.arch import model_config
+from jaxrl.train import Trainer
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ def _max_response(cfg: Config) -> int:
   return max(p.cfg.rollout.max_new_tokens for p in run_phases(cfg))
 
 
-def build_engine(cfg: Config, graphdef, model_cfg, *, tokenizer, eos_id: int, pad_id: int,
-                 prompt_len: int, workdir: str):
+def build_engine(cfg: Config, graphdef, model_cfg, *, tokenizer, eos_id: int | tuple[int, ...],
+                 pad_id: int, prompt_len: int, workdir: str):
   common = dict(max_new_tokens=cfg.rollout.max_new_tokens, eos_id=eos_id, pad_id=pad_id,
                 top_p=cfg.rollout.top_p)
   if cfg.rollout.engine == "jax":

@@ -29,8 +29,8 @@ class JaxEngine:
   """Samples with ``jaxrl.rollout.sampler`` from params held in device memory (no copy on sync)."""
   provides_entropy = True
 
-  def __init__(self, graphdef, model_cfg, *, max_new_tokens: int, eos_id: int, pad_id: int,
-               top_p: float = 1.0):
+  def __init__(self, graphdef, model_cfg, *, max_new_tokens: int, eos_id: int | tuple[int, ...],
+               pad_id: int, top_p: float = 1.0):
     self._graphdef = graphdef
     self._model_cfg = model_cfg
     self.max_new_tokens = max_new_tokens  # set by the loop when a phase changes it

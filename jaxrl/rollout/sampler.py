@@ -127,7 +127,7 @@ def _generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, key, 
         mask_RxN=put(st.mask_RxN, live_R),
         logp_RxN=put(st.logp_RxN, jnp.where(live_R, logp_R, 0.0)),
         entropy_RxN=put(st.entropy_RxN, jnp.where(live_R, entropy_R, 0.0)),
-        finished_R=st.finished_R | (live_R & (tok_R == eos_id)))
+        finished_R=st.finished_R | (live_R & jnp.isin(tok_R, jnp.asarray(stop_ids(eos_id)))))
 
   def decode(st: _DecodeState) -> _DecodeState:
     """Feed token n-1 (slot P+n-1) through the model, then emit token n."""
@@ -158,9 +158,12 @@ def _generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, key, 
 
 
 def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, key, temperature, top_p,
-             *, num_rollouts: int, max_new_tokens: int, eos_id: int, pad_id: int, model_cfg,
-             greedy: bool = False) -> SampleOutput:
+             *, num_rollouts: int, max_new_tokens: int, eos_id: int | tuple[int, ...], pad_id: int,
+             model_cfg, greedy: bool = False) -> SampleOutput:
   """Sample counts_B[i] responses to each left-padded prompt i; needs Σ counts_B == num_rollouts.
+
+  A row finishes at the first token in ``eos_id`` (one id, or several: e.g. Llama 3 Instruct's
+  <|eot_id|> and <|end_of_text|>); the stop token is part of the response.
 
   Compiles once per (shapes, num_rollouts, max_new_tokens, eos/pad ids, model_cfg, greedy); counts,
   temperature, top_p and key are traced. ``generate._cache_size()`` counts the compilations.
@@ -177,7 +180,12 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, key, t
       graphdef, params, jnp.asarray(prompt_ids_BxP, jnp.int32), jnp.asarray(prompt_mask_BxP, bool),
       jnp.asarray(counts_B, jnp.int32), key, jnp.asarray(temperature, jnp.float32),
       jnp.asarray(top_p, jnp.float32), num_rollouts=num_rollouts, max_new_tokens=max_new_tokens,
-      eos_id=eos_id, pad_id=pad_id, model_cfg=model_cfg, greedy=greedy)
+      eos_id=stop_ids(eos_id), pad_id=pad_id, model_cfg=model_cfg, greedy=greedy)
+
+
+def stop_ids(eos_id: int | tuple[int, ...]) -> tuple[int, ...]:
+  """The stop token ids as a tuple (hashable, so it can be a static jit argument)."""
+  return (int(eos_id),) if np.ndim(eos_id) == 0 else tuple(int(i) for i in eos_id)
 
 
 generate._cache_size = _generate._cache_size

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from jaxrl import hf
-from jaxrl.rollout.sampler import SampleOutput
+from jaxrl.rollout.sampler import SampleOutput, stop_ids
 from jaxrl.rollout.sidecar import LaunchConfig, Sidecar, SidecarError
 from jaxrl.rollout.vllm_client import RequestError, ServerError, VllmClient
 
@@ -65,11 +65,11 @@ class VllmEngine:
   provides_entropy = False
 
   def __init__(self, model_cfg, tokenizer, cfg: EngineConfig, *, workdir: str, max_new_tokens: int,
-               eos_id: int, pad_id: int, top_p: float = 1.0):
+               eos_id: int | tuple[int, ...], pad_id: int, top_p: float = 1.0):
     self.model_cfg, self.tokenizer, self.cfg = model_cfg, tokenizer, cfg
     self.workdir = workdir
     self.max_new_tokens = max_new_tokens  # set by the loop when a phase changes it
-    self._eos, self._pad, self._top_p = eos_id, pad_id, top_p
+    self._eos, self._pad, self._top_p = stop_ids(eos_id), pad_id, top_p
     self.sidecar = Sidecar(cfg.launch) if cfg.launch is not None else None
     self.client = VllmClient(list(cfg.urls), timeout=cfg.request_timeout,
                              retries=cfg.retries) if cfg.urls else None
@@ -165,7 +165,7 @@ class VllmEngine:
     done = self._with_restarts(
         "rollout", self._dir, self.version,
         lambda: self.client.complete(prompts, counts_B.tolist(), temperature=tau,
-                                     max_tokens=self.max_new_tokens, stop_token_ids=[self._eos],
+                                     max_tokens=self.max_new_tokens, stop_token_ids=list(self._eos),
                                      seed=seed, top_p=1.0 if greedy else self._top_p))
     return self._assemble(ids_BxP, mask_BxP, counts_B, done)
 
@@ -184,7 +184,7 @@ class VllmEngine:
       tokens_RxN[i, :length] = c.token_ids[:length]
       logp_RxN[i, :length] = c.logprobs[:length]
       lengths_R[i] = length
-      finished_R[i] = length > 0 and c.token_ids[length - 1] == self._eos
+      finished_R[i] = length > 0 and c.token_ids[length - 1] in self._eos
     mask_RxN = np.arange(n)[None, :] < lengths_R[:, None]
     return SampleOutput(prompt_ids_RxP=ids_BxP[group_ids_R], prompt_mask_RxP=mask_BxP[group_ids_R],
                         tokens_RxN=tokens_RxN, mask_RxN=mask_RxN, logp_RxN=logp_RxN,
