@@ -133,6 +133,7 @@ class OptimSection:
   b1: float = 0.9
   b2: float = 0.99
   state_dtype: str = "float32"      # AdamW moments (float32 even for bfloat16 params)
+  max_nonfinite_steps: int = 5      # consecutive steps with a skipped non-finite update → stop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,6 +390,7 @@ def _validate(cfg: Config) -> None:
        "the math task needs a training set: data.train = PATH[:WEIGHT],...")
   need(cfg.task.name != "math" or cfg.sft.steps == 0, "sft.steps",
        "the math task has no SFT corpus (it starts from a pretrained checkpoint): set sft.steps=0")
+  need(cfg.optim.max_nonfinite_steps >= 1, "optim.max_nonfinite_steps", "must be >= 1")
   need(cfg.reward.workers >= 0, "reward.workers", "must be >= 0 (0 = min(8, CPUs))")
   need(cfg.reward.time_limit > 0, "reward.time_limit", "must be > 0")
   need(cfg.data.max_heldout >= 0, "data.max_heldout", "must be >= 0")

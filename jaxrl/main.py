@@ -79,7 +79,7 @@ def main(argv):
   for name in ("absl", "jax", "orbax"):
     logging.getLogger(name).setLevel(logging.WARNING)
   from jaxrl.rollout.sidecar import SidecarError
-  from jaxrl.train import train
+  from jaxrl.train import NonFiniteError, train
   try:
     summary = train(cfg, workdir)
   except ConfigError as e:  # found while building the task (e.g. an unknown level in a mixture)
@@ -88,6 +88,9 @@ def main(argv):
   except SidecarError as e:  # checkpoints up to the last completed save are intact
     print(f"jaxrl: error: vLLM sidecar: {e}\njaxrl: the last checkpoint in {workdir}/checkpoints "
           "is intact; run the same command again to resume.", file=sys.stderr)
+    sys.exit(1)
+  except NonFiniteError as e:
+    print(f"jaxrl: error: {e}", file=sys.stderr)
     sys.exit(1)
   except KeyboardInterrupt:
     print("\njaxrl: interrupted; run the same command again to resume.", file=sys.stderr)

@@ -142,13 +142,20 @@ def rl_update(graphdef, tx: optax.GradientTransformation, cfg: RLStepConfig, sta
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new_state = dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state)
-    return new_state, dict(losses.finalize_metrics(metrics), loss=loss, grad_norm=grad_norm)
+    # A non-finite loss or gradient (an overflow, a NaN reward) is never applied: the update is
+    # skipped (state unchanged, so never checkpointed) and counted; the loop decides when to stop.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+    return new_state, dict(losses.finalize_metrics(metrics), loss=loss, grad_norm=grad_norm,
+                           nonfinite_updates=1 - finite.astype(jnp.int32))
 
   if cfg.mini_batches == 1:
     state, out = one_update(state, per_row)
   else:
     state, outs = jax.lax.scan(one_update, state, _split_micro(per_row, cfg.mini_batches))
+    skipped = jnp.sum(outs.pop("nonfinite_updates"))
     out = jax.tree.map(lambda x: jnp.mean(x, axis=0), outs)  # metrics averaged over the updates
+    out["nonfinite_updates"] = skipped
   out["informative_frac"] = jnp.mean(informative_R.astype(jnp.float32))
   return state, out
 

@@ -207,6 +207,7 @@ class Trainer:
                            config=to_dict(c), resume_step=start)
     base_key = jax.random.fold_in(jax.random.PRNGKey(c.seed), _STREAM_RL)
     stop = _StopFlag()
+    nonfinite_run = 0      # consecutive steps whose update was skipped as non-finite
     try:
       with self.progress.task("GRPO", c.steps, start) as advance:
         for i in range(start, c.steps):
@@ -248,6 +249,7 @@ class Trainer:
           t2 = time.time()
           state, m = rt.update(state, sharding.shard_batch(batch, self.mesh), hp, ref_params)
           m = jax.device_get(m)
+          nonfinite_run = self._check_finite(m, nonfinite_run, i + 1)
           t3 = time.time()
           temp_state = methods.update_temperature(policies.temperature, h_t)
           policies = dataclasses.replace(policies, temperature=temp_state, clip=clip_state)
@@ -290,6 +292,20 @@ class Trainer:
       ckpt.close()
       writer.close()
     self.final_params, self.final_stats = state.params, stats
+
+  def _check_finite(self, metrics: dict, run: int, step_number: int) -> int:
+    """Counts consecutive steps with a skipped (non-finite) update; too many stop the run."""
+    if not metrics["nonfinite_updates"]:
+      return 0
+    run += 1
+    log.warning("step %d: non-finite loss or gradients (loss %s, grad norm %s): update skipped "
+                "(%d in a row)", step_number, metrics["loss"], metrics["grad_norm"], run)
+    limit = self.cfg.optim.max_nonfinite_steps
+    if run >= limit:
+      raise NonFiniteError(f"{run} consecutive steps had non-finite loss or gradients (limit "
+                           f"optim.max_nonfinite_steps={limit}); the last checkpoint holds the "
+                           f"last finite state")
+    return run
 
   def _validate(self, params, step_number: int) -> dict:
     """The periodic held-out evaluation (``eval.every``), as ``val/…`` metrics of the step."""
@@ -395,6 +411,10 @@ class Trainer:
     if self.cfg.log.plot and os.path.exists(os.path.join(self.workdir, "metrics.jsonl")):
       plot_run(os.path.join(self.workdir, "metrics.jsonl"), os.path.join(self.workdir, "run.png"))
     return summary
+
+
+class NonFiniteError(RuntimeError):
+  """Training diverged: too many consecutive non-finite steps."""
 
 
 class _StopFlag:
