@@ -79,7 +79,7 @@ def main(argv):
   for name in ("absl", "jax", "orbax"):
     logging.getLogger(name).setLevel(logging.WARNING)
   from jaxrl.rollout.sidecar import SidecarError
-  from jaxrl.train import NonFiniteError, train
+  from jaxrl.train import NonFiniteError, Stopped, train
   try:
     summary = train(cfg, workdir)
   except ConfigError as e:  # found while building the task (e.g. an unknown level in a mixture)
@@ -92,6 +92,9 @@ def main(argv):
   except NonFiniteError as e:
     print(f"jaxrl: error: {e}", file=sys.stderr)
     sys.exit(1)
+  except Stopped as e:   # SIGINT / SIGTERM: the step finished and its checkpoint is saved
+    print(f"\njaxrl: {e}; run the same command again to resume.", file=sys.stderr)
+    sys.exit(0)
   except KeyboardInterrupt:
     print("\njaxrl: interrupted; run the same command again to resume.", file=sys.stderr)
     sys.exit(130)

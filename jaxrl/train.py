@@ -285,8 +285,10 @@ class Trainer:
             ckpt.save(i + 1, {"state": state, "stats": stats, "policies": policies},
                       {"cursor": cursor.to_json(), "phase": rt.phase.index, "step": i + 1})
           if stop.requested:
-            log.warning("interrupted: checkpoint saved at step %d; run again to resume", i + 1)
-            raise KeyboardInterrupt
+            ckpt.wait()   # the stop is only reported once the checkpoint is on disk
+            log.warning("%s: checkpoint saved at step %d; run again to resume", stop.signal_name,
+                        i + 1)
+            raise Stopped(i + 1)
     finally:
       stop.restore()
       ckpt.close()
@@ -417,26 +419,41 @@ class NonFiniteError(RuntimeError):
   """Training diverged: too many consecutive non-finite steps."""
 
 
+class Stopped(Exception):
+  """The run stopped on request (SIGINT / SIGTERM) after saving the step's checkpoint."""
+
+  def __init__(self, step: int):
+    super().__init__(f"stopped after step {step}; its checkpoint is saved")
+    self.step = step
+
+
 class _StopFlag:
-  """First Ctrl-C: finish the step, checkpoint, stop. Second Ctrl-C: stop at once."""
+  """First SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption): finish the step, checkpoint,
+  stop. A second one: stop at once."""
+  SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
   def __init__(self):
     self.requested = False
-    self._previous = signal.getsignal(signal.SIGINT)
+    self.signal_name = ""
+    self._previous = {}
     try:
-      signal.signal(signal.SIGINT, self._handle)
+      for sig in self.SIGNALS:
+        self._previous[sig] = signal.signal(sig, self._handle)
     except ValueError:  # not the main thread (e.g. inside some test runners)
-      self._previous = None
+      self.restore()
 
   def _handle(self, signum, frame):
     if self.requested:
       raise KeyboardInterrupt
     self.requested = True
-    log.warning("Ctrl-C: finishing this step and saving a checkpoint (Ctrl-C again to abort)")
+    self.signal_name = signal.Signals(signum).name
+    log.warning("%s: finishing this step and saving a checkpoint (again to abort)",
+                self.signal_name)
 
   def restore(self):
-    if self._previous is not None:
-      signal.signal(signal.SIGINT, self._previous)
+    for sig, previous in self._previous.items():
+      signal.signal(sig, previous)
+    self._previous = {}
 
 
 def train(cfg: Config, workdir: str) -> dict:
