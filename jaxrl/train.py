@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import logging
 import os
 import signal
@@ -358,7 +359,7 @@ class Trainer:
     out = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out1, out2)
     if bool(fire) and c.eepo.old_logp_from == "policy":
       old_logp, _ = self._score(params, out.prompt_ids_RxP, out.prompt_mask_RxP, out.tokens_RxN,
-                                out.mask_RxN, jnp.float32(tau))
+                                out.mask_RxN, tau)
       out = dataclasses.replace(out, logp_RxN=old_logp)
     gaps = [d["rollout_logp_gap"] for d in (info1, info2) if d]
     return out, {"eepo_gate": float(bool(fire)), "eepo_unlearn_loss": float(unlearn),
@@ -375,8 +376,8 @@ class Trainer:
     out = self.engine.generate(ids_BxP, mask_BxP, counts_B, tau, key)
     if self.engine.provides_entropy:
       return out, {}
-    logp, ent = self._score(params, jnp.asarray(out.prompt_ids_RxP), jnp.asarray(out.prompt_mask_RxP),
-                            jnp.asarray(out.tokens_RxN), jnp.asarray(out.mask_RxN), jnp.float32(tau))
+    logp, ent = self._score(params, out.prompt_ids_RxP, out.prompt_mask_RxP, out.tokens_RxN,
+                            out.mask_RxN, tau)
     gap = float(np.max(np.abs(np.asarray(logp) - out.logp_RxN), initial=0.0))
     out = jax.tree.map(jnp.asarray, dataclasses.replace(out, logp_RxN=logp, entropy_RxN=ent))
     return out, {"rollout_logp_gap": gap}
@@ -389,10 +390,20 @@ class Trainer:
                                      lr=e.lr, eps_l=e.eps_l, eps_r=e.eps_r),
                    out_shardings=(self.param_shardings, None))
 
+  def _score(self, params, prompt_ids_RxP, prompt_mask_RxP, tokens_RxN, mask_RxN, tau):
+    """π_old log-probs and entropies at τ of R rollouts under ``params``: rows sharded over the
+    data axes and scored in as many sequential chunks as the update's micro-batches (R/2 rows of an
+    EEPO stage: the largest divisor of R/2 among them), so it needs no more memory than the update."""
+    rows = (prompt_ids_RxP, prompt_mask_RxP, tokens_RxN, mask_RxN)
+    micro = math.gcd(len(prompt_ids_RxP), self.cfg.loss.micro_batches)
+    batch = sharding.shard_batch(tuple(np.asarray(x) for x in rows), self.mesh)
+    return self._score_jit(params, *batch, jnp.float32(tau), micro=micro)
+
   @functools.cached_property
-  def _score(self):
-    return jax.jit(functools.partial(step.score_responses, self.graphdef,
-                                     chunk_size=self.cfg.loss.logprob_chunk))
+  def _score_jit(self):
+    return jax.jit(functools.partial(step.score_responses_chunked, self.graphdef,
+                                     chunk_size=self.cfg.loss.logprob_chunk),
+                   static_argnames=("micro",))
 
   # -- whole run ----------------------------------------------------------------------------------
 

@@ -32,22 +32,23 @@ def hparams():
                           tau=f32(0.9))
 
 
-def test_mini_batches_are_sequential_updates_on_row_blocks():
+def test_mini_batches_are_sequential_updates_on_strided_rows():
+  """Mini-batch j holds rows j, j+m, j+2m, ... (each stays spread over the data shards)."""
   graphdef, params = model.create(MCFG, 0)
   tx = optax.adam(1e-2)
   batch = make_batch(np.random.default_rng(0))
   loss_cfg = losses.LossConfig(aggregation="token-mean")
-  two = step.RLStepConfig(loss=loss_cfg, num_groups=2, mini_batches=2)
-  # Each half holds one whole group, so per-half advantages equal the whole-batch ones.
-  one_g = step.RLStepConfig(loss=loss_cfg, num_groups=1)
+  # Dr.GRPO advantages (r - group mean): the rewards [1, 0, 0, 1] of each group have the same mean
+  # on even and odd rows, so each half's own advantages equal the whole batch's.
+  two = step.RLStepConfig(loss=loss_cfg, num_groups=2, mini_batches=2, scale_by_std=False)
+  one = step.RLStepConfig(loss=loss_cfg, num_groups=2, scale_by_std=False)
   state = step.init_state(params, tx)
   s_two, m_two = jax.jit(functools.partial(step.rl_update, graphdef, tx, two))(state, batch, hparams())
-  half = lambda sl: jax.tree.map(lambda x: x[sl], batch)
-  first, second = half(slice(0, 4)), half(slice(4, 8))
-  second = step.PolicyBatch(**{**second.__dict__, "group_ids_R": second.group_ids_R - 1})
-  update = jax.jit(functools.partial(step.rl_update, graphdef, tx, one_g))
-  s_seq, m1 = update(step.init_state(params, tx), first, hparams())
-  s_seq, m2 = update(s_seq, second, hparams())
+  even, odd = (jax.tree.map(lambda x, sl=sl: x[sl], batch) for sl in (slice(0, None, 2),
+                                                                     slice(1, None, 2)))
+  update = jax.jit(functools.partial(step.rl_update, graphdef, tx, one))
+  s_seq, m1 = update(step.init_state(params, tx), even, hparams())
+  s_seq, m2 = update(s_seq, odd, hparams())
   assert int(s_two.step) == 2
   for a, b in zip(jax.tree.leaves(s_two.params), jax.tree.leaves(s_seq.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
