@@ -49,6 +49,12 @@ def adamw(peak_lr: float, warmup_steps: int, *, decay_steps: int = 0, weight_dec
   return optax.GradientTransformation(init, update)
 
 
+def from_config(o) -> optax.GradientTransformation:
+  """The RL optimizer of a config's ``optim`` section (the trainer's and ``--plan``'s)."""
+  return adamw(o.learning_rate, o.warmup_steps, weight_decay=o.weight_decay, grad_clip=o.grad_clip,
+               b1=o.b1, b2=o.b2, state_dtype=jnp.dtype(o.state_dtype))
+
+
 def _cast(tree, dtype):
   return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
                       tree)

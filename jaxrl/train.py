@@ -169,9 +169,7 @@ class Trainer:
   def rl(self, sft_params) -> None:
     """GRPO steps from the warm start; resumes from the latest checkpoint in ``workdir``."""
     c, t = self.cfg, self.task
-    tx = optim.adamw(c.optim.learning_rate, c.optim.warmup_steps, weight_decay=c.optim.weight_decay,
-                     grad_clip=c.optim.grad_clip, b1=c.optim.b1, b2=c.optim.b2,
-                     state_dtype=jnp.dtype(c.optim.state_dtype))
+    tx = optim.from_config(c.optim)
     state_shardings = step.TrainState(
         step=sharding.replicated(self.mesh), params=self.param_shardings,
         opt_state=sharding.tree_shardings(jax.eval_shape(tx.init, sft_params), self.mesh))

@@ -1,0 +1,483 @@
+"""``--plan``: what a run needs per device, from shapes alone (no weights, no allocation).
+
+The model, the train state and a step's batch are built abstractly (``jax.eval_shape``) with the
+shardings the trainer gives them (``sharding.tree_shardings``, ``sharding.shard_batch``), so the
+state's byte counts are exact. Activations depend on what XLA makes of the step, so the plan gives
+an analytic estimate and, when the process has the mesh's devices (real ones, or fake CPU devices
+via ``XLA_FLAGS=--xla_force_host_platform_device_count=N``), lowers and compiles the very programs
+the trainer jits and reports XLA's ``memory_analysis()``. Without enough devices the mesh is an
+``AbstractMesh``: every sharded number is still exact, only the compiled part is skipped (and the
+report says how to get it), because a table is more use to someone sizing a run than an error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
+
+from jaxrl import arch, model, optim, sharding, step
+from jaxrl.config import Config, ConfigError
+from jaxrl.phases import run_phases
+
+GiB = 1024 ** 3
+_WARN_BYTES = 256 * 1024 ** 2     # below this a compiled program's excess over the estimate is noise
+FAKE_DEVICES = "JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count={n}"
+# The last key of a parameter's path → the weight kind the table shows (in model order).
+_KINDS = {"embed_tokens": "embed", "q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj",
+          "o_proj": "o_proj", "q_bias": "q/k/v bias", "k_bias": "q/k/v bias",
+          "v_bias": "q/k/v bias", "q_norm": "q/k norm", "k_norm": "q/k norm",
+          "gate_proj": "mlp gate_proj", "up_proj": "mlp up_proj", "down_proj": "mlp down_proj",
+          "input_layernorm": "layer norms", "post_attention_layernorm": "layer norms",
+          "norm": "final norm", "lm_head": "lm_head"}
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightRow:
+  """One weight kind: its leaves share shape, dtype, spec and shard."""
+  kind: str
+  leaves: int                       # arrays of this kind (L per kind in the loop layout)
+  shape: tuple[int, ...]
+  dtype: str
+  spec: str                         # the PartitionSpec
+  shard_shape: tuple[int, ...]      # on one device
+  bytes_per_device: int             # all leaves of the kind
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """Analytic per-device bytes: named items and the total they add up to."""
+  rows: int                         # rows per device
+  tokens: int                       # sequence length (T, or KV slots S)
+  items: tuple[tuple[str, int], ...]
+  total: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+  """XLA's memory analysis of one compiled program, per device."""
+  name: str
+  seconds: float                    # lower + compile
+  argument: int
+  output: int
+  alias: int                        # outputs that reuse donated argument buffers
+  temp: int
+  code: int
+
+  @property
+  def peak(self) -> int:
+    return self.argument + self.output - self.alias + self.temp
+
+
+@dataclasses.dataclass(frozen=True)
+class PhasePlan:
+  """One phase's step shapes and what they cost per device."""
+  name: str
+  cfg: Config                       # the phase's config (the annealing phase has its own shapes)
+  activations: Estimate             # the train step's largest micro-batch
+  rollout: Estimate                 # the JAX sampler, or vLLM's π_old rescoring pass
+  compiled: tuple[Compiled, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  source: str                       # where the architecture came from
+  model_cfg: model.ModelConfig
+  mesh_shape: dict[str, int]
+  devices: str                      # what this process has, e.g. "8 x cpu"
+  device_memory: int | None         # bytes per device, when the backend reports it
+  weights: tuple[WeightRow, ...]
+  params: int                       # bytes per device
+  opt_state: int
+  ref_params: int                   # 0 without KL
+  phases: tuple[PhasePlan, ...]
+  skipped: str                      # why nothing was compiled ("" = compiled)
+
+  @property
+  def state(self) -> int:
+    return self.params + self.opt_state + self.ref_params
+
+
+# -- shapes and shardings ---------------------------------------------------------------------------
+
+def architecture(cfg: Config) -> tuple[model.ModelConfig, str]:
+  """The checkpoint's config.json when it is there, else the model section; and which one."""
+  m = cfg.model
+  if m.checkpoint and arch.checkpoint_error(cfg) is None:
+    return arch.model_config(cfg), f"config.json of {m.checkpoint}"
+  vocab = m.vocab_size
+  if not vocab and cfg.task.name == "arithmetic":
+    from jaxrl.data.tokenizer import VOCAB
+    vocab = len(VOCAB)
+  if not vocab:
+    raise ConfigError("model.vocab_size", "is 0 (= the tokenizer's) and there is no checkpoint "
+                      "to read it from: set it to plan the run")
+  missing = f" ({m.checkpoint} is not downloaded)" if m.checkpoint else ""
+  return arch.from_section(cfg, vocab), f"the config's model section{missing}"
+
+
+def prompt_len(cfg: Config) -> int:
+  """P as the task pads prompts: task.max_prompt_len, or the arithmetic task's longest + BOS."""
+  if cfg.task.max_prompt_len:
+    return cfg.task.max_prompt_len
+  if cfg.task.name == "math":
+    raise ConfigError("task.max_prompt_len", "the plan needs a fixed prompt length: set it")
+  from jaxrl import task
+  from jaxrl.data import arithmetic
+  tcfg = task.task_config(cfg)
+  return arithmetic.max_lengths(tcfg.levels, tcfg.digit_width)[0] + 1
+
+
+def plan_mesh(cfg: Config):
+  """(mesh, "") on the mesh's devices; (AbstractMesh, why) when this process has too few."""
+  m = cfg.mesh
+  need = m.data * m.fsdp * m.tensor
+  have = jax.devices()
+  if need <= len(have):
+    return sharding.make_mesh(m.data, m.fsdp, m.tensor), ""
+  why = (f"the mesh data={m.data} x fsdp={m.fsdp} x tensor={m.tensor} needs {need} devices and "
+         f"this process has {len(have)} ({have[0].platform}). To compile the step here, plan on "
+         f"fake CPU devices: {FAKE_DEVICES.format(n=need)} python -m jaxrl.main --config=... --plan")
+  return AbstractMesh((m.data, m.fsdp, m.tensor), sharding.MESH_AXES,
+                      axis_types=(AxisType.Auto,) * 3), why
+
+
+def make_tx(cfg: Config):
+  """The optimizer as ``Trainer.rl`` builds it."""
+  return optim.from_config(cfg.optim)
+
+
+def bytes_per_device(tree, shardings) -> int:
+  """Σ over leaves of one device's shard size × itemsize."""
+  sizes = jax.tree.map(lambda x, s: math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize,
+                       tree, shardings)
+  return int(sum(jax.tree.leaves(sizes)))
+
+
+def weight_rows(params, shardings) -> tuple[WeightRow, ...]:
+  """The weight table: one row per kind, in model order."""
+  found: dict[str, WeightRow] = {}
+  for (path, x), s in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(shardings)):
+    name = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
+    kind = _KINDS.get(name, name)
+    shard = tuple(s.shard_shape(x.shape))
+    size = math.prod(shard) * np.dtype(x.dtype).itemsize
+    spec = "P(" + ", ".join("None" if a is None else repr(a) for a in s.spec) + ")"
+    row = found.get(kind)
+    found[kind] = (WeightRow(kind, 1, tuple(x.shape), str(x.dtype), spec, shard, size)
+                   if row is None else dataclasses.replace(
+                       row, leaves=row.leaves + 1, bytes_per_device=row.bytes_per_device + size))
+  order = list(dict.fromkeys(_KINDS.values()))
+  return tuple(sorted(found.values(), key=lambda r: order.index(r.kind) if r.kind in order else 99))
+
+
+# -- analytic activations ---------------------------------------------------------------------------
+
+def _split(dim: int, mesh_shape: dict, axis: str) -> int:
+  """A dimension's size on one device under ``logical_to_spec``'s rule (split only if divisible)."""
+  n = mesh_shape[axis]
+  return dim // n if dim % n == 0 else dim
+
+
+def activation_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> Estimate:
+  """Activations of the train step's largest micro-batch on one device, forward + backward.
+
+  Assumes the micro-batch's rows are split over data x fsdp and heads / mlp over tensor. With remat
+  "full" the backward keeps each layer's input and recomputes one layer at a time, so one layer's
+  internals are live at once. Attention is the plain einsum kind: its f32 scores [rows, H, T, T],
+  the probs and their two gradients dominate at long T.
+  """
+  rows = pc.num_rollouts // (pc.loss.mini_batches * pc.loss.micro_batches)
+  rows //= mesh_shape["data"] * mesh_shape["fsdp"]
+  t = prompt_len(pc) + pc.rollout.max_new_tokens
+  b = jnp.dtype(m.dtype).itemsize
+  d, e = m.hidden_size, m.head_dim
+  h, k = _split(m.num_heads, mesh_shape, "tensor"), _split(m.num_kv_heads, mesh_shape, "tensor")
+  f = _split(m.intermediate_size, mesh_shape, "tensor")
+  # Per token of one layer: the two norms' outputs and residuals, q/k/v before and after RoPE,
+  # the attention output, gate, silu(gate), up and their product.
+  internals = rows * t * (5 * d + 3 * h * e + 3 * k * e + 4 * f) * b
+  attention = rows * h * t * t * 2 * (4 + b)          # f32 scores + probs, and their gradients
+  inputs = m.num_layers * rows * t * d * b
+  dots = m.num_layers * rows * t * (h * e + 2 * k * e + 2 * d + 2 * f) * b   # projection outputs
+  chunk = pc.loss.logprob_chunk * _split(m.vocab_size, mesh_shape, "tensor") * 4
+  layers = {"none": m.num_layers * (internals + attention),
+            "full": inputs + internals + attention,
+            "dots": dots + internals + attention,
+            "offload": inputs + internals + attention}[m.remat]
+  items = [("layer inputs kept for the backward, all layers", inputs if m.remat != "none" else 0),
+           ("projection outputs kept (remat dots)", dots if m.remat == "dots" else 0),
+           ("one layer's internals", internals),
+           ("one layer's attention: f32 scores + probs and their gradients", attention),
+           (f"log-prob chunk: f32 logits [C={pc.loss.logprob_chunk}, V]", chunk)]
+  if m.remat == "offload":
+    items.append(("(projection outputs parked in host memory, not counted)", dots))
+  return Estimate(rows, t, tuple(i for i in items if i[1]), layers + chunk)
+
+
+def rollout_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> Estimate:
+  """The JAX sampler's buffers on one device, or (vLLM) the π_old rescoring forward's attention;
+  both assume the R rows are split over data x fsdp."""
+  rows = -(-pc.num_rollouts // (mesh_shape["data"] * mesh_shape["fsdp"]))
+  p = prompt_len(pc)
+  s = p + pc.rollout.max_new_tokens
+  h, k = _split(m.num_heads, mesh_shape, "tensor"), _split(m.num_kv_heads, mesh_shape, "tensor")
+  if pc.rollout.engine != "jax":   # rescoring: one micro-batch chunk at a time
+    rows = -(-rows // pc.loss.micro_batches)
+    scores = rows * h * s * s * 4
+    return Estimate(rows, s, (("one layer's f32 attention scores [R, H, T, T]", scores),), scores)
+  cache = 2 * m.num_layers * rows * k * s * m.head_dim * jnp.dtype(m.dtype).itemsize
+  prefill = rows * h * p * s * 4
+  logits = rows * _split(m.vocab_size, mesh_shape, "tensor") * 4
+  items = (("KV cache: k and v [L, R, K, P+N, E]", cache),
+           ("prefill: one layer's f32 attention scores [R, H, P, P+N]", prefill),
+           ("decode: f32 logits [R, V]", logits))
+  return Estimate(rows, s, items, cache + prefill + logits)
+
+
+# -- compiled programs ------------------------------------------------------------------------------
+
+def _shaped(tree, shardings):
+  """ShapeDtypeStructs carrying shardings: what ``jit(...).lower`` takes for real arrays."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                      shardings)
+
+
+def abstract_batch(pc: Config, rows_sharding=None) -> step.PolicyBatch:
+  """A step's batch as the loop builds it (``shard_batch``'s shardings, or none = host arrays)."""
+  r, p, n = pc.num_rollouts, prompt_len(pc), pc.rollout.max_new_tokens
+
+  def sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=rows_sharding)
+
+  return step.PolicyBatch(
+      prompt_ids_RxP=sds((r, p), jnp.int32), prompt_mask_RxP=sds((r, p), jnp.bool_),
+      response_ids_RxN=sds((r, n), jnp.int32), response_mask_RxN=sds((r, n), jnp.bool_),
+      old_logp_RxN=sds((r, n), jnp.float32), rewards_R=sds((r,), jnp.float32),
+      group_ids_R=sds((r,), jnp.int32))
+
+
+def _analyse(name: str, lower) -> Compiled:
+  t0 = time.perf_counter()
+  mem = lower().compile().memory_analysis()
+  return Compiled(name, time.perf_counter() - t0, int(mem.argument_size_in_bytes),
+                  int(mem.output_size_in_bytes), int(mem.alias_size_in_bytes),
+                  int(mem.temp_size_in_bytes), int(mem.generated_code_size_in_bytes))
+
+
+def compile_train_step(pc: Config, graphdef, tx, state_sh, params, mesh) -> Compiled:
+  """``rl_update`` jitted as ``Trainer._enter_phase`` does (state donated, out_shardings)."""
+  from jaxrl.train import rl_step_config, step_hparams
+  update = jax.jit(functools.partial(step.rl_update, graphdef, tx, rl_step_config(pc)),
+                   donate_argnums=(0,), out_shardings=(state_sh, None))
+  state = _shaped(jax.eval_shape(functools.partial(step.init_state, tx=tx), params), state_sh)
+  hp = jax.eval_shape(lambda: step_hparams(pc, pc.rollout.temperature, pc.loss.eps_high))
+  ref = _shaped(params, state_sh.params) if pc.loss.kl_coef > 0 else None
+  batch = abstract_batch(pc, sharding.batch_sharding(mesh))
+  return _analyse("train step (rl_update)", lambda: update.lower(state, batch, hp, ref))
+
+
+def compile_sampler(pc: Config, graphdef, mcfg, params, param_sh) -> Compiled:
+  """The JAX sampler's jitted body with host prompts, as ``JaxEngine.generate`` calls it."""
+  from jaxrl.rollout import sampler
+  p, b = prompt_len(pc), pc.batch_questions
+  sds = jax.ShapeDtypeStruct
+  args = (graphdef, _shaped(params, param_sh), sds((b, p), jnp.int32), sds((b, p), jnp.bool_),
+          sds((b,), jnp.int32), jax.eval_shape(lambda: jax.random.PRNGKey(0)),
+          sds((), jnp.float32), sds((), jnp.float32))
+  static = dict(num_rollouts=pc.num_rollouts, max_new_tokens=pc.rollout.max_new_tokens,
+                eos_id=(1,), pad_id=0, model_cfg=mcfg, greedy=False)
+  return _analyse("JAX sampler (generate)", lambda: sampler._generate.lower(*args, **static))
+
+
+def compile_rescoring(pc: Config, graphdef, params, param_sh, mesh) -> Compiled:
+  """vLLM's π_old rescoring as ``Trainer._score`` runs it: R rows sharded over the data axes, in
+  ``loss.micro_batches`` sequential chunks."""
+  batch = abstract_batch(pc, sharding.batch_sharding(mesh))
+  score = jax.jit(functools.partial(step.score_responses_chunked, graphdef,
+                                    chunk_size=pc.loss.logprob_chunk),
+                  static_argnames=("micro",))
+  tau = jax.ShapeDtypeStruct((), jnp.float32)
+  return _analyse("pi_old rescoring (score_responses_chunked)", lambda: score.lower(
+      _shaped(params, param_sh), batch.prompt_ids_RxP, batch.prompt_mask_RxP,
+      batch.response_ids_RxN, batch.response_mask_RxN, tau, micro=pc.loss.micro_batches))
+
+
+def _device_memory() -> int | None:
+  stats = jax.devices()[0].memory_stats()
+  return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def build(cfg: Config, *, compile_steps: bool = True, rollout_side: bool = True) -> Plan:
+  """Every number of the plan; ``render`` formats it. ``compile_steps=False`` skips XLA."""
+  mcfg, source = architecture(cfg)
+  mesh, skipped = plan_mesh(cfg)
+  if not compile_steps and not skipped:
+    skipped = "compilation was not asked for"
+  graphdef, params = model.abstract(mcfg)
+  param_sh = sharding.tree_shardings(params, mesh)
+  tx = make_tx(cfg)
+  opt = jax.eval_shape(tx.init, params)
+  opt_sh = sharding.tree_shardings(opt, mesh)
+  state_sh = step.TrainState(step=NamedSharding(mesh, PartitionSpec()), params=param_sh,
+                             opt_state=opt_sh)
+  mesh_shape = dict(mesh.shape)
+  phases = []
+  for phase in run_phases(cfg):
+    pc = phase.cfg
+    compiled = []
+    if not skipped:
+      compiled.append(compile_train_step(pc, graphdef, tx, state_sh, params, mesh))
+      if rollout_side and pc.rollout.engine == "jax":
+        compiled.append(compile_sampler(pc, graphdef, mcfg, params, param_sh))
+      elif rollout_side:
+        compiled.append(compile_rescoring(pc, graphdef, params, param_sh, mesh))
+    phases.append(PhasePlan(phase.name, pc, activation_estimate(pc, mcfg, mesh_shape),
+                            rollout_estimate(pc, mcfg, mesh_shape), tuple(compiled)))
+  devices = jax.devices()
+  p_bytes = bytes_per_device(params, param_sh)
+  return Plan(source=source, model_cfg=mcfg, mesh_shape=mesh_shape,
+              devices=f"{len(devices)} x {devices[0].platform}", device_memory=_device_memory(),
+              weights=weight_rows(params, param_sh), params=p_bytes,
+              opt_state=bytes_per_device(opt, opt_sh),
+              ref_params=p_bytes if cfg.loss.kl_coef > 0 else 0, phases=tuple(phases),
+              skipped=skipped)
+
+
+def run(cfg: Config) -> str:
+  """The whole ``--plan`` report, as markdown."""
+  return render(build(cfg))
+
+
+# -- the report -------------------------------------------------------------------------------------
+
+def size(n: int) -> str:
+  """Bytes in binary units (an "80 GB" A100 / H100 has 80 GiB)."""
+  for unit, scale in (("GiB", GiB), ("MiB", 1024 ** 2), ("KiB", 1024)):
+    if n >= scale:
+      return f"{n / scale:.2f} {unit}"
+  return f"{n} B"
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def _dims(shape) -> str:
+  return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _grad_copies(pc: Config) -> int:
+  """Gradient trees live at once: the accumulator and the micro-batch's own when accumulating."""
+  return 2 if pc.loss.micro_batches > 1 else 1
+
+
+def _state_section(plan: Plan, cfg: Config) -> list[str]:
+  m = plan.model_cfg
+  rows = [["parameters", size(plan.params), f"{m.param_dtype}; exact: Σ shard shapes × itemsize"],
+          ["gradients", size(plan.params), "the params' shapes, dtype and shardings; inside "
+           "the step only (XLA's temp below)"],
+          ["optimizer state", size(plan.opt_state), f"AdamW mu + nu in {cfg.optim.state_dtype}"],
+          ["KL reference params", size(plan.ref_params) if plan.ref_params else "0",
+           "a frozen copy of the params" if plan.ref_params else "loss.kl_coef = 0: none"],
+          ["**resident: params + optimizer + reference**", f"**{size(plan.state)}**",
+           "between steps"]]
+  return ["## Train state per device", "", _table(["memory per device", "bytes", "note"], rows), ""]
+
+
+def _verdict(plan: Plan, peak: int) -> str:
+  if plan.device_memory is None:
+    return (f"Device memory is not reported by this backend ({plan.devices}): compare the peaks "
+            "with the accelerator's (e.g. 80 GiB on an A100 / H100 80GB).")
+  fits = "fits" if peak <= plan.device_memory else "does NOT fit"
+  return (f"Peak {size(peak)} of {size(plan.device_memory)} per device: {fits} "
+          f"(headroom {size(plan.device_memory - peak)}).")
+
+
+def _phase_section(plan: Plan, ph: PhasePlan) -> list[str]:
+  pc, m, act = ph.cfg, plan.model_cfg, ph.activations
+  chunks = pc.loss.mini_batches * pc.loss.micro_batches
+  n = pc.rollout.max_new_tokens
+  out = [f"## Phase `{ph.name}`: R = {pc.num_rollouts} rows, P = {prompt_len(pc)}, N = {n} "
+         f"(T = {act.tokens}); {chunks} micro-batch(es) of {pc.num_rollouts // chunks} rows = "
+         f"{act.rows} per device", "",
+         f"Activations of the largest micro-batch per device, an **analytic estimate** (remat "
+         f"`{m.remat}`, compute {m.dtype}). The log-prob is fused and chunked "
+         f"({pc.loss.logprob_chunk} tokens per chunk): no [B, T, V] logits buffer exists.", ""]
+  grads = _grad_copies(pc) * plan.params
+  rows = [[name, size(v)] for name, v in act.items]
+  rows += [["**activations**", f"**{size(act.total)}**"],
+           [f"gradients ({_grad_copies(pc)} tree(s))", size(grads)],
+           ["**estimated peak = resident state + gradients + activations**",
+            f"**{size(plan.state + grads + act.total)}**"]]
+  out += [_table(["train step", "per device"], rows), ""]
+  if ph.compiled:
+    out += ["XLA's `memory_analysis()` of the compiled programs, per device, on "
+            f"{plan.devices} (the CPU backend keeps some bf16 intermediates in f32 and fuses "
+            "less than a GPU's, so a GPU needs at most about this):", ""]
+    rows = [[c.name, size(c.argument), size(c.output), size(c.alias), size(c.temp),
+             size(c.code), f"**{size(c.peak)}**", f"{c.seconds:.1f}"] for c in ph.compiled]
+    out += [_table(["program", "arguments", "outputs", "aliased (donated)", "temp",
+                    "generated code", "peak = arg + out − alias + temp", "compile s"], rows), ""]
+    out += [_verdict(plan, max(c.peak for c in ph.compiled)), ""]
+    expected = [grads + act.total] + [ph.rollout.total] * (len(ph.compiled) - 1)
+    for c, e in zip(ph.compiled, expected):
+      if c.temp > 2 * e and c.temp - e > _WARN_BYTES:
+        out += [f"**Warning**: {c.name}: XLA's temp ({size(c.temp)}) is {c.temp / e:.1f}x the "
+                f"estimate ({size(e)}), which assumes each device holds only its share of the rows "
+                "(and one layer at a time): the compiled program keeps more (look for "
+                "all-gathered or replicated activations in `compiled.as_text()`).", ""]
+  return out + _rollout_section(pc, ph.rollout)
+
+
+def _rollout_section(pc: Config, est: Estimate) -> list[str]:
+  rows = [[name, size(v)] for name, v in est.items]
+  if pc.rollout.engine == "jax":
+    return [f"Rollouts (`rollout.engine = jax`): the sampler expands to R = {pc.num_rollouts} "
+            f"rows with a KV cache of P + N = {est.tokens} slots. Estimated for the rows split "
+            f"over data x fsdp ({est.rows} per device); the engine passes host prompts, so the "
+            "split is XLA's choice and the compiled sampler above is the real number.", "",
+            _table(["sampler", "per device"], rows + [["**total**", f"**{size(est.total)}**"]]),
+            ""]
+  return [f"Rollouts (`rollout.engine = {pc.rollout.engine}`): the vLLM sidecar holds its own "
+          "copy of the weights and its own KV cache in its own process (vLLM claims "
+          "`--gpu-memory-utilization`, default 0.9, of each GPU it sees): give it GPUs the trainer "
+          "does not use, or set the fraction in `vllm.extra_args`. vLLM returns no entropies, so "
+          f"the trainer rescores the R = {pc.num_rollouts} rollouts under the sampling params "
+          f"(`Trainer._score`: rows split over data x fsdp, in loss.micro_batches = "
+          f"{pc.loss.micro_batches} sequential chunks; {est.rows} rows per device per chunk):", "",
+          _table(["pi_old rescoring", "per device"], rows), ""]
+
+
+def render(plan: Plan) -> str:
+  """The plan as markdown."""
+  m = plan.model_cfg
+  cfg = plan.phases[0].cfg
+  n_params = sum(math.prod(w.shape) * w.leaves for w in plan.weights)
+  count = f"{n_params / 1e9:.3f} B" if n_params >= 1e8 else f"{n_params / 1e6:.3f} M"
+  mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh_shape.items())
+  out = ["# jaxrl plan", "",
+         f"- architecture from {plan.source}: {count} params, L={m.num_layers}, "
+         f"D={m.hidden_size}, F={m.intermediate_size}, H={m.num_heads}, K={m.num_kv_heads}, "
+         f"E={m.head_dim}, V={m.vocab_size}, tied embeddings: {m.tie_embeddings}",
+         f"- execution: compute {m.dtype}, params {m.param_dtype}, AdamW state "
+         f"{cfg.optim.state_dtype}, scan_layers={m.scan_layers}, remat={m.remat}",
+         f"- mesh: {mesh} = {math.prod(plan.mesh_shape.values())} device(s); this process has "
+         f"{plan.devices}", ""]
+  if plan.skipped:
+    out += [f"**Not compiled**: {plan.skipped}", ""]
+  weights = [[w.kind, w.leaves, _dims(w.shape), w.dtype, f"`{w.spec}`", _dims(w.shard_shape),
+              size(w.bytes_per_device)] for w in plan.weights]
+  out += ["## Weights: sharding and one device's shard", "",
+          _table(["weight", "arrays", "global shape", "dtype", "PartitionSpec", "shard per device",
+                  "per device"], weights), ""]
+  out += _state_section(plan, cfg)
+  for ph in plan.phases:
+    out += _phase_section(plan, ph)
+  return "\n".join(out).rstrip() + "\n"
