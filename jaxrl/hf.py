@@ -1,11 +1,16 @@
 """Hugging Face checkpoints <-> jaxrl ``Decoder`` params (Qwen2 / Qwen2.5 / Qwen3 / Llama 3.x).
 
 Loading reads ``config.json`` and safetensors (single file or sharded with an index) and builds each
-param device shard by device shard: a shard's bytes are read from the file with ``pread`` (only
+param device block by device block: a block's bytes are read from the file with ``pread`` (only
 the rows it needs, never a memory map whose pages would pile up in the process), cast, and handed
-to its device. So host memory holds at most one device shard beyond what the devices hold, for
-loop and scanned (stacked [L, ...]) params alike. Export writes the same HF layout with numpy only
-(no torch), which both transformers and a vLLM sidecar's ``reload_weights`` read.
+to its device(s). So beyond what the devices hold, host memory holds one device block, one read
+chunk (``_READ_CHUNK_BYTES``) and the block or two before it that jax's runtime releases lazily
+after their transfer, for loop and scanned (stacked [L, ...]) params alike: never a whole tensor
+unless a device's block is one. A block that takes only some columns of HF's rows (e.g. an
+fsdp-split input dim) reads whole rows chunk by chunk: bounded memory, at the price of re-reading
+those rows (from the page cache) once per column block; tests/sharded_load_check.py measures it.
+Export writes the same HF layout with numpy only (no torch), which both transformers and a vLLM
+sidecar's ``reload_weights`` read.
 
 Name map (HF -> jaxrl): ``model.`` prefix dropped; ``*_proj.weight`` and ``lm_head.weight`` are
 [out, in] in HF and [in, out] here; ``{q,k,v}_proj.bias`` become ``{q,k,v}_bias``; with
@@ -46,6 +51,9 @@ _MAX_POSITIONS = 32768
 _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
                        "BF16": ml_dtypes.bfloat16}
 _SAFETENSORS_NAMES = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}
+# File rows are read in pieces of about this size when they cannot go straight into the block
+# (a column slice, a transpose or a cast): host memory then holds the block plus one piece.
+_READ_CHUNK_BYTES = 8 * 2**20
 
 
 def _is_var(x) -> bool:
@@ -61,7 +69,8 @@ def _rope_fields(config: dict) -> dict:
   rope_type = rope.get("rope_type", rope.get("type", "default"))
   if rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
     raise ValueError("config.json: partial_rotary_factor != 1 is not supported")
-  fields = {"rope_theta": float(rope.get("rope_theta", config.get("rope_theta", _ROPE_THETA_DEFAULT)))}
+  theta = rope.get("rope_theta", config.get("rope_theta", _ROPE_THETA_DEFAULT))
+  fields = {"rope_theta": float(theta)}
 
   def need(key):
     if rope.get(key) is None:
@@ -149,7 +158,8 @@ def _rope_parameters(cfg: ModelConfig) -> dict:
   if cfg.rope_type != "default":
     rope["factor"] = cfg.rope_factor
   if cfg.rope_type == "llama3":
-    rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+    rope.update(low_freq_factor=cfg.rope_low_freq_factor,
+                high_freq_factor=cfg.rope_high_freq_factor,
                 original_max_position_embeddings=cfg.rope_original_max_positions)
   return rope
 
@@ -259,13 +269,22 @@ class _SafetensorsFile:
   def close(self):
     os.close(self._fd)
 
-  def rows(self, name: str, lo: int, hi: int) -> np.ndarray:
-    """Rows lo..hi-1 (along axis 0) of a tensor; the whole of a 0-d one."""
+  def row_bytes(self, name: str) -> int:
+    dtype, shape, _ = self.tensors[name]
+    return math.prod(shape[1:]) * dtype.itemsize
+
+  def rows(self, name: str, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Rows lo..hi-1 (along axis 0) of a tensor, read into ``out`` (C-contiguous, the tensor's
+    dtype) when given."""
     dtype, shape, begin = self.tensors[name]
-    row_bytes = math.prod(shape[1:]) * dtype.itemsize
-    out = np.empty((hi - lo, *shape[1:]) if shape else (), dtype)
+    if not shape:
+      raise ValueError(f"{self.path}: tensor {name!r} is 0-d, no parameter is")
+    if out is None:
+      out = np.empty((hi - lo, *shape[1:]), dtype)
+    assert out.dtype == dtype and out.shape == (hi - lo, *shape[1:]) and out.flags.c_contiguous, (
+        out.dtype, out.shape)
     view = out.reshape(-1).view(np.uint8)
-    offset, done = self._base + begin + lo * row_bytes, 0
+    offset, done = self._base + begin + lo * self.row_bytes(name), 0
     while done < view.size:   # pread may return fewer bytes than asked
       n = os.preadv(self._fd, [view[done:]], offset + done)
       if n <= 0:
@@ -285,14 +304,34 @@ def _tensor_files(path: pathlib.Path) -> list[pathlib.Path]:
   raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
 
 
-def _read(handle: _SafetensorsFile, name: str, index: tuple, transposed: bool, dtype) -> np.ndarray:
-  """The block ``index`` (slices in jaxrl's layout) of one HF tensor, cast to ``dtype``."""
-  hf_index = index[::-1] if transposed else index
-  rows = hf_index[0] if hf_index else slice(0, 1)
-  block = handle.rows(name, rows.start, rows.stop)
-  if len(hf_index) == 2:
-    block = block[:, hf_index[1]]
-  return (block.T if transposed else block).astype(dtype, order="C")
+def _read_into(handle: _SafetensorsFile, name: str, index: tuple, transposed: bool,
+               out: np.ndarray):
+  """Fill ``out`` with the block ``index`` (slices in jaxrl's layout) of one HF tensor, cast to
+  ``out.dtype``: straight from the file when its rows are the block's, else chunk by chunk."""
+  dtype, shape, _ = handle.tensors[name]
+  rows, *cols = index[::-1] if transposed else index
+  whole_rows = all((c.start, c.stop) == (0, n) for c, n in zip(cols, shape[1:]))
+  if whole_rows and not transposed and dtype == out.dtype:
+    handle.rows(name, rows.start, rows.stop, out=out)
+    return
+  dst = out.T if transposed else out   # a view of ``out`` in HF's layout
+  step = max(1, _READ_CHUNK_BYTES // max(1, handle.row_bytes(name)))
+  for lo in range(rows.start, rows.stop, step):
+    hi = min(lo + step, rows.stop)
+    dst[lo - rows.start:hi - rows.start] = handle.rows(name, lo, hi)[(slice(None), *cols)]
+
+
+def _same_tensor(a: _SafetensorsFile, a_name: str, b: _SafetensorsFile, b_name: str) -> bool:
+  """Whether two tensors are equal, compared chunk by chunk."""
+  if a.tensors[a_name][:2] != b.tensors[b_name][:2]:   # dtype and shape
+    return False
+  n = a.tensors[a_name][1][0]
+  step = max(1, _READ_CHUNK_BYTES // max(1, a.row_bytes(a_name)))
+  for lo in range(0, n, step):
+    hi = min(lo + step, n)
+    if not np.array_equal(a.rows(a_name, lo, hi), b.rows(b_name, lo, hi)):
+      return False
+  return True
 
 
 def _assemble(shape, sharding, read_block) -> jax.Array:
@@ -310,6 +349,8 @@ def _assemble(shape, sharding, read_block) -> jax.Array:
     block = read_block(group[0][1])
     for device, _ in group:
       on_device[device] = jax.device_put(block, device)
+    # A transfer may read ``block`` asynchronously: wait, or later blocks would pile up on host.
+    jax.block_until_ready([on_device[device] for device, _ in group])
     del block
   arrays = [on_device[d] for d in sharding.addressable_devices_indices_map(shape)]
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
@@ -360,11 +401,12 @@ def load_hf_checkpoint(path, dtype=jnp.float32, shardings=None, *, scan_layers: 
         check(name, key, tuple(inner[::-1] if transposed else inner))
 
       def read_block(index):
-        if not stacked:
-          return _read(handles[names[0]], names[0], index, transposed, np_dtype)
         out = np.empty(tuple(s.stop - s.start for s in index), np_dtype)
-        for j, layer in enumerate(range(index[0].start, index[0].stop)):
-          out[j] = _read(handles[names[layer]], names[layer], index[1:], transposed, np_dtype)
+        if stacked:
+          for j, layer in enumerate(range(index[0].start, index[0].stop)):
+            _read_into(handles[names[layer]], names[layer], index[1:], transposed, out[j])
+        else:
+          _read_into(handles[names[0]], names[0], index, transposed, out)
         return out
 
       if placement is not None and key not in placement:
@@ -377,8 +419,7 @@ def load_hf_checkpoint(path, dtype=jnp.float32, shardings=None, *, scan_layers: 
     unexpected = sorted(n for n in set(handles) - expected if not n.endswith("rotary_emb.inv_freq"))
     if cfg.tie_embeddings and "lm_head.weight" in unexpected:
       head, embed = ("lm_head.weight", "model.embed_tokens.weight")
-      n = handles[embed].tensors[embed][1][0]
-      if not np.array_equal(handles[head].rows(head, 0, n), handles[embed].rows(embed, 0, n)):
+      if not _same_tensor(handles[head], head, handles[embed], embed):
         raise ValueError(f"{path}: tie_word_embeddings is true but lm_head.weight differs from "
                          "model.embed_tokens.weight")
       unexpected.remove("lm_head.weight")
@@ -432,7 +473,7 @@ def save_hf_checkpoint(cfg: ModelConfig, params, out_dir, tokenizer=None,
   out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
-    stale.unlink(missing_ok=True)  # a leftover file or shard from an earlier save would be read back
+    stale.unlink(missing_ok=True)  # a leftover shard of an earlier save would be read back
   entries = _hf_entries(params)
   if untie and cfg.tie_embeddings:
     cfg = dataclasses.replace(cfg, tie_embeddings=False)

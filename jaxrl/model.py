@@ -13,7 +13,7 @@ Two layouts of the L decoder layers compute the same function from the same init
   scan (``scan_layers=True``):  one ``params["layers"]`` whose leaves carry a leading [L] axis
     (logical axis "layers"), applied by ``jax.lax.scan``, so compile time does not grow with L.
 Both run every layer through one function (optionally rematerialised, ``remat``), and both keep
-the KV cache as one [L, B, S, K, E] array per k/v, updated in place.
+the KV cache as one [L, B, K, S, E] array per k/v, updated in place.
 """
 from __future__ import annotations
 
@@ -73,11 +73,12 @@ class ModelConfig:
   rope_original_max_positions: int = 8192
   param_dtype: str = "float32"   # storage dtype of the params (and so of grads and AdamW moments)
   scan_layers: bool = False      # stack the layers on a leading axis and lax.scan over them
-  remat: str = "none"            # per layer: "none" | "full" | "dots" | "offload" (see _remat_policy)
+  remat: str = "none"            # per layer: one of REMAT_POLICIES (see _remat_policy)
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
-      raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+      raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
+                       f"num_kv_heads={self.num_kv_heads}")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
     for name in ("dtype", "param_dtype"):
@@ -229,7 +230,8 @@ class Attention(nnx.Module):
     allowed_BxTxS = causal_TxS[None] & kv_valid_BxS[:, None, :].astype(bool)
     scores = jnp.where(allowed_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxE.dtype)
-    out = jnp.einsum("bkrts,bkse->btkre", probs, v_BxKxSxE).reshape(b, t, cfg.num_heads * cfg.head_dim)
+    out = jnp.einsum("bkrts,bkse->btkre", probs, v_BxKxSxE)
+    out = out.reshape(b, t, cfg.num_heads * cfg.head_dim)
     return out @ self.o_proj[...].astype(out.dtype), cache
 
 

@@ -1,0 +1,219 @@
+"""ModelConfig's execution options change how the decoder runs, never what it computes.
+
+scan_layers (stacked [L, ...] params + lax.scan) against the loop layout: the same seed gives the
+same weights, and the same weights give the same logits, log-probs, sampled rollouts and GRPO
+update. remat "full" / "dots" against "none": the same loss and gradients, with the recomputation
+really in the program. param_dtype bfloat16: params stored in bf16 compute exactly like their
+float32 upcast; a bf16-compute forward and backward run. Both layouts against transformers, and
+bf16 checkpoints, are in test_hf_parity.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxpr_helpers import contains_primitive
+from jaxrl import losses, model, step
+from jaxrl.rollout import sampler
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+# Qwen2-like (q/k/v biases), GQA, 3 layers so a wrong layer order or index shows.
+LOOP = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
+                         num_heads=4, num_kv_heads=2, head_dim=8)
+SCAN = dataclasses.replace(LOOP, scan_layers=True)
+# The name of jax.checkpoint's primitive in a jaxpr (it has changed across jax versions).
+_REMAT = jax.make_jaxpr(jax.checkpoint(jnp.sin))(1.0).eqns[0].primitive.name
+# Loop and scan programs sum in different orders: measured ≤ 6e-7 of a leaf's largest gradient.
+GRAD_RTOL = 1e-5
+
+# Four left-padded prompts and right-padded responses.
+R, P, N = 4, 5, 6
+_rng = np.random.default_rng(0)
+PROMPT_IDS = _rng.integers(1, 64, (R, P)).astype(np.int32)
+PROMPT_MASK = np.arange(P)[None] >= np.array([0, 2, 4, 1])[:, None]
+RESPONSE_IDS = _rng.integers(1, 64, (R, N)).astype(np.int32)
+RESPONSE_MASK = np.arange(N)[None] < np.array([6, 3, 1, 5])[:, None]
+
+
+def _perturbed(params, seed=1):
+  """Params with norms and biases moved off 1 and 0, so mixing up layers shows in every leaf."""
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda x: x + 0.2 * rng.standard_normal(x.shape).astype(x.dtype), params)
+
+
+def _as_scan(loop_params, scan_like):
+  """``loop_params`` in the scan layout: each layer leaf stacked over the L layers."""
+  n = len(loop_params["layers"])
+  stacked = [jnp.stack(xs) for xs in zip(*(jax.tree.leaves(loop_params["layers"][i])
+                                           for i in range(n)))]
+  leaves = []
+  for key in sorted(scan_like.keys()):   # the order in which jax flattens the State
+    leaves += stacked if key == "layers" else jax.tree.leaves(loop_params[key])
+  return jax.tree.unflatten(jax.tree.structure(scan_like), leaves)
+
+
+@pytest.fixture(scope="module")
+def models():
+  """(graphdef, params) of both layouts holding the same (perturbed) weights."""
+  graphdef, params = model.create(LOOP, 0)
+  params = _perturbed(params)
+  scan_graphdef, scan_like = model.create(SCAN, 0)
+  return {"loop": (graphdef, params), "scan": (scan_graphdef, _as_scan(params, scan_like))}
+
+
+def _assert_trees_close(a, b, rtol):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    assert x.shape == y.shape and x.dtype == y.dtype
+    scale = float(jnp.max(jnp.abs(y)))
+    assert float(jnp.max(jnp.abs(x - y))) <= rtol * scale, (float(jnp.max(jnp.abs(x - y))), scale)
+
+
+def test_same_seed_gives_the_same_weights():
+  _, loop = model.create(LOOP, 0)
+  _, scan = model.create(SCAN, 0)
+  for x, y in zip(jax.tree.leaves(_as_scan(loop, scan)), jax.tree.leaves(scan), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # The plan (abstract) has the params' shapes, and names the stacked axis of every layer leaf.
+  _, plan = model.abstract(SCAN)
+  assert [x.shape for x in jax.tree.leaves(plan)] == [x.shape for x in jax.tree.leaves(scan)]
+  is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+  for path, var in jax.tree_util.tree_flatten_with_path(plan, is_leaf=is_var)[0]:
+    stacked = path[0].key == "layers"
+    assert (var.get_metadata()["logical_axes"][0] == "layers") == stacked, path
+    assert not stacked or var.shape[0] == LOOP.num_layers
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(graphdef, params, ids, mask):
+  hidden, lm_head, _ = model.forward(graphdef, params, ids, model.positions_from_mask(mask), mask)
+  return jnp.matmul(hidden, lm_head, preferred_element_type=jnp.float32)
+
+
+def _full_sequences():
+  return (np.concatenate([PROMPT_IDS, RESPONSE_IDS], 1),
+          np.concatenate([PROMPT_MASK, RESPONSE_MASK], 1))
+
+
+def test_scan_forward_and_logprobs_equal_loop(models):
+  ids, mask = _full_sequences()
+  loop, scan = (np.asarray(_logits(*models[k], ids, mask))[mask] for k in ("loop", "scan"))
+  assert np.std(loop) > 0.3
+  np.testing.assert_allclose(scan, loop, rtol=0, atol=1e-5)
+
+  score = jax.jit(step.score_responses, static_argnums=(0, 7))
+  outs = [score(models[k][0], models[k][1], PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK,
+                jnp.float32(0.8), 4) for k in ("loop", "scan")]
+  for a, b in zip(*outs):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5)
+
+
+def test_scan_sampler_equals_loop(models):
+  counts = np.array([2, 1, 3, 2])
+  outs = [sampler.generate(models[k][0], models[k][1], PROMPT_IDS, PROMPT_MASK, counts,
+                           jax.random.key(3), 1.0, 0.95, num_rollouts=8, max_new_tokens=7,
+                           eos_id=1, pad_id=0, model_cfg=cfg)
+          for k, cfg in (("loop", LOOP), ("scan", SCAN))]
+  loop, scan = outs
+  np.testing.assert_array_equal(np.asarray(scan.tokens_RxN), np.asarray(loop.tokens_RxN))
+  np.testing.assert_array_equal(np.asarray(scan.mask_RxN), np.asarray(loop.mask_RxN))
+  assert len(np.unique(np.asarray(loop.tokens_RxN))) > 5   # real samples, not one repeated token
+  for name in ("logp_RxN", "entropy_RxN"):
+    np.testing.assert_allclose(np.asarray(getattr(scan, name)), np.asarray(getattr(loop, name)),
+                               rtol=0, atol=1e-5)
+
+
+def test_scan_rl_update_equals_loop(models):
+  batch = step.PolicyBatch(
+      prompt_ids_RxP=PROMPT_IDS, prompt_mask_RxP=PROMPT_MASK, response_ids_RxN=RESPONSE_IDS,
+      response_mask_RxN=RESPONSE_MASK, old_logp_RxN=-np.linspace(0.5, 3, R * N, dtype=np.float32)
+      .reshape(R, N), rewards_R=np.array([1, 0, 0, 1], np.float32),
+      group_ids_R=np.array([0, 0, 1, 1], np.int32))
+  f32 = jnp.float32
+  hp = step.StepHparams(loss=losses.LossHparams(eps_low=f32(0.2), eps_high=f32(0.28),
+                                                kl_coef=f32(0.0), entropy_coef=f32(0.01)),
+                        tau=f32(0.9))
+  cfg = step.RLStepConfig(loss=losses.LossConfig(aggregation="seq-mean-token-mean"), num_groups=2)
+  tx = optax.sgd(0.5)   # the update is the gradient itself, compared leaf by leaf
+  out = {}
+  for k in ("loop", "scan"):
+    graphdef, params = models[k]
+    update = jax.jit(functools.partial(step.rl_update, graphdef, tx, cfg))
+    out[k] = update(step.init_state(params, tx), batch, hp)
+  (loop_state, loop_m), (scan_state, scan_m) = out["loop"], out["scan"]
+  assert float(loop_m["grad_norm"]) > 0.1
+  for name in loop_m:
+    np.testing.assert_allclose(float(scan_m[name]), float(loop_m[name]), rtol=1e-5, err_msg=name)
+  scan_delta = jax.tree.map(jnp.subtract, scan_state.params, models["scan"][1])
+  loop_delta = jax.tree.map(jnp.subtract, loop_state.params, models["loop"][1])
+  _assert_trees_close(scan_delta, _as_scan(loop_delta, models["scan"][1]), GRAD_RTOL)
+
+
+def _loss(graphdef, params):
+  """Next-token log-likelihood of the full sequences, through plain logits (small to compile)."""
+  ids, mask = _full_sequences()
+  logits = _logits.__wrapped__(graphdef, params, ids, mask)[:, :-1]
+  logp = jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, 1:, None], axis=-1)[..., 0]
+  return jnp.sum(jnp.where(mask[:, 1:] & mask[:, :-1], logp, 0.0))
+
+
+_value_and_grad = jax.jit(jax.value_and_grad(_loss, argnums=1), static_argnums=0)
+
+
+@pytest.mark.parametrize("layout", ["loop", "scan"])
+def test_remat_gives_the_same_loss_and_grads(models, layout):
+  graphdef, params = models[layout]
+  base = LOOP if layout == "loop" else SCAN
+  results = {}
+  for remat in ("none", "full", "dots"):
+    cfg = dataclasses.replace(base, remat=remat)
+    graphdef = model.abstract(cfg)[0]
+    # The forward alone: the fused log-prob path of rl_update has a remat of its own.
+    forward = functools.partial(model.forward, graphdef, tokens_BxT=PROMPT_IDS,
+                                positions_BxT=model.positions_from_mask(PROMPT_MASK),
+                                kv_valid_BxS=PROMPT_MASK)
+    jaxpr = jax.make_jaxpr(lambda p: forward(params=p)[0])(params).jaxpr
+    assert contains_primitive(jaxpr, _REMAT) == (remat != "none"), remat
+    results[remat] = _value_and_grad(graphdef, params)
+  loss, grads = results["none"]
+  for remat in ("full", "dots"):
+    assert float(results[remat][0]) == pytest.approx(float(loss), rel=1e-6)
+    _assert_trees_close(results[remat][1], grads, GRAD_RTOL)
+
+
+def test_bfloat16_params_compute_like_their_float32_upcast(models):
+  cfg16 = dataclasses.replace(LOOP, param_dtype="bfloat16")
+  graphdef16, params16 = model.create(cfg16, 0)
+  assert {x.dtype for x in jax.tree.leaves(params16)} == {jnp.dtype(jnp.bfloat16)}
+  graphdef32, _ = models["loop"]
+  params32 = jax.tree.map(lambda x: x.astype(jnp.float32), params16)
+  ids, mask = PROMPT_IDS, PROMPT_MASK
+  np.testing.assert_array_equal(np.asarray(_logits(graphdef16, params16, ids, mask)),
+                                np.asarray(_logits(graphdef32, params32, ids, mask)))
+
+
+def test_bfloat16_forward_and_backward_run(models):
+  """bf16 params and compute (scan layout; both layouts' bf16 forward are compared with
+  transformers' in test_hf_parity): finite logits near the float32 ones, finite bf16 gradients."""
+  cfg16 = dataclasses.replace(SCAN, param_dtype="bfloat16", dtype="bfloat16")
+  graphdef16 = model.abstract(cfg16)[0]
+  graphdef, params = models["scan"]
+  params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  ids, mask = _full_sequences()
+  logits16 = np.asarray(_logits(graphdef16, params16, ids, mask))[mask]
+  logits32 = np.asarray(_logits(graphdef, params, ids, mask))[mask]
+  assert np.all(np.isfinite(logits16))
+  # bf16 rounds every weight and activation to 8 bits: ~1e-2 relative per value; the tiny model
+  # stays within 0.1 of its float32 logits (std ~1), a wrong op would be off by O(1).
+  assert np.max(np.abs(logits16 - logits32)) < 0.1
+  loss, grads = _value_and_grad(graphdef16, params16)
+  assert np.isfinite(float(loss))
+  assert all(g.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(g)))
+             for g in jax.tree.leaves(grads))
