@@ -5,10 +5,19 @@ RNG needs no state: every key is ``fold_in(seed, step)``.
 """
 from __future__ import annotations
 
+import glob
+import logging
 import os
+import shutil
 
 import jax
 import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+  """The last checkpoint write failed; ``latest_step`` is the newest one that is complete."""
 
 
 class Checkpointer:
@@ -16,16 +25,52 @@ class Checkpointer:
 
   def __init__(self, directory: str, keep: int, async_save: bool = True):
     self.directory = os.path.abspath(directory)
+    # A write that failed (disk full, permissions, a kill) leaves only an orbax tmp directory: it
+    # never counts as a checkpoint, and the next manager removes it.
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                           enable_async_checkpointing=async_save)
+                                           enable_async_checkpointing=async_save,
+                                           cleanup_tmp_directories=True)
     self._mgr = ocp.CheckpointManager(self.directory, options=options)
+    self._pending: int | None = None    # step of the write in flight
+    self.failed: list[int] = []         # steps whose write failed
+    self.last_error: str | None = None
 
   def latest_step(self) -> int | None:
     return self._mgr.latest_step()
 
-  def save(self, step: int, tree, meta: dict) -> None:
-    self._mgr.save(step, args=ocp.args.Composite(tree=ocp.args.StandardSave(tree),
-                                                 meta=ocp.args.JsonSave(meta)))
+  def save(self, step: int, tree, meta: dict) -> bool:
+    """Start writing checkpoint ``step``. A failed write (found now or when the next save or
+    ``wait`` checks the one in flight) is logged and recorded, never raised: the previous
+    checkpoint stays the latest and training goes on. Returns False if this write failed at once."""
+    self._settle()
+    try:
+      self._mgr.save(step, args=ocp.args.Composite(tree=ocp.args.StandardSave(tree),
+                                                   meta=ocp.args.JsonSave(meta)))
+    except Exception as e:  # noqa: BLE001 - any I/O failure: keep training, say so
+      self._failed(step, e)
+      return False
+    self._pending = step
+    return True
+
+  def _settle(self) -> None:
+    """Wait for the write in flight; record it if it failed."""
+    try:
+      self._mgr.wait_until_finished()
+    except Exception as e:  # noqa: BLE001
+      self._failed(self._pending, e)
+    self._pending = None
+
+  def _failed(self, step, error: Exception) -> None:
+    self.failed.append(step)
+    self.last_error = f"{type(error).__name__}: {str(error).splitlines()[0][-600:]}"
+    self._mgr.reload()   # forget the failed step: latest_step() is again the last complete one
+    pattern = os.path.join(glob.escape(self.directory), f"{step}.orbax-checkpoint-tmp*")
+    for partial in glob.glob(pattern):   # never a checkpoint: free its space
+      shutil.rmtree(partial, ignore_errors=True)
+    latest = self._mgr.latest_step()
+    log.error("checkpoint at step %s failed (%s); %s", step, self.last_error,
+              f"the latest usable checkpoint is step {latest} in {self.directory}"
+              if latest is not None else f"there is no usable checkpoint in {self.directory}")
 
   def restore(self, step: int, abstract_tree):
     """(tree, meta) restored into the structure, dtypes and shardings of ``abstract_tree``."""
@@ -46,8 +91,9 @@ class Checkpointer:
     return out["tree"]["state"]["params"]
 
   def wait(self) -> None:
-    self._mgr.wait_until_finished()
+    """Block until the write in flight is on disk (or has failed: see ``failed``)."""
+    self._settle()
 
   def close(self) -> None:
-    self._mgr.wait_until_finished()
+    self._settle()
     self._mgr.close()

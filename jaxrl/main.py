@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 from absl import app, flags
@@ -46,6 +47,9 @@ def _parse_flags(argv):
 
 def main(argv):
   del argv
+  # Past a file-size limit, writes fail with EFBIG (handled: a failed checkpoint is logged, the
+  # previous one kept) instead of the default SIGXFSZ killing the run.
+  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
   from jaxrl.config import ConfigError, from_configdict
 
   if _CONFIG.value is None or not (_WORKDIR.value or _PLAN.value):
@@ -79,6 +83,7 @@ def main(argv):
   for name in ("absl", "jax", "orbax"):
     logging.getLogger(name).setLevel(logging.WARNING)
   from jaxrl.rollout.sidecar import SidecarError
+  from jaxrl.checkpoint import CheckpointError
   from jaxrl.train import NonFiniteError, Stopped, train
   try:
     summary = train(cfg, workdir)
@@ -88,6 +93,9 @@ def main(argv):
   except SidecarError as e:  # checkpoints up to the last completed save are intact
     print(f"jaxrl: error: vLLM sidecar: {e}\njaxrl: the last checkpoint in {workdir}/checkpoints "
           "is intact; run the same command again to resume.", file=sys.stderr)
+    sys.exit(1)
+  except CheckpointError as e:   # training went on; only the final write failed
+    print(f"jaxrl: error: {e}", file=sys.stderr)
     sys.exit(1)
   except NonFiniteError as e:
     print(f"jaxrl: error: {e}", file=sys.stderr)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl import arch, hf, losses, model, optim, sharding, sft, step
-from jaxrl.checkpoint import Checkpointer
+from jaxrl.checkpoint import CheckpointError, Checkpointer
 from jaxrl.config import Config, to_dict
 from jaxrl.data.cursor import Mixture, MixtureCursor, next_mixture_batch
 from jaxrl.eval import EvalResult, comparison_table, engine_sampler, evaluate
@@ -285,6 +285,7 @@ class Trainer:
                       {"cursor": cursor.to_json(), "phase": rt.phase.index, "step": i + 1})
           if stop.requested:
             ckpt.wait()   # the stop is only reported once the checkpoint is on disk
+            _check_saved(ckpt, i + 1)
             log.warning("%s: checkpoint saved at step %d; run again to resume", stop.signal_name,
                         i + 1)
             raise Stopped(i + 1)
@@ -292,6 +293,7 @@ class Trainer:
       stop.restore()
       ckpt.close()
       writer.close()
+    _check_saved(ckpt, c.steps)
     self.final_params, self.final_stats = state.params, stats
 
   def _check_finite(self, metrics: dict, run: int, step_number: int) -> int:
@@ -422,6 +424,16 @@ class Trainer:
     if self.cfg.log.plot and os.path.exists(os.path.join(self.workdir, "metrics.jsonl")):
       plot_run(os.path.join(self.workdir, "metrics.jsonl"), os.path.join(self.workdir, "run.png"))
     return summary
+
+
+def _check_saved(ckpt: Checkpointer, step_number: int) -> None:
+  """The run's last checkpoint must be on disk before the run reports success (or a stop)."""
+  if step_number in ckpt.failed:
+    latest = ckpt.latest_step()
+    raise CheckpointError(f"the checkpoint of step {step_number} could not be written "
+                          f"({ckpt.last_error}); " + (
+                              f"the latest usable one is step {latest} in {ckpt.directory}"
+                              if latest is not None else f"no usable checkpoint in {ckpt.directory}"))
 
 
 class NonFiniteError(RuntimeError):
