@@ -17,6 +17,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Llama 3 style: the chat template itself starts with the BOS token.
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+          "\n\n{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+          "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                   "<|end_header_id|>", "<|eot_id|>"]
 PROBLEMS = [
     ("What is 2 + 3?", "5"), ("Compute 7 * 6.", "42"), ("What is half of 1?", "\\frac{1}{2}"),
     ("Solve x + 4 = 10 for x.", "6"), ("What is 10 - 13?", "-3"), ("What is 0.5 + 0.25?", "0.75"),
@@ -25,18 +31,25 @@ PROBLEMS = [
 ]
 
 
-def _tokenizer() -> transformers.PreTrainedTokenizerFast:
+def make_tokenizer(style: str = "chatml") -> transformers.PreTrainedTokenizerFast:
+  """A byte-level BPE tokenizer trained on the problems: ChatML (Qwen) or Llama 3 style."""
   corpus = [q + " " + a for q, a in PROBLEMS] * 4 + [
       "Please reason step by step, and put your final answer within \\boxed{}.",
       "The answer is \\boxed{5}. user assistant system"]
   raw = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
   raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   raw.decoder = decoders.ByteLevel()
+  specials = SPECIALS if style == "chatml" else LLAMA3_SPECIALS
   raw.train_from_iterator(corpus, trainers.BpeTrainer(
-      vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-  tok = transformers.PreTrainedTokenizerFast(
-      tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-  tok.chat_template = CHATML
+      vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  if style == "chatml":
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.chat_template = CHATML
+  else:   # no pad token, like Llama 3
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=raw, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+    tok.chat_template = LLAMA3
   return tok
 
 
@@ -44,7 +57,7 @@ def _tokenizer() -> transformers.PreTrainedTokenizerFast:
 def make_checkpoint(out_dir, seed: int = 0) -> pathlib.Path:
   """Save the tiny model + tokenizer + generation config into ``out_dir`` (2 weight shards)."""
   out = pathlib.Path(out_dir)
-  tok = _tokenizer()
+  tok = make_tokenizer()
   config = transformers.Qwen2Config(
       vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
