@@ -13,6 +13,7 @@ import json
 import math
 import logging
 import os
+import shutil
 import signal
 import time
 
@@ -310,6 +311,19 @@ class Trainer:
                            f"last finite state")
     return run
 
+  def export_hf(self, params) -> str:
+    """The trained policy as an HF checkpoint in ``WORKDIR/hf`` (model.dtype, tokenizer,
+    generation config): what transformers, vLLM and ``python -m jaxrl.eval`` load."""
+    out = os.path.join(self.workdir, "hf")
+    dtype = jnp.dtype(self.cfg.model.dtype)
+    hf.save_hf_checkpoint(self.model_cfg, jax.tree.map(lambda x: x.astype(dtype), params), out,
+                          tokenizer=self.task.tokenizer)
+    generation = os.path.join(self.cfg.model.checkpoint, "generation_config.json")
+    if os.path.exists(generation):
+      shutil.copy(generation, out)
+    log.info("trained policy exported to %s (%s)", out, dtype.name)
+    return out
+
   def _validate(self, params, step_number: int) -> dict:
     """The periodic held-out evaluation (``eval.every``), as ``val/…`` metrics of the step."""
     result = self.evaluate(params, f"step{step_number}")
@@ -414,6 +428,8 @@ class Trainer:
       before = self.evaluate(params, "sft")
       self.rl(params)
       after = self.evaluate(self.final_params, f"step{self.cfg.steps}")
+      if self.cfg.model.checkpoint:
+        self.export_hf(self.final_params)
     finally:
       self.engine.close()
       self.task.close()

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -62,6 +63,11 @@ def test_qwen7b_config_trains_two_steps_on_a_tiny_checkpoint(tiny):
   assert cfg["allocation"]["method"] == "e3" and cfg["temperature"]["method"] == "e3"
   assert (work / "checkpoints" / "2").is_dir()
   assert (work / "eval_step2.json").exists() and (work / "eval_sft.json").exists()
+  # The trained policy exported in HF layout loads back (with the checkpoint's stop ids).
+  from jaxrl import hf
+  _, _, exported = hf.load_hf_checkpoint(work / "hf")
+  assert json.loads((work / "hf" / "generation_config.json").read_text())["eos_token_id"]
+  assert (work / "hf" / "tokenizer.json").exists() and len(jax.tree.leaves(exported)) > 0
 
   # The evaluation CLI on the run's last checkpoint and on the HF directory.
   for checkpoint, out_dir in ((work, base / "eval_run"), (ckpt, base / "eval_hf")):
