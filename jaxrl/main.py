@@ -18,6 +18,12 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for everything the ru
 _PLAN = flags.DEFINE_bool(
     "plan", False, "Print the per-device memory plan of the configured mesh and exit (no weights "
     "needed; with fake devices via XLA_FLAGS it also compiles the train step ahead of time).")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", "", "Multi-process runs: host:port of process 0 (or $JAXRL_COORDINATOR); "
+    "'auto' lets JAX read the cluster (SLURM, TPU pods).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 0, "Processes of the run ($JAXRL_NUM_PROCESSES).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", -1, "This process's index ($JAXRL_PROCESS_ID).")
+_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "CPU devices per process (0: JAX's default).")
 
 USAGE_ERROR = 2
 
@@ -63,7 +69,8 @@ def main(argv):
   except _BAD_FLAG_ERRORS as e:
     _usage_error(e)
   if _PLAN.value:
-    from jaxrl import plan
+    from jaxrl import distributed, plan
+    distributed.initialize(cpu_devices=_CPU_DEVICES.value)
     try:
       print(plan.run(cfg))
     except ConfigError as e:
@@ -74,11 +81,20 @@ def main(argv):
   if (error := checkpoint_error(cfg)) is not None:  # before the run directory is written
     print(f"jaxrl: error: {error}", file=sys.stderr)
     sys.exit(USAGE_ERROR)
+  from jaxrl import distributed
+  try:
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                           _CPU_DEVICES.value)
+  except ValueError as e:
+    print(f"jaxrl: error: {e}", file=sys.stderr)
+    sys.exit(USAGE_ERROR)
+  import jax
   workdir = os.path.abspath(_WORKDIR.value)
   os.makedirs(workdir, exist_ok=True)
+  log_name = "log.txt" if jax.process_index() == 0 else f"log.process{jax.process_index()}.txt"
   logging.basicConfig(level=logging.INFO, force=True, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                       handlers=[logging.StreamHandler(sys.stderr),
-                                logging.FileHandler(os.path.join(workdir, "log.txt"))])
+                                logging.FileHandler(os.path.join(workdir, log_name))])
   # orbax and absl log every checkpoint phase at INFO; keep the run's own log readable.
   for name in ("absl", "jax", "orbax"):
     logging.getLogger(name).setLevel(logging.WARNING)

@@ -12,7 +12,7 @@ import time
 import jax
 import numpy as np
 
-from jaxrl import optim, sharding, step
+from jaxrl import distributed, optim, sharding, step
 from jaxrl.checkpoint import Checkpointer
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def warm_start(graphdef, params, mesh, *, prompt_ids_NxP, prompt_mask_NxP, targe
     batch = sharding.shard_batch((prompt_ids_NxP[idx], prompt_mask_NxP[idx], target_ids_NxT[idx],
                                   target_mask_NxT[idx]), mesh)
     state, metrics = update(state, *batch)
-    loss = float(metrics["loss"])
+    loss = float(distributed.to_host(metrics["loss"]))
     ema = loss if ema is None else 0.9 * ema + 0.1 * loss
     done = i + 1
     if i % 50 == 0:

@@ -77,4 +77,11 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def shard_batch(batch, mesh: Mesh):
   """device_put every leaf of a host batch with rows over the data axes (scalars replicated)."""
   rows, rep = batch_sharding(mesh), replicated(mesh)
-  return jax.tree.map(lambda x: jax.device_put(x, rows if np.ndim(x) else rep), batch)
+  if jax.process_count() == 1:
+    return jax.tree.map(lambda x: jax.device_put(x, rows if np.ndim(x) else rep), batch)
+
+  def put(x):   # every process holds the whole host batch and hands over its devices' blocks
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, rows if x.ndim else rep, lambda index: x[index])
+
+  return jax.tree.map(put, batch)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl import arch, hf, losses, model, optim, sharding, sft, step
+from jaxrl import arch, distributed, hf, losses, model, optim, sharding, sft, step
 from jaxrl.checkpoint import CheckpointError, Checkpointer
 from jaxrl.config import Config, to_dict
 from jaxrl.data.cursor import Mixture, MixtureCursor, next_mixture_batch
@@ -95,9 +95,12 @@ class Trainer:
 
   def __post_init__(self):
     os.makedirs(self.workdir, exist_ok=True)
-    with open(os.path.join(self.workdir, "config.json"), "w") as f:
-      json.dump(to_dict(self.cfg), f, indent=1)
-    self.task: TaskData = load_task(self.cfg, os.path.join(self.workdir, "tokenizer"))
+    if distributed.is_main():
+      with open(os.path.join(self.workdir, "config.json"), "w") as f:
+        json.dump(to_dict(self.cfg), f, indent=1)
+    # Process 0 builds the tokenizer cache in the shared workdir; the others then read it.
+    self.task: TaskData = distributed.main_first(
+        lambda: load_task(self.cfg, os.path.join(self.workdir, "tokenizer")))
     self.model_cfg = arch.model_config(self.cfg, self.task.vocab_size)
     self.mesh = sharding.make_mesh(self.cfg.mesh.data, self.cfg.mesh.fsdp, self.cfg.mesh.tensor)
     self.graphdef, abstract_params = model.abstract(self.model_cfg)
@@ -162,9 +165,10 @@ class Trainer:
                         lambda responses, q: t.score(responses, t.heldout_answers[q]),
                         num_samples=c.eval.num_samples, ks=c.eval_ks, questions_per_call=per_call,
                         key=jax.random.fold_in(jax.random.PRNGKey(c.seed), _STREAM_EVAL))
-    with open(path + ".tmp", "w") as f:
-      json.dump(result.to_json(), f)
-    os.replace(path + ".tmp", path)
+    if distributed.is_main():
+      with open(path + ".tmp", "w") as f:
+        json.dump(result.to_json(), f)
+      os.replace(path + ".tmp", path)
     return result
 
   def rl(self, sft_params) -> None:
@@ -202,9 +206,10 @@ class Trainer:
       log.info("resumed from step %d, %s phase (%s)", start, rt.phase.name, ckpt.directory)
     state, stats, policies = tree["state"], tree["stats"], tree["policies"]
 
-    writer = MetricsWriter(self.workdir, tensorboard=c.log.tensorboard,
-                           wandb_project=c.log.wandb_project if c.log.wandb else None,
-                           config=to_dict(c), resume_step=start)
+    writer = (MetricsWriter(self.workdir, tensorboard=c.log.tensorboard,
+                            wandb_project=c.log.wandb_project if c.log.wandb else None,
+                            config=to_dict(c), resume_step=start)
+              if distributed.is_main() else _NoWriter())
     base_key = jax.random.fold_in(jax.random.PRNGKey(c.seed), _STREAM_RL)
     stop = _StopFlag()
     nonfinite_run = 0      # consecutive steps whose update was skipped as non-finite
@@ -248,7 +253,7 @@ class Trainer:
               group_ids_R=out.group_ids_R)
           t2 = time.time()
           state, m = rt.update(state, sharding.shard_batch(batch, self.mesh), hp, ref_params)
-          m = jax.device_get(m)
+          m = distributed.to_host(m)
           nonfinite_run = self._check_finite(m, nonfinite_run, i + 1)
           t3 = time.time()
           temp_state = methods.update_temperature(policies.temperature, h_t)
@@ -282,7 +287,8 @@ class Trainer:
           writer.write(i + 1, row)
           advance(i + 1, c.steps, f"reward {row['reward']:.3f} H {h_t:.3f} τ {float(tau):.2f}")
           if (i + 1) % c.checkpoint.every == 0 or i + 1 == c.steps or stop.requested:
-            ckpt.save(i + 1, {"state": state, "stats": stats, "policies": policies},
+            ckpt.save(i + 1, {"state": state, "stats": self._global(stats),
+                              "policies": self._global(policies)},
                       {"cursor": cursor.to_json(), "phase": rt.phase.index, "step": i + 1})
           if stop.requested:
             ckpt.wait()   # the stop is only reported once the checkpoint is on disk
@@ -310,6 +316,15 @@ class Trainer:
                            f"optim.max_nonfinite_steps={limit}); the last checkpoint holds the "
                            f"last finite state")
     return run
+
+  def _global(self, tree):
+    """Host-side state (question statistics, controllers) as arrays replicated over the global
+    mesh: what a multi-process orbax save needs (a no-op with one process)."""
+    if jax.process_count() == 1:
+      return tree
+    rep = sharding.replicated(self.mesh)
+    return jax.tree.map(lambda x: jax.make_array_from_callback(
+        np.shape(x), rep, lambda index, x=np.asarray(x): x[index]), tree)
 
   def export_hf(self, params) -> str:
     """The trained policy as an HF checkpoint in ``WORKDIR/hf`` (model.dtype, tokenizer,
@@ -392,7 +407,8 @@ class Trainer:
       return out, {}
     logp, ent = self._score(params, out.prompt_ids_RxP, out.prompt_mask_RxP, out.tokens_RxN,
                             out.mask_RxN, tau)
-    gap = float(np.max(np.abs(np.asarray(logp) - out.logp_RxN), initial=0.0))
+    logp, ent = distributed.to_host((logp, ent))
+    gap = float(np.max(np.abs(logp - out.logp_RxN), initial=0.0))
     out = jax.tree.map(jnp.asarray, dataclasses.replace(out, logp_RxN=logp, entropy_RxN=ent))
     return out, {"rollout_logp_gap": gap}
 
@@ -435,6 +451,8 @@ class Trainer:
       self.task.close()
     table = comparison_table(before, after, self.cfg.eval_ks, self.task.level_names)
     summary = {"before": before.to_json(), "after": after.to_json(), "table": table}
+    if not distributed.is_main():
+      return summary
     with open(os.path.join(self.workdir, "results.md"), "w") as f:
       f.write(f"# Held-out evaluation (seed {self.cfg.seed}, {self.cfg.steps} RL steps)\n\n{table}\n")
     if self.cfg.log.plot and os.path.exists(os.path.join(self.workdir, "metrics.jsonl")):
@@ -454,6 +472,16 @@ def _check_saved(ckpt: Checkpointer, step_number: int) -> None:
 
 class NonFiniteError(RuntimeError):
   """Training diverged: too many consecutive non-finite steps."""
+
+
+class _NoWriter:
+  """Processes other than 0 write no metrics."""
+
+  def write(self, step, row):
+    return row
+
+  def close(self):
+    pass
 
 
 class Stopped(Exception):

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl import distributed
 from jaxrl.rollout import sampler
 
 
@@ -49,8 +51,10 @@ class JaxEngine:
   def generate(self, prompt_ids_BxP, prompt_mask_BxP, counts_B, temperature, key, *,
                greedy: bool = False) -> sampler.SampleOutput:
     counts_B = np.asarray(counts_B, np.int32)
-    return sampler.generate(
+    out = sampler.generate(
         self._graphdef, self._params, jnp.asarray(prompt_ids_BxP), jnp.asarray(prompt_mask_BxP),
         jnp.asarray(counts_B), key, jnp.float32(temperature), self._top_p,
         num_rollouts=int(counts_B.sum()), max_new_tokens=self.max_new_tokens, eos_id=self._eos,
         pad_id=self._pad, model_cfg=self._model_cfg, greedy=greedy)
+    # Several processes: every one decodes and scores all rollouts (identical rewards everywhere).
+    return distributed.to_host(out) if jax.process_count() > 1 else out
