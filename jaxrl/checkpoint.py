@@ -83,12 +83,15 @@ class Checkpointer:
   def restore_params(self, step: int, abstract_params):
     """Only the train state's params (e.g. for evaluation), restored onto ``abstract_params``'
     shapes, dtypes and shardings; the optimizer state and statistics are not read."""
-    target = {"state": {"params": abstract_params}}
+    return self.restore_part(step, {"state": {"params": abstract_params}})["state"]["params"]
+
+  def restore_part(self, step: int, target):
+    """A sub-tree of checkpoint ``step`` (same keys, any subset), onto ``target``'s shardings."""
     restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype),
                                 target)
     out = self._mgr.restore(step, args=ocp.args.Composite(tree=ocp.args.PyTreeRestore(
         item=target, restore_args=restore_args, partial_restore=True)))
-    return out["tree"]["state"]["params"]
+    return out["tree"]
 
   def wait(self) -> None:
     """Block until the write in flight is on disk (or has failed: see ``failed``)."""
