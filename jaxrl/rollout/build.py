@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 from jaxrl.config import Config, ConfigError
 from jaxrl.phases import run_phases
 from jaxrl.rollout.engine import JaxEngine
@@ -18,6 +20,11 @@ def build_engine(cfg: Config, graphdef, model_cfg, *, tokenizer, eos_id: int | t
                 top_p=cfg.rollout.top_p)
   if cfg.rollout.engine == "jax":
     return JaxEngine(graphdef, model_cfg, **common)
+  if jax.process_count() > 1:
+    # Each process would sample its own rollouts from its own server: rewards and statistics could
+    # differ between processes. One sidecar per host serving its slice of the batch is not built.
+    raise ConfigError("rollout.engine", f"'vllm' with {jax.process_count()} processes is not "
+                      "supported yet (one sidecar per host); use rollout.engine=jax")
   from jaxrl.rollout import vllm_engine
   from jaxrl.rollout.sidecar import LaunchConfig
 
