@@ -8,12 +8,24 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import re
 import shutil
 
 import jax
 import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
+
+
+def _brief(error: Exception) -> str:
+  """The cause of a failed write in a line: the OS error when tensorstore reports one (its messages
+  embed whole JSON specs), else the start of the message."""
+  text = " ".join(str(error).split())
+  code = re.search(r"\[os_error_code='?\d+'?\]", text)
+  if code:
+    start = text.rfind("Failed", 0, code.start())
+    return text[max(start, 0):code.end()]
+  return f"{type(error).__name__}: {text[:300]}"
 
 
 class CheckpointError(RuntimeError):
@@ -62,7 +74,7 @@ class Checkpointer:
 
   def _failed(self, step, error: Exception) -> None:
     self.failed.append(step)
-    self.last_error = f"{type(error).__name__}: {str(error).splitlines()[0][-600:]}"
+    self.last_error = _brief(error)
     self._mgr.reload()   # forget the failed step: latest_step() is again the last complete one
     pattern = os.path.join(glob.escape(self.directory), f"{step}.orbax-checkpoint-tmp*")
     for partial in glob.glob(pattern):   # never a checkpoint: free its space
