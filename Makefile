@@ -40,8 +40,12 @@ vllm-env: $(VLLM_VENV)/.stamp
 run: $(VENV)/.runtime
 	$(PY) -m jaxrl.main --config=$(CONFIG) --workdir=$(WORKDIR) $(ARGS)
 
+# Two workers (the machines have 2 cores; most tests are single-threaded compiles), one test file
+# per worker at a time so module fixtures (the shared vLLM server) start once.
+TEST_WORKERS ?= 2
+
 test: $(VENV)/.dev $(VLLM_VENV)/.stamp
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.dev
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
