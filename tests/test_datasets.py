@@ -2,6 +2,7 @@
 validation counts and strict errors; weighted mixtures drawn by the data cursor."""
 from __future__ import annotations
 
+import gzip
 import json
 
 import datasets as hf_datasets
@@ -88,10 +89,44 @@ def test_a_wrong_mapping_lists_the_keys(tmp_path):
     load_questions(str(path), Fields(question="question"))
   with pytest.raises(ValueError, match="level field 'lvl'"):
     load_questions(str(path), Fields(level="lvl"))
+  # A wrong nested path shows the keys where the path stops existing.
+  with pytest.raises(ValueError, match="answer field 'meta.truth'.*'meta' is gt, level"):
+    load_questions(str(path), Fields(answer="meta.truth"))
+  # strict stops at the first row, and still says which keys the row has.
+  with pytest.raises(ValueError, match="line 1: no question.*the row has: answer, meta, problem"):
+    load_questions(str(path), Fields(question="question"), strict=True)
+
+
+def test_non_text_answers_are_malformed(tmp_path):
+  rows = [{"problem": "p1", "answer": ["3"]}, {"problem": "p2", "answer": ["1", "2"]},
+          {"problem": "p3", "answer": {"value": 1}}, {"problem": "p4", "answer": float("nan")}]
+  path = tmp_path / "odd.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  q, report = load_questions(str(path), Fields())
+  assert q.answers == ["3"] and (report.malformed, report.missing_answer) == (2, 1)
+  assert report.examples[0] == "line 2: the answer ('answer') is a list, not text"
+
+
+def test_json_lines_under_json_gzip_and_hub_parquet_layout(tmp_path):
+  typed = [{"problem": f"q{i}", "answer": str(i)} for i in range(5)]
+  hf_datasets.Dataset.from_list(typed).to_json(tmp_path / "lines.json")   # JSON lines, .json name
+  with gzip.open(tmp_path / "rows.jsonl.gz", "wt") as f:
+    f.write("".join(json.dumps(r) + "\n" for r in typed))
+  hub = tmp_path / "hub" / "data"
+  hub.mkdir(parents=True)
+  pq.write_table(pa.Table.from_pylist(typed[:3]), hub / "train-00000-of-00002.parquet")
+  pq.write_table(pa.Table.from_pylist(typed[3:]), hub / "train-00001-of-00002.parquet")
+  pq.write_table(pa.Table.from_pylist(typed[:1]), hub / "test-00000-of-00001.parquet")
+  for path in ["lines.json", "rows.jsonl.gz", "hub"]:
+    q, _ = load_questions(str(tmp_path / path), Fields())
+    assert q.questions == [r["problem"] for r in typed], path
+  q, _ = load_questions(str(tmp_path / "hub"), Fields(), split="test")
+  assert q.questions == ["q0"]
+  assert load_questions(str(tmp_path / "hub"), Fields())[0].ids[-1] == "hub#5"   # rows run on
 
 
 def test_missing_path_and_unknown_format(tmp_path):
-  with pytest.raises(FileNotFoundError):
+  with pytest.raises(ValueError, match="nope.jsonl: no such file"):
     load_questions(str(tmp_path / "nope.jsonl"), Fields())
   (tmp_path / "x.csv").write_text("a,b\n")
   with pytest.raises(ValueError, match="unknown dataset format"):
@@ -114,3 +149,8 @@ def test_mixture_pools_follow_the_weights(tmp_path):
   assert abs(share_a - 0.75) < 5 * np.sqrt(0.75 * 0.25 / len(drawn))
   with pytest.raises(ConfigError, match="data.train"):
     load_mixture(f"{tmp_path / 'missing.jsonl'}", Fields())
+  with pytest.raises(ConfigError, match="data.train.*WEIGHT > 0"):
+    load_mixture(f"{a}:0", Fields())
+  (tmp_path / "empty.jsonl").write_text(json.dumps({"problem": "", "answer": "1"}) + "\n")
+  with pytest.raises(ConfigError, match="empty.jsonl: no usable row"):
+    load_mixture(f"{a},{tmp_path / 'empty.jsonl'}", Fields())

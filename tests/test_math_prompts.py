@@ -48,6 +48,25 @@ def test_chat_template_once_single_bos_instruction_left_padded(tok_dir):
     assert (bos is None and ids[0] != tok.pad_token_id) or (ids == bos).sum() == 1
 
 
+def test_ids_match_a_per_question_oracle(tok_dir):
+  """The batched, vectorised encoding against one tokenizer call and one padded row per question."""
+  tok = math_prompts.load_tokenizer(str(tok_dir))
+  questions = [q for q, _ in math_fixtures.PROBLEMS] * 3
+  for chat in (True, False):
+    enc = math_prompts.encode_math_prompts(tok, questions, 72, chat_template=chat,
+                                           system_prompt="Be brief.")
+    for row, q in enumerate(questions):
+      text = math_prompts.render_prompt(tok, q, chat_template=chat, system_prompt="Be brief.")
+      ids = tok(text, add_special_tokens=False)["input_ids"]
+      if not chat and tok.bos_token_id is not None:
+        ids = [tok.bos_token_id] + ids          # plain text: the tokenizer's BOS, once
+      expected = [tok.pad_token_id] * (72 - len(ids)) + ids
+      assert enc.ids_QxP[row].tolist() == expected
+      assert enc.mask_QxP[row].tolist() == [False] * (72 - len(ids)) + [True] * len(ids)
+    assert enc.ids_QxP.dtype == np.int32 and enc.mask_QxP.dtype == bool
+    assert enc.kept_Q.dtype == np.int64
+
+
 def test_plain_custom_templates_and_system_prompt(tok_dir):
   tok = math_prompts.load_tokenizer(str(tok_dir))
   text = math_prompts.render_prompt(tok, "Q?", template="Solve: {question} Answer:",
@@ -74,3 +93,8 @@ def test_overlength_drop_truncate_error(tok_dir):
   assert math_prompts.BOXED_INSTRUCTION in text and "Find x such that" in text
   with pytest.raises(ValueError, match="question 1 needs"):
     math_prompts.encode_math_prompts(tok, questions, p, overlength="error")
+  # No room for any of the question inside the frame: truncation drops it instead.
+  frame_len = len(tok(math_prompts.render_prompt(tok, ""), add_special_tokens=False)["input_ids"])
+  tight = math_prompts.encode_math_prompts(tok, [LONG], frame_len, overlength="truncate")
+  assert (tight.truncated, tight.dropped, len(tight.kept_Q)) == (0, 1, 0)
+  assert tight.ids_QxP.shape == (0, frame_len)

@@ -10,6 +10,8 @@ instruction stay whole) or refused, and counted.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import json
 import logging
 import os
@@ -81,7 +83,25 @@ class EncodedPrompts:
 
 
 def _ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
-  return tokenizer(list(texts), add_special_tokens=False)["input_ids"] if texts else []
+  """Token ids of each text, no special tokens added, in one batched call."""
+  if not texts:
+    return []
+  backend = getattr(tokenizer, "backend_tokenizer", None)
+  if backend is not None and hasattr(backend, "encode_batch_fast"):
+    # The Rust tokenizer directly: no offsets, no BatchEncoding (~1.5x faster on 100k prompts).
+    return [e.ids for e in backend.encode_batch_fast(list(texts), add_special_tokens=False)]
+  return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+
+
+def _left_pad(rows: list[list[int]], max_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """Rows (each <= max_len long) right-aligned in [len(rows), max_len] arrays."""
+  lengths_Q = np.fromiter(map(len, rows), np.int64, count=len(rows))
+  mask_QxP = np.arange(max_len)[None, :] >= (max_len - lengths_Q)[:, None]
+  ids_QxP = np.full((len(rows), max_len), pad_id, np.int32)
+  # Boolean assignment fills the True cells in row-major order: each row's ids, left to right.
+  ids_QxP[mask_QxP] = np.fromiter(itertools.chain.from_iterable(rows), np.int32,
+                                  count=int(lengths_Q.sum()))
+  return ids_QxP, mask_QxP
 
 
 def encode_math_prompts(tokenizer, questions: Sequence[str], max_len: int, *,
@@ -90,57 +110,41 @@ def encode_math_prompts(tokenizer, questions: Sequence[str], max_len: int, *,
   """Left-padded prompt ids of every question that fits in ``max_len`` tokens (see module doc)."""
   if overlength not in ("drop", "truncate", "error"):
     raise ValueError(f"overlength {overlength!r}: expected drop, truncate or error")
-  render = lambda q: render_prompt(tokenizer, q, template=template,  # noqa: E731
-                                   system_prompt=system_prompt, chat_template=chat_template)
-  bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+  if tokenizer.pad_token_id is None:
+    raise ValueError("the tokenizer has no pad token (load it with load_tokenizer)")
+  render = functools.partial(render_prompt, tokenizer, template=template,
+                             system_prompt=system_prompt, chat_template=chat_template)
   frame = render(_MARK)
   if frame.count(_MARK) != 1:
     raise ValueError("the chat template must contain the user message exactly once")
   head_text, tail_text = frame.split(_MARK)
-  # BOS only when the chat frame does not already start with it.
-  lead = [] if bos and head_text.startswith(tokenizer.bos_token or "\x01") else bos
-  texts = [render(q) for q in questions]
-  seqs = [lead + ids for ids in _ids(tokenizer, texts)]
-  kept, rows, truncated, dropped = [], [], 0, 0
-  for i, ids in enumerate(seqs):
-    if len(ids) <= max_len:
-      kept.append(i)
-      rows.append(ids)
-    elif overlength == "error":
-      raise ValueError(f"question {i} needs {len(ids)} prompt tokens, more than "
-                       f"task.max_prompt_len={max_len} (data.overlength=error)")
-    elif overlength == "drop":
-      dropped += 1
-    else:
-      cut = _truncate(tokenizer, questions[i], head_text, tail_text, lead, max_len)
-      if cut is None:
-        dropped += 1
-      else:
-        kept.append(i)
-        rows.append(cut)
-        truncated += 1
-  ids_QxP = np.full((len(rows), max_len), tokenizer.pad_token_id, np.int32)
-  mask_QxP = np.zeros((len(rows), max_len), bool)
-  for r, ids in enumerate(rows):
-    if ids:
-      ids_QxP[r, max_len - len(ids):] = ids
-      mask_QxP[r, max_len - len(ids):] = True
-  if truncated or dropped:
-    log.info("%d of %d prompts longer than %d tokens: %d truncated, %d dropped", truncated + dropped,
-             len(questions), max_len, truncated, dropped)
+  # A chat template carries any BOS itself (as HF and vLLM tokenise chat prompts); plain text
+  # gets the tokenizer's BOS, unless the template string already starts with it.
+  bos_token = tokenizer.bos_token if tokenizer.bos_token_id is not None else None
+  used_chat = chat_template and bool(getattr(tokenizer, "chat_template", None))
+  lead = ([tokenizer.bos_token_id] if bos_token and not used_chat
+          and not head_text.startswith(bos_token) else [])
+  rows = [lead + ids for ids in _ids(tokenizer, [render(q) for q in questions])]
+  over = [i for i, ids in enumerate(rows) if len(ids) > max_len]
+  truncated = dropped = 0
+  if over and overlength == "error":
+    i = over[0]
+    raise ValueError(f"question {i} needs {len(rows[i])} prompt tokens, more than "
+                     f"task.max_prompt_len={max_len} (data.overlength=error; {len(over)} of "
+                     f"{len(rows)} prompts are too long)")
+  if over and overlength == "truncate":
+    # The frame (chat header, instruction, generation prompt) stays whole; the question is cut.
+    # Tokenised apart, the seams may merge differently from the full text: only ever shorter.
+    head, tail = _ids(tokenizer, [head_text, tail_text])
+    room = max_len - len(lead) - len(head) - len(tail)
+    if room > 0:
+      for i, q_ids in zip(over, _ids(tokenizer, [questions[i] for i in over])):
+        rows[i] = lead + head + q_ids[:room] + tail
+      truncated = len(over)
+  kept = [i for i, ids in enumerate(rows) if len(ids) <= max_len]
+  dropped = len(rows) - len(kept)
+  ids_QxP, mask_QxP = _left_pad([rows[i] for i in kept], max_len, tokenizer.pad_token_id)
+  if over:
+    log.info("%d of %d prompts longer than %d tokens: %d truncated, %d dropped", len(over),
+             len(rows), max_len, truncated, dropped)
   return EncodedPrompts(ids_QxP, mask_QxP, np.asarray(kept, np.int64), truncated, dropped)
-
-
-def _truncate(tokenizer, question: str, head_text: str, tail_text: str, lead: list[int],
-              max_len: int) -> list[int] | None:
-  """Frame head + the question's first tokens + frame tail, within max_len; None if no room.
-
-  The frame (chat header, instruction, generation prompt) is tokenised on its own, so token merges
-  at the two seams may differ from the untruncated text's; the question is cut, never the frame.
-  """
-  head, tail = _ids(tokenizer, [head_text])[0], _ids(tokenizer, [tail_text])[0]
-  room = max_len - len(lead) - len(head) - len(tail)
-  if room <= 0:
-    return None
-  q_ids = _ids(tokenizer, [question])[0][:room]
-  return lead + head + q_ids + tail
