@@ -105,7 +105,9 @@ class RolloutSection:
 class VllmSection:
   """The vLLM sidecar (``rollout.engine = "vllm"``): launched from ``python``, or attached by ``urls``."""
   python: str = ".venv-vllm/bin/python"   # the sidecar environment (`make vllm-env`)
-  urls: str = ""                    # "" = launch a server; else comma-separated URLs to attach to
+  # "" = launch a server (one per process); else comma-separated URLs to attach to, shared by every
+  # process (each host's localhost) or one group per process separated by ";"
+  urls: str = ""
   host: str = "127.0.0.1"           # the dev endpoints have no authentication: never 0.0.0.0 by default
   port: int = 0                     # 0 = a free port
   dtype: str = ""                   # "" = model.dtype

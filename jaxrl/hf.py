@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
+from jaxrl import distributed
 from jaxrl import model as jaxrl_model
 from jaxrl.model import ModelConfig
 
@@ -450,7 +451,8 @@ def _hf_entries(params) -> list[tuple[str, bool, object, int | None]]:
 
 
 def _host(leaf, layer, transposed) -> np.ndarray:
-  array = np.asarray(jax.device_get(leaf if layer is None else leaf[layer]))
+  # A multi-process run's params span hosts: every process gathers each tensor (a collective).
+  array = distributed.to_host(leaf if layer is None else leaf[layer])
   return np.ascontiguousarray(array.T if transposed else array)
 
 

@@ -125,7 +125,10 @@ class Trainer:
           m.checkpoint, dtype=jnp.dtype(m.param_dtype), shardings=self.param_shardings,
           scan_layers=m.scan_layers, remat=m.remat, compute_dtype=m.dtype)
       return params
-    init = lambda: model.create(self.model_cfg, self.cfg.seed * 1000 + _STREAM_INIT)[1]
+
+    def init():
+      return model.create(self.model_cfg, self.cfg.seed * 1000 + _STREAM_INIT)[1]
+
     return jax.jit(init, out_shardings=self.param_shardings)()
 
   def warm_start(self, params):
@@ -331,8 +334,12 @@ class Trainer:
     generation config): what transformers, vLLM and ``python -m jaxrl.eval`` load."""
     out = os.path.join(self.workdir, "hf")
     dtype = jnp.dtype(self.cfg.model.dtype)
-    hf.save_hf_checkpoint(self.model_cfg, jax.tree.map(lambda x: x.astype(dtype), params), out,
-                          tokenizer=self.task.tokenizer)
+    params = jax.tree.map(lambda x: x.astype(dtype), params)
+    if jax.process_count() > 1:
+      params = distributed.to_host(params)   # a collective: every process gathers, process 0 writes
+      if not distributed.is_main():
+        return out
+    hf.save_hf_checkpoint(self.model_cfg, params, out, tokenizer=self.task.tokenizer)
     generation = os.path.join(self.cfg.model.checkpoint, "generation_config.json")
     if os.path.exists(generation):
       shutil.copy(generation, out)

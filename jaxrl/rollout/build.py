@@ -8,6 +8,7 @@ import jax
 from jaxrl.config import Config, ConfigError
 from jaxrl.phases import run_phases
 from jaxrl.rollout.engine import JaxEngine
+from jaxrl.rollout.hosts import PerHostEngine
 
 
 def _max_response(cfg: Config) -> int:
@@ -20,11 +21,6 @@ def build_engine(cfg: Config, graphdef, model_cfg, *, tokenizer, eos_id: int | t
                 top_p=cfg.rollout.top_p)
   if cfg.rollout.engine == "jax":
     return JaxEngine(graphdef, model_cfg, **common)
-  if jax.process_count() > 1:
-    # Each process would sample its own rollouts from its own server: rewards and statistics could
-    # differ between processes. One sidecar per host serving its slice of the batch is not built.
-    raise ConfigError("rollout.engine", f"'vllm' with {jax.process_count()} processes is not "
-                      "supported yet (one sidecar per host); use rollout.engine=jax")
   from jaxrl.rollout import vllm_engine
   from jaxrl.rollout.sidecar import LaunchConfig
 
@@ -41,7 +37,9 @@ def build_engine(cfg: Config, graphdef, model_cfg, *, tokenizer, eos_id: int | t
                       f"{m.hidden_size // m.num_heads}, not {m.head_dim}: make them agree")
   if m.head_dim < 32:
     raise ConfigError("model.head_dim", f"{m.head_dim}: vLLM's CPU attention needs head_dim >= 32")
-  urls = tuple(u.strip() for u in v.urls.split(",") if u.strip())
+  p = jax.process_index()
+  suffix = f".process{p}" if p else ""   # processes sharing a host keep their files apart
+  urls = process_urls(v.urls, p, jax.process_count())
   launch = None
   if not urls:
     python = v.python if os.path.isabs(v.python) else os.path.abspath(v.python)
@@ -50,11 +48,30 @@ def build_engine(cfg: Config, graphdef, model_cfg, *, tokenizer, eos_id: int | t
     if max_len < need:
       raise ConfigError("vllm.max_model_len", f"{max_len} < prompt length {prompt_len} + "
                         f"longest response {_max_response(cfg)}")
-    launch = LaunchConfig(python=python, log_dir=workdir, host=v.host, port=v.port,
+    launch = LaunchConfig(python=python, log_dir=workdir, log_name=f"vllm{suffix}.log",
+                          host=v.host, port=v.port,
                           dtype=v.dtype or cfg.model.dtype, max_model_len=max_len,
                           max_num_seqs=v.max_num_seqs, startup_timeout=v.startup_timeout,
                           extra_args=tuple(v.extra_args.split()))
   engine_cfg = vllm_engine.EngineConfig(
       launch=launch, urls=urls, request_timeout=v.request_timeout, retries=v.retries,
-      max_restarts=v.max_restarts, weights_root=v.weights_dir, sync_every=v.sync_every)
-  return vllm_engine.VllmEngine(model_cfg, tokenizer, engine_cfg, workdir=workdir, **common)
+      max_restarts=v.max_restarts, sync_every=v.sync_every, fallback_dir=f"sidecar{suffix}",
+      weights_root=os.path.join(v.weights_dir, f"process{p}")
+      if v.weights_dir and jax.process_count() > 1 else v.weights_dir)
+  engine = vllm_engine.VllmEngine(model_cfg, tokenizer, engine_cfg, workdir=workdir, **common)
+  # Several processes: one sidecar per process (launched on its host, or its group of URLs), each
+  # sampling its slice of the questions; the rollouts are gathered to every process.
+  return PerHostEngine(engine) if jax.process_count() > 1 else engine
+
+
+def process_urls(spec: str, process: int, processes: int) -> tuple[str, ...]:
+  """The sidecar URLs process ``process`` attaches to. ``spec``: comma-separated URLs shared by
+  every process (e.g. ``http://localhost:8000``: each host's own server), or one group per process
+  separated by ``;`` (``http://h0:8000;http://h1:8000,http://h1:8001``)."""
+  groups = [tuple(u.strip() for u in g.split(",") if u.strip()) for g in spec.split(";")]
+  if len(groups) == 1:
+    return groups[0]
+  if len(groups) != processes or not all(groups):
+    raise ConfigError("vllm.urls", f"{len(groups)} ';'-separated groups of URLs for {processes} "
+                      "process(es): give one non-empty group per process, or one for all")
+  return groups[process]

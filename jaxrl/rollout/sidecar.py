@@ -35,8 +35,9 @@ class SidecarError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
   python: str                       # the sidecar environment's interpreter
-  log_dir: str                      # vllm.log goes here (the run's workdir)
+  log_dir: str                      # the server's log goes here (the run's workdir)
   host: str = "127.0.0.1"
+  log_name: str = "vllm.log"        # vllm.processN.log for process N > 0 of a multi-process run
   port: int = 0                     # 0: a free port, chosen at each start
   dtype: str = "float32"
   max_model_len: int = 512
@@ -103,7 +104,7 @@ class Sidecar:
     self.proc: subprocess.Popen | None = None
     self.port = cfg.port
     self.model_dir: str | None = None
-    self.log_path = os.path.join(cfg.log_dir, "vllm.log")
+    self.log_path = os.path.join(cfg.log_dir, cfg.log_name)
     self.starts = 0
     self.group_ids: list[int] = []    # process group of every start (the guard's pid)
     self.cleanup_dir = ""             # removed by the guard if the trainer dies (tmpfs weights)

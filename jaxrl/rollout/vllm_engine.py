@@ -45,6 +45,7 @@ class EngineConfig:
   max_restarts: int = 2
   weights_root: str = ""             # "" = /dev/shm when it has room, else the run's workdir
   sync_every: int = 1                # push every k-th new version (EEPO's θ' always)
+  fallback_dir: str = "sidecar"      # under the workdir, when neither weights_root nor tmpfs
 
 
 def _step_version(version: str | None) -> int | None:
@@ -93,7 +94,7 @@ class VllmEngine:
     t0 = time.time()
     if self._root is None:
       size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-      self._root = _weights_root(self.cfg.weights_root, os.path.join(self.workdir, "sidecar"), size)
+      self._root = _weights_root(self.cfg.weights_root, os.path.join(self.workdir, self.cfg.fallback_dir), size)
       if self.sidecar is not None and os.path.basename(self._root).startswith("jaxrl-weights-"):
         self.sidecar.cleanup_dir = self._root   # ours alone: the guard removes it if we die
     self._pushes += 1
@@ -153,12 +154,14 @@ class VllmEngine:
   # -- rollouts ------------------------------------------------------------------------------------
 
   def generate(self, prompt_ids_BxP, prompt_mask_BxP, counts_B, temperature, key, *,
-               greedy: bool = False) -> SampleOutput:
+               greedy: bool = False, first_question: int = 0) -> SampleOutput:
+    """``first_question``: the batch is questions first_question.. of a larger one (one host's
+    slice): their requests get the seeds they would get in the whole batch."""
     ids_BxP, mask_BxP = np.asarray(prompt_ids_BxP), np.asarray(prompt_mask_BxP, bool)
     counts_B = np.asarray(counts_B, np.int64)
     prompts = [row[m].tolist() for row, m in zip(ids_BxP, mask_BxP)]
     # One seed per call from the step's key: a resumed run sends the same requests.
-    seed = int(jax.random.randint(key, (), 0, 2**30))
+    seed = int(jax.random.randint(key, (), 0, 2**30)) + first_question
     tau = 0.0 if greedy else float(temperature)
     if self.sidecar is not None and self._dir is None:
       raise SidecarError("generate() before set_weights(): no sidecar has been started yet")

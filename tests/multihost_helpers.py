@@ -1,0 +1,79 @@
+"""Multi-process runs for the tests: `python -m jaxrl.main` as N ranks over jax.distributed (Gloo),
+and the params of a tiny run's checkpoints as one vector."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+from run_helpers import ROOT, tiny_config
+
+from jaxrl import arch, model
+from jaxrl.checkpoint import Checkpointer
+from jaxrl.data.tokenizer import VOCAB
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def run_ranks(flags, workdir, steps: int, processes: int, devices: int, timeout=600) -> list[str]:
+  """Run `python -m jaxrl.main` as ``processes`` ranks; every rank must exit 0. Returns stderrs."""
+  port = free_port()
+  procs = []
+  for rank in range(processes):
+    dist = ([f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={processes}",
+             f"--process_id={rank}"] if processes > 1 else [])
+    procs.append(subprocess.Popen(
+        [sys.executable, "-m", "jaxrl.main", *flags, f"--workdir={workdir}",
+         f"--config.steps={steps}", f"--cpu_devices={devices}", *dist],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True))
+  errs = []
+  try:
+    for rank, p in enumerate(procs):
+      _, err = p.communicate(timeout=timeout)
+      assert p.returncode == 0, f"rank {rank}: {err[-3000:]}"
+      errs.append(err)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  return errs
+
+
+def checkpoint_params(workdir, step=None, sft=False, **overrides) -> np.ndarray:
+  """All params of checkpoint ``step`` (or the SFT warm start) as one flat vector."""
+  cfg = tiny_config("test", **overrides)
+  graphdef, abstract = model.abstract(arch.model_config(cfg, len(VOCAB)))
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
+  ckpt = Checkpointer(os.path.join(workdir, "sft" if sft else "checkpoints"), keep=5,
+                      async_save=False)
+  try:
+    if sft:
+      params = ckpt.restore_part(ckpt.latest_step(), {"params": target})["params"]
+    else:
+      params = ckpt.restore_params(step, target)
+    return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(params)])
+  finally:
+    ckpt.close()
+
+
+def assert_same_metrics(one: list[dict], two: list[dict], rtol: float, skip=()) -> None:
+  """Two runs' metrics (``read_metrics``), step by step: every key present in both, non-floats
+  (counts, allocations, the step) equal, floats within ``rtol``; the steps must update the policy."""
+  assert any(r["loss"] != 0 for r in one)
+  assert len(one) == len(two)
+  for a, b in zip(one, two):
+    assert a.keys() == b.keys()
+    for key in a.keys() - set(skip):
+      if isinstance(a[key], float):
+        np.testing.assert_allclose(b[key], a[key], rtol=rtol, atol=1e-6, err_msg=key)
+      else:
+        assert a[key] == b[key], key
