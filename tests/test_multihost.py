@@ -1,12 +1,22 @@
 """The same command on several processes: `configs/tiny.py` as 2 processes x 2 CPU devices
 (jax.distributed over Gloo, real subprocesses) trains exactly like 1 process with 4 devices, and a
-2-process run resumes from its own checkpoint in a new 2-process run."""
+2-process run resumes from its own checkpoint in a new 2-process run; params split across processes
+are exported whole by each."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import jax
 import numpy as np
 import pytest
-from multihost_helpers import assert_same_metrics, checkpoint_params, run_ranks
-from run_helpers import read_metrics
+from multihost_export_check import SEED, config
+from multihost_helpers import assert_same_metrics, checkpoint_params, free_port, run_ranks
+from run_helpers import ROOT, read_metrics
+from safetensors.numpy import load_file
+
+from jaxrl import hf, model
 
 pytestmark = pytest.mark.slow
 FLAGS = ["--config=configs/tiny.py:test", "--config.mesh.fsdp=4", "--config.sft.steps=40",
@@ -31,3 +41,26 @@ def test_two_processes_train_like_one_and_resume(tmp_path):
   assert np.linalg.norm(two - one) < 1e-2 * np.linalg.norm(one - start)
   # Files are written once: metrics by process 0 only, a log per process.
   assert (multi / "log.txt").exists() and (multi / "log.process1.txt").exists()
+
+
+def test_every_process_exports_the_whole_model(tmp_path):
+  """Params split over 2 processes' devices, exported by each (tensor-by-tensor gathers): both
+  exports equal the one a single process writes from the same seed, bitwise."""
+  port = free_port()
+  procs = [subprocess.Popen([sys.executable, "tests/multihost_export_check.py", str(port), str(r),
+                             str(tmp_path)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for r in range(2)]
+  for p in procs:
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0 and out.splitlines()[-1].startswith("ok"), err[-3000:]
+  for layout in ("loop", "scan"):
+    cfg = config(layout == "scan")
+    params = jax.jit(lambda cfg=cfg: model.create(cfg, SEED)[1])()   # jitted, as the ranks did
+    hf.save_hf_checkpoint(cfg, params, tmp_path / layout, untie=True)
+    expected = load_file(tmp_path / layout / "model.safetensors")
+    for rank in range(2):
+      got = load_file(tmp_path / f"{layout}.rank{rank}" / "model.safetensors")
+      assert got.keys() == expected.keys()
+      for name, value in expected.items():
+        assert np.array_equal(got[name], value), (layout, rank, name)
