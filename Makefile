@@ -45,7 +45,7 @@ run: $(VENV)/.runtime
 TEST_WORKERS ?= 2
 
 test: $(VENV)/.dev $(VLLM_VENV)/.stamp
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.dev
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
