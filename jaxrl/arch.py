@@ -17,7 +17,8 @@ from jaxrl.model import ModelConfig
 def execution_fields(cfg: Config) -> dict:
   """How to run the model (never what it is): compute / param dtype, layer scan, remat."""
   m = cfg.model
-  return dict(dtype=m.dtype, param_dtype=m.param_dtype, scan_layers=m.scan_layers, remat=m.remat)
+  return dict(dtype=m.dtype, param_dtype=m.param_dtype, scan_layers=m.scan_layers, remat=m.remat,
+              attention_block=m.attention_block)
 
 
 def from_section(cfg: Config, vocab_size: int = 0) -> ModelConfig:

@@ -44,11 +44,10 @@ _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")
 # ModelConfig fields that say how to run the model, not what it is: never read from config.json.
-EXECUTION_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat")
+EXECUTION_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat", "attention_block")
 # transformers' own defaults, so a config.json that omits these loads the same in both frameworks.
 _ROPE_THETA_DEFAULT = 10_000.0
 _QWEN3_HEAD_DIM_DEFAULT = 128
-_MAX_POSITIONS = 32768
 _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
                        "BF16": ml_dtypes.bfloat16}
 _SAFETENSORS_NAMES = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}
@@ -141,6 +140,9 @@ def model_config_from_hf(config: dict, **execution) -> ModelConfig:
       qkv_bias=model_type == "qwen2",
       qk_norm=qwen3,
       tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+      # Carried to the export unchanged: vLLM derives its max_model_len from it.
+      max_position_embeddings=int(config.get("max_position_embeddings")
+                                  or ModelConfig.max_position_embeddings),
       **_rope_fields(config),
       **execution,
   )
@@ -192,8 +194,7 @@ def hf_config_from_model(cfg: ModelConfig, dtype="float32") -> dict:
       "rope_theta": cfg.rope_theta,
       "rope_scaling": ({k: v for k, v in rope.items() if k != "rope_theta"}
                        if cfg.rope_type != "default" else None),
-      "max_position_embeddings": max(_MAX_POSITIONS, cfg.rope_original_max_positions
-                                     if cfg.rope_type == "llama3" else 0),
+      "max_position_embeddings": cfg.max_position_embeddings,
       "tie_word_embeddings": cfg.tie_embeddings,
       "attention_dropout": 0.0,
       "dtype": str(jnp.dtype(dtype)),

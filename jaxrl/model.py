@@ -14,6 +14,10 @@ Two layouts of the L decoder layers compute the same function from the same init
     (logical axis "layers"), applied by ``jax.lax.scan``, so compile time does not grow with L.
 Both run every layer through one function (optionally rematerialised, ``remat``), and both keep
 the KV cache as one [L, B, K, S, E] array per k/v, updated in place.
+
+Memory at long T: attention runs in blocks of ``attention_block`` queries (``attention``), each
+block rematerialised, so no [B, H, T, T] buffer exists; and under jit on a mesh the activations
+are constrained to keep rows split over the data axes (``sharding.constrain``; a no-op elsewhere).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.sharding import activation_mesh, constrain
 from jaxrl.types import Array, pytree_dataclass
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -74,6 +79,12 @@ class ModelConfig:
   param_dtype: str = "float32"   # storage dtype of the params (and so of grads and AdamW moments)
   scan_layers: bool = False      # stack the layers on a leading axis and lax.scan over them
   remat: str = "none"            # per layer: one of REMAT_POLICIES (see _remat_policy)
+  # Queries per attention block: longer inputs attend block by block (scores [B, H, block, S]
+  # instead of [B, H, T, S]); T <= block (decode, short prompts) takes the one-block path.
+  attention_block: int = 512
+  # Architecture: the longest context the checkpoint declares (HF max_position_embeddings); only
+  # carried through to the exported config.json, never used in the computation.
+  max_position_embeddings: int = 32768
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -84,6 +95,8 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not one of {DTYPES}")
+    if self.attention_block < 1:
+      raise ValueError(f"ModelConfig.attention_block={self.attention_block} must be >= 1")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"ModelConfig.remat={self.remat!r} is not one of {REMAT_POLICIES}")
     if self.rope_type not in ROPE_TYPES:
@@ -176,6 +189,57 @@ def rope(x_BxTxHxE: Array, positions_BxT: Array, inv_freq_half: Array) -> Array:
   return out.astype(x_BxTxHxE.dtype)
 
 
+def _attend(q_BxTxKxRxE: Array, k_BxKxSxE: Array, v_BxKxSxE: Array, kv_valid_BxS: Array,
+            first_slot) -> Array:
+  """Softmax attention of T queries at slots first_slot..first_slot+T-1 to the S slots: a query
+  sees the valid slots up to its own. Scores and softmax in float32. Returns [B, T, K, R, E]."""
+  t, s = q_BxTxKxRxE.shape[1], k_BxKxSxE.shape[2]
+  scores = jnp.einsum("btkre,bkse->bkrts", q_BxTxKxRxE, k_BxKxSxE,
+                      preferred_element_type=jnp.float32)
+  scores = scores * (q_BxTxKxRxE.shape[-1] ** -0.5)
+  query_slot_T = first_slot + jnp.arange(t)
+  causal_TxS = jnp.arange(s)[None, :] <= query_slot_T[:, None]
+  allowed_BxTxS = causal_TxS[None] & kv_valid_BxS[:, None, :].astype(bool)
+  # finfo.min, not -inf: a query with no visible slot (a pad) gets a uniform row, never NaN.
+  scores = jnp.where(allowed_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxE.dtype)
+  return jnp.einsum("bkrts,bkse->btkre", probs, v_BxKxSxE)
+
+
+def attention(q_BxTxKxRxE: Array, k_BxKxSxE: Array, v_BxKxSxE: Array, kv_valid_BxS: Array, start,
+              block: int) -> Array:
+  """Grouped-query attention of T queries (slots start..start+T-1) to S slots, ``block`` queries
+  at a time: [B, T, K, R, E].
+
+  Each block attends to all S slots with the full softmax, so every output row is computed as in
+  one pass (the same einsums on a slice of the queries). Blocks run in sequence (``lax.map``) and
+  each is rematerialised, so the forward keeps only its output and the backward recomputes one
+  block's [B, H, block, S] scores at a time: memory O(block · S) instead of O(T · S).
+  """
+  b, t = q_BxTxKxRxE.shape[:2]
+  if t <= block:
+    return _attend(q_BxTxKxRxE, k_BxKxSxE, v_BxKxSxE, kv_valid_BxS, start)
+  n = -(-t // block)
+  pad = n * block - t   # padded queries see the same slots as any query; their rows are dropped
+  q = jnp.pad(q_BxTxKxRxE, ((0, 0), (0, pad)) + ((0, 0),) * 3)
+  q_NxBxCxKxRxE = jnp.swapaxes(q.reshape(b, n, block, *q.shape[2:]), 0, 1)
+
+  @jax.checkpoint
+  def one_block(q_BxCxKxRxE, k, v, kv_valid, first_slot):
+    return _attend(q_BxCxKxRxE, k, v, kv_valid, first_slot)
+
+  out_NxBxCxKxRxE = jax.lax.map(
+      lambda qi: one_block(qi[0], k_BxKxSxE, v_BxKxSxE, kv_valid_BxS, start + qi[1] * block),
+      (q_NxBxCxKxRxE, jnp.arange(n)))
+  out = jnp.swapaxes(out_NxBxCxKxRxE, 0, 1).reshape(b, n * block, *q.shape[2:])
+  return out[:, :t]
+
+
+def _is_slot_zero(start) -> bool:
+  """Whether ``start`` is the Python int 0 (known when tracing; a traced start is never assumed)."""
+  return isinstance(start, int) and start == 0
+
+
 class Attention(nnx.Module):
   """Grouped-query self-attention with optional q/k RMSNorm and a slot-indexed KV cache."""
 
@@ -199,7 +263,8 @@ class Attention(nnx.Module):
     y = x @ kernel[...].astype(x.dtype)
     if cfg.qkv_bias:
       y = y + getattr(self, bias_name)[...].astype(x.dtype)
-    return y.reshape(*x.shape[:2], heads, cfg.head_dim)
+    y = y.reshape(*x.shape[:2], heads, cfg.head_dim)
+    return constrain(y, "batch", "act_seq", "act_heads", None)
 
   def __call__(self, x_BxTxD, positions_BxT, kv_valid_BxS, start, cache: KVCache | None, layer):
     """Attend from T new tokens (slots start..start+T-1) to all S cache slots (or the T tokens)."""
@@ -216,23 +281,20 @@ class Attention(nnx.Module):
     k = rope(k, positions_BxT, inv_freq)
     if cache is not None:
       cache = cache.write(layer, start, k, v)
+    if cache is not None and not _is_slot_zero(start):
       k_BxKxSxE, v_BxKxSxE = cache.layer(layer)
       k_BxKxSxE, v_BxKxSxE = k_BxKxSxE.astype(x_BxTxD.dtype), v_BxKxSxE.astype(x_BxTxD.dtype)
     else:
+      # No cache, or a prefill from slot 0: a query at slot i < T sees slots <= i only, so the T
+      # new tokens are all it can attend to: scores [.., T, T], not [.., T, S] (S = P + N).
       k_BxKxSxE, v_BxKxSxE = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-    s = k_BxKxSxE.shape[2]
+      kv_valid_BxS = kv_valid_BxS[:, :t]
     rep = cfg.num_heads // cfg.num_kv_heads
     q = q.reshape(b, t, cfg.num_kv_heads, rep, cfg.head_dim)
-    scores = jnp.einsum("btkre,bkse->bkrts", q, k_BxKxSxE, preferred_element_type=jnp.float32)
-    scores = scores * (cfg.head_dim ** -0.5)
-    query_slot_T = start + jnp.arange(t)
-    causal_TxS = jnp.arange(s)[None, :] <= query_slot_T[:, None]
-    allowed_BxTxS = causal_TxS[None] & kv_valid_BxS[:, None, :].astype(bool)
-    scores = jnp.where(allowed_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxE.dtype)
-    out = jnp.einsum("bkrts,bkse->btkre", probs, v_BxKxSxE)
-    out = out.reshape(b, t, cfg.num_heads * cfg.head_dim)
-    return out @ self.o_proj[...].astype(out.dtype), cache
+    out = attention(q, k_BxKxSxE, v_BxKxSxE, kv_valid_BxS, start, cfg.attention_block)
+    out = constrain(out.reshape(b, t, cfg.num_heads * cfg.head_dim), "batch", "act_seq", "act_heads")
+    out = out @ self.o_proj[...].astype(out.dtype)
+    return constrain(out, "batch", "act_seq", "act_embed"), cache
 
 
 class MLP(nnx.Module):
@@ -246,8 +308,10 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BxTxD):
     dt = x_BxTxD.dtype
-    gate = jax.nn.silu(x_BxTxD @ self.gate_proj[...].astype(dt))
-    return (gate * (x_BxTxD @ self.up_proj[...].astype(dt))) @ self.down_proj[...].astype(dt)
+    gate_BxTxF = constrain(x_BxTxD @ self.gate_proj[...].astype(dt), "batch", "act_seq", "act_mlp")
+    up_BxTxF = constrain(x_BxTxD @ self.up_proj[...].astype(dt), "batch", "act_seq", "act_mlp")
+    out = (jax.nn.silu(gate_BxTxF) * up_BxTxF) @ self.down_proj[...].astype(dt)
+    return constrain(out, "batch", "act_seq", "act_embed")
 
 
 class DecoderLayer(nnx.Module):
@@ -262,11 +326,12 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x, positions, kv_valid, start, cache, layer):
     eps = self.cfg.rms_norm_eps
+    x = constrain(x, "batch", "act_seq", "act_embed")
     h, cache = self.self_attn(
         rms_norm(x, self.input_layernorm[...], eps), positions, kv_valid, start, cache, layer)
     x = x + h
     x = x + self.mlp(rms_norm(x, self.post_attention_layernorm[...], eps))
-    return x, cache
+    return constrain(x, "batch", "act_seq", "act_embed"), cache
 
 
 def _is_var(x) -> bool:
@@ -285,11 +350,13 @@ def _stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
   return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=_is_var))
 
 
-def _layer_fn(cfg: ModelConfig, graphdef: nnx.GraphDef):
-  """The pure per-layer function (state_i, x, positions, kv_valid, start, cache, i) -> (x, cache),
-  rematerialised by ``cfg.remat``; the same function runs in loop and scan mode."""
+def _layer_fn(cfg: ModelConfig, graphdef: nnx.GraphDef, start):
+  """The pure per-layer function (state_i, x, positions, kv_valid, cache, i) -> (x, cache),
+  rematerialised by ``cfg.remat``; the same function runs in loop and scan mode. ``start`` is
+  bound, not passed: a Python int stays static through ``jax.checkpoint`` (a prefill from slot 0
+  then attends to its own T tokens only, ``Attention``)."""
 
-  def apply(state, x, positions, kv_valid, start, cache, layer):
+  def apply(state, x, positions, kv_valid, cache, layer):
     return nnx.merge(graphdef, state)(x, positions, kv_valid, start, cache, layer)
 
   if cfg.remat == "none":
@@ -327,21 +394,22 @@ class Decoder(nnx.Module):
     """
     cfg = self.cfg
     x = jnp.take(self.embed_tokens[...], tokens_BxT, axis=0).astype(cfg.dtype)
+    x = constrain(x, "batch", "act_seq", "act_embed")
     if cfg.scan_layers:
       graphdef, stacked = nnx.split(self.layers)
-      layer_fn = _layer_fn(cfg, graphdef)
+      layer_fn = _layer_fn(cfg, graphdef, start)
 
       def body(x_and_cache, state_and_index):
         (x, cache), (state, i) = x_and_cache, state_and_index
-        return layer_fn(state, x, positions_BxT, kv_valid_BxS, start, cache, i), None
+        return layer_fn(state, x, positions_BxT, kv_valid_BxS, cache, i), None
 
       (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, jnp.arange(cfg.num_layers)))
     else:
       for i, layer in enumerate(self.layers):
         graphdef, state = nnx.split(layer)
-        x, cache = _layer_fn(cfg, graphdef)(state, x, positions_BxT, kv_valid_BxS, start, cache, i)
+        x, cache = _layer_fn(cfg, graphdef, start)(state, x, positions_BxT, kv_valid_BxS, cache, i)
     x = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
-    return x, cache
+    return constrain(x, "batch", "act_seq", "act_embed"), cache
 
 
 def create(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
@@ -360,7 +428,8 @@ def abstract(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
 def forward(graphdef, params, tokens_BxT, positions_BxT, kv_valid_BxS, cache=None, start=0):
   """Pure forward: (hidden_BxTxD, lm_head_DxV, new_cache)."""
   model = nnx.merge(graphdef, params)
-  hidden, cache = model(tokens_BxT, positions_BxT, kv_valid_BxS, cache, start)
+  with activation_mesh(params):   # the params' mesh: activations keep rows over the data axes
+    hidden, cache = model(tokens_BxT, positions_BxT, kv_valid_BxS, cache, start)
   return hidden, model.lm_head_weight(), cache
 
 

@@ -184,13 +184,22 @@ def _split(dim: int, mesh_shape: dict, axis: str) -> int:
   return dim // n if dim % n == 0 else dim
 
 
+def _layer_internals(rows: int, t: int, m: model.ModelConfig, mesh_shape: dict) -> int:
+  """One layer's activations per token: the two norms' outputs and residuals, q/k/v before and
+  after RoPE, the attention output, gate, silu(gate), up and their product."""
+  h, k = _split(m.num_heads, mesh_shape, "tensor"), _split(m.num_kv_heads, mesh_shape, "tensor")
+  f = _split(m.intermediate_size, mesh_shape, "tensor")
+  d, e = m.hidden_size, m.head_dim
+  return rows * t * (5 * d + 3 * h * e + 3 * k * e + 4 * f) * jnp.dtype(m.dtype).itemsize
+
+
 def activation_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> Estimate:
   """Activations of the train step's largest micro-batch on one device, forward + backward.
 
   Assumes the micro-batch's rows are split over data x fsdp and heads / mlp over tensor. With remat
   "full" the backward keeps each layer's input and recomputes one layer at a time, so one layer's
-  internals are live at once. Attention is the plain einsum kind: its f32 scores [rows, H, T, T],
-  the probs and their two gradients dominate at long T.
+  internals are live at once. Attention runs in blocks of ``attention_block`` queries, each
+  rematerialised: one block's f32 scores [rows, H, block, T], probs and their two gradients.
   """
   rows = pc.num_rollouts // (pc.loss.mini_batches * pc.loss.micro_batches)
   rows //= mesh_shape["data"] * mesh_shape["fsdp"]
@@ -199,10 +208,9 @@ def activation_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> E
   d, e = m.hidden_size, m.head_dim
   h, k = _split(m.num_heads, mesh_shape, "tensor"), _split(m.num_kv_heads, mesh_shape, "tensor")
   f = _split(m.intermediate_size, mesh_shape, "tensor")
-  # Per token of one layer: the two norms' outputs and residuals, q/k/v before and after RoPE,
-  # the attention output, gate, silu(gate), up and their product.
-  internals = rows * t * (5 * d + 3 * h * e + 3 * k * e + 4 * f) * b
-  attention = rows * h * t * t * 2 * (4 + b)          # f32 scores + probs, and their gradients
+  internals = _layer_internals(rows, t, m, mesh_shape)
+  q_block = min(t, m.attention_block)
+  attention = rows * h * q_block * t * 2 * (4 + b)   # f32 scores + probs, and their gradients
   inputs = m.num_layers * rows * t * d * b
   dots = m.num_layers * rows * t * (h * e + 2 * k * e + 2 * d + 2 * f) * b   # projection outputs
   chunk = pc.loss.logprob_chunk * _split(m.vocab_size, mesh_shape, "tensor") * 4
@@ -213,7 +221,8 @@ def activation_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> E
   items = [("layer inputs kept for the backward, all layers", inputs if m.remat != "none" else 0),
            ("projection outputs kept (remat dots)", dots if m.remat == "dots" else 0),
            ("one layer's internals", internals),
-           ("one layer's attention: f32 scores + probs and their gradients", attention),
+           (f"one attention block: f32 scores [rows, H, {q_block}, T] + probs, and their "
+            "gradients", attention),
            (f"log-prob chunk: f32 logits [C={pc.loss.logprob_chunk}, V]", chunk)]
   if m.remat == "offload":
     items.append(("(projection outputs parked in host memory, not counted)", dots))
@@ -221,7 +230,7 @@ def activation_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> E
 
 
 def rollout_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> Estimate:
-  """The JAX sampler's buffers on one device, or (vLLM) the π_old rescoring forward's attention;
+  """The JAX sampler's buffers on one device, or (vLLM) the π_old rescoring forward's one layer;
   both assume the R rows are split over data x fsdp."""
   rows = -(-pc.num_rollouts // (mesh_shape["data"] * mesh_shape["fsdp"]))
   p = prompt_len(pc)
@@ -229,13 +238,20 @@ def rollout_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> Esti
   h, k = _split(m.num_heads, mesh_shape, "tensor"), _split(m.num_kv_heads, mesh_shape, "tensor")
   if pc.rollout.engine != "jax":   # rescoring: one micro-batch chunk at a time
     rows = -(-rows // pc.loss.micro_batches)
-    scores = rows * h * s * s * 4
-    return Estimate(rows, s, (("one layer's f32 attention scores [R, H, T, T]", scores),), scores)
+    q_block = min(s, m.attention_block)
+    scores = rows * h * q_block * s * 4
+    internals = _layer_internals(rows, s, m, mesh_shape)
+    chunk = pc.loss.logprob_chunk * _split(m.vocab_size, mesh_shape, "tensor") * 4
+    items = (("one layer's internals", internals),
+             (f"one attention block's f32 scores [R, H, {q_block}, T]", scores),
+             (f"log-prob chunk: f32 logits [C={pc.loss.logprob_chunk}, V]", chunk))
+    return Estimate(rows, s, items, internals + scores + chunk)
   cache = 2 * m.num_layers * rows * k * s * m.head_dim * jnp.dtype(m.dtype).itemsize
-  prefill = rows * h * p * s * 4
+  prefill = rows * h * min(p, m.attention_block) * p * 4   # a prefill sees only its P slots
   logits = rows * _split(m.vocab_size, mesh_shape, "tensor") * 4
   items = (("KV cache: k and v [L, R, K, P+N, E]", cache),
-           ("prefill: one layer's f32 attention scores [R, H, P, P+N]", prefill),
+           (f"prefill: one attention block's f32 scores [R, H, {min(p, m.attention_block)}, P]",
+            prefill),
            ("decode: f32 logits [R, V]", logits))
   return Estimate(rows, s, items, cache + prefill + logits)
 
@@ -308,6 +324,26 @@ def compile_rescoring(pc: Config, graphdef, params, param_sh, mesh) -> Compiled:
       batch.response_ids_RxN, batch.response_mask_RxN, tau, micro=pc.loss.micro_batches))
 
 
+def compile_forget(pc: Config, graphdef, params, param_sh, mesh) -> Compiled:
+  """EEPO's forgetting step θ' = θ + η∇L over the stage-1 rows (R/2), in as many strided chunks
+  as ``Trainer._forget`` uses (``step.sequential_chunks``)."""
+  batch = abstract_batch(pc, sharding.batch_sharding(mesh))
+  half = pc.num_rollouts // 2
+
+  def rows(x):
+    return jax.ShapeDtypeStruct((half, *x.shape[1:]), x.dtype, sharding=x.sharding)
+
+  e = pc.eepo
+  forget = jax.jit(functools.partial(step.eepo_forget, graphdef, pc.loss.logprob_chunk, lr=e.lr,
+                                     eps_l=e.eps_l, eps_r=e.eps_r,
+                                     micro=step.sequential_chunks(half, pc.loss.micro_batches)),
+                   out_shardings=(param_sh, None))
+  tau = jax.ShapeDtypeStruct((), jnp.float32)
+  return _analyse("EEPO forgetting step (eepo_forget)", lambda: forget.lower(
+      _shaped(params, param_sh), rows(batch.prompt_ids_RxP), rows(batch.prompt_mask_RxP),
+      rows(batch.response_ids_RxN), rows(batch.response_mask_RxN), tau))
+
+
 def _device_memory() -> int | None:
   stats = jax.devices()[0].memory_stats()
   return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
@@ -337,6 +373,8 @@ def build(cfg: Config, *, compile_steps: bool = True, rollout_side: bool = True)
         compiled.append(compile_sampler(pc, graphdef, mcfg, params, param_sh))
       elif rollout_side:
         compiled.append(compile_rescoring(pc, graphdef, params, param_sh, mesh))
+      if rollout_side and pc.eepo.enabled:
+        compiled.append(compile_forget(pc, graphdef, params, param_sh, mesh))
     phases.append(PhasePlan(phase.name, pc, activation_estimate(pc, mcfg, mesh_shape),
                             rollout_estimate(pc, mcfg, mesh_shape), tuple(compiled)))
   devices = jax.devices()
@@ -426,7 +464,9 @@ def _phase_section(plan: Plan, ph: PhasePlan) -> list[str]:
     out += [_table(["program", "arguments", "outputs", "aliased (donated)", "temp",
                     "generated code", "peak = arg + out − alias + temp", "compile s"], rows), ""]
     out += [_verdict(plan, max(c.peak for c in ph.compiled)), ""]
-    expected = [grads + act.total] + [ph.rollout.total] * (len(ph.compiled) - 1)
+    # The forgetting step has a backward too: at most the train step's (half the rows per chunk).
+    expected = [grads + act.total if c.name.startswith(("train step", "EEPO")) else
+                ph.rollout.total for c in ph.compiled]
     for c, e in zip(ph.compiled, expected):
       if c.temp > 2 * e and c.temp - e > _WARN_BYTES:
         out += [f"**Warning**: {c.name}: XLA's temp ({size(c.temp)}) is {c.temp / e:.1f}x the "
@@ -467,7 +507,8 @@ def render(plan: Plan) -> str:
          f"D={m.hidden_size}, F={m.intermediate_size}, H={m.num_heads}, K={m.num_kv_heads}, "
          f"E={m.head_dim}, V={m.vocab_size}, tied embeddings: {m.tie_embeddings}",
          f"- execution: compute {m.dtype}, params {m.param_dtype}, AdamW state "
-         f"{cfg.optim.state_dtype}, scan_layers={m.scan_layers}, remat={m.remat}",
+         f"{cfg.optim.state_dtype}, scan_layers={m.scan_layers}, remat={m.remat}, "
+         f"attention in blocks of {m.attention_block} queries",
          f"- mesh: {mesh} = {math.prod(plan.mesh_shape.values())} device(s); this process has "
          f"{plan.devices}", ""]
   if plan.skipped:

@@ -7,6 +7,7 @@ traced arrays in ``StepHparams`` so changing them never recompiles.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +80,14 @@ def score_responses_chunked(graphdef, params, prompt_ids_RxP, prompt_mask_RxP, r
 def _merge_micro(x_MxCx):
   """Inverse of ``_split_micro`` for one array: [micro, R/micro, ...] → [R, ...]."""
   return jnp.swapaxes(x_MxCx, 0, 1).reshape(-1, *x_MxCx.shape[2:])
+
+
+def sequential_chunks(rows: int, micro_batches: int) -> int:
+  """How many sequential chunks the π_old rescoring and EEPO's forgetting step run ``rows`` rows
+  in: ``loss.micro_batches`` when it divides them (R rows), else its largest divisor that does
+  (the R/2 rows of an EEPO stage). The chunks are then at most as large as the update's
+  micro-batches when ``loss.mini_batches`` <= 2 (larger ones have smaller micro-batches)."""
+  return math.gcd(rows, micro_batches)
 
 
 def _split_micro(tree, micro: int):
@@ -155,9 +164,9 @@ def rl_update(graphdef, tx: optax.GradientTransformation, cfg: RLStepConfig, sta
       (loss, metrics), grads = grad_fn(state.params, rows, denom)
     else:
       def body(carry, mb):
-        (l, m), g = grad_fn(state.params, mb, denom)
+        (loss_i, m), g = grad_fn(state.params, mb, denom)
         acc_l, acc_m, acc_g = carry
-        return (acc_l + l, jax.tree.map(jnp.add, acc_m, m), jax.tree.map(jnp.add, acc_g, g)), None
+        return (acc_l + loss_i, jax.tree.map(jnp.add, acc_m, m), jax.tree.map(jnp.add, acc_g, g)), None
 
       mbs = _split_micro(rows, cfg.micro_batches)
       first = jax.tree.map(lambda x: x[0], mbs)
@@ -206,20 +215,45 @@ def sft_update(graphdef, tx: optax.GradientTransformation, chunk: int, state: Tr
 
 
 def eepo_forget(graphdef, chunk: int, params, prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN,
-                response_mask_RxN, tau, *, lr: float, eps_l: float, eps_r: float):
+                response_mask_RxN, tau, *, lr: float, eps_l: float, eps_r: float, micro: int = 1):
   """EEPO's forgetting step on the rollout copy: θ' = θ + η·∇L, one plain SGD ascent step.
 
   L is the unlearning objective of ALGORITHMS.md §5 over the stage-1 responses at τ (log(1-p)
-  computed stably by the fused path); no optimizer state. Returns (θ', L).
+  computed stably by the fused path); no optimizer state. ``micro`` > 1 accumulates L and ∇L over
+  that many strided row chunks (``_split_micro``) in sequence, as ``rl_update``'s micro-batches:
+  the same θ' with the activation memory of R/micro rows. Returns (θ', L).
   """
+  rows = (prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN, response_mask_RxN)
 
-  def objective(p):
-    hidden_RxNxD, lm_head = response_hidden(graphdef, p, prompt_ids_RxP, prompt_mask_RxP,
-                                            response_ids_RxN, response_mask_RxN)
-    logp, log1m_p = fused_log1m_p(hidden_RxNxD, lm_head, response_ids_RxN, tau, chunk_size=chunk)
-    return losses.eepo_unlearning_loss_from_logp(logp, log1m_p, response_mask_RxN, eps_l, eps_r)
+  def objective(p, rows, weight):
+    prompt_ids, prompt_mask, response_ids, response_mask = rows
+    hidden_RxNxD, lm_head = response_hidden(graphdef, p, prompt_ids, prompt_mask, response_ids,
+                                            response_mask)
+    logp, log1m_p = fused_log1m_p(hidden_RxNxD, lm_head, response_ids, tau, chunk_size=chunk)
+    return weight * losses.eepo_unlearning_loss_from_logp(logp, log1m_p, response_mask, eps_l,
+                                                          eps_r)
 
-  value, grads = jax.value_and_grad(objective)(params)
+  grad_fn = jax.value_and_grad(objective)
+  if micro == 1:
+    value, grads = grad_fn(params, rows, jnp.float32(1))
+  else:
+    # L is a mean over the rows with a response; a chunk's mean, weighted by its share of those
+    # rows, is its part of the sum.
+    def responses(mask_RxN):
+      return jnp.sum((jnp.sum(mask_RxN, axis=1) > 0).astype(jnp.float32))
+
+    total = jnp.maximum(responses(response_mask_RxN), 1.0)
+
+    def one(mb):
+      return grad_fn(params, mb, responses(mb[3]) / total)
+
+    def body(carry, mb):
+      value, grads = one(mb)
+      return (carry[0] + value, jax.tree.map(jnp.add, carry[1], grads)), None
+
+    mbs = _split_micro(rows, micro)
+    first = one(jax.tree.map(lambda x: x[0], mbs))
+    (value, grads), _ = jax.lax.scan(body, first, jax.tree.map(lambda x: x[1:], mbs))
   return jax.tree.map(lambda p, g: p + lr * g, params, grads), value
 
 

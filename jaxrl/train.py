@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import logging
 import os
 import shutil
@@ -192,7 +191,8 @@ class Trainer:
     cursor = MixtureCursor.start(rt.mixture)
 
     ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=c.checkpoint.keep,
-                        async_save=c.checkpoint.async_save)
+                        async_save=c.checkpoint.async_save,
+                        settle_timeout=c.checkpoint.settle_timeout)
     start = 0
     if ckpt.latest_step() is not None:
       start = ckpt.latest_step()
@@ -419,21 +419,29 @@ class Trainer:
     out = jax.tree.map(jnp.asarray, dataclasses.replace(out, logp_RxN=logp, entropy_RxN=ent))
     return out, {"rollout_logp_gap": gap}
 
+  def _forget(self, params, prompt_ids_RxP, prompt_mask_RxP, tokens_RxN, mask_RxN, tau):
+    """EEPO's θ' from the stage-1 rows: rows sharded over the data axes, accumulated in
+    ``step.sequential_chunks`` chunks as ``_score`` (what --plan compiles)."""
+    batch, micro = self._row_chunks(prompt_ids_RxP, prompt_mask_RxP, tokens_RxN, mask_RxN)
+    return self._forget_jit(params, *batch, tau, micro=micro)
+
+  def _row_chunks(self, *rows_R):
+    """Host rows → (arrays sharded over the data axes, the number of sequential chunks)."""
+    batch = sharding.shard_batch(tuple(np.asarray(x) for x in rows_R), self.mesh)
+    return batch, step.sequential_chunks(len(rows_R[0]), self.cfg.loss.micro_batches)
+
   @functools.cached_property
-  def _forget(self):
+  def _forget_jit(self):
     e = self.cfg.eepo
     # θ' gets θ's shardings, so stage 2 reuses the sampler compiled for stage 1.
     return jax.jit(functools.partial(step.eepo_forget, self.graphdef, self.cfg.loss.logprob_chunk,
                                      lr=e.lr, eps_l=e.eps_l, eps_r=e.eps_r),
-                   out_shardings=(self.param_shardings, None))
+                   out_shardings=(self.param_shardings, None), static_argnames=("micro",))
 
   def _score(self, params, prompt_ids_RxP, prompt_mask_RxP, tokens_RxN, mask_RxN, tau):
     """π_old log-probs and entropies at τ of R rollouts under ``params``: rows sharded over the
-    data axes and scored in as many sequential chunks as the update's micro-batches (R/2 rows of an
-    EEPO stage: the largest divisor of R/2 among them), so it needs no more memory than the update."""
-    rows = (prompt_ids_RxP, prompt_mask_RxP, tokens_RxN, mask_RxN)
-    micro = math.gcd(len(prompt_ids_RxP), self.cfg.loss.micro_batches)
-    batch = sharding.shard_batch(tuple(np.asarray(x) for x in rows), self.mesh)
+    data axes and scored in ``step.sequential_chunks`` chunks."""
+    batch, micro = self._row_chunks(prompt_ids_RxP, prompt_mask_RxP, tokens_RxN, mask_RxN)
     return self._score_jit(params, *batch, jnp.float32(tau), micro=micro)
 
   @functools.cached_property

@@ -122,6 +122,18 @@ def test_loaded_checkpoint_matches_hf_logits(hf_dirs, kind, tie, layout):
                        _hf_logits(hf_model, tokens, mask), mask)
 
 
+@pytest.mark.parametrize("kind,tie", KINDS, ids=[_name(*k) for k in KINDS])
+def test_blockwise_attention_matches_hf_logits(hf_dirs, kind, tie):
+  """Attention in blocks of 4 queries (T = 11: blocks 4, 4, 3 + a padded query) still gives
+  transformers' logits on the left-padded batch (the layer scan and remat as the 7B config runs)."""
+  path = hf_dirs[kind, tie]
+  cfg, _, params = _load(path, "scan")
+  graphdef, _ = model.abstract(dataclasses.replace(cfg, attention_block=4, remat="full"))
+  tokens, mask = _left_padded_batch(cfg.vocab_size)
+  _assert_logits_match(_our_logits(graphdef, params, tokens, mask),
+                       _hf_logits(_hf_model(path), tokens, mask), mask)
+
+
 def test_llama3_rope_scaling_changes_the_logits(hf_dirs):
   """The Llama fixture's scaling is no no-op at the test's positions: its parity test checks it."""
   path = hf_dirs["llama", False]
@@ -149,6 +161,15 @@ _LLAMA31 = {  # the text config of Llama-3.1-8B, legacy format (top-level θ, ro
     "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
     "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False}
+
+
+def test_max_position_embeddings_is_carried_through_export():
+  """A re-exported Llama 3.1 keeps its 131072-token context (vLLM's max_model_len comes from it)."""
+  cfg = hf.model_config_from_hf(_LLAMA31)
+  assert cfg.max_position_embeddings == 131072
+  assert hf.hf_config_from_model(cfg)["max_position_embeddings"] == 131072
+  missing = {k: v for k, v in _LLAMA31.items() if k != "max_position_embeddings"}
+  assert hf.model_config_from_hf(missing).max_position_embeddings == 32768
 
 
 @pytest.mark.parametrize("config", [

@@ -217,3 +217,23 @@ def test_bfloat16_forward_and_backward_run(models):
   assert np.isfinite(float(loss))
   assert all(g.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(g)))
              for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("micro", [2, 4])
+def test_eepo_forget_micro_batches_equal_one_pass(models, micro):
+  """θ' = θ + η∇L accumulated over strided row chunks equals the one-pass step; one row has no
+  response, so a chunk's share of L is weighted by its rows with responses, not by its size."""
+  graphdef, params = models["loop"]
+  mask = RESPONSE_MASK.copy()
+  mask[1] = False
+  # A large η, so θ' - θ (~1e-3·η) is far above the rounding of θ + η∇L at |θ| ~ 1.
+  forget = jax.jit(functools.partial(step.eepo_forget, graphdef, 4, lr=1000.0, eps_l=0.01,
+                                     eps_r=1e-4), static_argnames="micro")
+  args = (params, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, mask, jnp.float32(0.9))
+  one_params, one_value = forget(*args, micro=1)
+  micro_params, micro_value = forget(*args, micro=micro)
+  assert float(one_value) < -0.01   # a non-trivial objective (a sum of log(1 - p) terms)
+  np.testing.assert_allclose(float(micro_value), float(one_value), rtol=1e-5)
+  one_delta = jax.tree.map(jnp.subtract, one_params, params)
+  micro_delta = jax.tree.map(jnp.subtract, micro_params, params)
+  _assert_trees_close(micro_delta, one_delta, GRAD_RTOL)

@@ -44,3 +44,20 @@ def test_preset_runs_without_recompiling(tmp_path, preset):
     assert len(taus) == 1 or preset in ("e3", "all")
   for x in r:
     assert np.isfinite(x["loss"]) and np.isfinite(x["grad_norm"]), x
+
+
+@pytest.mark.slow
+def test_eepo_forgetting_in_micro_batches_gives_the_same_step(tmp_path):
+  """Trainer._forget accumulates θ' over loss.micro_batches chunks of the stage-1 rows: the
+  unlearning loss, θ' (seen through the stage-2 rollouts' entropy) and the step match one pass."""
+  runs = {}
+  for micro in (1, 4):
+    workdir = str(tmp_path / f"micro{micro}")
+    Trainer(tiny_config("eepo,test", steps=1, **{"loss.micro_batches": micro, "sft.steps": 0}),
+            workdir).run()
+    (runs[micro],) = rows(workdir)
+  one, four = runs[1], runs[4]
+  assert one["eepo_gate"] == four["eepo_gate"] == 1.0
+  np.testing.assert_allclose(four["eepo_unlearn_loss"], one["eepo_unlearn_loss"], rtol=1e-5)
+  for key in ("entropy_stage1", "entropy_stage2", "reward", "loss"):
+    np.testing.assert_allclose(four[key], one[key], rtol=1e-4, err_msg=key)
