@@ -2,19 +2,74 @@
 keep-last-k. One checkpoint holds everything a resumed run needs: the train state, the question
 statistics, controller states, and JSON metadata (data cursor, config, evaluation so far).
 RNG needs no state: every key is ``fold_in(seed, step)``.
+
+Every call into orbax that may wait for a write (save, wait, close) runs on one helper thread and
+is waited for at most ``settle_timeout`` seconds: on a dead disk or a stalled log sink orbax's
+threads can block forever, and a trainer that hangs is worse than one that says so. A write that
+does not settle in time counts as failed; its threads are abandoned (``unsettled()``), and since
+they are not daemons the process must leave with ``os._exit`` (``jaxrl.main`` does).
 """
 from __future__ import annotations
 
 import glob
 import logging
 import os
+import queue
 import re
 import shutil
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import jax
 import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
+
+# Seconds any one wait on an orbax write may take (the train state of a 7B model writes in a few
+# minutes on a slow disk); past it the write counts as failed.
+SETTLE_TIMEOUT_S = 600.0
+
+_abandoned: list[Future] = []   # calls into orbax given up on
+
+
+def unsettled() -> bool:
+  """True while a checkpoint write given up on is still running: its (non-daemon) orbax threads
+  would keep the interpreter from exiting."""
+  return any(not f.done() for f in _abandoned)
+
+
+class _OrbaxThread:
+  """The one thread that calls into orbax, so that the caller can stop waiting. One thread, not one
+  per call: orbax keeps per-thread state (a failed write's error is raised once to each thread
+  that waits for it), which must see the calls as the trainer's thread would have made them."""
+
+  def __init__(self):
+    self._calls: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=self._serve, name="jaxrl-checkpoint", daemon=True).start()
+
+  def _serve(self):
+    while (item := self._calls.get()) is not None:
+      fn, result = item
+      try:
+        result.set_result(fn())
+      except BaseException as e:  # noqa: BLE001 - handed to the caller
+        result.set_exception(e)
+
+  def stop(self) -> None:
+    self._calls.put(None)
+
+  def call(self, fn, timeout: float) -> tuple[Future | None, BaseException | None]:
+    """Run ``fn()``, waiting at most ``timeout`` s: (its future if still running, else None; its
+    error or None)."""
+    result: Future = Future()
+    self._calls.put((fn, result))
+    try:
+      error = result.exception(timeout)   # a Ctrl-C while waiting is raised here, as it should
+    except FutureTimeout:
+      _abandoned.append(result)
+      return result, None
+    return None, error
 
 
 def _brief(error: Exception) -> str:
@@ -35,52 +90,100 @@ class CheckpointError(RuntimeError):
 class Checkpointer:
   """A thin wrapper over ``ocp.CheckpointManager`` with one pytree item and one JSON item."""
 
-  def __init__(self, directory: str, keep: int, async_save: bool = True):
+  def __init__(self, directory: str, keep: int, async_save: bool = True,
+               settle_timeout: float | None = None):
     self.directory = os.path.abspath(directory)
+    self.settle_timeout = SETTLE_TIMEOUT_S if settle_timeout is None else float(settle_timeout)
     # A write that failed (disk full, permissions, a kill) leaves only an orbax tmp directory: it
     # never counts as a checkpoint, and the next manager removes it.
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=async_save,
                                            cleanup_tmp_directories=True)
     self._mgr = ocp.CheckpointManager(self.directory, options=options)
+    self._orbax = _OrbaxThread()
     self._pending: int | None = None    # step of the write in flight
+    self._stuck: tuple[int, Future] | None = None   # (step, wait) past the timeout
     self.failed: list[int] = []         # steps whose write failed
     self.last_error: str | None = None
+    # The last complete checkpoint, kept here so that reporting a write that never settled needs
+    # no directory listing (on a hung disk that blocks too).
+    self._latest: int | None = self._mgr.latest_step()
 
   def latest_step(self) -> int | None:
-    return self._mgr.latest_step()
+    """The last checkpoint known complete (a write in flight counts once it has settled)."""
+    return self._latest
 
   def save(self, step: int, tree, meta: dict) -> bool:
     """Start writing checkpoint ``step``. A failed write (found now or when the next save or
     ``wait`` checks the one in flight) is logged and recorded, never raised: the previous
-    checkpoint stays the latest and training goes on. Returns False if this write failed at once."""
+    checkpoint stays the latest and training goes on. While an earlier write has not settled,
+    orbax cannot take another one: the step is recorded as failed without a wait. Returns False
+    if this write failed at once."""
     self._settle()
-    try:
-      self._mgr.save(step, args=ocp.args.Composite(tree=ocp.args.StandardSave(tree),
-                                                   meta=ocp.args.JsonSave(meta)))
-    except Exception as e:  # noqa: BLE001 - any I/O failure: keep training, say so
-      self._failed(step, e)
+    if self._blocked(step):
+      return False
+    args = ocp.args.Composite(tree=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta))
+    # The synchronous part (device-to-host copies, directories; the whole write when not async)
+    # may block on the disk too.
+    stuck, error = self._orbax.call(lambda: self._mgr.save(step, args=args),
+                                    self.settle_timeout)
+    if stuck is not None:
+      self._give_up(step, stuck)
+      return False
+    if error is not None:
+      self._failed(step, error)
       return False
     self._pending = step
     return True
 
   def _settle(self) -> None:
-    """Wait for the write in flight; record it if it failed."""
-    try:
-      self._mgr.wait_until_finished()
-    except Exception as e:  # noqa: BLE001
-      self._failed(self._pending, e)
-    self._pending = None
+    """Wait (at most ``settle_timeout``) for the write in flight; record it if it failed."""
+    if self._pending is None:
+      return
+    step, self._pending = self._pending, None
+    stuck, error = self._orbax.call(self._mgr.wait_until_finished, self.settle_timeout)
+    if stuck is not None:
+      self._give_up(step, stuck)
+    elif error is not None:
+      self._failed(step, error)
+    else:
+      self._latest = step
 
-  def _failed(self, step, error: Exception) -> None:
-    self.failed.append(step)
-    self.last_error = _brief(error)
-    self._mgr.reload()   # forget the failed step: latest_step() is again the last complete one
+  def _give_up(self, step: int, wait: Future) -> None:
+    self._stuck = (step, wait)
+    # Its tmp directory stays: orbax's threads may still write there (a resume removes it). The
+    # disk may not answer: nothing here touches it.
+    self._record(step, f"the write did not finish within {self.settle_timeout:g} s",
+                 reload=False)
+
+  def _blocked(self, step: int) -> bool:
+    """Whether a write given up on is still running (then ``step`` fails without a wait)."""
+    if self._stuck is None:
+      return False
+    stuck_step, wait = self._stuck
+    if wait.done():   # it ended late: orbax is usable again
+      self._stuck = None
+      self._mgr.reload()
+      self._latest = self._mgr.latest_step()   # the disk answers again; the late write may count
+      log.warning("the checkpoint write of step %d finished late; saving resumes", stuck_step)
+      return False
+    self._record(step, f"not started: the write of step {stuck_step} did not finish within "
+                       f"{self.settle_timeout:g} s", reload=False)
+    return True
+
+  def _failed(self, step, error: BaseException) -> None:
     pattern = os.path.join(glob.escape(self.directory), f"{step}.orbax-checkpoint-tmp*")
     for partial in glob.glob(pattern):   # never a checkpoint: free its space
       shutil.rmtree(partial, ignore_errors=True)
-    latest = self._mgr.latest_step()
-    log.error("checkpoint at step %s failed (%s); %s", step, self.last_error,
+    self._record(step, _brief(error))
+
+  def _record(self, step: int, reason: str, reload: bool = True) -> None:
+    self.failed.append(step)
+    self.last_error = reason
+    if reload:   # orbax forgets the failed step (its next save must not count it)
+      self._mgr.reload()
+    latest = self._latest
+    log.error("checkpoint at step %s failed (%s); %s", step, reason,
               f"the latest usable checkpoint is step {latest} in {self.directory}"
               if latest is not None else f"there is no usable checkpoint in {self.directory}")
 
@@ -106,9 +209,16 @@ class Checkpointer:
     return out["tree"]
 
   def wait(self) -> None:
-    """Block until the write in flight is on disk (or has failed: see ``failed``)."""
+    """Block until the write in flight is on disk, has failed or did not settle in time (see
+    ``failed``)."""
     self._settle()
 
   def close(self) -> None:
+    """Settle the write in flight, then release orbax; never blocks past ``settle_timeout``."""
     self._settle()
-    self._mgr.close()
+    if self._stuck is not None and not self._stuck[1].done():
+      return   # orbax's close would join the blocked threads: leave them (see ``unsettled``)
+    _, error = self._orbax.call(self._mgr.close, self.settle_timeout)
+    self._orbax.stop()
+    if error is not None:
+      log.warning("closing the checkpoint manager: %s", _brief(error))

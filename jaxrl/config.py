@@ -37,6 +37,7 @@ class ModelSection:
   param_dtype: str = "float32"      # storage dtype of the params (and so of their gradients)
   scan_layers: bool = False         # layers stacked on one axis and lax.scan'ed: compile time flat in depth
   remat: str = "none"               # per-layer rematerialisation: none | full | dots | offload
+  attention_block: int = 512        # queries per attention block: memory O(block x T), not O(T^2)
   # HF-layout directory to start from ("" = random init + SFT). Its config.json then defines the
   # architecture (the fields above up to tie_embeddings only describe a model built from scratch,
   # or one planned with --plan before its weights are downloaded).
@@ -183,6 +184,9 @@ class CheckpointSection:
   every: int = 25
   keep: int = 2
   async_save: bool = True
+  # Longest wait for a write to finish (s). A write still running then (a hung disk or log sink)
+  # counts as failed: the previous checkpoint stays the latest, and the run can still exit.
+  settle_timeout: float = 600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -428,7 +432,11 @@ def _validate(cfg: Config) -> None:
   need(cfg.eepo.m >= 1, "eepo.m", "must be >= 1")
   need(not cfg.eepo.enabled or cfg.num_rollouts % 2 == 0, "eepo.enabled",
        f"EEPO splits the step's R = {cfg.num_rollouts} rollouts into two equal stages: R must be even")
+  need(not cfg.eepo.enabled or (cfg.num_rollouts // 2) % rows == 0, "eepo.enabled",
+       f"an EEPO stage of R/2 = {cfg.num_rollouts // 2} rollouts is not divisible over the data "
+       f"axes (data*fsdp = {rows})")
   need(cfg.checkpoint.every >= 1, "checkpoint.every", "must be >= 1")
+  need(cfg.checkpoint.settle_timeout > 0, "checkpoint.settle_timeout", "must be > 0 (seconds)")
   v = cfg.vllm
   need(v.sync_every >= 1, "vllm.sync_every", "must be >= 1")
   need(v.retries >= 0 and v.max_restarts >= 0, "vllm.retries", "retries and max_restarts must be >= 0")

@@ -44,6 +44,31 @@ def _usage_error(e: BaseException):
   sys.exit(USAGE_ERROR)
 
 
+class _RunLog(logging.FileHandler):
+  """The run's log file. When it cannot be written (EFBIG, a full disk) that is said once on
+  stderr and the file is dropped: logging's default prints two tracebacks for every record after
+  that, from every thread, for the rest of the run."""
+
+  _dead = False
+
+  def emit(self, record):
+    if not self._dead:
+      super().emit(record)
+
+  def handleError(self, record):
+    if self._dead:
+      return
+    if not isinstance(sys.exc_info()[1], OSError):   # a bad record (format args), not the file
+      super().handleError(record)
+      return
+    self._dead = True
+    try:
+      print(f"jaxrl: cannot write the log file {self.baseFilename} ({sys.exc_info()[1]}); "
+            "logging to stderr only", file=sys.stderr, flush=True)
+    except OSError:
+      pass
+
+
 def _parse_flags(argv):
   try:
     return flags.FLAGS(argv)
@@ -94,37 +119,78 @@ def main(argv):
   log_name = "log.txt" if jax.process_index() == 0 else f"log.process{jax.process_index()}.txt"
   logging.basicConfig(level=logging.INFO, force=True, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                       handlers=[logging.StreamHandler(sys.stderr),
-                                logging.FileHandler(os.path.join(workdir, log_name))])
+                                _RunLog(os.path.join(workdir, log_name))])
   # orbax and absl log every checkpoint phase at INFO; keep the run's own log readable.
   for name in ("absl", "jax", "orbax"):
     logging.getLogger(name).setLevel(logging.WARNING)
+  _leave(_run(cfg, workdir))
+
+
+def _run(cfg, workdir: str) -> int:
+  """Train; the process's exit code (0 after printing the results)."""
+  from jaxrl.config import ConfigError
   from jaxrl.rollout.sidecar import SidecarError
   from jaxrl.checkpoint import CheckpointError
+  from jaxrl.metrics import MetricsError
   from jaxrl.train import NonFiniteError, Stopped, train
   try:
     summary = train(cfg, workdir)
   except ConfigError as e:  # found while building the task (e.g. an unknown level in a mixture)
     print(f"jaxrl: error: {e}", file=sys.stderr)
-    sys.exit(USAGE_ERROR)
+    return USAGE_ERROR
   except SidecarError as e:  # checkpoints up to the last completed save are intact
     print(f"jaxrl: error: vLLM sidecar: {e}\njaxrl: the last checkpoint in {workdir}/checkpoints "
           "is intact; run the same command again to resume.", file=sys.stderr)
-    sys.exit(1)
-  except CheckpointError as e:   # training went on; only the final write failed
+    return 1
+  except CheckpointError as e:   # training went on; only the final write failed (or never ended)
     print(f"jaxrl: error: {e}", file=sys.stderr)
-    sys.exit(1)
+    return 1
   except NonFiniteError as e:
     print(f"jaxrl: error: {e}", file=sys.stderr)
-    sys.exit(1)
+    return 1
+  except MetricsError as e:   # the step it failed on was not checkpointed: a resume redoes it
+    print(f"jaxrl: error: {e}\njaxrl: the last checkpoint in {workdir}/checkpoints is intact; "
+          "free space and run the same command again to resume.", file=sys.stderr)
+    return 1
   except Stopped as e:   # SIGINT / SIGTERM: the step finished and its checkpoint is saved
     print(f"\njaxrl: {e}; run the same command again to resume.", file=sys.stderr)
-    sys.exit(0)
+    return 0
   except KeyboardInterrupt:
     print("\njaxrl: interrupted; run the same command again to resume.", file=sys.stderr)
-    sys.exit(130)
+    return 130
+  except Exception:  # noqa: BLE001 - a bug or an I/O error: its traceback, and an exit that ends
+    _leave_if_unsettled(1, print_traceback=True)
+    raise
   print("\nHeld-out evaluation, SFT warm start vs after RL (percent):\n")
   print(summary["table"])
   print(f"\nworkdir: {workdir} (metrics.jsonl, tensorboard/, run.png, checkpoints/, results.md)")
+  return 0
+
+
+def _leave(code: int) -> None:
+  _leave_if_unsettled(code)
+  sys.exit(code)
+
+
+def _leave_if_unsettled(code: int, print_traceback: bool = False) -> None:
+  """Exit now with ``os._exit`` if a checkpoint write never settled: its orbax threads are not
+  daemons, blocked (e.g. on a dead disk), and a normal exit would wait for them forever. Exit
+  handlers are skipped: the trainer has already closed its engine, writers and pools, and every
+  log handler flushes each record."""
+  from jaxrl import checkpoint
+  if not checkpoint.unsettled():
+    return
+  if print_traceback:
+    import traceback
+    traceback.print_exc()
+  print("jaxrl: a checkpoint write is still blocked; exiting without waiting for it",
+        file=sys.stderr)
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except OSError:
+      pass
+  os._exit(code)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,14 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import socket
+import struct
+import time
 from typing import Mapping
 
 import numpy as np
@@ -25,11 +29,60 @@ def _scalar(value) -> float | None:
   return out
 
 
+class _EventFile:
+  """A TensorBoard event file of scalars, one event per step, written and flushed in the caller's
+  thread, so a failed write raises here. (tensorboardX's SummaryWriter writes from a thread that
+  dies on its first failed write; its queue of 10 events then fills and the next add_scalar blocks
+  forever: a full disk hung the run. Its RecordWriter also fsyncs at every flush.)
+
+  Records are TFRecord-framed ``Event`` protos: length, its masked CRC-32C, data, its masked
+  CRC-32C, as TensorBoard reads them.
+  """
+
+  def __init__(self, logdir: str, purge_step: int | None):
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+    from tensorboardX.proto.summary_pb2 import Summary
+    from tensorboardX.record_writer import masked_crc32c
+    self._event, self._summary, self._crc = Event, Summary, masked_crc32c
+    os.makedirs(logdir, exist_ok=True)
+    name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
+    self._file = open(os.path.join(logdir, name), "ab")   # a run resumed in the same second appends
+    self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+    if purge_step is not None:
+      # A resumed run: TensorBoard hides the earlier files' events from this step on.
+      self._write(Event(wall_time=time.time(), step=purge_step,
+                        session_log=SessionLog(status=SessionLog.START)))
+    self._file.flush()
+
+  def _write(self, event) -> None:
+    data = event.SerializeToString()
+    header = struct.pack("<Q", len(data))
+    self._file.write(header + struct.pack("<I", self._crc(header)) + data
+                     + struct.pack("<I", self._crc(data)))
+
+  def write(self, step: int, scalars: Mapping[str, float]) -> None:
+    values = [self._summary.Value(tag=k, simple_value=v) for k, v in scalars.items()]
+    self._write(self._event(wall_time=time.time(), step=step, summary=self._summary(value=values)))
+    self._file.flush()
+
+  def close(self) -> None:
+    self._file.close()
+
+
+class MetricsError(RuntimeError):
+  """metrics.jsonl could not be written (a full disk, a file-size limit, permissions)."""
+
+
 class MetricsWriter:
   """Appends one JSON line per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard/W&B.
 
   On resume, lines from steps after the restored step are dropped first, so the file holds
   each step once even when a run was interrupted after logging but before checkpointing.
+
+  Failures: a line that cannot be appended to metrics.jsonl raises ``MetricsError`` (the run
+  stops before that step's checkpoint, so a resume redoes the step and loses nothing). TensorBoard
+  is a mirror: when its events cannot be written it is dropped with one warning and training
+  goes on.
   """
 
   def __init__(self, workdir: str, *, tensorboard: bool = True, wandb_project: str | None = None,
@@ -40,8 +93,11 @@ class MetricsWriter:
     self._file = open(self.path, "a", encoding="utf-8")
     self._tb = None
     if tensorboard:
-      from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+      try:
+        self._tb = _EventFile(os.path.join(workdir, "tensorboard"),
+                              purge_step=resume_step + 1 if resume_step else None)
+      except OSError as e:
+        self._drop_tensorboard(e)
     self._wandb = None
     if wandb_project:
       try:
@@ -54,8 +110,16 @@ class MetricsWriter:
   def _truncate_from(self, step: int) -> None:
     if not os.path.exists(self.path):
       return
+    keep = []
     with open(self.path, encoding="utf-8") as f:
-      keep = [line for line in f if line.strip() and json.loads(line).get("step", -1) <= step]
+      for number, line in enumerate(f, 1):
+        try:
+          row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:   # torn by a kill or a full disk mid-line
+          log.warning("%s:%d is not a JSON line (a write cut short); dropped", self.path, number)
+          continue
+        if row is not None and row.get("step", -1) <= step:
+          keep.append(line if line.endswith("\n") else line + "\n")
     tmp = self.path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
       f.writelines(keep)
@@ -70,20 +134,39 @@ class MetricsWriter:
       scalar = _scalar(value)
       if scalar is not None:
         row[key] = scalar if math.isfinite(scalar) else str(scalar)
-    self._file.write(json.dumps(row) + "\n")
-    self._file.flush()
+    try:
+      self._file.write(json.dumps(row) + "\n")
+      self._file.flush()
+    except OSError as e:
+      raise MetricsError(f"cannot append step {step} to {self.path}: {e}") from e
     numeric = {k: v for k, v in row.items() if isinstance(v, float) and k != "step"}
     if self._tb is not None:
-      for key, value in numeric.items():
-        self._tb.add_scalar(key, value, step)
+      try:
+        self._tb.write(step, numeric)
+      except OSError as e:
+        self._drop_tensorboard(e)
     if self._wandb is not None:
       self._wandb.log(numeric, step=step)
     return row
 
-  def close(self) -> None:
-    self._file.close()
+  def _drop_tensorboard(self, error: OSError) -> None:
+    log.warning("cannot write TensorBoard events (%s); TensorBoard logging is off for the rest of "
+                "this run, metrics.jsonl goes on", error)
     if self._tb is not None:
-      self._tb.close()
+      with contextlib.suppress(OSError):   # what is still buffered fails the same way
+        self._tb.close()
+    self._tb = None
+
+  def close(self) -> None:
+    try:
+      self._file.close()
+    except OSError as e:   # the line that failed is still buffered: MetricsError said so
+      log.warning("closing %s: %s", self.path, e)
+    if self._tb is not None:
+      try:
+        self._tb.close()
+      except OSError as e:
+        self._drop_tensorboard(e)
     if self._wandb is not None:
       self._wandb.finish()
 
