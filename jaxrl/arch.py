@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from jaxrl import hf
+from jaxrl import hf_config
 from jaxrl.config import Config, ConfigError
 from jaxrl.model import ModelConfig
 
@@ -52,6 +52,6 @@ def model_config(cfg: Config, vocab_size: int = 0) -> ModelConfig:
   if error is not None:
     raise error
   try:
-    return hf.load_model_config(cfg.model.checkpoint, **execution_fields(cfg))
+    return hf_config.load_model_config(cfg.model.checkpoint, **execution_fields(cfg))
   except ValueError as e:
     raise ConfigError("model.checkpoint", str(e)) from None

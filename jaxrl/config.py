@@ -265,6 +265,9 @@ class Config:
   seed: int = 0
   steps: int = 200                  # RL steps
   batch_questions: int = 16         # B: questions per RL step
+  # Compiled programs kept across runs (jaxrl.compile_cache): "" = WORKDIR/compile_cache (or JAX's
+  # own $JAX_COMPILATION_CACHE_DIR when set), "off", or a directory shared by several runs.
+  compile_cache: str = ""
   model: ModelSection = ModelSection()
   task: TaskSection = TaskSection()
   data: DataSection = DataSection()

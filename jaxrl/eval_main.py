@@ -171,6 +171,10 @@ def main(argv):
     if not os.path.exists(_CHECKPOINT.value):
       raise ValueError(f"--checkpoint {_CHECKPOINT.value!r} does not exist")
     out = _OUT.value or os.path.join(_CHECKPOINT.value, "eval")
+    # A training run's directory already holds its compiled programs (the sampler among them).
+    from jaxrl import compile_cache
+    run = _run_checkpoint(_CHECKPOINT.value)
+    compile_cache.enable(cfg.compile_cache, os.path.dirname(run[0]) if run else out)
     summary = evaluate_checkpoint(cfg, _CHECKPOINT.value, benchmarks, out,
                                   num_samples=_NUM_SAMPLES.value, ks=ks)
   except (ConfigError, ValueError, FileNotFoundError) as e:

@@ -123,6 +123,8 @@ def main(argv):
   # orbax and absl log every checkpoint phase at INFO; keep the run's own log readable.
   for name in ("absl", "jax", "orbax"):
     logging.getLogger(name).setLevel(logging.WARNING)
+  from jaxrl import compile_cache
+  compile_cache.enable(cfg.compile_cache, workdir)
   _leave(_run(cfg, workdir))
 
 

@@ -1,13 +1,33 @@
-"""Fixtures shared by the test modules.
+"""Fixtures shared by the test modules, and one compilation cache for the whole session.
 
 ``file_size_limit``: real write failures without root. A file-size limit (RLIMIT_FSIZE) makes writes past it fail
-with EFBIG, the way a full disk fails them with ENOSPC (a tmpfs of fixed size would need root)."""
+with EFBIG, the way a full disk fails them with ENOSPC (a tmpfs of fixed size would need root).
+
+The session's compiled programs go to one fresh directory (JAX's persistent cache, through
+$JAX_COMPILATION_CACHE_DIR, which every pytest-xdist worker and every ``python -m jaxrl.main``
+subprocess inherits): the many tiny-config runs of the suite compile the same programs, and the
+kill/resume, interrupt and multi-process tests restart runs. Set the variable yourself to keep a
+cache between sessions."""
 from __future__ import annotations
 
+import os
 import resource
+import shutil
 import signal
+import tempfile
 
 import pytest
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:   # the controller (or a run without xdist)
+  _SESSION_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxrl-xla-")
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+else:
+  _SESSION_CACHE = None
+
+
+def pytest_unconfigure(config):
+  if _SESSION_CACHE and not hasattr(config, "workerinput"):
+    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 @pytest.fixture

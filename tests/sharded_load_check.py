@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
-from jaxrl import hf, model, sharding  # noqa: E402
+from jaxrl import hf, hf_config, model, sharding  # noqa: E402
 
 # 66.6 M params (266 MB in float32): the embedding and LM head are 13% of it each, an MLP kernel 5%.
 CFG = model.ModelConfig(vocab_size=8192, hidden_size=1024, intermediate_size=3072, num_layers=4,
@@ -74,7 +74,7 @@ def _device_bytes(params) -> int:
 
 
 def measure_load(path, mesh, scan: bool) -> dict:
-  cfg = hf.load_model_config(path, scan_layers=scan)
+  cfg = hf_config.load_model_config(path, scan_layers=scan)
   planned = sharding.tree_shardings(model.abstract(cfg)[1], mesh)
   gc.collect()
   reset = _reset_peak_rss()

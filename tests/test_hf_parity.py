@@ -27,7 +27,7 @@ from safetensors.numpy import save_file  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 import hf_fixtures  # noqa: E402
-from jaxrl import hf, model, sharding  # noqa: E402
+from jaxrl import hf, hf_config, model, sharding  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -137,7 +137,7 @@ def test_blockwise_attention_matches_hf_logits(hf_dirs, kind, tie):
 def test_llama3_rope_scaling_changes_the_logits(hf_dirs):
   """The Llama fixture's scaling is no no-op at the test's positions: its parity test checks it."""
   path = hf_dirs["llama", False]
-  cfg = hf.load_model_config(path)
+  cfg = hf_config.load_model_config(path)
   scaled_E, unscaled_E = (np.asarray(model.rope_inv_freq(c)) for c in
                           (cfg, dataclasses.replace(cfg, rope_type="default")))
   ratio = scaled_E / unscaled_E
@@ -165,11 +165,11 @@ _LLAMA31 = {  # the text config of Llama-3.1-8B, legacy format (top-level θ, ro
 
 def test_max_position_embeddings_is_carried_through_export():
   """A re-exported Llama 3.1 keeps its 131072-token context (vLLM's max_model_len comes from it)."""
-  cfg = hf.model_config_from_hf(_LLAMA31)
+  cfg = hf_config.model_config_from_hf(_LLAMA31)
   assert cfg.max_position_embeddings == 131072
-  assert hf.hf_config_from_model(cfg)["max_position_embeddings"] == 131072
+  assert hf_config.hf_config_from_model(cfg)["max_position_embeddings"] == 131072
   missing = {k: v for k, v in _LLAMA31.items() if k != "max_position_embeddings"}
-  assert hf.model_config_from_hf(missing).max_position_embeddings == 32768
+  assert hf_config.model_config_from_hf(missing).max_position_embeddings == 32768
 
 
 @pytest.mark.parametrize("config", [
@@ -183,7 +183,7 @@ def test_max_position_embeddings_is_carried_through_export():
 def test_rope_frequencies_match_transformers(config):
   """Our config parsing + ``rope_inv_freq`` against transformers' RoPE init on the same config."""
   config = {k: v for k, v in config.items() if v is not None}
-  ours_E = np.asarray(model.rope_inv_freq(hf.model_config_from_hf(config)))
+  ours_E = np.asarray(model.rope_inv_freq(hf_config.model_config_from_hf(config)))
   ref = transformers.AutoConfig.for_model(**config)
   rope_type = ref.rope_parameters["rope_type"]
   if rope_type == "default":
@@ -446,7 +446,7 @@ def test_unsupported_config_is_named(hf_dirs, edit, match):
   config = {**_config(hf_dirs), **edit}
   config = {k: v for k, v in config.items() if v is not None}
   with pytest.raises(ValueError, match=match):
-    hf.model_config_from_hf(config)
+    hf_config.model_config_from_hf(config)
 
 
 def test_unsupported_model_type_dir(hf_dirs, tmp_path):
@@ -460,10 +460,10 @@ def test_unsupported_model_type_dir(hf_dirs, tmp_path):
 def test_config_defaults_follow_transformers(hf_dirs):
   """Older files: top-level rope_theta; absent θ / head_dim take transformers' defaults."""
   base = {k: v for k, v in _config(hf_dirs).items() if k not in ("rope_parameters", "head_dim")}
-  assert hf.model_config_from_hf({**base, "rope_theta": 123.0}).rope_theta == 123.0
+  assert hf_config.model_config_from_hf({**base, "rope_theta": 123.0}).rope_theta == 123.0
   for kind, head_dim in (("qwen2", 64 // 4), ("qwen3", 128), ("llama", 64 // 4)):
     config = {**base, "model_type": kind}
-    cfg = hf.model_config_from_hf(config)
+    cfg = hf_config.model_config_from_hf(config)
     ref = transformers.AutoConfig.for_model(**config)
     assert cfg.rope_theta == ref.rope_parameters["rope_theta"] == 10_000.0
     assert cfg.head_dim == head_dim == (getattr(ref, "head_dim", None)

@@ -29,8 +29,12 @@ VLLM_STEPS, VLLM_KILLS = 6, 3
 
 
 def _start(workdir, steps=STEPS, extra=()):
+  # The test's runs share one compilation cache of their own: the uninterrupted run compiles and
+  # fills it, the resumed runs load its programs (and must still end bitwise where it ends).
+  cache = os.path.join(os.path.dirname(workdir), "compile_cache")
   cmd = [sys.executable, "-m", "jaxrl.main", "--config=configs/tiny.py:test", f"--workdir={workdir}",
-         f"--config.steps={steps}", "--config.checkpoint.every=1", "--config.sft.steps=30", *extra]
+         f"--config.steps={steps}", "--config.checkpoint.every=1", "--config.sft.steps=30",
+         f"--config.compile_cache={cache}", *extra]
   return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
@@ -82,6 +86,7 @@ def test_ten_sigkills_then_resume_equal_an_uninterrupted_run(tmp_path):
   straight, killed = tmp_path / "straight", tmp_path / "killed"
   proc = _start(straight)
   assert proc.wait(timeout=600) == 0, proc.stderr.read()[-3000:]
+  assert os.listdir(tmp_path / "compile_cache"), "the run cached no compiled program"
 
   rng = np.random.default_rng(0)
   kills, during_rl = 0, 0

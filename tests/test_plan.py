@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl import hf, model, plan
+from jaxrl import hf_config, model, plan, plan_report
 from jaxrl.config import from_configdict
 from run_helpers import ROOT, tiny_config
 
@@ -69,13 +69,13 @@ def test_per_device_numbers_shrink_with_fsdp():
   assert q.spec == "P('fsdp', 'tensor')" and q.shard_shape == (8, 32)
   norms = {w.kind: w for w in plans[2].weights}["layer norms"]
   assert norms.spec == "P(None)" and norms.shard_shape == (32,)
-  assert "Not compiled" in plan.render(plans[2])            # 4 devices wanted, 1 here
+  assert "Not compiled" in plan_report.render(plans[2])            # 4 devices wanted, 1 here
 
 
 def test_checkpoint_config_json_wins_over_the_section(tmp_path):
   arch = model.ModelConfig(vocab_size=40, hidden_size=48, intermediate_size=80, num_layers=3,
                            num_heads=4, num_kv_heads=2, head_dim=12)
-  (tmp_path / "config.json").write_text(json.dumps(hf.hf_config_from_model(arch)))
+  (tmp_path / "config.json").write_text(json.dumps(hf_config.hf_config_from_model(arch)))
   p = plan.build(small(1, **{"model.checkpoint": str(tmp_path)}), compile_steps=False)
   assert str(tmp_path) in p.source and "config.json" in p.source
   assert (p.model_cfg.hidden_size, p.model_cfg.num_layers, p.model_cfg.vocab_size) == (48, 3, 40)
@@ -91,7 +91,7 @@ def test_small_config_reports_xla_memory_of_the_compiled_step():
   # The train state is an argument and, donated, aliased by the new state; the batch is the rest.
   assert train.alias >= p.state and train.argument > p.state
   assert train.temp > p.params          # at least the gradient accumulator
-  text = plan.render(p)
+  text = plan_report.render(p)
   assert "| train step (rl_update) |" in text and "memory_analysis()" in text
 
 
@@ -101,7 +101,7 @@ def test_eepo_config_compiles_the_forgetting_step():
   assert names[-1] == "EEPO forgetting step (eepo_forget)"
   forget = p.phases[0].compiled[-1]
   assert forget.argument >= p.params and forget.output >= p.params   # θ in, θ' out
-  assert "| EEPO forgetting step (eepo_forget) |" in plan.render(p)
+  assert "| EEPO forgetting step (eepo_forget) |" in plan_report.render(p)
 
 
 def test_qwen7b_without_enough_devices_gives_the_table_and_says_how(tmp_path, monkeypatch):
@@ -111,7 +111,7 @@ def test_qwen7b_without_enough_devices_gives_the_table_and_says_how(tmp_path, mo
   p = plan.build(cfg)
   assert p.skipped and not p.phases[0].compiled
   assert p.params == shard_formula_bytes(p.model_cfg, 8)
-  text = plan.render(p)
+  text = plan_report.render(p)
   assert "xla_force_host_platform_device_count=8" in text
   assert "DeepSeek-R1-Distill-Qwen-7B is not downloaded" in text
   assert "| parameters | 3.55 GiB |" in text and "| optimizer state | 7.09 GiB |" in text

@@ -1,0 +1,47 @@
+"""JAX's persistent compilation cache for a run.
+
+A resumed run (after a preemption or a kill) or a repeated one loads its compiled programs — the
+train step, the sampler, the scoring and evaluation programs — from disk instead of compiling them
+again: minutes at 7B on GPUs, about half the start-up of ``configs/tiny.py`` on a CPU (measured:
+a 14-step tiny run 50 s cold, 22 s with the cache filled by an earlier run). The cache is keyed by
+the program, the compile options, the devices and the JAX version, so a stale entry is never used;
+a broken entry (a kill in the middle of its write) is reported by JAX and compiled again.
+
+In multi-process runs every process reads the cache and process 0 writes it (JAX's own rule), so
+the directory should be on the shared filesystem, as the workdir already is for checkpoints.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+
+log = logging.getLogger(__name__)
+
+OFF = "off"
+# JAX's default keeps only programs that took >= 1 s to compile; a run's many small programs
+# (sampling, scoring, metrics) add up to seconds at start-up and cost kilobytes on disk.
+MIN_COMPILE_TIME_S = 0.0
+
+
+def cache_dir(setting: str, workdir: str) -> str | None:
+  """Where the run's compiled programs are kept: ``setting`` "" means WORKDIR/compile_cache,
+  unless the user set JAX's own $JAX_COMPILATION_CACHE_DIR (theirs wins: e.g. one cache shared
+  by many runs); "off" means none; anything else is a directory ("~" expanded)."""
+  if setting == OFF:
+    return None
+  if setting:
+    return os.path.abspath(os.path.expanduser(setting))
+  return os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(workdir, "compile_cache")
+
+
+def enable(setting: str, workdir: str) -> str | None:
+  """Point JAX at the run's cache before anything is compiled; returns the directory (or None)."""
+  path = cache_dir(setting, workdir)
+  if path is None:
+    return None
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_TIME_S)
+  log.info("compiled programs are cached in %s", path)
+  return path
