@@ -6,7 +6,6 @@ by direct set disjointness against large SFT corpora drawn with several seeds.
 """
 
 import re
-import time
 import warnings
 
 import numpy as np
@@ -239,15 +238,24 @@ def test_score_cases(response, answer, expected):
   assert score(response, answer) == expected
 
 
-def test_score_huge_input_is_bounded_and_fast():
+def test_score_huge_input_is_bounded():
   huge = "1" * (1 << 20)
   assert score(huge, huge) == 0.0
   assert score("1" * MAX_RESPONSE_CHARS, "1" * MAX_RESPONSE_CHARS) == 1.0
   assert score("1" * (MAX_RESPONSE_CHARS + 1), "1" * (MAX_RESPONSE_CHARS + 1)) == 0.0
-  start = time.perf_counter()
-  out = score_batch([huge] * 1000, ["1"] * 1000)
-  assert time.perf_counter() - start < 1.0
+  # O(1) per over-long response: nothing but its length is looked at (no strip, no digit scan).
+  out = score_batch([_LengthOnly(huge)] * 1000, ["1"] * 1000)
   assert not out.any()
+
+
+class _LengthOnly(str):
+  """A response whose content must not be read: any parsing of it fails the test."""
+
+  def _touched(self, *args, **kwargs):
+    raise AssertionError("an over-long response was parsed")
+
+  strip = startswith = __iter__ = __getitem__ = __eq__ = _touched
+  __hash__ = str.__hash__
 
 
 def test_score_batch_matches_score():
