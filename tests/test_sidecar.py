@@ -55,7 +55,13 @@ def sidecar_env():
 
 
 @pytest.fixture(scope="module")
-def served(sidecar_env, tmp_path_factory):
+def inductor_dir(tmp_path_factory):
+  """The shared server's torch inductor cache: it must stay empty (see the test below)."""
+  return str(tmp_path_factory.mktemp("inductor"))
+
+
+@pytest.fixture(scope="module")
+def served(sidecar_env, inductor_dir, tmp_path_factory):
   """A launched sidecar engine holding random params of the sidecar model (version 0)."""
   workdir = str(tmp_path_factory.mktemp("sidecar"))
   # Short request timeout and no per-request retry: the hang test detects a stopped server fast.
@@ -70,8 +76,10 @@ def served(sidecar_env, tmp_path_factory):
   # Started from a short-lived thread: the server must outlive it (it dies with the trainer
   # process, not with the thread that launched it).
   starter = threading.Thread(target=engine.set_weights, args=(params, 0))
-  starter.start()
-  starter.join()
+  with pytest.MonkeyPatch.context() as env:   # the server inherits the trainer's environment
+    env.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_dir)
+    starter.start()
+    starter.join()
   yield engine, graphdef, params, task
   engine.close()
 
@@ -92,6 +100,17 @@ def test_server_outlives_the_thread_that_started_it(served):
   time.sleep(1.0)
   assert engine.sidecar.alive() and healthy(engine.sidecar.url)
   assert engine.client.weight_version(engine.sidecar.url) == "0"    # labelled at the start
+
+
+def test_the_server_builds_no_kernel_into_the_inductor_cache(served, inductor_dir):
+  """vLLM's torch.compile'd sampler helpers run eager in the sidecar. Compiled, a request with
+  logprobs builds a C++ kernel into the machine-wide inductor cache, and a server killed during
+  that build leaves a 0-byte .so which every later server on the machine loads and dies of."""
+  engine, _, _, task = served
+  ids, mask = _prompts(task)
+  out = engine.generate(ids, mask, np.array([2, 1, 2]), 1.0, jax.random.PRNGKey(5))
+  assert out.mask_RxN.sum() > 0
+  assert [f for _, _, files in os.walk(inductor_dir) for f in files] == []
 
 
 @pytest.mark.parametrize("tau", [0.7, 1.3])

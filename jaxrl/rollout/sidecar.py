@@ -45,8 +45,15 @@ class LaunchConfig:
   startup_timeout: float = 300.0
   extra_args: tuple[str, ...] = ()
   # CPU build: KV cache size in GiB, and no thread pinning (the trainer shares the cores).
+  # TORCH_COMPILE_DISABLE: the server already runs eager (--enforce-eager); this keeps vLLM's few
+  # torch.compile'd sampler helpers (token ranks, random sampling) eager too. Compiled, their first
+  # call builds a C++ kernel into the machine-wide inductor cache (/tmp/torchinductor_$USER) with
+  # no atomic rename: a server killed during that build (a killed trainer takes its sidecar along)
+  # leaves a 0-byte .so there, and every later server on the machine dies at its first request
+  # ("file too short"; seen on a fresh CI machine).
   env: tuple[tuple[str, str], ...] = (("VLLM_CPU_KVCACHE_SPACE", "1"),
-                                      ("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
+                                      ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+                                      ("TORCH_COMPILE_DISABLE", "1"))
 
 
 _OWNER = "JAXRL_SIDECAR_OWNER"
