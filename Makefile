@@ -14,7 +14,7 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 
 VLLM_VENV := .venv-vllm
 
-.PHONY: run test test-fast bench vllm-env clean-venv
+.PHONY: run test bench vllm-env clean-venv
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,12 +43,19 @@ run: $(VENV)/.runtime
 # Two workers (the machines have 2 cores; most tests are single-threaded compiles), one test file
 # per worker at a time so module fixtures (the shared vLLM server) start once.
 TEST_WORKERS ?= 2
+# `make test`: every test not marked slow. `make test SLOW=1`: all of them, as CI runs them
+# (.ci/run): the vLLM sidecar against a real server, multi-process runs, kills and resumes.
+SLOW ?= 0
+ifeq ($(SLOW),1)
+TEST_ENVS := $(VENV)/.dev $(VLLM_VENV)/.stamp
+TEST_MARKS :=
+else
+TEST_ENVS := $(VENV)/.dev
+TEST_MARKS := -m "not slow"
+endif
 
-test: $(VENV)/.dev $(VLLM_VENV)/.stamp
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
-
-test-fast: $(VENV)/.dev
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+test: $(TEST_ENVS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(TEST_MARKS) $(PYTEST_ARGS)
 
 bench: $(VENV)/.dev
 	$(PY) bench/fused_logprob.py

@@ -39,7 +39,8 @@ def test_run_writes_artifacts_and_golden_step(tmp_path):
   assert [r["step"] for r in rows] == [1, 2, 3]
   # Step 3 has mixed-reward groups (a real gradient) and follows an update: its metrics are pinned.
   for key, value in GOLDEN_STEP3.items():
-    assert rows[2][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (key, rows[2][key], value)
+    rel = ACROSS_CPUS_REL if key in DEPEND_ON_CPU else 1e-4
+    assert rows[2][key] == pytest.approx(value, rel=rel, abs=1e-6), (key, rows[2][key], value)
 
 
 # Metrics of step 3 of configs/tiny.py:test (seed 0, CPU, jax 0.10.2), pinned on purpose: a change
@@ -60,3 +61,12 @@ GOLDEN_STEP3 = {
   "ratio_mean": 0.9999999403953552,
   "token_count": 11.0,
 }
+# Metrics of the params themselves depend on the CPU: XLA vectorises reductions for the host's
+# instruction set, and the warm start's 60 Adam steps amplify those rounding differences (Adam's
+# update is ~sign(g) where g is tiny). Measured: grad_norm 4.7364 on the machine that recorded the
+# values above, 4.7537 on an AMD EPYC with AVX2 (3.7e-3 relative; entropy 3.8e-4, entropy_rollout
+# 4.7e-4). Everything else in the row (rewards, lengths, counts, the on-policy loss) is exact on
+# both. So these three catch gross changes only; the loss, sampler and optimizer maths are pinned
+# by the equivalence tests (test_losses, test_step, test_logprobs, test_sampler).
+DEPEND_ON_CPU = ("entropy", "entropy_rollout", "grad_norm")
+ACROSS_CPUS_REL = 1e-2
