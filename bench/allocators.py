@@ -43,8 +43,12 @@ def parse_args():
   parser.add_argument("--Q", type=int, default=1_000_000, help="questions in the pool")
   parser.add_argument("--B", type=int, default=512, help="questions per batch")
   parser.add_argument("--G", type=int, default=8, help="group size (mean rollouts per question)")
-  parser.add_argument("--epoch", type=int, default=2,
-                      help="0-based epoch that just ended (sets E3's bounds for the next one)")
+  parser.add_argument(
+    "--epoch",
+    type=int,
+    default=2,
+    help="0-based epoch that just ended (sets E3's bounds for the next one)",
+  )
   parser.add_argument("--g-min", type=int, default=4, help="DynaMO lower bound")
   parser.add_argument("--g-max", type=int, default=12, help="DynaMO upper bound")
   parser.add_argument("--repeats", type=int, default=50)
@@ -107,8 +111,10 @@ def table_rows(baseline, compile_s, times):
   for name, samples in times.items():
     p10, p90 = np.percentile(samples, [10, 90])
     ratio = statistics.median(t / b for t, b in zip(samples, times[baseline]))
-    rows.append(f"| {name} | {fmt_time(statistics.median(samples))} | {fmt_time(p10)} – "
-                f"{fmt_time(p90)} | {ratio:.2f} | {compile_s[name]:.2f} |")
+    rows.append(
+      f"| {name} | {fmt_time(statistics.median(samples))} | {fmt_time(p10)} – "
+      f"{fmt_time(p90)} | {ratio:.2f} | {compile_s[name]:.2f} |"
+    )
   return rows
 
 
@@ -116,8 +122,10 @@ def check_counts(name, counts_B, args):
   """Check that Σ counts = B·G (the fixed rollout count); return "min–max" for the table."""
   counts_B = np.asarray(counts_B)
   if counts_B.shape != (args.B,) or int(counts_B.sum()) != args.B * args.G:
-    raise AssertionError(f"{name}: counts of shape {counts_B.shape} sum to {counts_B.sum()}, "
-                         f"expected shape ({args.B},) and sum {args.B * args.G}")
+    raise AssertionError(
+      f"{name}: counts of shape {counts_B.shape} sum to {counts_B.sum()}, "
+      f"expected shape ({args.B},) and sum {args.B * args.G}"
+    )
   return f"{counts_B.min()}–{counts_B.max()}"
 
 
@@ -143,8 +151,10 @@ def main():
   argsort_name = f"baseline: jnp.argsort of {args.Q:,} f32"
   pool_variants = {
     argsort_name: (jnp.argsort, (avg_Q,)),
-    "e3_difficulty(reward_sum, seen)": (allocation.e3_difficulty,
-                                        (stats.reward_sum_Q, stats.seen_Q)),
+    "e3_difficulty(reward_sum, seen)": (
+      allocation.e3_difficulty,
+      (stats.reward_sum_Q, stats.seen_Q),
+    ),
     "e3_allocator.on_epoch_end": (e3.on_epoch_end, (e3.init(args.Q), stats, epoch)),
   }
   pool_compile, pool_times, pool_out = time_group(pool_variants, args.repeats)
@@ -158,9 +168,12 @@ def main():
     full_name: (lambda ids: jnp.full(ids.shape, args.G, jnp.int32), (ids_B,)),
     "e3_allocate(k_B, G, g_min, g_max)": (
       lambda k, lo, hi: allocation.e3_allocate(k, args.G, lo, hi),
-      (rank_B, e3_state.g_min, e3_state.g_max)),
+      (rank_B, e3_state.g_min, e3_state.g_max),
+    ),
     "dynamo_priority + dynamo_allocate": (
-      dynamo_reference, (seen_B, correct_B, jnp.int32(args.g_min), jnp.int32(args.g_max))),
+      dynamo_reference,
+      (seen_B, correct_B, jnp.int32(args.g_min), jnp.int32(args.g_max)),
+    ),
     "uniform_allocator.allocate": (uniform.allocate, (uniform.init(args.Q), stats, ids_B)),
     "e3_allocator.allocate": (e3.allocate, (e3_state, stats, ids_B)),
     "dynamo_allocator.allocate": (dynamo.allocate, (dynamo_state, stats, ids_B)),
@@ -176,16 +189,20 @@ def main():
   if not np.array_equal(np.asarray(pool_out["e3_allocator.on_epoch_end"].rank_Q), k_Q):
     raise AssertionError("e3_allocator.on_epoch_end: ranks differ from e3_difficulty")
   ranges = {name: check_counts(name, out, args) for name, out in batch_out.items()}
-  if not np.array_equal(batch_out["e3_allocator.allocate"],
-                        batch_out["e3_allocate(k_B, G, g_min, g_max)"]):
+  if not np.array_equal(
+    batch_out["e3_allocator.allocate"], batch_out["e3_allocate(k_B, G, g_min, g_max)"]
+  ):
     raise AssertionError("e3_allocator.allocate differs from e3_allocate on the same ranks")
-  if not np.array_equal(batch_out["dynamo_allocator.allocate"],
-                        batch_out["dynamo_priority + dynamo_allocate"]):
+  if not np.array_equal(
+    batch_out["dynamo_allocator.allocate"], batch_out["dynamo_priority + dynamo_allocate"]
+  ):
     raise AssertionError("dynamo_allocator.allocate differs from dynamo_priority + dynamo_allocate")
 
   seen_np = np.asarray(stats.seen_Q)
-  header = ["| variant | median | p10 – p90 | ratio to baseline | compile (s) |",
-            "|---|---:|---:|---:|---:|"]
+  header = [
+    "| variant | median | p10 – p90 | ratio to baseline | compile (s) |",
+    "|---|---:|---:|---:|---:|",
+  ]
   lines = [
     f"Q={args.Q:,} questions, B={args.B}, G={args.G}; E3 bounds after epoch {args.epoch} "
     f"[{g_min_e3}, {g_max_e3}], DynaMO [{args.g_min}, {args.g_max}]; statistics: "
@@ -204,8 +221,10 @@ def main():
     "",
     *[h.replace(" compile (s) |", " compile (s) | counts |") for h in header[:1]],
     header[1] + "---:|",
-    *[row + f" {ranges[name]} |"
-      for row, name in zip(table_rows(full_name, batch_compile, batch_times), batch_times)],
+    *[
+      row + f" {ranges[name]} |"
+      for row, name in zip(table_rows(full_name, batch_compile, batch_times), batch_times)
+    ],
   ]
   table = "\n".join(lines) + "\n"
   print(table)

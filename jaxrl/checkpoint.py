@@ -9,6 +9,7 @@ threads can block forever, and a trainer that hangs is worse than one that says 
 does not settle in time counts as failed; its threads are abandoned (``unsettled()``), and since
 they are not daemons the process must leave with ``os._exit`` (``jaxrl.main`` does).
 """
+
 from __future__ import annotations
 
 import glob
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 # minutes on a slow disk); past it the write counts as failed.
 SETTLE_TIMEOUT_S = 600.0
 
-_abandoned: list[Future] = []   # calls into orbax given up on
+_abandoned: list[Future] = []  # calls into orbax given up on
 
 
 def unsettled() -> bool:
@@ -65,7 +66,7 @@ class _OrbaxThread:
     result: Future = Future()
     self._calls.put((fn, result))
     try:
-      error = result.exception(timeout)   # a Ctrl-C while waiting is raised here, as it should
+      error = result.exception(timeout)  # a Ctrl-C while waiting is raised here, as it should
     except FutureTimeout:
       _abandoned.append(result)
       return result, None
@@ -79,7 +80,7 @@ def _brief(error: Exception) -> str:
   code = re.search(r"\[os_error_code='?\d+'?\]", text)
   if code:
     start = text.rfind("Failed", 0, code.start())
-    return text[max(start, 0):code.end()]
+    return text[max(start, 0) : code.end()]
   return f"{type(error).__name__}: {text[:300]}"
 
 
@@ -90,20 +91,24 @@ class CheckpointError(RuntimeError):
 class Checkpointer:
   """A thin wrapper over ``ocp.CheckpointManager`` with one pytree item and one JSON item."""
 
-  def __init__(self, directory: str, keep: int, async_save: bool = True,
-               settle_timeout: float | None = None):
+  def __init__(
+    self, directory: str, keep: int, async_save: bool = True, settle_timeout: float | None = None
+  ):
     self.directory = os.path.abspath(directory)
     self.settle_timeout = SETTLE_TIMEOUT_S if settle_timeout is None else float(settle_timeout)
     # A write that failed (disk full, permissions, a kill) leaves only an orbax tmp directory: it
     # never counts as a checkpoint, and the next manager removes it.
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                           enable_async_checkpointing=async_save,
-                                           cleanup_tmp_directories=True)
+    options = ocp.CheckpointManagerOptions(
+      max_to_keep=keep,
+      create=True,
+      enable_async_checkpointing=async_save,
+      cleanup_tmp_directories=True,
+    )
     self._mgr = ocp.CheckpointManager(self.directory, options=options)
     self._orbax = _OrbaxThread()
-    self._pending: int | None = None    # step of the write in flight
-    self._stuck: tuple[int, Future] | None = None   # (step, wait) past the timeout
-    self.failed: list[int] = []         # steps whose write failed
+    self._pending: int | None = None  # step of the write in flight
+    self._stuck: tuple[int, Future] | None = None  # (step, wait) past the timeout
+    self.failed: list[int] = []  # steps whose write failed
     self.last_error: str | None = None
     # The last complete checkpoint, kept here so that reporting a write that never settled needs
     # no directory listing (on a hung disk that blocks too).
@@ -125,8 +130,7 @@ class Checkpointer:
     args = ocp.args.Composite(tree=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta))
     # The synchronous part (device-to-host copies, directories; the whole write when not async)
     # may block on the disk too.
-    stuck, error = self._orbax.call(lambda: self._mgr.save(step, args=args),
-                                    self.settle_timeout)
+    stuck, error = self._orbax.call(lambda: self._mgr.save(step, args=args), self.settle_timeout)
     if stuck is not None:
       self._give_up(step, stuck)
       return False
@@ -153,46 +157,57 @@ class Checkpointer:
     self._stuck = (step, wait)
     # Its tmp directory stays: orbax's threads may still write there (a resume removes it). The
     # disk may not answer: nothing here touches it.
-    self._record(step, f"the write did not finish within {self.settle_timeout:g} s",
-                 reload=False)
+    self._record(step, f"the write did not finish within {self.settle_timeout:g} s", reload=False)
 
   def _blocked(self, step: int) -> bool:
     """Whether a write given up on is still running (then ``step`` fails without a wait)."""
     if self._stuck is None:
       return False
     stuck_step, wait = self._stuck
-    if wait.done():   # it ended late: orbax is usable again
+    if wait.done():  # it ended late: orbax is usable again
       self._stuck = None
       self._mgr.reload()
-      self._latest = self._mgr.latest_step()   # the disk answers again; the late write may count
+      self._latest = self._mgr.latest_step()  # the disk answers again; the late write may count
       log.warning("the checkpoint write of step %d finished late; saving resumes", stuck_step)
       return False
-    self._record(step, f"not started: the write of step {stuck_step} did not finish within "
-                       f"{self.settle_timeout:g} s", reload=False)
+    self._record(
+      step,
+      f"not started: the write of step {stuck_step} did not finish within "
+      f"{self.settle_timeout:g} s",
+      reload=False,
+    )
     return True
 
   def _failed(self, step, error: BaseException) -> None:
     pattern = os.path.join(glob.escape(self.directory), f"{step}.orbax-checkpoint-tmp*")
-    for partial in glob.glob(pattern):   # never a checkpoint: free its space
+    for partial in glob.glob(pattern):  # never a checkpoint: free its space
       shutil.rmtree(partial, ignore_errors=True)
     self._record(step, _brief(error))
 
   def _record(self, step: int, reason: str, reload: bool = True) -> None:
     self.failed.append(step)
     self.last_error = reason
-    if reload:   # orbax forgets the failed step (its next save must not count it)
+    if reload:  # orbax forgets the failed step (its next save must not count it)
       self._mgr.reload()
     latest = self._latest
-    log.error("checkpoint at step %s failed (%s); %s", step, reason,
-              f"the latest usable checkpoint is step {latest} in {self.directory}"
-              if latest is not None else f"there is no usable checkpoint in {self.directory}")
+    log.error(
+      "checkpoint at step %s failed (%s); %s",
+      step,
+      reason,
+      f"the latest usable checkpoint is step {latest} in {self.directory}"
+      if latest is not None
+      else f"there is no usable checkpoint in {self.directory}",
+    )
 
   def restore(self, step: int, abstract_tree):
     """(tree, meta) restored into the structure, dtypes and shardings of ``abstract_tree``."""
     target = jax.tree.map(
-        lambda x: ocp.utils.to_shape_dtype_struct(x) if hasattr(x, "shape") else x, abstract_tree)
-    out = self._mgr.restore(step, args=ocp.args.Composite(tree=ocp.args.StandardRestore(target),
-                                                          meta=ocp.args.JsonRestore()))
+      lambda x: ocp.utils.to_shape_dtype_struct(x) if hasattr(x, "shape") else x, abstract_tree
+    )
+    out = self._mgr.restore(
+      step,
+      args=ocp.args.Composite(tree=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
+    )
     return out["tree"], out["meta"]
 
   def restore_params(self, step: int, abstract_params):
@@ -202,10 +217,15 @@ class Checkpointer:
 
   def restore_part(self, step: int, target):
     """A sub-tree of checkpoint ``step`` (same keys, any subset), onto ``target``'s shardings."""
-    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype),
-                                target)
-    out = self._mgr.restore(step, args=ocp.args.Composite(tree=ocp.args.PyTreeRestore(
-        item=target, restore_args=restore_args, partial_restore=True)))
+    restore_args = jax.tree.map(
+      lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype), target
+    )
+    out = self._mgr.restore(
+      step,
+      args=ocp.args.Composite(
+        tree=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
+      ),
+    )
     return out["tree"]
 
   def wait(self) -> None:
@@ -217,7 +237,7 @@ class Checkpointer:
     """Settle the write in flight, then release orbax; never blocks past ``settle_timeout``."""
     self._settle()
     if self._stuck is not None and not self._stuck[1].done():
-      return   # orbax's close would join the blocked threads: leave them (see ``unsettled``)
+      return  # orbax's close would join the blocked threads: leave them (see ``unsettled``)
     _, error = self._orbax.call(self._mgr.close, self.settle_timeout)
     self._orbax.stop()
     if error is not None:

@@ -12,6 +12,7 @@ again, at every start, until the file (or the directory) is deleted; results are
 In multi-process runs every process reads the cache and process 0 writes it (JAX's own rule), so
 the directory should be on the shared filesystem, as the workdir already is for checkpoints.
 """
+
 from __future__ import annotations
 
 import logging

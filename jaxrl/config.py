@@ -4,6 +4,7 @@ Config files (``configs/*.py``) stay Python and return a ConfigDict; ``from_conf
 into these dataclasses at the boundary and validates it before anything is compiled. Every problem
 raises ``ConfigError`` naming the dotted field; ``jaxrl.main`` prints that one line and exits 2.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,7 +22,7 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
-  vocab_size: int = 0               # 0: take the tokenizer's size
+  vocab_size: int = 0  # 0: take the tokenizer's size
   hidden_size: int = 128
   intermediate_size: int = 384
   num_layers: int = 4
@@ -33,70 +34,76 @@ class ModelSection:
   qkv_bias: bool = True
   qk_norm: bool = False
   tie_embeddings: bool = True
-  dtype: str = "float32"            # compute dtype of activations and matmuls
-  param_dtype: str = "float32"      # storage dtype of the params (and so of their gradients)
-  scan_layers: bool = False         # layers stacked on one axis and lax.scan'ed: compile time flat in depth
-  remat: str = "none"               # per-layer rematerialisation: none | full | dots | offload
-  attention_block: int = 512        # queries per attention block: memory O(block x T), not O(T^2)
+  dtype: str = "float32"  # compute dtype of activations and matmuls
+  param_dtype: str = "float32"  # storage dtype of the params (and so of their gradients)
+  scan_layers: bool = (
+    False  # layers stacked on one axis and lax.scan'ed: compile time flat in depth
+  )
+  remat: str = "none"  # per-layer rematerialisation: none | full | dots | offload
+  attention_block: int = 512  # queries per attention block: memory O(block x T), not O(T^2)
   # HF-layout directory to start from ("" = random init + SFT). Its config.json then defines the
   # architecture (the fields above up to tie_embeddings only describe a model built from scratch,
   # or one planned with --plan before its weights are downloaded).
   checkpoint: str = ""
-  hub_id: str = ""                  # where to download ``checkpoint`` from, for the error message
+  hub_id: str = ""  # where to download ``checkpoint`` from, for the error message
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskSection:
   name: str = "arithmetic"
-  levels: str = ""                  # "" = the task's default grid; else "da x db op, ..." e.g. "1x1+,2x2+"
+  levels: str = ""  # "" = the task's default grid; else "da x db op, ..." e.g. "1x1+,2x2+"
   num_train_per_level: int = 400
   num_heldout_per_level: int = 48
   reverse_answer: bool = True
-  digit_width: int = 0              # > 0: aligned layout, numbers zero-padded LSB-first (see data/arithmetic.py)
-  max_prompt_len: int = 0          # 0: the longest prompt of the task (+BOS); else a fixed P
+  digit_width: int = (
+    0  # > 0: aligned layout, numbers zero-padded LSB-first (see data/arithmetic.py)
+  )
+  max_prompt_len: int = 0  # 0: the longest prompt of the task (+BOS); else a fixed P
 
 
 @dataclasses.dataclass(frozen=True)
 class DataSection:
   """Math datasets for ``task.name = "math"``: local jsonl / parquet / ``datasets.save_to_disk`` dirs."""
-  train: str = ""                   # "PATH[:WEIGHT],..." a weighted mixture of datasets
-  heldout: str = ""                 # validation set, evaluated before/after and every eval.every steps
-  split: str = "train"              # the split of a DatasetDict saved with save_to_disk
-  question_field: str = "problem"   # dotted paths into a row, e.g. "reward_model.ground_truth"
+
+  train: str = ""  # "PATH[:WEIGHT],..." a weighted mixture of datasets
+  heldout: str = ""  # validation set, evaluated before/after and every eval.every steps
+  split: str = "train"  # the split of a DatasetDict saved with save_to_disk
+  question_field: str = "problem"  # dotted paths into a row, e.g. "reward_model.ground_truth"
   answer_field: str = "answer"
-  id_field: str = ""                # "" = the row number
-  level_field: str = ""             # "" = one level; else rows are grouped by this field's value
-  strict: bool = False              # a row with an empty question or missing answer is an error
-  template: str = "boxed"           # boxed (asks for \boxed{}) | plain | a string with {question}
+  id_field: str = ""  # "" = the row number
+  level_field: str = ""  # "" = one level; else rows are grouped by this field's value
+  strict: bool = False  # a row with an empty question or missing answer is an error
+  template: str = "boxed"  # boxed (asks for \boxed{}) | plain | a string with {question}
   system_prompt: str = ""
-  chat_template: bool = True        # wrap in the tokenizer's chat template when it has one
-  overlength: str = "drop"          # prompts longer than task.max_prompt_len: drop | truncate | error
-  max_heldout: int = 0              # 0 = every held-out question
+  chat_template: bool = True  # wrap in the tokenizer's chat template when it has one
+  overlength: str = "drop"  # prompts longer than task.max_prompt_len: drop | truncate | error
+  max_heldout: int = 0  # 0 = every held-out question
 
 
 @dataclasses.dataclass(frozen=True)
 class RewardSection:
   """Math rewards run in a pool of worker processes (``jaxrl.rewards.pool``)."""
-  fn: str = ""                      # "" = the task's verifier; else "module:function"
-  workers: int = 0                  # 0 = min(8, CPUs)
-  time_limit: float = 5.0           # seconds per answer; over it the answer scores 0 (counted)
+
+  fn: str = ""  # "" = the task's verifier; else "module:function"
+  workers: int = 0  # 0 = min(8, CPUs)
+  time_limit: float = 5.0  # seconds per answer; over it the answer scores 0 (counted)
   memory_limit_mb: int = 4096
 
 
 @dataclasses.dataclass(frozen=True)
 class SFTSection:
-  steps: int = 600                  # at most this many steps
+  steps: int = 600  # at most this many steps
   batch_size: int = 128
   learning_rate: float = 3e-3
   warmup_steps: int = 30
   weight_decay: float = 0.0
-  target_loss: float = 0.0          # > 0: stop once the loss (EMA) is below it
+  target_loss: float = 0.0  # > 0: stop once the loss (EMA) is below it
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSection:
   engine: str = "jax"
-  group_size: int = 8               # G: rollouts per question (uniform allocation)
+  group_size: int = 8  # G: rollouts per question (uniform allocation)
   max_new_tokens: int = 8
   temperature: float = 1.0
   top_p: float = 1.0
@@ -105,23 +112,24 @@ class RolloutSection:
 @dataclasses.dataclass(frozen=True)
 class VllmSection:
   """The vLLM sidecar (``rollout.engine = "vllm"``): launched from ``python``, or attached by ``urls``."""
-  python: str = ".venv-vllm/bin/python"   # the sidecar environment (`make vllm-env`)
+
+  python: str = ".venv-vllm/bin/python"  # the sidecar environment (`make vllm-env`)
   # "" = launch a server (one per process); else comma-separated URLs to attach to, shared by every
   # process (each host's localhost) or one group per process separated by ";"
   urls: str = ""
-  host: str = "127.0.0.1"           # the dev endpoints have no authentication: never 0.0.0.0 by default
-  port: int = 0                     # 0 = a free port
-  dtype: str = ""                   # "" = model.dtype
-  max_model_len: int = 0            # 0 = prompt length + the longest response of any phase
+  host: str = "127.0.0.1"  # the dev endpoints have no authentication: never 0.0.0.0 by default
+  port: int = 0  # 0 = a free port
+  dtype: str = ""  # "" = model.dtype
+  max_model_len: int = 0  # 0 = prompt length + the longest response of any phase
   max_num_seqs: int = 64
-  startup_timeout: float = 300.0    # seconds until /health answers
-  request_timeout: float = 120.0    # seconds per completion request
-  retries: int = 2                  # per request, before the rollout counts as failed
-  max_restarts: int = 2             # sidecar restarts per rollout before the run stops
-  sync_every: int = 1               # push the weights every k steps (k > 1: rollouts up to k-1 stale)
-  weight_transfer: str = "files"    # files (HF safetensors + reload_weights) | nccl (GPU only)
-  weights_dir: str = ""             # "" = tmpfs (/dev/shm) when it has room, else WORKDIR/sidecar
-  extra_args: str = ""              # appended to the server's command line
+  startup_timeout: float = 300.0  # seconds until /health answers
+  request_timeout: float = 120.0  # seconds per completion request
+  retries: int = 2  # per request, before the rollout counts as failed
+  max_restarts: int = 2  # sidecar restarts per rollout before the run stops
+  sync_every: int = 1  # push the weights every k steps (k > 1: rollouts up to k-1 stale)
+  weight_transfer: str = "files"  # files (HF safetensors + reload_weights) | nccl (GPU only)
+  weights_dir: str = ""  # "" = tmpfs (/dev/shm) when it has room, else WORKDIR/sidecar
+  extra_args: str = ""  # appended to the server's command line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +143,8 @@ class OptimSection:
   grad_clip: float = 1.0
   b1: float = 0.9
   b2: float = 0.99
-  state_dtype: str = "float32"      # AdamW moments (float32 even for bfloat16 params)
-  max_nonfinite_steps: int = 5      # consecutive steps with a skipped non-finite update → stop
+  state_dtype: str = "float32"  # AdamW moments (float32 even for bfloat16 params)
+  max_nonfinite_steps: int = 5  # consecutive steps with a skipped non-finite update → stop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,15 +152,15 @@ class LossSection:
   aggregation: str = "token-mean"
   eps_low: float = 0.2
   eps_high: float = 0.28
-  dual_clip: float = 0.0            # 0 = off; else c > 1
-  kl_coef: float = 0.0              # > 0 turns on KL to the frozen reference (the SFT policy)
+  dual_clip: float = 0.0  # 0 = off; else c > 1
+  kl_coef: float = 0.0  # > 0 turns on KL to the frozen reference (the SFT policy)
   kl_estimator: str = "k3"
   entropy_coef: float = 0.0
   informative_only: bool = True
   scale_by_std: bool = True
-  mini_batches: int = 1             # optimizer updates per step; > 1 makes later updates off-policy
-  micro_batches: int = 1            # gradient accumulation within each mini-batch
-  logprob_chunk: int = 128         # tokens per chunk of the fused log-prob (bench/fused_logprob.py)
+  mini_batches: int = 1  # optimizer updates per step; > 1 makes later updates off-policy
+  micro_batches: int = 1  # gradient accumulation within each mini-batch
+  logprob_chunk: int = 128  # tokens per chunk of the fused log-prob (bench/fused_logprob.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,10 +172,10 @@ class MeshSection:
 
 @dataclasses.dataclass(frozen=True)
 class EvalSection:
-  num_samples: int = 8              # n samples per held-out question at temperature
+  num_samples: int = 8  # n samples per held-out question at temperature
   temperature: float = 1.0
   ks: str = "1,8"
-  every: int = 0                    # 0 = only before and after training
+  every: int = 0  # 0 = only before and after training
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,12 +200,13 @@ class CheckpointSection:
 @dataclasses.dataclass(frozen=True)
 class AllocationSection:
   """How the step's fixed budget R = batch_questions * rollout.group_size is split over questions."""
-  method: str = "uniform"           # uniform | e3 | dynamo
-  e3_step: int = 2                  # E3 bounds curriculum: G_min/G_max widen by this per epoch
+
+  method: str = "uniform"  # uniform | e3 | dynamo
+  e3_step: int = 2  # E3 bounds curriculum: G_min/G_max widen by this per epoch
   e3_g_min_floor: int = 4
   e3_g_max_cap: int = 12
-  e3_curriculum: bool = True        # False: bounds stay (g_min, g_max) below
-  g_min: int = 4                    # DynaMO bounds (and E3 bounds without the curriculum)
+  e3_curriculum: bool = True  # False: bounds stay (g_min, g_max) below
+  g_min: int = 4  # DynaMO bounds (and E3 bounds without the curriculum)
   g_max: int = 12
   dynamo_min_history: int = 4
   dynamo_floor: float = 0.01
@@ -206,9 +215,9 @@ class AllocationSection:
 
 @dataclasses.dataclass(frozen=True)
 class TemperatureSection:
-  method: str = "fixed"             # fixed (rollout.temperature) | e3 (entropy targeting)
-  anneal: bool = True               # E3 annealing of the entropy target (Eq. 5)
-  anneal_start: int = 0             # 0: floor(0.6 * steps)
+  method: str = "fixed"  # fixed (rollout.temperature) | e3 (entropy targeting)
+  anneal: bool = True  # E3 annealing of the entropy target (Eq. 5)
+  anneal_start: int = 0  # 0: floor(0.6 * steps)
   eta: float = 0.9
   tau_min: float = 0.1
   tau_max: float = 3.0
@@ -216,11 +225,11 @@ class TemperatureSection:
 
 @dataclasses.dataclass(frozen=True)
 class ClipSection:
-  method: str = "fixed"             # fixed (loss.eps_high) | adaptive (Entropy Scheduling)
-  schedule: str = "constant"        # constant | cosine | stable_then_anneal
-  h_target: float = 0.2             # constant target, and H_0 of the decaying schedules
+  method: str = "fixed"  # fixed (loss.eps_high) | adaptive (Entropy Scheduling)
+  schedule: str = "constant"  # constant | cosine | stable_then_anneal
+  h_target: float = 0.2  # constant target, and H_0 of the decaying schedules
   h_end: float = 0.1
-  rho: float = 0.1                  # stable_then_anneal: the last rho * steps anneal
+  rho: float = 0.1  # stable_then_anneal: the last rho * steps anneal
   c0: float = 0.28
   c_min: float = 0.2
   c_max: float = 0.4
@@ -232,17 +241,17 @@ class ClipSection:
 @dataclasses.dataclass(frozen=True)
 class EEPOSection:
   enabled: bool = False
-  m: int = 3                        # gate: mean entropy of the last m steps ...
-  alpha: float = 0.3                # ... below alpha fires the unlearning step
-  lr: float = 3e-3                  # eta of the plain SGD ascent step on the rollout copy
+  m: int = 3  # gate: mean entropy of the last m steps ...
+  alpha: float = 0.3  # ... below alpha fires the unlearning step
+  lr: float = 3e-3  # eta of the plain SGD ascent step on the rollout copy
   eps_l: float = 1e-3
   eps_r: float = 1e-2
-  old_logp_from: str = "rollout"    # rollout (θ', the paper) | policy (recompute under θ)
+  old_logp_from: str = "rollout"  # rollout (θ', the paper) | policy (recompute under θ)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModulationSection:
-  enabled: bool = False             # DynaMO token-level advantage modulation
+  enabled: bool = False  # DynaMO token-level advantage modulation
   alpha: float = 0.4
   gamma: float = 50.0
   tau: float = 0.9
@@ -253,18 +262,19 @@ class AnnealPhaseSection:
   """The annealing-phase curriculum (Entropy Scheduling §5): from step ``start`` on, the run samples
   a different data mixture, more rollouts per question and longer responses. The switch compiles the
   train step and the sampler once for the new shapes; nothing recompiles afterwards."""
+
   enabled: bool = False
-  start: int = 0                    # first step; 0 = where the entropy schedule anneals (else 0.6·steps)
-  mixture: str = ""                 # "" = keep; else "LEVEL:WEIGHT,..." e.g. "4x4+:1,5x5+:2"
-  group_size: int = 0               # 0 = keep (paper: 8 → 32); allocation bounds scale with it
-  max_new_tokens: int = 0           # 0 = keep (paper: 4k → 16k)
+  start: int = 0  # first step; 0 = where the entropy schedule anneals (else 0.6·steps)
+  mixture: str = ""  # "" = keep; else "LEVEL:WEIGHT,..." e.g. "4x4+:1,5x5+:2"
+  group_size: int = 0  # 0 = keep (paper: 8 → 32); allocation bounds scale with it
+  max_new_tokens: int = 0  # 0 = keep (paper: 4k → 16k)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
   seed: int = 0
-  steps: int = 200                  # RL steps
-  batch_questions: int = 16         # B: questions per RL step
+  steps: int = 200  # RL steps
+  batch_questions: int = 16  # B: questions per RL step
   # Compiled programs kept across runs (jaxrl.compile_cache): "" = WORKDIR/compile_cache (or JAX's
   # own $JAX_COMPILATION_CACHE_DIR when set), "off", or a directory shared by several runs.
   compile_cache: str = ""
@@ -300,16 +310,23 @@ class Config:
     p = self.anneal_phase
     g = p.group_size or self.rollout.group_size
     ratio = g / self.rollout.group_size
-    lo = lambda b: max(1, min(g, int(b * ratio)))    # scaled bounds still contain G
+    lo = lambda b: max(1, min(g, int(b * ratio)))  # scaled bounds still contain G
     hi = lambda b: max(g, -(-int(b * g) // self.rollout.group_size))
     a = self.allocation
     return dataclasses.replace(
-        self, anneal_phase=dataclasses.replace(p, enabled=False),
-        rollout=dataclasses.replace(self.rollout, group_size=g,
-                                    max_new_tokens=p.max_new_tokens or self.rollout.max_new_tokens),
-        allocation=dataclasses.replace(a, g_min=lo(a.g_min), g_max=hi(a.g_max),
-                                       e3_g_min_floor=lo(a.e3_g_min_floor),
-                                       e3_g_max_cap=hi(a.e3_g_max_cap)))
+      self,
+      anneal_phase=dataclasses.replace(p, enabled=False),
+      rollout=dataclasses.replace(
+        self.rollout, group_size=g, max_new_tokens=p.max_new_tokens or self.rollout.max_new_tokens
+      ),
+      allocation=dataclasses.replace(
+        a,
+        g_min=lo(a.g_min),
+        g_max=hi(a.g_max),
+        e3_g_min_floor=lo(a.e3_g_min_floor),
+        e3_g_max_cap=hi(a.e3_g_max_cap),
+      ),
+    )
 
   @property
   def eval_ks(self) -> tuple[int, ...]:
@@ -317,21 +334,21 @@ class Config:
 
 
 _CHOICES = {
-    "loss.aggregation": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-    "loss.kl_estimator": ("k1", "k2", "k3"),
-    "rollout.engine": ("jax", "vllm"),
-    "vllm.weight_transfer": ("files", "nccl"),
-    "model.dtype": ("float32", "bfloat16"),
-    "model.param_dtype": ("float32", "bfloat16"),
-    "model.remat": ("none", "full", "dots", "offload"),
-    "optim.state_dtype": ("float32", "bfloat16"),
-    "task.name": ("arithmetic", "math"),
-    "data.overlength": ("drop", "truncate", "error"),
-    "allocation.method": ("uniform", "e3", "dynamo"),
-    "temperature.method": ("fixed", "e3"),
-    "clip.method": ("fixed", "adaptive"),
-    "clip.schedule": ("constant", "cosine", "stable_then_anneal"),
-    "eepo.old_logp_from": ("rollout", "policy"),
+  "loss.aggregation": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+  "loss.kl_estimator": ("k1", "k2", "k3"),
+  "rollout.engine": ("jax", "vllm"),
+  "vllm.weight_transfer": ("files", "nccl"),
+  "model.dtype": ("float32", "bfloat16"),
+  "model.param_dtype": ("float32", "bfloat16"),
+  "model.remat": ("none", "full", "dots", "offload"),
+  "optim.state_dtype": ("float32", "bfloat16"),
+  "task.name": ("arithmetic", "math"),
+  "data.overlength": ("drop", "truncate", "error"),
+  "allocation.method": ("uniform", "e3", "dynamo"),
+  "temperature.method": ("fixed", "e3"),
+  "clip.method": ("fixed", "adaptive"),
+  "clip.schedule": ("constant", "cosine", "stable_then_anneal"),
+  "eepo.old_logp_from": ("rollout", "policy"),
 }
 
 
@@ -339,8 +356,9 @@ def _check_type(path: str, value: Any, annotation: Any) -> Any:
   hint = annotation
   if hint is float and isinstance(value, int) and not isinstance(value, bool):
     return float(value)
-  if hint in (int, float, str, bool) and not (isinstance(value, hint) and
-                                              not (hint is int and isinstance(value, bool))):
+  if hint in (int, float, str, bool) and not (
+    isinstance(value, hint) and not (hint is int and isinstance(value, bool))
+  ):
     raise ConfigError(path, f"expected {hint.__name__}, got {type(value).__name__} {value!r}")
   return value
 
@@ -382,23 +400,40 @@ def _validate(cfg: Config) -> None:
   need(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0")
   need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
   need(cfg.loss.eps_low >= 0 and cfg.loss.eps_high >= 0, "loss.eps_low", "clip ranges must be >= 0")
-  need(cfg.loss.dual_clip == 0 or cfg.loss.dual_clip > 1, "loss.dual_clip", "must be 0 (off) or > 1")
+  need(
+    cfg.loss.dual_clip == 0 or cfg.loss.dual_clip > 1, "loss.dual_clip", "must be 0 (off) or > 1"
+  )
   need(cfg.loss.mini_batches >= 1, "loss.mini_batches", "must be >= 1")
   need(cfg.loss.micro_batches >= 1, "loss.micro_batches", "must be >= 1")
   chunks = cfg.loss.mini_batches * cfg.loss.micro_batches
-  need(cfg.num_rollouts % chunks == 0, "loss.micro_batches",
-       f"R = batch_questions*group_size = {cfg.num_rollouts} is not divisible by "
-       f"mini_batches*micro_batches = {chunks}")
+  need(
+    cfg.num_rollouts % chunks == 0,
+    "loss.micro_batches",
+    f"R = batch_questions*group_size = {cfg.num_rollouts} is not divisible by "
+    f"mini_batches*micro_batches = {chunks}",
+  )
   m = cfg.model
-  need(m.num_heads % max(m.num_kv_heads, 1) == 0 and m.num_kv_heads > 0, "model.num_kv_heads",
-       f"num_heads={m.num_heads} must be a positive multiple of num_kv_heads={m.num_kv_heads}")
+  need(
+    m.num_heads % max(m.num_kv_heads, 1) == 0 and m.num_kv_heads > 0,
+    "model.num_kv_heads",
+    f"num_heads={m.num_heads} must be a positive multiple of num_kv_heads={m.num_kv_heads}",
+  )
   need(m.head_dim % 2 == 0, "model.head_dim", "must be even (RoPE)")
-  need(cfg.task.name != "math" or bool(m.checkpoint), "model.checkpoint",
-       "the math task starts from a pretrained HF checkpoint: set model.checkpoint")
-  need(cfg.task.name != "math" or bool(cfg.data.train), "data.train",
-       "the math task needs a training set: data.train = PATH[:WEIGHT],...")
-  need(cfg.task.name != "math" or cfg.sft.steps == 0, "sft.steps",
-       "the math task has no SFT corpus (it starts from a pretrained checkpoint): set sft.steps=0")
+  need(
+    cfg.task.name != "math" or bool(m.checkpoint),
+    "model.checkpoint",
+    "the math task starts from a pretrained HF checkpoint: set model.checkpoint",
+  )
+  need(
+    cfg.task.name != "math" or bool(cfg.data.train),
+    "data.train",
+    "the math task needs a training set: data.train = PATH[:WEIGHT],...",
+  )
+  need(
+    cfg.task.name != "math" or cfg.sft.steps == 0,
+    "sft.steps",
+    "the math task has no SFT corpus (it starts from a pretrained checkpoint): set sft.steps=0",
+  )
   need(cfg.optim.max_nonfinite_steps >= 1, "optim.max_nonfinite_steps", "must be >= 1")
   need(cfg.reward.workers >= 0, "reward.workers", "must be >= 0 (0 = min(8, CPUs))")
   need(cfg.reward.time_limit > 0, "reward.time_limit", "must be > 0")
@@ -406,47 +441,87 @@ def _validate(cfg: Config) -> None:
   for name in ("data", "fsdp", "tensor"):
     need(getattr(cfg.mesh, name) >= 1, f"mesh.{name}", "must be >= 1")
   rows = cfg.mesh.data * cfg.mesh.fsdp
-  need((cfg.num_rollouts // chunks) % rows == 0, "batch_questions",
-       f"a micro-batch of {cfg.num_rollouts // chunks} rollouts is not divisible "
-       f"over the data axes (data*fsdp = {rows})")
-  need(cfg.sft.batch_size % rows == 0, "sft.batch_size",
-       f"{cfg.sft.batch_size} is not divisible over the data axes (data*fsdp = {rows})")
+  need(
+    (cfg.num_rollouts // chunks) % rows == 0,
+    "batch_questions",
+    f"a micro-batch of {cfg.num_rollouts // chunks} rollouts is not divisible "
+    f"over the data axes (data*fsdp = {rows})",
+  )
+  need(
+    cfg.sft.batch_size % rows == 0,
+    "sft.batch_size",
+    f"{cfg.sft.batch_size} is not divisible over the data axes (data*fsdp = {rows})",
+  )
   try:
     ks = cfg.eval_ks
   except ValueError:
-    raise ConfigError("eval.ks", f"expected comma-separated integers, got {cfg.eval.ks!r}") from None
-  need(all(1 <= k <= cfg.eval.num_samples for k in ks), "eval.ks",
-       f"every k must be in [1, eval.num_samples={cfg.eval.num_samples}], got {ks}")
+    raise ConfigError(
+      "eval.ks", f"expected comma-separated integers, got {cfg.eval.ks!r}"
+    ) from None
+  need(
+    all(1 <= k <= cfg.eval.num_samples for k in ks),
+    "eval.ks",
+    f"every k must be in [1, eval.num_samples={cfg.eval.num_samples}], got {ks}",
+  )
   a = cfg.allocation
-  need(1 <= a.g_min <= a.g_max, "allocation.g_min",
-       f"need 1 <= g_min <= g_max, got g_min={a.g_min} g_max={a.g_max}")
-  need(a.g_min <= cfg.rollout.group_size <= a.g_max, "allocation.g_max",
-       f"the mean group size rollout.group_size={cfg.rollout.group_size} must lie in "
-       f"[g_min, g_max] = [{a.g_min}, {a.g_max}]")
-  need(a.e3_g_min_floor <= cfg.rollout.group_size <= a.e3_g_max_cap, "allocation.e3_g_min_floor",
-       "need e3_g_min_floor <= rollout.group_size <= e3_g_max_cap")
+  need(
+    1 <= a.g_min <= a.g_max,
+    "allocation.g_min",
+    f"need 1 <= g_min <= g_max, got g_min={a.g_min} g_max={a.g_max}",
+  )
+  need(
+    a.g_min <= cfg.rollout.group_size <= a.g_max,
+    "allocation.g_max",
+    f"the mean group size rollout.group_size={cfg.rollout.group_size} must lie in "
+    f"[g_min, g_max] = [{a.g_min}, {a.g_max}]",
+  )
+  need(
+    a.e3_g_min_floor <= cfg.rollout.group_size <= a.e3_g_max_cap,
+    "allocation.e3_g_min_floor",
+    "need e3_g_min_floor <= rollout.group_size <= e3_g_max_cap",
+  )
   t = cfg.temperature
   need(0 < t.tau_min <= t.tau_max, "temperature.tau_min", "need 0 < tau_min <= tau_max")
-  need(t.tau_min <= cfg.rollout.temperature <= t.tau_max, "rollout.temperature",
-       f"must lie in [temperature.tau_min, temperature.tau_max] = [{t.tau_min}, {t.tau_max}]")
+  need(
+    t.tau_min <= cfg.rollout.temperature <= t.tau_max,
+    "rollout.temperature",
+    f"must lie in [temperature.tau_min, temperature.tau_max] = [{t.tau_min}, {t.tau_max}]",
+  )
   c = cfg.clip
-  need(c.c_min <= c.c0 <= c.c_max, "clip.c0", f"need c_min <= c0 <= c_max, got {c.c_min}, {c.c0}, {c.c_max}")
+  need(
+    c.c_min <= c.c0 <= c.c_max,
+    "clip.c0",
+    f"need c_min <= c0 <= c_max, got {c.c_min}, {c.c0}, {c.c_max}",
+  )
   need(c.window >= 1, "clip.window", "must be >= 1")
   need(cfg.eepo.m >= 1, "eepo.m", "must be >= 1")
-  need(not cfg.eepo.enabled or cfg.num_rollouts % 2 == 0, "eepo.enabled",
-       f"EEPO splits the step's R = {cfg.num_rollouts} rollouts into two equal stages: R must be even")
-  need(not cfg.eepo.enabled or (cfg.num_rollouts // 2) % rows == 0, "eepo.enabled",
-       f"an EEPO stage of R/2 = {cfg.num_rollouts // 2} rollouts is not divisible over the data "
-       f"axes (data*fsdp = {rows})")
+  need(
+    not cfg.eepo.enabled or cfg.num_rollouts % 2 == 0,
+    "eepo.enabled",
+    f"EEPO splits the step's R = {cfg.num_rollouts} rollouts into two equal stages: R must be even",
+  )
+  need(
+    not cfg.eepo.enabled or (cfg.num_rollouts // 2) % rows == 0,
+    "eepo.enabled",
+    f"an EEPO stage of R/2 = {cfg.num_rollouts // 2} rollouts is not divisible over the data "
+    f"axes (data*fsdp = {rows})",
+  )
   need(cfg.checkpoint.every >= 1, "checkpoint.every", "must be >= 1")
   need(cfg.checkpoint.settle_timeout > 0, "checkpoint.settle_timeout", "must be > 0 (seconds)")
   v = cfg.vllm
   need(v.sync_every >= 1, "vllm.sync_every", "must be >= 1")
-  need(v.retries >= 0 and v.max_restarts >= 0, "vllm.retries", "retries and max_restarts must be >= 0")
-  need(v.startup_timeout > 0 and v.request_timeout > 0, "vllm.request_timeout", "timeouts must be > 0")
+  need(
+    v.retries >= 0 and v.max_restarts >= 0, "vllm.retries", "retries and max_restarts must be >= 0"
+  )
+  need(
+    v.startup_timeout > 0 and v.request_timeout > 0, "vllm.request_timeout", "timeouts must be > 0"
+  )
   need(0 <= v.port < 65536, "vllm.port", f"must be a port number (0 = any free port), got {v.port}")
-  need(v.dtype in ("", "float32", "bfloat16", "float16"), "vllm.dtype",
-       f"{v.dtype!r} is not one of '', float32, bfloat16, float16")
+  need(
+    v.dtype in ("", "float32", "bfloat16", "float16"),
+    "vllm.dtype",
+    f"{v.dtype!r} is not one of '', float32, bfloat16, float16",
+  )
   if cfg.anneal_phase.enabled:
     _validate_anneal_phase(cfg)
   need(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
@@ -470,8 +545,9 @@ def parse_mixture(spec: str, field: str) -> tuple[tuple[str, float], ...]:
 def _validate_anneal_phase(cfg: Config) -> None:
   p = cfg.anneal_phase
   if p.start < 0:
-    raise ConfigError("anneal_phase.start", f"must be >= 0 (0 = where the entropy schedule anneals), "
-                      f"got {p.start}")
+    raise ConfigError(
+      "anneal_phase.start", f"must be >= 0 (0 = where the entropy schedule anneals), got {p.start}"
+    )
   for name in ("group_size", "max_new_tokens"):
     if getattr(p, name) < 0:
       raise ConfigError(f"anneal_phase.{name}", f"must be >= 0 (0 = keep), got {getattr(p, name)}")
@@ -497,4 +573,5 @@ def to_dict(cfg: Config) -> dict:
 def default_configdict():
   """A ConfigDict holding every field at its default: config files start from it and override."""
   import ml_collections
+
   return ml_collections.ConfigDict(to_dict(Config()))

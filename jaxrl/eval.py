@@ -2,6 +2,7 @@
 τ (1.0 by default), unbiased pass@k from the same n samples, and greedy accuracy; per level and
 overall.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,23 +17,29 @@ from jaxrl.metrics import pass_at_k_array
 @dataclasses.dataclass(frozen=True)
 class EvalResult:
   levels: tuple[int, ...]
-  num_questions: dict          # level -> count
-  pass_at: dict                # k -> {level -> value}, and {"all" -> value}
-  greedy: dict                 # level -> accuracy, and "all"
+  num_questions: dict  # level -> count
+  pass_at: dict  # k -> {level -> value}, and {"all" -> value}
+  greedy: dict  # level -> accuracy, and "all"
 
   def to_json(self) -> dict:
-    return {"levels": list(self.levels), "num_questions": {str(k): v for k, v in self.num_questions.items()},
-            "pass_at": {str(k): {str(l): v for l, v in d.items()} for k, d in self.pass_at.items()},
-            "greedy": {str(l): v for l, v in self.greedy.items()}}
+    return {
+      "levels": list(self.levels),
+      "num_questions": {str(k): v for k, v in self.num_questions.items()},
+      "pass_at": {str(k): {str(l): v for l, v in d.items()} for k, d in self.pass_at.items()},
+      "greedy": {str(l): v for l, v in self.greedy.items()},
+    }
 
   @staticmethod
   def from_json(d: dict) -> "EvalResult":
     def lv(x):
       return x if x == "all" else int(x)
-    return EvalResult(levels=tuple(d["levels"]),
-                      num_questions={int(k): v for k, v in d["num_questions"].items()},
-                      pass_at={int(k): {lv(l): v for l, v in m.items()} for k, m in d["pass_at"].items()},
-                      greedy={lv(l): v for l, v in d["greedy"].items()})
+
+    return EvalResult(
+      levels=tuple(d["levels"]),
+      num_questions={int(k): v for k, v in d["num_questions"].items()},
+      pass_at={int(k): {lv(l): v for l, v in m.items()} for k, m in d["pass_at"].items()},
+      greedy={lv(l): v for l, v in d["greedy"].items()},
+    )
 
 
 def _per_level(values_Q: np.ndarray, levels_Q: np.ndarray, levels: Sequence[int]) -> dict:
@@ -43,18 +50,28 @@ def _per_level(values_Q: np.ndarray, levels_Q: np.ndarray, levels: Sequence[int]
 
 def engine_sampler(engine, decode: Callable, temperature: float, on_call: Callable | None = None):
   """The ``sample_fn`` of ``evaluate`` over a rollout engine: responses decoded to text."""
+
   def sample_fn(ids, mask, counts, key, greedy):
     out = engine.generate(ids, mask, counts, temperature, key, greedy=greedy)
-    if greedy and on_call is not None:   # one greedy call per chunk of questions
+    if greedy and on_call is not None:  # one greedy call per chunk of questions
       on_call()
     return decode(out), np.asarray(out.group_ids_R)
 
   return sample_fn
 
 
-def evaluate(sample_fn: Callable, prompt_ids_QxP: np.ndarray, prompt_mask_QxP: np.ndarray,
-             levels_Q: np.ndarray, score_fn: Callable, *, num_samples: int, ks: Sequence[int],
-             questions_per_call: int, key) -> EvalResult:
+def evaluate(
+  sample_fn: Callable,
+  prompt_ids_QxP: np.ndarray,
+  prompt_mask_QxP: np.ndarray,
+  levels_Q: np.ndarray,
+  score_fn: Callable,
+  *,
+  num_samples: int,
+  ks: Sequence[int],
+  questions_per_call: int,
+  key,
+) -> EvalResult:
   """Sample ``num_samples`` answers per question (and one greedy answer) and score them.
 
   ``sample_fn(ids_BxP, mask_BxP, counts_B, key, greedy) -> (responses: list[str], group_ids_R)`` runs
@@ -73,20 +90,28 @@ def evaluate(sample_fn: Callable, prompt_ids_QxP: np.ndarray, prompt_mask_QxP: n
     responses, group_ids = sample_fn(ids, mask, counts, k_sample, False)
     rewards = score_fn(responses, padded[np.asarray(group_ids)])
     per_q = np.bincount(np.asarray(group_ids), weights=(rewards > 0), minlength=questions_per_call)
-    correct_Q[idx] = per_q[:len(idx)].astype(np.int64)
-    responses, group_ids = sample_fn(ids, mask, np.ones(questions_per_call, np.int32), k_greedy, True)
+    correct_Q[idx] = per_q[: len(idx)].astype(np.int64)
+    responses, group_ids = sample_fn(
+      ids, mask, np.ones(questions_per_call, np.int32), k_greedy, True
+    )
     rewards = score_fn(responses, padded[np.asarray(group_ids)])
-    greedy_Q[idx] = (rewards[:len(idx)] > 0)
+    greedy_Q[idx] = rewards[: len(idx)] > 0
   levels = tuple(sorted(set(int(l) for l in levels_Q)))
-  pass_at = {k: _per_level(pass_at_k_array(np.full(num_q, num_samples), correct_Q, k), levels_Q, levels)
-             for k in ks}
-  return EvalResult(levels=levels,
-                    num_questions={lvl: int((levels_Q == lvl).sum()) for lvl in levels},
-                    pass_at=pass_at, greedy=_per_level(greedy_Q, levels_Q, levels))
+  pass_at = {
+    k: _per_level(pass_at_k_array(np.full(num_q, num_samples), correct_Q, k), levels_Q, levels)
+    for k in ks
+  }
+  return EvalResult(
+    levels=levels,
+    num_questions={lvl: int((levels_Q == lvl).sum()) for lvl in levels},
+    pass_at=pass_at,
+    greedy=_per_level(greedy_Q, levels_Q, levels),
+  )
 
 
-def comparison_table(before: EvalResult, after: EvalResult, ks: Sequence[int],
-                     level_names: Sequence[str] | None = None) -> str:
+def comparison_table(
+  before: EvalResult, after: EvalResult, ks: Sequence[int], level_names: Sequence[str] | None = None
+) -> str:
   """Markdown table of held-out pass@k and greedy accuracy per level, before → after."""
   head = ["level", "n"]
   cols = []
@@ -106,6 +131,7 @@ def comparison_table(before: EvalResult, after: EvalResult, ks: Sequence[int],
   return "\n".join(lines)
 
 
-if __name__ == "__main__":   # python -m jaxrl.eval: the benchmark evaluation CLI
+if __name__ == "__main__":  # python -m jaxrl.eval: the benchmark evaluation CLI
   from jaxrl.eval_main import run
+
   run()

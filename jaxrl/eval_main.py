@@ -9,6 +9,7 @@ field mapping and prompt template (default: ``data.heldout``); n samples per que
 ``eval.temperature`` plus one greedy answer, scored by the config's verifier. Writes
 ``eval_results.json`` and ``eval_results.md`` into ``--out`` (default: ``CHECKPOINT/eval``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,11 +23,17 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py[:arg]).")
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "HF directory, run directory or run checkpoint.")
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", None, "Path to a config file (configs/*.py[:arg])."
+)
+_CHECKPOINT = flags.DEFINE_string(
+  "checkpoint", None, "HF directory, run directory or run checkpoint."
+)
 _BENCHMARKS = flags.DEFINE_string("benchmarks", "", "NAME=PATH,... (default: data.heldout).")
 _OUT = flags.DEFINE_string("out", "", "Where to write eval_results.{json,md}.")
-_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 0, "n samples per question (0: eval.num_samples).")
+_NUM_SAMPLES = flags.DEFINE_integer(
+  "num_samples", 0, "n samples per question (0: eval.num_samples)."
+)
 _KS = flags.DEFINE_string("ks", "", "k values of pass@k (default: eval.ks).")
 
 log = logging.getLogger(__name__)
@@ -66,16 +73,23 @@ def load_params(cfg, path: str, graphdef_and_shardings):
   run = _run_checkpoint(path)
   if run is None:
     m = cfg.model
-    return hf.load_hf_checkpoint(path, dtype=np.dtype(m.param_dtype), shardings=shardings,
-                                 scan_layers=m.scan_layers, remat=m.remat, compute_dtype=m.dtype)[2]
+    return hf.load_hf_checkpoint(
+      path,
+      dtype=np.dtype(m.param_dtype),
+      shardings=shardings,
+      scan_layers=m.scan_layers,
+      remat=m.remat,
+      compute_dtype=m.dtype,
+    )[2]
   directory, step = run
   ckpt = Checkpointer(directory, keep=1, async_save=False)
   try:
     step = ckpt.latest_step() if step < 0 else step
     if step is None:
       raise FileNotFoundError(f"{directory}: no checkpoint")
-    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          abstract_params, shardings)
+    target = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params, shardings
+    )
     log.info("restoring params of %s step %d", directory, step)
     return ckpt.restore_params(step, target)
   finally:
@@ -86,14 +100,25 @@ def markdown(results: dict, ks, num_samples: int) -> str:
   cols = [f"avg@{num_samples}"] + [f"pass@{k}" for k in ks] + ["greedy"]
   lines = ["| benchmark | questions | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
   for name, r in results.items():
-    values = [r[f"avg@{num_samples}"]] + [r["pass_at"][str(k)]["all"] for k in ks] + [r["greedy"]["all"]]
-    lines.append(f"| {name} | {sum(r['num_questions'].values())} | " +
-                 " | ".join(f"{100 * v:.1f}" for v in values) + " |")
+    values = (
+      [r[f"avg@{num_samples}"]] + [r["pass_at"][str(k)]["all"] for k in ks] + [r["greedy"]["all"]]
+    )
+    lines.append(
+      f"| {name} | {sum(r['num_questions'].values())} | "
+      + " | ".join(f"{100 * v:.1f}" for v in values)
+      + " |"
+    )
   return "\n".join(lines)
 
 
-def evaluate_checkpoint(cfg, checkpoint: str, benchmarks: list[tuple[str, str]], out_dir: str,
-                        num_samples: int = 0, ks: tuple[int, ...] = ()) -> dict:
+def evaluate_checkpoint(
+  cfg,
+  checkpoint: str,
+  benchmarks: list[tuple[str, str]],
+  out_dir: str,
+  num_samples: int = 0,
+  ks: tuple[int, ...] = (),
+) -> dict:
   """Evaluate ``checkpoint`` on each benchmark; write and return the results."""
   from jaxrl import arch, math_task, model, sharding
   from jaxrl.data import datasets
@@ -114,9 +139,17 @@ def evaluate_checkpoint(cfg, checkpoint: str, benchmarks: list[tuple[str, str]],
   stops = math_prompts.stop_token_ids(cfg.model.checkpoint, tokenizer)
   params = load_params(cfg, checkpoint, (abstract_params, shardings))
   scorer = math_task.MathScorer(cfg)
-  engine = build_engine(cfg, graphdef, model_cfg, tokenizer=tokenizer, eos_id=stops,
-                        pad_id=tokenizer.pad_token_id, prompt_len=cfg.task.max_prompt_len,
-                        workdir=out_dir)
+  engine = build_engine(
+    cfg,
+    graphdef,
+    model_cfg,
+    tokenizer=tokenizer,
+    eos_id=stops,
+    pad_id=tokenizer.pad_token_id,
+    prompt_len=cfg.task.max_prompt_len,
+    workdir=out_dir,
+  )
+
   def decode(out):
     return decode_responses(tokenizer, np.asarray(out.tokens_RxN), np.asarray(out.lengths_R))
 
@@ -125,18 +158,25 @@ def evaluate_checkpoint(cfg, checkpoint: str, benchmarks: list[tuple[str, str]],
     engine.set_weights(params, "eval")
     per_call = max(1, cfg.num_rollouts // num_samples)
     for name, path in benchmarks:
-      questions, report = datasets.load_questions(path, math_task.fields(cfg), split=cfg.data.split,
-                                                  strict=cfg.data.strict)
+      questions, report = datasets.load_questions(
+        path, math_task.fields(cfg), split=cfg.data.split, strict=cfg.data.strict
+      )
       enc = math_task.encode(cfg, tokenizer, questions.questions, name)
       answers = np.asarray(questions.answers, dtype=object)[enc.kept_Q]
 
-      result = evaluate(engine_sampler(engine, decode, cfg.eval.temperature), enc.ids_QxP,
-                        enc.mask_QxP, np.zeros(len(enc.kept_Q), np.int32),
-                        lambda responses, q: scorer(responses, answers[q]).rewards_R,
-                        num_samples=num_samples, ks=sorted({1, *ks}), questions_per_call=per_call,
-                        key=jax.random.fold_in(jax.random.PRNGKey(cfg.seed), _STREAM_EVAL))
+      result = evaluate(
+        engine_sampler(engine, decode, cfg.eval.temperature),
+        enc.ids_QxP,
+        enc.mask_QxP,
+        np.zeros(len(enc.kept_Q), np.int32),
+        lambda responses, q: scorer(responses, answers[q]).rewards_R,
+        num_samples=num_samples,
+        ks=sorted({1, *ks}),
+        questions_per_call=per_call,
+        key=jax.random.fold_in(jax.random.PRNGKey(cfg.seed), _STREAM_EVAL),
+      )
       row = result.to_json()
-      row[f"avg@{num_samples}"] = result.pass_at[1]["all"]   # pass@1 of n samples = mean accuracy
+      row[f"avg@{num_samples}"] = result.pass_at[1]["all"]  # pass@1 of n samples = mean accuracy
       row.update(path=path, dropped=enc.dropped, truncated=enc.truncated, rows=str(report))
       results[name] = row
       log.info("%s: %s", name, {k: v for k, v in row.items() if k.startswith("avg@")})
@@ -145,12 +185,23 @@ def evaluate_checkpoint(cfg, checkpoint: str, benchmarks: list[tuple[str, str]],
     scorer.close()
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, "eval_results.json"), "w") as f:
-    json.dump({"checkpoint": checkpoint, "num_samples": num_samples, "ks": list(ks),
-               "temperature": cfg.eval.temperature, "benchmarks": results}, f, indent=1)
+    json.dump(
+      {
+        "checkpoint": checkpoint,
+        "num_samples": num_samples,
+        "ks": list(ks),
+        "temperature": cfg.eval.temperature,
+        "benchmarks": results,
+      },
+      f,
+      indent=1,
+    )
   table = markdown(results, ks, num_samples)
   with open(os.path.join(out_dir, "eval_results.md"), "w") as f:
-    f.write(f"# {checkpoint}\n\nn = {num_samples} samples per question at τ = "
-            f"{cfg.eval.temperature} (avg@n = mean accuracy), unbiased pass@k, greedy.\n\n{table}\n")
+    f.write(
+      f"# {checkpoint}\n\nn = {num_samples} samples per question at τ = "
+      f"{cfg.eval.temperature} (avg@n = mean accuracy), unbiased pass@k, greedy.\n\n{table}\n"
+    )
   return {"results": results, "table": table}
 
 
@@ -173,10 +224,12 @@ def main(argv):
     out = _OUT.value or os.path.join(_CHECKPOINT.value, "eval")
     # A training run's directory already holds its compiled programs (the sampler among them).
     from jaxrl import compile_cache
+
     run = _run_checkpoint(_CHECKPOINT.value)
     compile_cache.enable(cfg.compile_cache, os.path.dirname(run[0]) if run else out)
-    summary = evaluate_checkpoint(cfg, _CHECKPOINT.value, benchmarks, out,
-                                  num_samples=_NUM_SAMPLES.value, ks=ks)
+    summary = evaluate_checkpoint(
+      cfg, _CHECKPOINT.value, benchmarks, out, num_samples=_NUM_SAMPLES.value, ks=ks
+    )
   except (ConfigError, ValueError, FileNotFoundError) as e:
     print(f"jaxrl.eval: error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -16,6 +16,7 @@ Name map (HF -> jaxrl): ``model.`` prefix dropped; ``*_proj.weight`` and ``lm_he
 [out, in] in HF and [in, out] here; ``{q,k,v}_proj.bias`` become ``{q,k,v}_bias``; with
 ``scan_layers`` the L tensors ``model.layers.{l}.X`` are one param ``layers/X`` of shape [L, ...].
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,8 +40,12 @@ from jaxrl import model as jaxrl_model
 from jaxrl.hf_config import hf_config_from_model, load_model_config
 from jaxrl.model import ModelConfig
 
-_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
-                       "BF16": ml_dtypes.bfloat16}
+_SAFETENSORS_DTYPES = {
+  "F64": np.float64,
+  "F32": np.float32,
+  "F16": np.float16,
+  "BF16": ml_dtypes.bfloat16,
+}
 _SAFETENSORS_NAMES = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}
 # File rows are read in pieces of about this size when they cannot go straight into the block
 # (a column slice, a transpose or a cast): host memory then holds the block plus one piece.
@@ -103,8 +108,10 @@ class _SafetensorsFile:
     self.tensors = {}
     for name, info in header.items():
       if info["dtype"] not in _SAFETENSORS_DTYPES:
-        raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, expected one of "
-                         f"{sorted(_SAFETENSORS_DTYPES)}")
+        raise ValueError(
+          f"{path}: tensor {name!r} has dtype {info['dtype']}, expected one of "
+          f"{sorted(_SAFETENSORS_DTYPES)}"
+        )
       dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
       shape, (begin, end) = tuple(info["shape"]), info["data_offsets"]
       if end - begin != math.prod(shape) * dtype.itemsize:
@@ -127,10 +134,12 @@ class _SafetensorsFile:
     if out is None:
       out = np.empty((hi - lo, *shape[1:]), dtype)
     assert out.dtype == dtype and out.shape == (hi - lo, *shape[1:]) and out.flags.c_contiguous, (
-        out.dtype, out.shape)
+      out.dtype,
+      out.shape,
+    )
     view = out.reshape(-1).view(np.uint8)
     offset, done = self._base + begin + lo * self.row_bytes(name), 0
-    while done < view.size:   # pread may return fewer bytes than asked
+    while done < view.size:  # pread may return fewer bytes than asked
       n = os.preadv(self._fd, [view[done:]], offset + done)
       if n <= 0:
         raise ValueError(f"{self.path}: tensor {name!r} is truncated")
@@ -149,8 +158,9 @@ def _tensor_files(path: pathlib.Path) -> list[pathlib.Path]:
   raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
 
 
-def _read_into(handle: _SafetensorsFile, name: str, index: tuple, transposed: bool,
-               out: np.ndarray):
+def _read_into(
+  handle: _SafetensorsFile, name: str, index: tuple, transposed: bool, out: np.ndarray
+):
   """Fill ``out`` with the block ``index`` (slices in jaxrl's layout) of one HF tensor, cast to
   ``out.dtype``: straight from the file when its rows are the block's, else chunk by chunk."""
   dtype, shape, _ = handle.tensors[name]
@@ -159,16 +169,16 @@ def _read_into(handle: _SafetensorsFile, name: str, index: tuple, transposed: bo
   if whole_rows and not transposed and dtype == out.dtype:
     handle.rows(name, rows.start, rows.stop, out=out)
     return
-  dst = out.T if transposed else out   # a view of ``out`` in HF's layout
+  dst = out.T if transposed else out  # a view of ``out`` in HF's layout
   step = max(1, _READ_CHUNK_BYTES // max(1, handle.row_bytes(name)))
   for lo in range(rows.start, rows.stop, step):
     hi = min(lo + step, rows.stop)
-    dst[lo - rows.start:hi - rows.start] = handle.rows(name, lo, hi)[(slice(None), *cols)]
+    dst[lo - rows.start : hi - rows.start] = handle.rows(name, lo, hi)[(slice(None), *cols)]
 
 
 def _same_tensor(a: _SafetensorsFile, a_name: str, b: _SafetensorsFile, b_name: str) -> bool:
   """Whether two tensors are equal, compared chunk by chunk."""
-  if a.tensors[a_name][:2] != b.tensors[b_name][:2]:   # dtype and shape
+  if a.tensors[a_name][:2] != b.tensors[b_name][:2]:  # dtype and shape
     return False
   n = a.tensors[a_name][1][0]
   step = max(1, _READ_CHUNK_BYTES // max(1, a.row_bytes(a_name)))
@@ -201,8 +211,15 @@ def _assemble(shape, sharding, read_block) -> jax.Array:
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
-def load_hf_checkpoint(path, dtype=jnp.float32, shardings=None, *, scan_layers: bool = False,
-                       remat: str = "none", compute_dtype: str = "float32"):
+def load_hf_checkpoint(
+  path,
+  dtype=jnp.float32,
+  shardings=None,
+  *,
+  scan_layers: bool = False,
+  remat: str = "none",
+  compute_dtype: str = "float32",
+):
   """(ModelConfig, graphdef, params) from an HF directory, streamed and cast to ``dtype``.
 
   ``dtype`` becomes ``ModelConfig.param_dtype``; ``scan_layers``, ``remat`` and ``compute_dtype``
@@ -211,8 +228,13 @@ def load_hf_checkpoint(path, dtype=jnp.float32, shardings=None, *, scan_layers: 
   model.abstract(load_model_config(path, scan_layers=True))[1], mesh)``.
   """
   path = pathlib.Path(path)
-  cfg = load_model_config(path, param_dtype=jnp.dtype(dtype).name, scan_layers=scan_layers,
-                          remat=remat, dtype=compute_dtype)
+  cfg = load_model_config(
+    path,
+    param_dtype=jnp.dtype(dtype).name,
+    scan_layers=scan_layers,
+    remat=remat,
+    dtype=compute_dtype,
+  )
   graphdef, abstract = jaxrl_model.abstract(cfg)
   placement = None
   if shardings is not None:
@@ -238,7 +260,7 @@ def load_hf_checkpoint(path, dtype=jnp.float32, shardings=None, *, scan_layers: 
     def load_one(key_path, var):
       key = _key(key_path)
       stacked = _is_stacked(key)
-      per_layer = ([("layers", i, *key[1:]) for i in range(cfg.num_layers)] if stacked else [key])
+      per_layer = [("layers", i, *key[1:]) for i in range(cfg.num_layers)] if stacked else [key]
       names = [hf_name(k)[0] for k in per_layer]
       transposed = hf_name(per_layer[0])[1]
       inner = var.shape[1:] if stacked else var.shape
@@ -265,12 +287,16 @@ def load_hf_checkpoint(path, dtype=jnp.float32, shardings=None, *, scan_layers: 
     if cfg.tie_embeddings and "lm_head.weight" in unexpected:
       head, embed = ("lm_head.weight", "model.embed_tokens.weight")
       if not _same_tensor(handles[head], head, handles[embed], embed):
-        raise ValueError(f"{path}: tie_word_embeddings is true but lm_head.weight differs from "
-                         "model.embed_tokens.weight")
+        raise ValueError(
+          f"{path}: tie_word_embeddings is true but lm_head.weight differs from "
+          "model.embed_tokens.weight"
+        )
       unexpected.remove("lm_head.weight")
   if unexpected:
-    raise ValueError(f"{path}: unexpected tensors {unexpected[:8]}"
-                     f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} in all)")
+    raise ValueError(
+      f"{path}: unexpected tensors {unexpected[:8]}"
+      f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} in all)"
+    )
   return cfg, graphdef, params
 
 
@@ -282,12 +308,15 @@ def _hf_entries(params) -> list[tuple[str, bool, object, int | None]]:
     key = _key(key_path)
     if _is_stacked(key):
       if not stacked:
-        entries.append(stacked)   # placeholder, filled below
+        entries.append(stacked)  # placeholder, filled below
       stacked.append((key, leaf))
     else:
       entries.append((*hf_name(key), leaf, None))
-  layers = [(*hf_name(("layers", i, *key[1:])), leaf, i)
-            for i in range(stacked[0][1].shape[0] if stacked else 0) for key, leaf in stacked]
+  layers = [
+    (*hf_name(("layers", i, *key[1:])), leaf, i)
+    for i in range(stacked[0][1].shape[0] if stacked else 0)
+    for key, leaf in stacked
+  ]
   out = []
   for e in entries:
     out.extend(layers if e is stacked else [e])
@@ -307,8 +336,14 @@ def to_hf_tensors(params) -> Iterator[tuple[str, np.ndarray]]:
     yield name, _host(leaf, layer, transposed)
 
 
-def save_hf_checkpoint(cfg: ModelConfig, params, out_dir, tokenizer=None,
-                       max_shard_bytes: int = 5 * 2**30, untie: bool = False) -> pathlib.Path:
+def save_hf_checkpoint(
+  cfg: ModelConfig,
+  params,
+  out_dir,
+  tokenizer=None,
+  max_shard_bytes: int = 5 * 2**30,
+  untie: bool = False,
+) -> pathlib.Path:
   """Write config.json + safetensors in HF layout (sharded with an index above ``max_shard_bytes``).
 
   Overwrites any earlier weights in ``out_dir``. Host memory peaks at about one shard. Params keep
@@ -327,13 +362,17 @@ def save_hf_checkpoint(cfg: ModelConfig, params, out_dir, tokenizer=None,
     entries.append(("lm_head.weight", False, params["embed_tokens"][...], None))
   dtype = entries[0][2].dtype
   if np.dtype(dtype) not in _SAFETENSORS_NAMES:
-    raise ValueError(f"params of dtype {dtype} cannot be saved (supported: "
-                     f"{sorted(str(d) for d in _SAFETENSORS_NAMES)})")
+    raise ValueError(
+      f"params of dtype {dtype} cannot be saved (supported: "
+      f"{sorted(str(d) for d in _SAFETENSORS_NAMES)})"
+    )
   (out / "config.json").write_text(json.dumps(hf_config_from_model(cfg, dtype), indent=2))
 
   # Plan shards from sizes alone so tensors are materialised on host one shard at a time.
-  sizes = [math.prod(leaf.shape[layer is not None:]) * leaf.dtype.itemsize
-           for _, _, leaf, layer in entries]
+  sizes = [
+    math.prod(leaf.shape[layer is not None :]) * leaf.dtype.itemsize
+    for _, _, leaf, layer in entries
+  ]
   bounds, start, acc = [], 0, 0
   for i, size in enumerate(sizes):
     if acc and acc + size > max_shard_bytes:
@@ -344,10 +383,14 @@ def save_hf_checkpoint(cfg: ModelConfig, params, out_dir, tokenizer=None,
 
   weight_map = {}
   for shard, (lo, hi) in enumerate(bounds):
-    fname = ("model.safetensors" if len(bounds) == 1
-             else f"model-{shard + 1:05d}-of-{len(bounds):05d}.safetensors")
-    chunk = {name: _host(leaf, layer, transposed)
-             for name, transposed, leaf, layer in entries[lo:hi]}
+    fname = (
+      "model.safetensors"
+      if len(bounds) == 1
+      else f"model-{shard + 1:05d}-of-{len(bounds):05d}.safetensors"
+    )
+    chunk = {
+      name: _host(leaf, layer, transposed) for name, transposed, leaf, layer in entries[lo:hi]
+    }
     save_file(chunk, out / fname, metadata={"format": "pt"})
     weight_map.update((name, fname) for name in chunk)
     del chunk

@@ -80,8 +80,9 @@ def fused_logprobs_entropy(
   hidden_BxTxD, lm_head_DxV, tokens_BxT, tau, *, chunk_size: int = DEFAULT_CHUNK_SIZE
 ):
   """(log p(token), entropy) per token at τ, chunked over B·T tokens so no [B,T,V] buffer exists."""
-  return _map_token_chunks(logprobs_entropy_from_logits, hidden_BxTxD, lm_head_DxV, tokens_BxT,
-                           tau, chunk_size)
+  return _map_token_chunks(
+    logprobs_entropy_from_logits, hidden_BxTxD, lm_head_DxV, tokens_BxT, tau, chunk_size
+  )
 
 
 def logp_log1m_p_from_logits(logits_NxV, tokens_N, tau):
@@ -107,5 +108,6 @@ def logp_log1m_p_from_logits(logits_NxV, tokens_N, tau):
 
 def fused_log1m_p(hidden_BxTxD, lm_head_DxV, tokens_BxT, tau, *, chunk_size=DEFAULT_CHUNK_SIZE):
   """(log p, log(1 − p)) of each token at τ, chunked over B·T tokens so no [B,T,V] buffer exists."""
-  return _map_token_chunks(logp_log1m_p_from_logits, hidden_BxTxD, lm_head_DxV, tokens_BxT, tau,
-                           chunk_size)
+  return _map_token_chunks(
+    logp_log1m_p_from_logits, hidden_BxTxD, lm_head_DxV, tokens_BxT, tau, chunk_size
+  )

@@ -3,6 +3,7 @@
 A thin shell over ``jaxrl.train``: parse flags, convert the config once, run. A broken config (or
 flag) prints one line naming the field and exits with code 2, before anything is compiled.
 """
+
 from __future__ import annotations
 
 import logging
@@ -13,15 +14,25 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py[:arg]).")
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", None, "Path to a config file (configs/*.py[:arg])."
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for everything the run writes.")
 _PLAN = flags.DEFINE_bool(
-    "plan", False, "Print the per-device memory plan of the configured mesh and exit (no weights "
-    "needed; with fake devices via XLA_FLAGS it also compiles the train step ahead of time).")
+  "plan",
+  False,
+  "Print the per-device memory plan of the configured mesh and exit (no weights "
+  "needed; with fake devices via XLA_FLAGS it also compiles the train step ahead of time).",
+)
 _COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", "", "Multi-process runs: host:port of process 0 (or $JAXRL_COORDINATOR); "
-    "'auto' lets JAX read the cluster (SLURM, TPU pods).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 0, "Processes of the run ($JAXRL_NUM_PROCESSES).")
+  "coordinator_address",
+  "",
+  "Multi-process runs: host:port of process 0 (or $JAXRL_COORDINATOR); "
+  "'auto' lets JAX read the cluster (SLURM, TPU pods).",
+)
+_NUM_PROCESSES = flags.DEFINE_integer(
+  "num_processes", 0, "Processes of the run ($JAXRL_NUM_PROCESSES)."
+)
 _PROCESS_ID = flags.DEFINE_integer("process_id", -1, "This process's index ($JAXRL_PROCESS_ID).")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "CPU devices per process (0: JAX's default).")
 
@@ -58,13 +69,17 @@ class _RunLog(logging.FileHandler):
   def handleError(self, record):
     if self._dead:
       return
-    if not isinstance(sys.exc_info()[1], OSError):   # a bad record (format args), not the file
+    if not isinstance(sys.exc_info()[1], OSError):  # a bad record (format args), not the file
       super().handleError(record)
       return
     self._dead = True
     try:
-      print(f"jaxrl: cannot write the log file {self.baseFilename} ({sys.exc_info()[1]}); "
-            "logging to stderr only", file=sys.stderr, flush=True)
+      print(
+        f"jaxrl: cannot write the log file {self.baseFilename} ({sys.exc_info()[1]}); "
+        "logging to stderr only",
+        file=sys.stderr,
+        flush=True,
+      )
     except OSError:
       pass
 
@@ -95,6 +110,7 @@ def main(argv):
     _usage_error(e)
   if _PLAN.value:
     from jaxrl import distributed, plan
+
     distributed.initialize(cpu_devices=_CPU_DEVICES.value)
     try:
       print(plan.run(cfg))
@@ -103,27 +119,35 @@ def main(argv):
       sys.exit(USAGE_ERROR)
     return
   from jaxrl.arch import checkpoint_error
+
   if (error := checkpoint_error(cfg)) is not None:  # before the run directory is written
     print(f"jaxrl: error: {error}", file=sys.stderr)
     sys.exit(USAGE_ERROR)
   from jaxrl import distributed
+
   try:
-    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                           _CPU_DEVICES.value)
+    distributed.initialize(
+      _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _CPU_DEVICES.value
+    )
   except ValueError as e:
     print(f"jaxrl: error: {e}", file=sys.stderr)
     sys.exit(USAGE_ERROR)
   import jax
+
   workdir = os.path.abspath(_WORKDIR.value)
   os.makedirs(workdir, exist_ok=True)
   log_name = "log.txt" if jax.process_index() == 0 else f"log.process{jax.process_index()}.txt"
-  logging.basicConfig(level=logging.INFO, force=True, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                      handlers=[logging.StreamHandler(sys.stderr),
-                                _RunLog(os.path.join(workdir, log_name))])
+  logging.basicConfig(
+    level=logging.INFO,
+    force=True,
+    format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    handlers=[logging.StreamHandler(sys.stderr), _RunLog(os.path.join(workdir, log_name))],
+  )
   # orbax and absl log every checkpoint phase at INFO; keep the run's own log readable.
   for name in ("absl", "jax", "orbax"):
     logging.getLogger(name).setLevel(logging.WARNING)
   from jaxrl import compile_cache
+
   compile_cache.enable(cfg.compile_cache, workdir)
   _leave(_run(cfg, workdir))
 
@@ -135,26 +159,33 @@ def _run(cfg, workdir: str) -> int:
   from jaxrl.checkpoint import CheckpointError
   from jaxrl.metrics import MetricsError
   from jaxrl.train import NonFiniteError, Stopped, train
+
   try:
     summary = train(cfg, workdir)
   except ConfigError as e:  # found while building the task (e.g. an unknown level in a mixture)
     print(f"jaxrl: error: {e}", file=sys.stderr)
     return USAGE_ERROR
   except SidecarError as e:  # checkpoints up to the last completed save are intact
-    print(f"jaxrl: error: vLLM sidecar: {e}\njaxrl: the last checkpoint in {workdir}/checkpoints "
-          "is intact; run the same command again to resume.", file=sys.stderr)
+    print(
+      f"jaxrl: error: vLLM sidecar: {e}\njaxrl: the last checkpoint in {workdir}/checkpoints "
+      "is intact; run the same command again to resume.",
+      file=sys.stderr,
+    )
     return 1
-  except CheckpointError as e:   # training went on; only the final write failed (or never ended)
+  except CheckpointError as e:  # training went on; only the final write failed (or never ended)
     print(f"jaxrl: error: {e}", file=sys.stderr)
     return 1
   except NonFiniteError as e:
     print(f"jaxrl: error: {e}", file=sys.stderr)
     return 1
-  except MetricsError as e:   # the step it failed on was not checkpointed: a resume redoes it
-    print(f"jaxrl: error: {e}\njaxrl: the last checkpoint in {workdir}/checkpoints is intact; "
-          "free space and run the same command again to resume.", file=sys.stderr)
+  except MetricsError as e:  # the step it failed on was not checkpointed: a resume redoes it
+    print(
+      f"jaxrl: error: {e}\njaxrl: the last checkpoint in {workdir}/checkpoints is intact; "
+      "free space and run the same command again to resume.",
+      file=sys.stderr,
+    )
     return 1
-  except Stopped as e:   # SIGINT / SIGTERM: the step finished and its checkpoint is saved
+  except Stopped as e:  # SIGINT / SIGTERM: the step finished and its checkpoint is saved
     print(f"\njaxrl: {e}; run the same command again to resume.", file=sys.stderr)
     return 0
   except KeyboardInterrupt:
@@ -180,13 +211,16 @@ def _leave_if_unsettled(code: int, print_traceback: bool = False) -> None:
   handlers are skipped: the trainer has already closed its engine, writers and pools, and every
   log handler flushes each record."""
   from jaxrl import checkpoint
+
   if not checkpoint.unsettled():
     return
   if print_traceback:
     import traceback
+
     traceback.print_exc()
-  print("jaxrl: a checkpoint write is still blocked; exiting without waiting for it",
-        file=sys.stderr)
+  print(
+    "jaxrl: a checkpoint write is still blocked; exiting without waiting for it", file=sys.stderr
+  )
   for stream in (sys.stdout, sys.stderr):
     try:
       stream.flush()

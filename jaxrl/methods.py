@@ -10,6 +10,7 @@ per-step decisions (so a new value never recompiles). The loop in ``jaxrl.train`
   gate(H_stage1)                     EEPO, between the two rollout stages
   on_epoch_end(stats, epoch)         when the data cursor finishes a pass (E3 ranks and bounds)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 @pytree_dataclass
 class PolicyStates:
   """Every controller's state; saved in each checkpoint."""
+
   alloc: Any
   temperature: schedules.TemperatureState
   clip: schedules.ClipState
@@ -38,11 +40,22 @@ class PolicyStates:
 def _allocator(cfg: Config) -> allocation.Allocator:
   a, g = cfg.allocation, cfg.rollout.group_size
   if a.method == "e3":
-    return allocation.e3_allocator(g, step=a.e3_step, g_min_floor=a.e3_g_min_floor,
-                                   g_max_cap=a.e3_g_max_cap, curriculum=a.e3_curriculum)
+    return allocation.e3_allocator(
+      g,
+      step=a.e3_step,
+      g_min_floor=a.e3_g_min_floor,
+      g_max_cap=a.e3_g_max_cap,
+      curriculum=a.e3_curriculum,
+    )
   if a.method == "dynamo":
-    return allocation.dynamo_allocator(g, a.g_min, a.g_max, min_history=a.dynamo_min_history,
-                                       floor=a.dynamo_floor, mastered=a.dynamo_mastered)
+    return allocation.dynamo_allocator(
+      g,
+      a.g_min,
+      a.g_max,
+      min_history=a.dynamo_min_history,
+      floor=a.dynamo_floor,
+      mastered=a.dynamo_mastered,
+    )
   return allocation.uniform_allocator(g)
 
 
@@ -50,8 +63,15 @@ def _temperature(cfg: Config, vocab_size: int) -> schedules.TemperatureControlle
   t = cfg.temperature
   if t.method == "e3":
     return schedules.e3_temperature_controller(
-        vocab_size, t_max=cfg.steps, tau0=cfg.rollout.temperature, eta=t.eta, anneal=t.anneal,
-        anneal_start=t.anneal_start or None, tau_min=t.tau_min, tau_max=t.tau_max)
+      vocab_size,
+      t_max=cfg.steps,
+      tau0=cfg.rollout.temperature,
+      eta=t.eta,
+      anneal=t.anneal,
+      anneal_start=t.anneal_start or None,
+      tau_min=t.tau_min,
+      tau_max=t.tau_max,
+    )
   return schedules.fixed_temperature(cfg.rollout.temperature)
 
 
@@ -67,14 +87,22 @@ def _schedule(cfg: Config) -> schedules.Schedule:
 def _clip(cfg: Config) -> schedules.ClipController:
   c = cfg.clip
   if c.method == "adaptive":
-    return schedules.adaptive_clip_controller(_schedule(cfg), c0=c.c0, c_min=c.c_min, c_max=c.c_max,
-                                              delta=c.delta, window=c.window, warmup=c.warmup)
+    return schedules.adaptive_clip_controller(
+      _schedule(cfg),
+      c0=c.c0,
+      c_min=c.c_min,
+      c_max=c.c_max,
+      delta=c.delta,
+      window=c.window,
+      warmup=c.warmup,
+    )
   return schedules.fixed_clip(cfg.loss.eps_high)
 
 
 @dataclasses.dataclass
 class Methods:
   """The run's policies and their jitted decision functions."""
+
   cfg: Config
   vocab_size: int
 
@@ -85,8 +113,10 @@ class Methods:
     self.clip = _clip(cfg)
     self.gate_ctl = schedules.eepo_gate_controller(cfg.eepo.m, cfg.eepo.alpha)
     if cfg.temperature.method == "e3" and cfg.clip.method == "adaptive":
-      log.warning("temperature.method=e3 and clip.method=adaptive both steer entropy; running both "
-                  "(ALGORITHMS.md §7 allows it), but their effects are confounded")
+      log.warning(
+        "temperature.method=e3 and clip.method=adaptive both steer entropy; running both "
+        "(ALGORITHMS.md §7 allows it), but their effects are confounded"
+      )
     self.allocate = jax.jit(self.allocator.allocate)
     self.on_epoch_end = jax.jit(self.allocator.on_epoch_end)
     self.update_temperature = jax.jit(self.temperature.update)
@@ -94,8 +124,12 @@ class Methods:
     self.gate = jax.jit(self.gate_ctl.gate)
 
   def init(self, num_questions: int) -> PolicyStates:
-    return PolicyStates(alloc=self.allocator.init(num_questions), temperature=self.temperature.init(),
-                        clip=self.clip.init(), gate=self.gate_ctl.init())
+    return PolicyStates(
+      alloc=self.allocator.init(num_questions),
+      temperature=self.temperature.init(),
+      clip=self.clip.init(),
+      gate=self.gate_ctl.init(),
+    )
 
   def start_phase(self, alloc, stats, epoch: int, num_questions: int):
     """Allocation state at the start of a phase with a new group size (bounds scale with G).
@@ -110,10 +144,13 @@ class Methods:
 
   def describe(self) -> str:
     c = self.cfg
-    parts = [f"allocation={c.allocation.method}", f"temperature={c.temperature.method}",
-             f"clip={c.clip.method}" + (f"({c.clip.schedule})" if c.clip.method == "adaptive" else ""),
-             f"eepo={'on' if c.eepo.enabled else 'off'}",
-             f"modulation={'on' if c.modulation.enabled else 'off'}"]
+    parts = [
+      f"allocation={c.allocation.method}",
+      f"temperature={c.temperature.method}",
+      f"clip={c.clip.method}" + (f"({c.clip.schedule})" if c.clip.method == "adaptive" else ""),
+      f"eepo={'on' if c.eepo.enabled else 'off'}",
+      f"modulation={'on' if c.modulation.enabled else 'off'}",
+    ]
     return ", ".join(parts)
 
 
@@ -125,6 +162,6 @@ def eepo_stage1_counts(counts_B: jnp.ndarray) -> jnp.ndarray:
   makes both stages exactly R/2 rollouts, so neither recompiles.
   """
   odd_B = (counts_B % 2).astype(jnp.int32)
-  rank_B = jnp.cumsum(odd_B) - odd_B            # index of each odd group among the odd ones
+  rank_B = jnp.cumsum(odd_B) - odd_B  # index of each odd group among the odd ones
   up_B = odd_B * (rank_B < jnp.sum(odd_B) // 2)
   return counts_B // 2 + up_B

@@ -2,6 +2,7 @@
 
 ``pass_at_k`` is the public reference function of ALGORITHMS.md §8 (it lives in ``jaxrl.passk``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,22 +44,27 @@ class _EventFile:
     from tensorboardX.proto.event_pb2 import Event, SessionLog
     from tensorboardX.proto.summary_pb2 import Summary
     from tensorboardX.record_writer import masked_crc32c
+
     self._event, self._summary, self._crc = Event, Summary, masked_crc32c
     os.makedirs(logdir, exist_ok=True)
     name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
-    self._file = open(os.path.join(logdir, name), "ab")   # a run resumed in the same second appends
+    self._file = open(os.path.join(logdir, name), "ab")  # a run resumed in the same second appends
     self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
     if purge_step is not None:
       # A resumed run: TensorBoard hides the earlier files' events from this step on.
-      self._write(Event(wall_time=time.time(), step=purge_step,
-                        session_log=SessionLog(status=SessionLog.START)))
+      self._write(
+        Event(
+          wall_time=time.time(), step=purge_step, session_log=SessionLog(status=SessionLog.START)
+        )
+      )
     self._file.flush()
 
   def _write(self, event) -> None:
     data = event.SerializeToString()
     header = struct.pack("<Q", len(data))
-    self._file.write(header + struct.pack("<I", self._crc(header)) + data
-                     + struct.pack("<I", self._crc(data)))
+    self._file.write(
+      header + struct.pack("<I", self._crc(header)) + data + struct.pack("<I", self._crc(data))
+    )
 
   def write(self, step: int, scalars: Mapping[str, float]) -> None:
     values = [self._summary.Value(tag=k, simple_value=v) for k, v in scalars.items()]
@@ -85,8 +91,15 @@ class MetricsWriter:
   goes on.
   """
 
-  def __init__(self, workdir: str, *, tensorboard: bool = True, wandb_project: str | None = None,
-               config: dict | None = None, resume_step: int = 0):
+  def __init__(
+    self,
+    workdir: str,
+    *,
+    tensorboard: bool = True,
+    wandb_project: str | None = None,
+    config: dict | None = None,
+    resume_step: int = 0,
+  ):
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._truncate_from(resume_step)
@@ -94,8 +107,9 @@ class MetricsWriter:
     self._tb = None
     if tensorboard:
       try:
-        self._tb = _EventFile(os.path.join(workdir, "tensorboard"),
-                              purge_step=resume_step + 1 if resume_step else None)
+        self._tb = _EventFile(
+          os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1 if resume_step else None
+        )
       except OSError as e:
         self._drop_tensorboard(e)
     self._wandb = None
@@ -115,7 +129,7 @@ class MetricsWriter:
       for number, line in enumerate(f, 1):
         try:
           row = json.loads(line) if line.strip() else None
-        except json.JSONDecodeError:   # torn by a kill or a full disk mid-line
+        except json.JSONDecodeError:  # torn by a kill or a full disk mid-line
           log.warning("%s:%d is not a JSON line (a write cut short); dropped", self.path, number)
           continue
         if row is not None and row.get("step", -1) <= step:
@@ -150,17 +164,20 @@ class MetricsWriter:
     return row
 
   def _drop_tensorboard(self, error: OSError) -> None:
-    log.warning("cannot write TensorBoard events (%s); TensorBoard logging is off for the rest of "
-                "this run, metrics.jsonl goes on", error)
+    log.warning(
+      "cannot write TensorBoard events (%s); TensorBoard logging is off for the rest of "
+      "this run, metrics.jsonl goes on",
+      error,
+    )
     if self._tb is not None:
-      with contextlib.suppress(OSError):   # what is still buffered fails the same way
+      with contextlib.suppress(OSError):  # what is still buffered fails the same way
         self._tb.close()
     self._tb = None
 
   def close(self) -> None:
     try:
       self._file.close()
-    except OSError as e:   # the line that failed is still buffered: MetricsError said so
+    except OSError as e:  # the line that failed is still buffered: MetricsError said so
       log.warning("closing %s: %s", self.path, e)
     if self._tb is not None:
       try:
@@ -176,23 +193,39 @@ def read_jsonl(path: str) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_run(metrics_path: str, out_png: str,
-             keys=("reward", "entropy_rollout", "informative_frac", "frac_all_correct",
-                   "frac_all_wrong", "response_len", "kl", "clip_frac", "grad_norm")) -> str:
+def plot_run(
+  metrics_path: str,
+  out_png: str,
+  keys=(
+    "reward",
+    "entropy_rollout",
+    "informative_frac",
+    "frac_all_correct",
+    "frac_all_wrong",
+    "response_len",
+    "kl",
+    "clip_frac",
+    "grad_norm",
+  ),
+) -> str:
   """A grid of per-step curves (raw and smoothed) from metrics.jsonl, saved as a PNG.
 
   Curves that are zero throughout (KL without a reference, clipping in on-policy steps) are left out.
   """
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   rows = read_jsonl(metrics_path)
   keys = [k for k in keys if any(isinstance(r.get(k), float) and r[k] != 0 for r in rows)]
   cols = 3
-  fig, axes = plt.subplots(max(1, math.ceil(len(keys) / cols)), cols,
-                           figsize=(4 * cols, 2.8 * max(1, math.ceil(len(keys) / cols))),
-                           squeeze=False)
+  fig, axes = plt.subplots(
+    max(1, math.ceil(len(keys) / cols)),
+    cols,
+    figsize=(4 * cols, 2.8 * max(1, math.ceil(len(keys) / cols))),
+    squeeze=False,
+  )
   for ax, key in zip(axes.flat, keys):
     pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), float)]
     steps, values = np.array(pts).T
@@ -200,10 +233,10 @@ def plot_run(metrics_path: str, out_png: str,
     if len(values) >= 10:
       w = max(len(values) // 20, 3)
       smooth = np.convolve(values, np.ones(w) / w, mode="valid")
-      ax.plot(steps[w - 1:], smooth, lw=1.6)
+      ax.plot(steps[w - 1 :], smooth, lw=1.6)
     ax.set_title(key, fontsize=9)
     ax.grid(alpha=0.3)
-  for ax in list(axes.flat)[len(keys):]:
+  for ax in list(axes.flat)[len(keys) :]:
     ax.axis("off")
   fig.tight_layout()
   fig.savefig(out_png, dpi=90)

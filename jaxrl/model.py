@@ -19,6 +19,7 @@ Memory at long T: attention runs in blocks of ``attention_block`` queries (``att
 block rematerialised, so no [B, H, T, T] buffer exists; and under jit on a mesh the activations
 are constrained to keep rows split over the data axes (``sharding.constrain``; a no-op elsewhere).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,9 +40,9 @@ def _remat_policy(name: str):
   """The ``jax.checkpoint`` policy of a ``ModelConfig.remat`` name (None: save nothing)."""
   if name == "full":
     return None
-  if name == "dots":   # keep the projections' outputs, recompute norms, RoPE, softmax, SiLU
+  if name == "dots":  # keep the projections' outputs, recompute norms, RoPE, softmax, SiLU
     return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-  if name == "offload":   # as "dots", but parked in pinned host memory between the passes
+  if name == "offload":  # as "dots", but parked in pinned host memory between the passes
     return jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
   raise ValueError(name)
 
@@ -56,6 +57,7 @@ class ModelConfig:
   The execution fields (``dtype``, ``param_dtype``, ``scan_layers``, ``remat``) never change the
   function computed, only precision, memory and compile time.
   """
+
   vocab_size: int
   hidden_size: int
   intermediate_size: int
@@ -65,10 +67,10 @@ class ModelConfig:
   head_dim: int
   rope_theta: float = 1_000_000.0
   rms_norm_eps: float = 1e-6
-  qkv_bias: bool = True          # Qwen2: True; Qwen3, Llama: False
-  qk_norm: bool = False          # Qwen3: RMSNorm over head_dim on q and k before RoPE
+  qkv_bias: bool = True  # Qwen2: True; Qwen3, Llama: False
+  qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
   tie_embeddings: bool = False
-  dtype: str = "float32"         # compute dtype of activations and matmuls
+  dtype: str = "float32"  # compute dtype of activations and matmuls
   # RoPE frequency scaling, as HF ``rope_parameters``: "linear" divides every frequency by
   # ``rope_factor``; "llama3" divides the low ones, keeps the high ones, interpolates between.
   rope_type: str = "default"
@@ -76,9 +78,9 @@ class ModelConfig:
   rope_low_freq_factor: float = 1.0
   rope_high_freq_factor: float = 4.0
   rope_original_max_positions: int = 8192
-  param_dtype: str = "float32"   # storage dtype of the params (and so of grads and AdamW moments)
-  scan_layers: bool = False      # stack the layers on a leading axis and lax.scan over them
-  remat: str = "none"            # per layer: one of REMAT_POLICIES (see _remat_policy)
+  param_dtype: str = "float32"  # storage dtype of the params (and so of grads and AdamW moments)
+  scan_layers: bool = False  # stack the layers on a leading axis and lax.scan over them
+  remat: str = "none"  # per layer: one of REMAT_POLICIES (see _remat_policy)
   # Queries per attention block: longer inputs attend block by block (scores [B, H, block, S]
   # instead of [B, H, T, S]); T <= block (decode, short prompts) takes the one-block path.
   attention_block: int = 512
@@ -88,8 +90,9 @@ class ModelConfig:
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
-      raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
-                       f"num_kv_heads={self.num_kv_heads}")
+      raise ValueError(
+        f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+      )
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
     for name in ("dtype", "param_dtype"):
@@ -104,8 +107,10 @@ class ModelConfig:
     if self.rope_type != "default" and self.rope_factor <= 0:
       raise ValueError(f"ModelConfig.rope_factor={self.rope_factor} must be > 0")
     if self.rope_type == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor:
-      raise ValueError(f"llama3 RoPE needs rope_high_freq_factor ({self.rope_high_freq_factor}) > "
-                       f"rope_low_freq_factor ({self.rope_low_freq_factor})")
+      raise ValueError(
+        f"llama3 RoPE needs rope_high_freq_factor ({self.rope_high_freq_factor}) > "
+        f"rope_low_freq_factor ({self.rope_low_freq_factor})"
+      )
 
 
 @pytree_dataclass
@@ -115,8 +120,9 @@ class KVCache:
   Heads come before slots so that both attention matmuls read a layer's cache as it lies (batch
   dims b, k leading); a [.., S, K, E] layout made XLA transpose every layer's cache each step.
   """
-  k: Array   # [L, B, K, S, E]
-  v: Array   # [L, B, K, S, E]
+
+  k: Array  # [L, B, K, S, E]
+  v: Array  # [L, B, K, S, E]
 
   def write(self, layer, start, k_BxTxKxE: Array, v_BxTxKxE: Array) -> KVCache:
     """Store T new keys/values of ``layer`` (int or traced) at slots start..start+T-1, in place."""
@@ -124,14 +130,17 @@ class KVCache:
 
     def put(cache, x_BxTxKxE):
       return jax.lax.dynamic_update_slice(
-          cache, jnp.swapaxes(x_BxTxKxE, 1, 2)[None].astype(cache.dtype), at)
+        cache, jnp.swapaxes(x_BxTxKxE, 1, 2)[None].astype(cache.dtype), at
+      )
 
     return KVCache(k=put(self.k, k_BxTxKxE), v=put(self.v, v_BxTxKxE))
 
   def layer(self, layer) -> tuple[Array, Array]:
     """(k_BxKxSxE, v_BxKxSxE) of one layer."""
-    return (jax.lax.dynamic_index_in_dim(self.k, layer, keepdims=False),
-            jax.lax.dynamic_index_in_dim(self.v, layer, keepdims=False))
+    return (
+      jax.lax.dynamic_index_in_dim(self.k, layer, keepdims=False),
+      jax.lax.dynamic_index_in_dim(self.v, layer, keepdims=False),
+    )
 
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> KVCache:
@@ -189,13 +198,15 @@ def rope(x_BxTxHxE: Array, positions_BxT: Array, inv_freq_half: Array) -> Array:
   return out.astype(x_BxTxHxE.dtype)
 
 
-def _attend(q_BxTxKxRxE: Array, k_BxKxSxE: Array, v_BxKxSxE: Array, kv_valid_BxS: Array,
-            first_slot) -> Array:
+def _attend(
+  q_BxTxKxRxE: Array, k_BxKxSxE: Array, v_BxKxSxE: Array, kv_valid_BxS: Array, first_slot
+) -> Array:
   """Softmax attention of T queries at slots first_slot..first_slot+T-1 to the S slots: a query
   sees the valid slots up to its own. Scores and softmax in float32. Returns [B, T, K, R, E]."""
   t, s = q_BxTxKxRxE.shape[1], k_BxKxSxE.shape[2]
-  scores = jnp.einsum("btkre,bkse->bkrts", q_BxTxKxRxE, k_BxKxSxE,
-                      preferred_element_type=jnp.float32)
+  scores = jnp.einsum(
+    "btkre,bkse->bkrts", q_BxTxKxRxE, k_BxKxSxE, preferred_element_type=jnp.float32
+  )
   scores = scores * (q_BxTxKxRxE.shape[-1] ** -0.5)
   query_slot_T = first_slot + jnp.arange(t)
   causal_TxS = jnp.arange(s)[None, :] <= query_slot_T[:, None]
@@ -206,8 +217,9 @@ def _attend(q_BxTxKxRxE: Array, k_BxKxSxE: Array, v_BxKxSxE: Array, kv_valid_BxS
   return jnp.einsum("bkrts,bkse->btkre", probs, v_BxKxSxE)
 
 
-def attention(q_BxTxKxRxE: Array, k_BxKxSxE: Array, v_BxKxSxE: Array, kv_valid_BxS: Array, start,
-              block: int) -> Array:
+def attention(
+  q_BxTxKxRxE: Array, k_BxKxSxE: Array, v_BxKxSxE: Array, kv_valid_BxS: Array, start, block: int
+) -> Array:
   """Grouped-query attention of T queries (slots start..start+T-1) to S slots, ``block`` queries
   at a time: [B, T, K, R, E].
 
@@ -220,7 +232,7 @@ def attention(q_BxTxKxRxE: Array, k_BxKxSxE: Array, v_BxKxSxE: Array, kv_valid_B
   if t <= block:
     return _attend(q_BxTxKxRxE, k_BxKxSxE, v_BxKxSxE, kv_valid_BxS, start)
   n = -(-t // block)
-  pad = n * block - t   # padded queries see the same slots as any query; their rows are dropped
+  pad = n * block - t  # padded queries see the same slots as any query; their rows are dropped
   q = jnp.pad(q_BxTxKxRxE, ((0, 0), (0, pad)) + ((0, 0),) * 3)
   q_NxBxCxKxRxE = jnp.swapaxes(q.reshape(b, n, block, *q.shape[2:]), 0, 1)
 
@@ -229,8 +241,9 @@ def attention(q_BxTxKxRxE: Array, k_BxKxSxE: Array, v_BxKxSxE: Array, kv_valid_B
     return _attend(q_BxCxKxRxE, k, v, kv_valid, first_slot)
 
   out_NxBxCxKxRxE = jax.lax.map(
-      lambda qi: one_block(qi[0], k_BxKxSxE, v_BxKxSxE, kv_valid_BxS, start + qi[1] * block),
-      (q_NxBxCxKxRxE, jnp.arange(n)))
+    lambda qi: one_block(qi[0], k_BxKxSxE, v_BxKxSxE, kv_valid_BxS, start + qi[1] * block),
+    (q_NxBxCxKxRxE, jnp.arange(n)),
+  )
   out = jnp.swapaxes(out_NxBxCxKxRxE, 0, 1).reshape(b, n * block, *q.shape[2:])
   return out[:, :t]
 
@@ -292,7 +305,9 @@ class Attention(nnx.Module):
     rep = cfg.num_heads // cfg.num_kv_heads
     q = q.reshape(b, t, cfg.num_kv_heads, rep, cfg.head_dim)
     out = attention(q, k_BxKxSxE, v_BxKxSxE, kv_valid_BxS, start, cfg.attention_block)
-    out = constrain(out.reshape(b, t, cfg.num_heads * cfg.head_dim), "batch", "act_seq", "act_heads")
+    out = constrain(
+      out.reshape(b, t, cfg.num_heads * cfg.head_dim), "batch", "act_seq", "act_heads"
+    )
     out = out @ self.o_proj[...].astype(out.dtype)
     return constrain(out, "batch", "act_seq", "act_embed"), cache
 
@@ -328,7 +343,8 @@ class DecoderLayer(nnx.Module):
     eps = self.cfg.rms_norm_eps
     x = constrain(x, "batch", "act_seq", "act_embed")
     h, cache = self.self_attn(
-        rms_norm(x, self.input_layernorm[...], eps), positions, kv_valid, start, cache, layer)
+      rms_norm(x, self.input_layernorm[...], eps), positions, kv_valid, start, cache, layer
+    )
     x = x + h
     x = x + self.mlp(rms_norm(x, self.post_attention_layernorm[...], eps))
     return constrain(x, "batch", "act_seq", "act_embed"), cache
@@ -370,8 +386,9 @@ class Decoder(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.embed_tokens = _param(cfg, rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
-                               0.02)
+    self.embed_tokens = _param(
+      cfg, rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), 0.02
+    )
     # Built one by one in both modes, so a seed gives the same weights whether scanned or not.
     layers = [DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)]
     self.layers = _stack_layers(layers) if cfg.scan_layers else nnx.List(layers)
@@ -385,8 +402,9 @@ class Decoder(nnx.Module):
       return self.embed_tokens[...].T
     return self.lm_head[...]
 
-  def __call__(self, tokens_BxT, positions_BxT, kv_valid_BxS, cache: KVCache | None = None,
-               start=0):
+  def __call__(
+    self, tokens_BxT, positions_BxT, kv_valid_BxS, cache: KVCache | None = None, start=0
+  ):
     """Final-norm hidden states [B, T, D] and the updated cache.
 
     Without a cache, S = T and token t attends to tokens ≤ t that are valid. With a cache, the T
@@ -428,7 +446,7 @@ def abstract(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
 def forward(graphdef, params, tokens_BxT, positions_BxT, kv_valid_BxS, cache=None, start=0):
   """Pure forward: (hidden_BxTxD, lm_head_DxV, new_cache)."""
   model = nnx.merge(graphdef, params)
-  with activation_mesh(params):   # the params' mesh: activations keep rows over the data axes
+  with activation_mesh(params):  # the params' mesh: activations keep rows over the data axes
     hidden, cache = model(tokens_BxT, positions_BxT, kv_valid_BxS, cache, start)
   return hidden, model.lm_head_weight(), cache
 

@@ -12,6 +12,7 @@ checkpoint directories under their hub names, ``JAXRL_DATA`` (default ``data/mat
 ``train.jsonl`` and ``val.jsonl`` (fields ``problem``, ``answer``); or set ``--config.model.checkpoint``
 and ``--config.data.train`` / ``--config.data.heldout`` directly.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,14 +22,36 @@ from jaxrl.config import default_configdict
 # config.json of the base models (what --plan uses before the weights are downloaded; a downloaded
 # checkpoint's own config.json always wins).
 ARCHITECTURES = {
-    "7b": dict(hub_id="deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", vocab_size=152064,
-               hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
-               num_kv_heads=4, head_dim=128, rope_theta=10_000.0, rms_norm_eps=1e-6,
-               qkv_bias=True, qk_norm=False, tie_embeddings=False),
-    "1.5b": dict(hub_id="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", vocab_size=151936,
-                 hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
-                 num_kv_heads=2, head_dim=128, rope_theta=10_000.0, rms_norm_eps=1e-6,
-                 qkv_bias=True, qk_norm=False, tie_embeddings=False),
+  "7b": dict(
+    hub_id="deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_layers=28,
+    num_heads=28,
+    num_kv_heads=4,
+    head_dim=128,
+    rope_theta=10_000.0,
+    rms_norm_eps=1e-6,
+    qkv_bias=True,
+    qk_norm=False,
+    tie_embeddings=False,
+  ),
+  "1.5b": dict(
+    hub_id="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
+    vocab_size=151936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_layers=28,
+    num_heads=12,
+    num_kv_heads=2,
+    head_dim=128,
+    rope_theta=10_000.0,
+    rms_norm_eps=1e-6,
+    qkv_bias=True,
+    qk_norm=False,
+    tie_embeddings=False,
+  ),
 }
 # E3 §5.1: 8 A100s for the 7B run, 4 for the 1.5B run; lr 2e-6 and 5e-6.
 _SIZES = {"7b": dict(devices=8, lr=2e-6), "1.5b": dict(devices=4, lr=5e-6)}
@@ -48,8 +71,8 @@ def _base(size: str):
   # would round most updates away. model.param_dtype = "bfloat16" halves param memory if wanted.
   c.model.dtype = "bfloat16"
   c.model.param_dtype = "float32"
-  c.model.scan_layers = True           # compile time does not grow with the 28 layers
-  c.model.remat = "full"               # per layer: only layer inputs are kept for the backward
+  c.model.scan_layers = True  # compile time does not grow with the 28 layers
+  c.model.remat = "full"  # per layer: only layer inputs are kept for the backward
 
   c.task.name = "math"
   c.task.max_prompt_len = 1024
@@ -57,7 +80,7 @@ def _base(size: str):
   c.data.train = os.path.join(data, "train.jsonl")
   c.data.heldout = os.path.join(data, "val.jsonl")
   c.data.template = "boxed"
-  c.sft.steps = 0                      # the distilled model already answers in the format
+  c.sft.steps = 0  # the distilled model already answers in the format
 
   c.steps = 480
   c.batch_questions = 64
@@ -65,24 +88,24 @@ def _base(size: str):
   c.rollout.max_new_tokens = 6144
   c.rollout.temperature = 1.0
   c.rollout.top_p = 1.0
-  c.rollout.engine = "vllm"            # one sidecar per host; `rollout.engine=jax` also works
+  c.rollout.engine = "vllm"  # one sidecar per host; `rollout.engine=jax` also works
   c.vllm.dtype = "bfloat16"
   c.vllm.max_num_seqs = 256
 
   c.optim.learning_rate = _SIZES[size]["lr"]
   c.optim.warmup_steps = 0
-  c.optim.weight_decay = 0.01          # verl's actor default (E3 trains with verl)
+  c.optim.weight_decay = 0.01  # verl's actor default (E3 trains with verl)
   c.optim.b2 = 0.999
   c.optim.grad_clip = 1.0
   c.loss.aggregation = "token-mean"
   c.loss.eps_low = 0.2
-  c.loss.eps_high = 0.2                # E3 uses the symmetric clip
-  c.loss.mini_batches = 1              # "experiences ... update the policy only once"
-  c.loss.micro_batches = 16            # 512 rows → 32 per micro-batch: 4 per device on 8
+  c.loss.eps_high = 0.2  # E3 uses the symmetric clip
+  c.loss.mini_batches = 1  # "experiences ... update the policy only once"
+  c.loss.micro_batches = 16  # 512 rows → 32 per micro-batch: 4 per device on 8
   c.loss.logprob_chunk = 512
   c.mesh.fsdp = _SIZES[size]["devices"]
 
-  c.eval.num_samples = 16              # E3's protocol: 16 samples at τ = 1, pass@1 and pass@16
+  c.eval.num_samples = 16  # E3's protocol: 16 samples at τ = 1, pass@1 and pass@16
   c.eval.temperature = 1.0
   c.eval.ks = "1,16"
   c.eval.every = 40
@@ -95,22 +118,22 @@ def _base(size: str):
 def _apply_method(c, method: str) -> None:
   if method == "e3":
     c.allocation.method = "e3"
-    c.allocation.e3_step = 2             # G_max + 2, G_min - 2 per epoch
+    c.allocation.e3_step = 2  # G_max + 2, G_min - 2 per epoch
     c.temperature.method = "e3"
     c.temperature.anneal = True
-    c.temperature.eta = 0.9              # annealing from floor(0.6 T) (the default start)
-  elif method == "dynamo":               # DynaMO §5 on DAPO-Math-17k: τ = 1, top-p 1
+    c.temperature.eta = 0.9  # annealing from floor(0.6 T) (the default start)
+  elif method == "dynamo":  # DynaMO §5 on DAPO-Math-17k: τ = 1, top-p 1
     c.allocation.method = "dynamo"
     c.modulation.enabled = True
-  elif method == "eepo":                 # EEPO §5: α = 0.3, η = 3e-3, plain GRPO otherwise
+  elif method == "eepo":  # EEPO §5: α = 0.3, η = 3e-3, plain GRPO otherwise
     c.eepo.enabled = True
     c.eepo.alpha = 0.3
     c.eepo.lr = 3e-3
-  elif method == "es":                   # Entropy Scheduling: adaptive clip-higher, stable → anneal
+  elif method == "es":  # Entropy Scheduling: adaptive clip-higher, stable → anneal
     c.clip.method = "adaptive"
     c.clip.schedule = "stable_then_anneal"
-    c.clip.c0 = 0.28                     # DAPO's clip-higher value as the starting point
-    c.anneal_phase.enabled = True        # ES §5: more rollouts and longer answers while annealing
+    c.clip.c0 = 0.28  # DAPO's clip-higher value as the starting point
+    c.anneal_phase.enabled = True  # ES §5: more rollouts and longer answers while annealing
     c.anneal_phase.group_size = 16
     c.anneal_phase.max_new_tokens = 8192
     c.allocation.g_max = 16
@@ -147,8 +170,10 @@ def math_config(size: str, arg: str = ""):
   parts = [p.strip() for p in arg.split(",") if p.strip()]
   unknown = [p for p in parts if p not in METHODS + OPTIONS]
   if unknown:
-    raise ValueError(f"unknown config variant {unknown[0]!r} (methods: {', '.join(METHODS)}; "
-                     f"options: {', '.join(OPTIONS)})")
+    raise ValueError(
+      f"unknown config variant {unknown[0]!r} (methods: {', '.join(METHODS)}; "
+      f"options: {', '.join(OPTIONS)})"
+    )
   methods = [p for p in parts if p in METHODS] or ["e3"]
   if len(methods) > 1:
     raise ValueError(f"one method per run, got {methods}")

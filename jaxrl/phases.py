@@ -4,6 +4,7 @@ A phase is a start step, the run's config inside it (``Config.annealing``: group
 length, allocation bounds) and the data mixture it samples. The loop asks ``phase_at(step)`` and
 switches when the answer changes; a phase switch is the only point where shapes change.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,9 +17,9 @@ from jaxrl.config import Config
 @dataclasses.dataclass(frozen=True)
 class Phase:
   index: int
-  start: int            # first RL step (0-based) of the phase
-  cfg: Config           # the run's config inside the phase
-  mixture: str          # data mixture spec ("" = every training question)
+  start: int  # first RL step (0-based) of the phase
+  cfg: Config  # the run's config inside the phase
+  mixture: str  # data mixture spec ("" = every training question)
   name: str
 
 

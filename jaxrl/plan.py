@@ -9,6 +9,7 @@ the trainer jits and reports XLA's ``memory_analysis()``. Without enough devices
 ``AbstractMesh``: every sharded number is still exact, only the compiled part is skipped (and the
 report says how to get it), because a table is more use to someone sizing a run than an error.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,34 +26,49 @@ from jaxrl import arch, model, optim, sharding, step
 from jaxrl.config import Config, ConfigError
 from jaxrl.phases import run_phases
 
-GiB = 1024 ** 3
+GiB = 1024**3
 FAKE_DEVICES = "JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count={n}"
 # The last key of a parameter's path → the weight kind the table shows (in model order).
-_KINDS = {"embed_tokens": "embed", "q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj",
-          "o_proj": "o_proj", "q_bias": "q/k/v bias", "k_bias": "q/k/v bias",
-          "v_bias": "q/k/v bias", "q_norm": "q/k norm", "k_norm": "q/k norm",
-          "gate_proj": "mlp gate_proj", "up_proj": "mlp up_proj", "down_proj": "mlp down_proj",
-          "input_layernorm": "layer norms", "post_attention_layernorm": "layer norms",
-          "norm": "final norm", "lm_head": "lm_head"}
+_KINDS = {
+  "embed_tokens": "embed",
+  "q_proj": "q_proj",
+  "k_proj": "k_proj",
+  "v_proj": "v_proj",
+  "o_proj": "o_proj",
+  "q_bias": "q/k/v bias",
+  "k_bias": "q/k/v bias",
+  "v_bias": "q/k/v bias",
+  "q_norm": "q/k norm",
+  "k_norm": "q/k norm",
+  "gate_proj": "mlp gate_proj",
+  "up_proj": "mlp up_proj",
+  "down_proj": "mlp down_proj",
+  "input_layernorm": "layer norms",
+  "post_attention_layernorm": "layer norms",
+  "norm": "final norm",
+  "lm_head": "lm_head",
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class WeightRow:
   """One weight kind: its leaves share shape, dtype, spec and shard."""
+
   kind: str
-  leaves: int                       # arrays of this kind (L per kind in the loop layout)
+  leaves: int  # arrays of this kind (L per kind in the loop layout)
   shape: tuple[int, ...]
   dtype: str
-  spec: str                         # the PartitionSpec
-  shard_shape: tuple[int, ...]      # on one device
-  bytes_per_device: int             # all leaves of the kind
+  spec: str  # the PartitionSpec
+  shard_shape: tuple[int, ...]  # on one device
+  bytes_per_device: int  # all leaves of the kind
 
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
   """Analytic per-device bytes: named items and the total they add up to."""
-  rows: int                         # rows per device
-  tokens: int                       # sequence length (T, or KV slots S)
+
+  rows: int  # rows per device
+  tokens: int  # sequence length (T, or KV slots S)
   items: tuple[tuple[str, int], ...]
   total: int
 
@@ -60,11 +76,12 @@ class Estimate:
 @dataclasses.dataclass(frozen=True)
 class Compiled:
   """XLA's memory analysis of one compiled program, per device."""
+
   name: str
-  seconds: float                    # lower + compile
+  seconds: float  # lower + compile
   argument: int
   output: int
-  alias: int                        # outputs that reuse donated argument buffers
+  alias: int  # outputs that reuse donated argument buffers
   temp: int
   code: int
 
@@ -76,26 +93,27 @@ class Compiled:
 @dataclasses.dataclass(frozen=True)
 class PhasePlan:
   """One phase's step shapes and what they cost per device."""
+
   name: str
-  cfg: Config                       # the phase's config (the annealing phase has its own shapes)
-  activations: Estimate             # the train step's largest micro-batch
-  rollout: Estimate                 # the JAX sampler, or vLLM's π_old rescoring pass
+  cfg: Config  # the phase's config (the annealing phase has its own shapes)
+  activations: Estimate  # the train step's largest micro-batch
+  rollout: Estimate  # the JAX sampler, or vLLM's π_old rescoring pass
   compiled: tuple[Compiled, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  source: str                       # where the architecture came from
+  source: str  # where the architecture came from
   model_cfg: model.ModelConfig
   mesh_shape: dict[str, int]
-  devices: str                      # what this process has, e.g. "8 x cpu"
-  device_memory: int | None         # bytes per device, when the backend reports it
+  devices: str  # what this process has, e.g. "8 x cpu"
+  device_memory: int | None  # bytes per device, when the backend reports it
   weights: tuple[WeightRow, ...]
-  params: int                       # bytes per device
+  params: int  # bytes per device
   opt_state: int
-  ref_params: int                   # 0 without KL
+  ref_params: int  # 0 without KL
   phases: tuple[PhasePlan, ...]
-  skipped: str                      # why nothing was compiled ("" = compiled)
+  skipped: str  # why nothing was compiled ("" = compiled)
 
   @property
   def state(self) -> int:
@@ -103,6 +121,7 @@ class Plan:
 
 
 # -- shapes and shardings ---------------------------------------------------------------------------
+
 
 def architecture(cfg: Config) -> tuple[model.ModelConfig, str]:
   """The checkpoint's config.json when it is there, else the model section; and which one."""
@@ -112,10 +131,13 @@ def architecture(cfg: Config) -> tuple[model.ModelConfig, str]:
   vocab = m.vocab_size
   if not vocab and cfg.task.name == "arithmetic":
     from jaxrl.data.tokenizer import VOCAB
+
     vocab = len(VOCAB)
   if not vocab:
-    raise ConfigError("model.vocab_size", "is 0 (= the tokenizer's) and there is no checkpoint "
-                      "to read it from: set it to plan the run")
+    raise ConfigError(
+      "model.vocab_size",
+      "is 0 (= the tokenizer's) and there is no checkpoint to read it from: set it to plan the run",
+    )
   missing = f" ({m.checkpoint} is not downloaded)" if m.checkpoint else ""
   return arch.from_section(cfg, vocab), f"the config's model section{missing}"
 
@@ -128,6 +150,7 @@ def prompt_len(cfg: Config) -> int:
     raise ConfigError("task.max_prompt_len", "the plan needs a fixed prompt length: set it")
   from jaxrl import task
   from jaxrl.data import arithmetic
+
   tcfg = task.task_config(cfg)
   return arithmetic.max_lengths(tcfg.levels, tcfg.digit_width)[0] + 1
 
@@ -139,11 +162,14 @@ def plan_mesh(cfg: Config):
   have = jax.devices()
   if need <= len(have):
     return sharding.make_mesh(m.data, m.fsdp, m.tensor), ""
-  why = (f"the mesh data={m.data} x fsdp={m.fsdp} x tensor={m.tensor} needs {need} devices and "
-         f"this process has {len(have)} ({have[0].platform}). To compile the step here, plan on "
-         f"fake CPU devices: {FAKE_DEVICES.format(n=need)} python -m jaxrl.main --config=... --plan")
-  return AbstractMesh((m.data, m.fsdp, m.tensor), sharding.MESH_AXES,
-                      axis_types=(AxisType.Auto,) * 3), why
+  why = (
+    f"the mesh data={m.data} x fsdp={m.fsdp} x tensor={m.tensor} needs {need} devices and "
+    f"this process has {len(have)} ({have[0].platform}). To compile the step here, plan on "
+    f"fake CPU devices: {FAKE_DEVICES.format(n=need)} python -m jaxrl.main --config=... --plan"
+  )
+  return AbstractMesh(
+    (m.data, m.fsdp, m.tensor), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3
+  ), why
 
 
 def make_tx(cfg: Config):
@@ -153,8 +179,9 @@ def make_tx(cfg: Config):
 
 def bytes_per_device(tree, shardings) -> int:
   """Σ over leaves of one device's shard size × itemsize."""
-  sizes = jax.tree.map(lambda x, s: math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize,
-                       tree, shardings)
+  sizes = jax.tree.map(
+    lambda x, s: math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize, tree, shardings
+  )
   return int(sum(jax.tree.leaves(sizes)))
 
 
@@ -168,14 +195,19 @@ def weight_rows(params, shardings) -> tuple[WeightRow, ...]:
     size = math.prod(shard) * np.dtype(x.dtype).itemsize
     spec = "P(" + ", ".join("None" if a is None else repr(a) for a in s.spec) + ")"
     row = found.get(kind)
-    found[kind] = (WeightRow(kind, 1, tuple(x.shape), str(x.dtype), spec, shard, size)
-                   if row is None else dataclasses.replace(
-                       row, leaves=row.leaves + 1, bytes_per_device=row.bytes_per_device + size))
+    found[kind] = (
+      WeightRow(kind, 1, tuple(x.shape), str(x.dtype), spec, shard, size)
+      if row is None
+      else dataclasses.replace(
+        row, leaves=row.leaves + 1, bytes_per_device=row.bytes_per_device + size
+      )
+    )
   order = list(dict.fromkeys(_KINDS.values()))
   return tuple(sorted(found.values(), key=lambda r: order.index(r.kind) if r.kind in order else 99))
 
 
 # -- analytic activations ---------------------------------------------------------------------------
+
 
 def _split(dim: int, mesh_shape: dict, axis: str) -> int:
   """A dimension's size on one device under ``logical_to_spec``'s rule (split only if divisible)."""
@@ -209,20 +241,26 @@ def activation_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> E
   f = _split(m.intermediate_size, mesh_shape, "tensor")
   internals = _layer_internals(rows, t, m, mesh_shape)
   q_block = min(t, m.attention_block)
-  attention = rows * h * q_block * t * 2 * (4 + b)   # f32 scores + probs, and their gradients
+  attention = rows * h * q_block * t * 2 * (4 + b)  # f32 scores + probs, and their gradients
   inputs = m.num_layers * rows * t * d * b
-  dots = m.num_layers * rows * t * (h * e + 2 * k * e + 2 * d + 2 * f) * b   # projection outputs
+  dots = m.num_layers * rows * t * (h * e + 2 * k * e + 2 * d + 2 * f) * b  # projection outputs
   chunk = pc.loss.logprob_chunk * _split(m.vocab_size, mesh_shape, "tensor") * 4
-  layers = {"none": m.num_layers * (internals + attention),
-            "full": inputs + internals + attention,
-            "dots": dots + internals + attention,
-            "offload": inputs + internals + attention}[m.remat]
-  items = [("layer inputs kept for the backward, all layers", inputs if m.remat != "none" else 0),
-           ("projection outputs kept (remat dots)", dots if m.remat == "dots" else 0),
-           ("one layer's internals", internals),
-           (f"one attention block: f32 scores [rows, H, {q_block}, T] + probs, and their "
-            "gradients", attention),
-           (f"log-prob chunk: f32 logits [C={pc.loss.logprob_chunk}, V]", chunk)]
+  layers = {
+    "none": m.num_layers * (internals + attention),
+    "full": inputs + internals + attention,
+    "dots": dots + internals + attention,
+    "offload": inputs + internals + attention,
+  }[m.remat]
+  items = [
+    ("layer inputs kept for the backward, all layers", inputs if m.remat != "none" else 0),
+    ("projection outputs kept (remat dots)", dots if m.remat == "dots" else 0),
+    ("one layer's internals", internals),
+    (
+      f"one attention block: f32 scores [rows, H, {q_block}, T] + probs, and their gradients",
+      attention,
+    ),
+    (f"log-prob chunk: f32 logits [C={pc.loss.logprob_chunk}, V]", chunk),
+  ]
   if m.remat == "offload":
     items.append(("(projection outputs parked in host memory, not counted)", dots))
   return Estimate(rows, t, tuple(i for i in items if i[1]), layers + chunk)
@@ -235,32 +273,37 @@ def rollout_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> Esti
   p = prompt_len(pc)
   s = p + pc.rollout.max_new_tokens
   h, k = _split(m.num_heads, mesh_shape, "tensor"), _split(m.num_kv_heads, mesh_shape, "tensor")
-  if pc.rollout.engine != "jax":   # rescoring: one micro-batch chunk at a time
+  if pc.rollout.engine != "jax":  # rescoring: one micro-batch chunk at a time
     rows = -(-rows // pc.loss.micro_batches)
     q_block = min(s, m.attention_block)
     scores = rows * h * q_block * s * 4
     internals = _layer_internals(rows, s, m, mesh_shape)
     chunk = pc.loss.logprob_chunk * _split(m.vocab_size, mesh_shape, "tensor") * 4
-    items = (("one layer's internals", internals),
-             (f"one attention block's f32 scores [R, H, {q_block}, T]", scores),
-             (f"log-prob chunk: f32 logits [C={pc.loss.logprob_chunk}, V]", chunk))
+    items = (
+      ("one layer's internals", internals),
+      (f"one attention block's f32 scores [R, H, {q_block}, T]", scores),
+      (f"log-prob chunk: f32 logits [C={pc.loss.logprob_chunk}, V]", chunk),
+    )
     return Estimate(rows, s, items, internals + scores + chunk)
   cache = 2 * m.num_layers * rows * k * s * m.head_dim * jnp.dtype(m.dtype).itemsize
-  prefill = rows * h * min(p, m.attention_block) * p * 4   # a prefill sees only its P slots
+  prefill = rows * h * min(p, m.attention_block) * p * 4  # a prefill sees only its P slots
   logits = rows * _split(m.vocab_size, mesh_shape, "tensor") * 4
-  items = (("KV cache: k and v [L, R, K, P+N, E]", cache),
-           (f"prefill: one attention block's f32 scores [R, H, {min(p, m.attention_block)}, P]",
-            prefill),
-           ("decode: f32 logits [R, V]", logits))
+  items = (
+    ("KV cache: k and v [L, R, K, P+N, E]", cache),
+    (f"prefill: one attention block's f32 scores [R, H, {min(p, m.attention_block)}, P]", prefill),
+    ("decode: f32 logits [R, V]", logits),
+  )
   return Estimate(rows, s, items, cache + prefill + logits)
 
 
 # -- compiled programs ------------------------------------------------------------------------------
 
+
 def _shaped(tree, shardings):
   """ShapeDtypeStructs carrying shardings: what ``jit(...).lower`` takes for real arrays."""
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
-                      shardings)
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+  )
 
 
 def abstract_batch(pc: Config, rows_sharding=None) -> step.PolicyBatch:
@@ -271,25 +314,39 @@ def abstract_batch(pc: Config, rows_sharding=None) -> step.PolicyBatch:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=rows_sharding)
 
   return step.PolicyBatch(
-      prompt_ids_RxP=sds((r, p), jnp.int32), prompt_mask_RxP=sds((r, p), jnp.bool_),
-      response_ids_RxN=sds((r, n), jnp.int32), response_mask_RxN=sds((r, n), jnp.bool_),
-      old_logp_RxN=sds((r, n), jnp.float32), rewards_R=sds((r,), jnp.float32),
-      group_ids_R=sds((r,), jnp.int32))
+    prompt_ids_RxP=sds((r, p), jnp.int32),
+    prompt_mask_RxP=sds((r, p), jnp.bool_),
+    response_ids_RxN=sds((r, n), jnp.int32),
+    response_mask_RxN=sds((r, n), jnp.bool_),
+    old_logp_RxN=sds((r, n), jnp.float32),
+    rewards_R=sds((r,), jnp.float32),
+    group_ids_R=sds((r,), jnp.int32),
+  )
 
 
 def _analyse(name: str, lower) -> Compiled:
   t0 = time.perf_counter()
   mem = lower().compile().memory_analysis()
-  return Compiled(name, time.perf_counter() - t0, int(mem.argument_size_in_bytes),
-                  int(mem.output_size_in_bytes), int(mem.alias_size_in_bytes),
-                  int(mem.temp_size_in_bytes), int(mem.generated_code_size_in_bytes))
+  return Compiled(
+    name,
+    time.perf_counter() - t0,
+    int(mem.argument_size_in_bytes),
+    int(mem.output_size_in_bytes),
+    int(mem.alias_size_in_bytes),
+    int(mem.temp_size_in_bytes),
+    int(mem.generated_code_size_in_bytes),
+  )
 
 
 def compile_train_step(pc: Config, graphdef, tx, state_sh, params, mesh) -> Compiled:
   """``rl_update`` jitted as ``Trainer._enter_phase`` does (state donated, out_shardings)."""
   from jaxrl.train import rl_step_config, step_hparams
-  update = jax.jit(functools.partial(step.rl_update, graphdef, tx, rl_step_config(pc)),
-                   donate_argnums=(0,), out_shardings=(state_sh, None))
+
+  update = jax.jit(
+    functools.partial(step.rl_update, graphdef, tx, rl_step_config(pc)),
+    donate_argnums=(0,),
+    out_shardings=(state_sh, None),
+  )
   state = _shaped(jax.eval_shape(functools.partial(step.init_state, tx=tx), params), state_sh)
   hp = jax.eval_shape(lambda: step_hparams(pc, pc.rollout.temperature, pc.loss.eps_high))
   ref = _shaped(params, state_sh.params) if pc.loss.kl_coef > 0 else None
@@ -300,13 +357,27 @@ def compile_train_step(pc: Config, graphdef, tx, state_sh, params, mesh) -> Comp
 def compile_sampler(pc: Config, graphdef, mcfg, params, param_sh) -> Compiled:
   """The JAX sampler's jitted body with host prompts, as ``JaxEngine.generate`` calls it."""
   from jaxrl.rollout import sampler
+
   p, b = prompt_len(pc), pc.batch_questions
   sds = jax.ShapeDtypeStruct
-  args = (graphdef, _shaped(params, param_sh), sds((b, p), jnp.int32), sds((b, p), jnp.bool_),
-          sds((b,), jnp.int32), jax.eval_shape(lambda: jax.random.PRNGKey(0)),
-          sds((), jnp.float32), sds((), jnp.float32))
-  static = dict(num_rollouts=pc.num_rollouts, max_new_tokens=pc.rollout.max_new_tokens,
-                eos_id=(1,), pad_id=0, model_cfg=mcfg, greedy=False)
+  args = (
+    graphdef,
+    _shaped(params, param_sh),
+    sds((b, p), jnp.int32),
+    sds((b, p), jnp.bool_),
+    sds((b,), jnp.int32),
+    jax.eval_shape(lambda: jax.random.PRNGKey(0)),
+    sds((), jnp.float32),
+    sds((), jnp.float32),
+  )
+  static = dict(
+    num_rollouts=pc.num_rollouts,
+    max_new_tokens=pc.rollout.max_new_tokens,
+    eos_id=(1,),
+    pad_id=0,
+    model_cfg=mcfg,
+    greedy=False,
+  )
   return _analyse("JAX sampler (generate)", lambda: sampler._generate.lower(*args, **static))
 
 
@@ -314,13 +385,23 @@ def compile_rescoring(pc: Config, graphdef, params, param_sh, mesh) -> Compiled:
   """vLLM's π_old rescoring as ``Trainer._score`` runs it: R rows sharded over the data axes, in
   ``loss.micro_batches`` sequential chunks."""
   batch = abstract_batch(pc, sharding.batch_sharding(mesh))
-  score = jax.jit(functools.partial(step.score_responses_chunked, graphdef,
-                                    chunk_size=pc.loss.logprob_chunk),
-                  static_argnames=("micro",))
+  score = jax.jit(
+    functools.partial(step.score_responses_chunked, graphdef, chunk_size=pc.loss.logprob_chunk),
+    static_argnames=("micro",),
+  )
   tau = jax.ShapeDtypeStruct((), jnp.float32)
-  return _analyse("pi_old rescoring (score_responses_chunked)", lambda: score.lower(
-      _shaped(params, param_sh), batch.prompt_ids_RxP, batch.prompt_mask_RxP,
-      batch.response_ids_RxN, batch.response_mask_RxN, tau, micro=pc.loss.micro_batches))
+  return _analyse(
+    "pi_old rescoring (score_responses_chunked)",
+    lambda: score.lower(
+      _shaped(params, param_sh),
+      batch.prompt_ids_RxP,
+      batch.prompt_mask_RxP,
+      batch.response_ids_RxN,
+      batch.response_mask_RxN,
+      tau,
+      micro=pc.loss.micro_batches,
+    ),
+  )
 
 
 def compile_forget(pc: Config, graphdef, params, param_sh, mesh) -> Compiled:
@@ -333,14 +414,30 @@ def compile_forget(pc: Config, graphdef, params, param_sh, mesh) -> Compiled:
     return jax.ShapeDtypeStruct((half, *x.shape[1:]), x.dtype, sharding=x.sharding)
 
   e = pc.eepo
-  forget = jax.jit(functools.partial(step.eepo_forget, graphdef, pc.loss.logprob_chunk, lr=e.lr,
-                                     eps_l=e.eps_l, eps_r=e.eps_r,
-                                     micro=step.sequential_chunks(half, pc.loss.micro_batches)),
-                   out_shardings=(param_sh, None))
+  forget = jax.jit(
+    functools.partial(
+      step.eepo_forget,
+      graphdef,
+      pc.loss.logprob_chunk,
+      lr=e.lr,
+      eps_l=e.eps_l,
+      eps_r=e.eps_r,
+      micro=step.sequential_chunks(half, pc.loss.micro_batches),
+    ),
+    out_shardings=(param_sh, None),
+  )
   tau = jax.ShapeDtypeStruct((), jnp.float32)
-  return _analyse("EEPO forgetting step (eepo_forget)", lambda: forget.lower(
-      _shaped(params, param_sh), rows(batch.prompt_ids_RxP), rows(batch.prompt_mask_RxP),
-      rows(batch.response_ids_RxN), rows(batch.response_mask_RxN), tau))
+  return _analyse(
+    "EEPO forgetting step (eepo_forget)",
+    lambda: forget.lower(
+      _shaped(params, param_sh),
+      rows(batch.prompt_ids_RxP),
+      rows(batch.prompt_mask_RxP),
+      rows(batch.response_ids_RxN),
+      rows(batch.response_mask_RxN),
+      tau,
+    ),
+  )
 
 
 def _device_memory() -> int | None:
@@ -359,8 +456,9 @@ def build(cfg: Config, *, compile_steps: bool = True, rollout_side: bool = True)
   tx = make_tx(cfg)
   opt = jax.eval_shape(tx.init, params)
   opt_sh = sharding.tree_shardings(opt, mesh)
-  state_sh = step.TrainState(step=NamedSharding(mesh, PartitionSpec()), params=param_sh,
-                             opt_state=opt_sh)
+  state_sh = step.TrainState(
+    step=NamedSharding(mesh, PartitionSpec()), params=param_sh, opt_state=opt_sh
+  )
   mesh_shape = dict(mesh.shape)
   phases = []
   for phase in run_phases(cfg):
@@ -374,19 +472,34 @@ def build(cfg: Config, *, compile_steps: bool = True, rollout_side: bool = True)
         compiled.append(compile_rescoring(pc, graphdef, params, param_sh, mesh))
       if rollout_side and pc.eepo.enabled:
         compiled.append(compile_forget(pc, graphdef, params, param_sh, mesh))
-    phases.append(PhasePlan(phase.name, pc, activation_estimate(pc, mcfg, mesh_shape),
-                            rollout_estimate(pc, mcfg, mesh_shape), tuple(compiled)))
+    phases.append(
+      PhasePlan(
+        phase.name,
+        pc,
+        activation_estimate(pc, mcfg, mesh_shape),
+        rollout_estimate(pc, mcfg, mesh_shape),
+        tuple(compiled),
+      )
+    )
   devices = jax.devices()
   p_bytes = bytes_per_device(params, param_sh)
-  return Plan(source=source, model_cfg=mcfg, mesh_shape=mesh_shape,
-              devices=f"{len(devices)} x {devices[0].platform}", device_memory=_device_memory(),
-              weights=weight_rows(params, param_sh), params=p_bytes,
-              opt_state=bytes_per_device(opt, opt_sh),
-              ref_params=p_bytes if cfg.loss.kl_coef > 0 else 0, phases=tuple(phases),
-              skipped=skipped)
+  return Plan(
+    source=source,
+    model_cfg=mcfg,
+    mesh_shape=mesh_shape,
+    devices=f"{len(devices)} x {devices[0].platform}",
+    device_memory=_device_memory(),
+    weights=weight_rows(params, param_sh),
+    params=p_bytes,
+    opt_state=bytes_per_device(opt, opt_sh),
+    ref_params=p_bytes if cfg.loss.kl_coef > 0 else 0,
+    phases=tuple(phases),
+    skipped=skipped,
+  )
 
 
 def run(cfg: Config) -> str:
   """The whole ``--plan`` report, as markdown."""
   from jaxrl.plan_report import render
+
   return render(build(cfg))

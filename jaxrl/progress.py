@@ -1,4 +1,5 @@
 """Progress display: a rich progress bar on a terminal, periodic log lines otherwise."""
+
 from __future__ import annotations
 
 import contextlib
@@ -17,11 +18,24 @@ class Progress:
   def task(self, description: str, total: int, completed: int = 0):
     """Yields ``advance(done, total, note="")``."""
     if self.enabled and sys.stderr.isatty():
-      from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn,
-                                 TimeElapsedColumn, TimeRemainingColumn)
-      bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                         TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[note]}"),
-                         transient=False)
+      from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress as RichProgress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+      )
+
+      bar = RichProgress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[note]}"),
+        transient=False,
+      )
       with bar:
         tid = bar.add_task(description, total=total, completed=completed, note="")
         yield lambda done, tot, note="": bar.update(tid, completed=done, total=tot, note=note)

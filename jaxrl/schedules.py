@@ -24,6 +24,7 @@ holds ``step`` = the number of steps whose entropy it has observed. Protocols pe
 
 Local shape letter: W = steps of a history window (ring buffers, most recent m or w steps).
 """
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
@@ -121,14 +122,16 @@ def stable_then_anneal_schedule(h_c, h_end, total, rho=0.1) -> Schedule:
 @pytree_dataclass
 class TemperatureState:
   """Sampling temperature and what it was derived from."""
-  tau: Array       # f32[] temperature for the next step (step + 1)
-  h_init: Array    # f32[] H_1, the entropy of the first step (NaN until observed)
-  step: Array      # i32[] steps observed so far
-  clamped: Array   # bool[] the last update hit [tau_min, tau_max]
+
+  tau: Array  # f32[] temperature for the next step (step + 1)
+  h_init: Array  # f32[] H_1, the entropy of the first step (NaN until observed)
+  step: Array  # i32[] steps observed so far
+  clamped: Array  # bool[] the last update hit [tau_min, tau_max]
 
 
 class TemperatureController(NamedTuple):
   """current(state) → τ for the next step; update(state, H_t); target(state) → target(t)."""
+
   init: Callable[[], TemperatureState]
   current: Callable[[TemperatureState], Array]
   update: Callable[[TemperatureState, Array], TemperatureState]
@@ -137,8 +140,11 @@ class TemperatureController(NamedTuple):
 
 def _temperature_init(tau0):
   return lambda: TemperatureState(
-      tau=jnp.asarray(tau0, jnp.float32), h_init=jnp.full((), jnp.nan, jnp.float32),
-      step=jnp.zeros((), jnp.int32), clamped=jnp.zeros((), bool))
+    tau=jnp.asarray(tau0, jnp.float32),
+    h_init=jnp.full((), jnp.nan, jnp.float32),
+    step=jnp.zeros((), jnp.int32),
+    clamped=jnp.zeros((), bool),
+  )
 
 
 def _current_tau(state):
@@ -150,15 +156,21 @@ def fixed_temperature(tau) -> TemperatureController:
 
   def update(state, h_measured):
     h_t = jnp.asarray(h_measured, jnp.float32)
-    return TemperatureState(tau=state.tau, h_init=jnp.where(state.step == 0, h_t, state.h_init),
-                            step=state.step + 1, clamped=jnp.zeros((), bool))
+    return TemperatureState(
+      tau=state.tau,
+      h_init=jnp.where(state.step == 0, h_t, state.h_init),
+      step=state.step + 1,
+      clamped=jnp.zeros((), bool),
+    )
 
-  return TemperatureController(_temperature_init(tau), _current_tau, update,
-                               lambda state: jnp.full((), jnp.nan, jnp.float32))
+  return TemperatureController(
+    _temperature_init(tau), _current_tau, update, lambda state: jnp.full((), jnp.nan, jnp.float32)
+  )
 
 
-def e3_temperature_controller(vocab_size, t_max, tau0=1.0, eta=0.9, anneal=True, anneal_start=None,
-                              tau_min=0.1, tau_max=3.0) -> TemperatureController:
+def e3_temperature_controller(
+  vocab_size, t_max, tau0=1.0, eta=0.9, anneal=True, anneal_start=None, tau_min=0.1, tau_max=3.0
+) -> TemperatureController:
   """E3 temperature scheduler (Eq. 4, optionally with Eq. 5 annealing), τ clamped to the bounds."""
   if not tau_min <= tau0 <= tau_max:
     raise ValueError(f"tau0={tau0} outside [{tau_min}, {tau_max}]")
@@ -188,14 +200,16 @@ def e3_temperature_controller(vocab_size, t_max, tau0=1.0, eta=0.9, anneal=True,
 @pytree_dataclass
 class ClipState:
   """ε_high and the sliding window it is steered by."""
-  c: Array          # f32[] ε_high of the last observed step
-  step: Array       # i32[] steps observed so far
-  sched_W: Array    # f32[W] ring buffer of schedule values S(t), slot (t−1) % W
+
+  c: Array  # f32[] ε_high of the last observed step
+  step: Array  # i32[] steps observed so far
+  sched_W: Array  # f32[W] ring buffer of schedule values S(t), slot (t−1) % W
   entropy_W: Array  # f32[W] ring buffer of measured entropies H(t), same slots
 
 
 class ClipController(NamedTuple):
   """update(state, H_t) first, then current(state) → ε_high for step t; target(state) → S(t)."""
+
   init: Callable[[], ClipState]
   current: Callable[[ClipState], Array]
   update: Callable[[ClipState, Array], ClipState]
@@ -215,9 +229,12 @@ def _ring_mean(buf_W, count):
 
 
 def _clip_init(c0, window):
-  return lambda: ClipState(c=jnp.asarray(c0, jnp.float32), step=jnp.zeros((), jnp.int32),
-                           sched_W=jnp.zeros((window,), jnp.float32),
-                           entropy_W=jnp.zeros((window,), jnp.float32))
+  return lambda: ClipState(
+    c=jnp.asarray(c0, jnp.float32),
+    step=jnp.zeros((), jnp.int32),
+    sched_W=jnp.zeros((window,), jnp.float32),
+    entropy_W=jnp.zeros((window,), jnp.float32),
+  )
 
 
 def _current_clip(state):
@@ -229,15 +246,21 @@ def fixed_clip(eps_high) -> ClipController:
 
   def update(state, h_measured):
     h_t = jnp.asarray(h_measured, jnp.float32)
-    return ClipState(c=state.c, step=state.step + 1, sched_W=state.sched_W,
-                     entropy_W=_ring_push(state.entropy_W, state.step, h_t))
+    return ClipState(
+      c=state.c,
+      step=state.step + 1,
+      sched_W=state.sched_W,
+      entropy_W=_ring_push(state.entropy_W, state.step, h_t),
+    )
 
-  return ClipController(_clip_init(eps_high, 1), _current_clip, update,
-                        lambda state: jnp.full((), jnp.nan, jnp.float32))
+  return ClipController(
+    _clip_init(eps_high, 1), _current_clip, update, lambda state: jnp.full((), jnp.nan, jnp.float32)
+  )
 
 
-def adaptive_clip_controller(schedule: Schedule, c0=0.28, c_min=0.2, c_max=0.4, delta=0.01,
-                             window=4, warmup=5) -> ClipController:
+def adaptive_clip_controller(
+  schedule: Schedule, c0=0.28, c_min=0.2, c_max=0.4, delta=0.01, window=4, warmup=5
+) -> ClipController:
   """Adaptive clip-higher (Entropy Scheduling Alg. 1): steer ε_high to follow ``schedule``."""
   if window < 1 or warmup < 0:
     raise ValueError(f"need window >= 1 and warmup >= 0, got {window}, {warmup}")
@@ -248,8 +271,9 @@ def adaptive_clip_controller(schedule: Schedule, c0=0.28, c_min=0.2, c_max=0.4, 
     t = state.step + 1
     sched_W = _ring_push(state.sched_W, state.step, schedule(t))
     entropy_W = _ring_push(state.entropy_W, state.step, jnp.asarray(h_measured, jnp.float32))
-    adapted = adaptive_clip(state.c, _ring_mean(sched_W, t), _ring_mean(entropy_W, t), delta, c_min,
-                            c_max)
+    adapted = adaptive_clip(
+      state.c, _ring_mean(sched_W, t), _ring_mean(entropy_W, t), delta, c_min, c_max
+    )
     c = jnp.where(t <= warmup, jnp.float32(c0), adapted)
     return ClipState(c=c, step=t, sched_W=sched_W, entropy_W=entropy_W)
 
@@ -262,12 +286,14 @@ def adaptive_clip_controller(schedule: Schedule, c0=0.28, c_min=0.2, c_max=0.4, 
 @pytree_dataclass
 class GateState:
   """The last m stage-1 entropies."""
+
   entropy_W: Array  # f32[m] ring buffer, slot (t−1) % m
-  count: Array      # i32[] steps observed so far
+  count: Array  # i32[] steps observed so far
 
 
 class EepoGateController(NamedTuple):
   """gate(state, H_stage1_t) → (unlearn at step t?, new state)."""
+
   init: Callable[[], GateState]
   gate: Callable[[GateState, Array], tuple[Array, GateState]]
 

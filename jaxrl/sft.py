@@ -2,6 +2,7 @@
 
 The result is cached in ``WORKDIR/sft`` (orbax), so a resumed or repeated run reuses it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,10 +19,25 @@ from jaxrl.checkpoint import Checkpointer
 log = logging.getLogger(__name__)
 
 
-def warm_start(graphdef, params, mesh, *, prompt_ids_NxP, prompt_mask_NxP, target_ids_NxT,
-               target_mask_NxT, steps: int, batch_size: int, learning_rate: float,
-               warmup_steps: int, weight_decay: float, chunk: int, workdir: str,
-               target_loss: float = 0.0, progress=None):
+def warm_start(
+  graphdef,
+  params,
+  mesh,
+  *,
+  prompt_ids_NxP,
+  prompt_mask_NxP,
+  target_ids_NxT,
+  target_mask_NxT,
+  steps: int,
+  batch_size: int,
+  learning_rate: float,
+  warmup_steps: int,
+  weight_decay: float,
+  chunk: int,
+  workdir: str,
+  target_loss: float = 0.0,
+  progress=None,
+):
   """Params after SFT (loaded from ``workdir/sft`` if a previous run finished it).
 
   Runs ``steps`` steps, or with ``target_loss`` > 0 stops as soon as the running mean of the loss
@@ -37,24 +53,32 @@ def warm_start(graphdef, params, mesh, *, prompt_ids_NxP, prompt_mask_NxP, targe
   decay = 0 if target_loss > 0 else max(steps - warmup_steps, 1)
   tx = optim.adamw(learning_rate, warmup_steps, decay_steps=decay, weight_decay=weight_decay)
   state_shardings = step.TrainState(
-      step=sharding.replicated(mesh), params=sharding.tree_shardings(params, mesh),
-      opt_state=sharding.tree_shardings(jax.eval_shape(tx.init, params), mesh))
+    step=sharding.replicated(mesh),
+    params=sharding.tree_shardings(params, mesh),
+    opt_state=sharding.tree_shardings(jax.eval_shape(tx.init, params), mesh),
+  )
   state = jax.jit(functools.partial(step.init_state, tx=tx), out_shardings=state_shardings)(params)
-  update = jax.jit(functools.partial(step.sft_update, graphdef, tx, chunk), donate_argnums=(0,),
-                   out_shardings=(state_shardings, None))
+  update = jax.jit(
+    functools.partial(step.sft_update, graphdef, tx, chunk),
+    donate_argnums=(0,),
+    out_shardings=(state_shardings, None),
+  )
   num = prompt_ids_NxP.shape[0]
   ema, done = None, 0
   t0 = time.time()
   for i in range(steps):
     idx = np.arange(i * batch_size, (i + 1) * batch_size) % num  # the corpus is already shuffled
-    batch = sharding.shard_batch((prompt_ids_NxP[idx], prompt_mask_NxP[idx], target_ids_NxT[idx],
-                                  target_mask_NxT[idx]), mesh)
+    batch = sharding.shard_batch(
+      (prompt_ids_NxP[idx], prompt_mask_NxP[idx], target_ids_NxT[idx], target_mask_NxT[idx]), mesh
+    )
     state, metrics = update(state, *batch)
     loss = float(distributed.to_host(metrics["loss"]))
     ema = loss if ema is None else 0.9 * ema + 0.1 * loss
     done = i + 1
     if i % 50 == 0:
-      log.info("sft step %d/%d loss %.4f (ema %.4f, %.1fs)", done, steps, loss, ema, time.time() - t0)
+      log.info(
+        "sft step %d/%d loss %.4f (ema %.4f, %.1fs)", done, steps, loss, ema, time.time() - t0
+      )
     if progress is not None:
       progress(done, steps)
     if target_loss > 0 and i >= warmup_steps and ema < target_loss:

@@ -4,6 +4,7 @@ Model code names logical axes (``logical_axes`` metadata on every ``nnx.Param``)
 knows how they map onto the mesh axes (data, fsdp, tensor). Params, optimizer state (whose moment
 trees carry the same Param metadata) and batches are all sharded from here.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,23 +18,23 @@ MESH_AXES = ("data", "fsdp", "tensor")
 
 # logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)
 LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("data", "fsdp"),
-    "vocab": "tensor",
-    "embed": "fsdp",
-    "heads": "tensor",
-    "kv_heads": "tensor",
-    "mlp": "tensor",
-    "norm": None,
-    "layers": None,   # the stacked layer axis of scan_layers: lax.scan slices it, so never split
-    # Activations (``constrain``). Rows stay split over the data axes ("batch") and the hidden
-    # dimension whole on every device: the FSDP weights are all-gathered one layer at a time.
-    # Left to itself, XLA's propagation followed the fsdp-split weights and split activations
-    # along hidden instead, all-gathering [rows, T, D] inputs and all-reducing [rows, T, F] MLP
-    # outputs, so every device ran the MLP on the whole micro-batch (--plan on the 7B config).
-    "act_seq": None,
-    "act_embed": None,
-    "act_heads": "tensor",
-    "act_mlp": "tensor",
+  "batch": ("data", "fsdp"),
+  "vocab": "tensor",
+  "embed": "fsdp",
+  "heads": "tensor",
+  "kv_heads": "tensor",
+  "mlp": "tensor",
+  "norm": None,
+  "layers": None,  # the stacked layer axis of scan_layers: lax.scan slices it, so never split
+  # Activations (``constrain``). Rows stay split over the data axes ("batch") and the hidden
+  # dimension whole on every device: the FSDP weights are all-gathered one layer at a time.
+  # Left to itself, XLA's propagation followed the fsdp-split weights and split activations
+  # along hidden instead, all-gathering [rows, T, D] inputs and all-reducing [rows, T, F] MLP
+  # outputs, so every device ran the MLP on the whole micro-batch (--plan on the 7B config).
+  "act_seq": None,
+  "act_embed": None,
+  "act_heads": "tensor",
+  "act_mlp": "tensor",
 }
 
 
@@ -69,7 +70,7 @@ def mesh_of(tree):
   ``jax.grad`` of mesh-sharded arrays the leaves are tracers too, and ``constrain`` then fails."""
   for leaf in jax.tree.leaves(tree):
     if not isinstance(leaf, jax.core.Tracer):
-      continue   # eager arrays: a constraint would be a no-op anyway
+      continue  # eager arrays: a constraint would be a no-op anyway
     mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
     if mesh is not None and not mesh.empty and mesh.size > 1:
       return mesh
@@ -139,7 +140,7 @@ def shard_batch(batch, mesh: Mesh):
   if jax.process_count() == 1:
     return jax.tree.map(lambda x: jax.device_put(x, rows if np.ndim(x) else rep), batch)
 
-  def put(x):   # every process holds the whole host batch and hands over its devices' blocks
+  def put(x):  # every process holds the whole host batch and hands over its devices' blocks
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, rows if x.ndim else rep, lambda index: x[index])
 

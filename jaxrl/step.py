@@ -4,6 +4,7 @@ Everything here is a pure function of arrays; ``jaxrl.train`` owns the loop and 
 Hyperparameters that schedules change (ε_low, ε_high, KL and entropy coefficients, τ) arrive as
 traced arrays in ``StepHparams`` so changing them never recompiles.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,13 +22,15 @@ from jaxrl.types import Array, TrainState, pytree_dataclass
 @pytree_dataclass
 class StepHparams:
   """Traced per-step knobs."""
+
   loss: losses.LossHparams
-  tau: Array            # f32[] temperature that divides the logits in every scoring pass
+  tau: Array  # f32[] temperature that divides the logits in every scoring pass
 
 
 @pytree_dataclass
 class PolicyBatch:
   """Rollouts plus rewards: what one GRPO update consumes (rows sharded over the data axes)."""
+
   prompt_ids_RxP: Array
   prompt_mask_RxP: Array
   response_ids_RxN: Array
@@ -37,8 +40,9 @@ class PolicyBatch:
   group_ids_R: Array
 
 
-def response_hidden(graphdef, params, prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN,
-                    response_mask_RxN):
+def response_hidden(
+  graphdef, params, prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN, response_mask_RxN
+):
   """Hidden states that predict each response token, and the LM head: (hidden_RxNxD, lm_head_DxV).
 
   One forward over prompt ++ response; the hidden state at position p predicts token p+1, so the
@@ -53,27 +57,47 @@ def response_hidden(graphdef, params, prompt_ids_RxP, prompt_mask_RxP, response_
   return jax.lax.dynamic_slice_in_dim(hidden, p - 1, n, axis=1), lm_head
 
 
-def score_responses(graphdef, params, prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN,
-                    response_mask_RxN, tau, chunk_size: int):
+def score_responses(
+  graphdef,
+  params,
+  prompt_ids_RxP,
+  prompt_mask_RxP,
+  response_ids_RxN,
+  response_mask_RxN,
+  tau,
+  chunk_size: int,
+):
   """Log-probs and entropies at τ of each response token given its prompt: (logp_RxN, ent_RxN)."""
-  hidden_RxNxD, lm_head = response_hidden(graphdef, params, prompt_ids_RxP, prompt_mask_RxP,
-                                          response_ids_RxN, response_mask_RxN)
-  logp, ent = fused_logprobs_entropy(hidden_RxNxD, lm_head, response_ids_RxN, tau,
-                                     chunk_size=chunk_size)
+  hidden_RxNxD, lm_head = response_hidden(
+    graphdef, params, prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN, response_mask_RxN
+  )
+  logp, ent = fused_logprobs_entropy(
+    hidden_RxNxD, lm_head, response_ids_RxN, tau, chunk_size=chunk_size
+  )
   mask = response_mask_RxN.astype(logp.dtype)
   return logp * mask, ent * mask
 
 
-def score_responses_chunked(graphdef, params, prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN,
-                            response_mask_RxN, tau, chunk_size: int, micro: int):
+def score_responses_chunked(
+  graphdef,
+  params,
+  prompt_ids_RxP,
+  prompt_mask_RxP,
+  response_ids_RxN,
+  response_mask_RxN,
+  tau,
+  chunk_size: int,
+  micro: int,
+):
   """``score_responses`` over ``micro`` strided row chunks in sequence (``lax.map``): the same
   values, with the activation memory of R/micro rows (π_old rescoring of a whole step's rollouts)."""
   rows = (prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN, response_mask_RxN)
   if micro == 1:
     return score_responses(graphdef, params, *rows, tau, chunk_size)
   logp_MxCxN, ent_MxCxN = jax.lax.map(
-      lambda chunk: score_responses(graphdef, params, *chunk, tau, chunk_size),
-      _split_micro(rows, micro))
+    lambda chunk: score_responses(graphdef, params, *chunk, tau, chunk_size),
+    _split_micro(rows, micro),
+  )
   return _merge_micro(logp_MxCxN), _merge_micro(ent_MxCxN)
 
 
@@ -99,26 +123,35 @@ def _split_micro(tree, micro: int):
   config, 745 → 165 GiB of XLA temp per device.)
   """
   return jax.tree.map(
-      lambda x: jnp.swapaxes(x.reshape(x.shape[0] // micro, micro, *x.shape[1:]), 0, 1), tree)
+    lambda x: jnp.swapaxes(x.reshape(x.shape[0] // micro, micro, *x.shape[1:]), 0, 1), tree
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class RLStepConfig:
   """Static structure of the GRPO update (hashable: part of the compiled function)."""
+
   loss: losses.LossConfig
   num_groups: int
-  mini_batches: int = 1           # optimizer updates per step (strided row subsets, _split_micro)
-  micro_batches: int = 1          # gradient-accumulation chunks per mini-batch
+  mini_batches: int = 1  # optimizer updates per step (strided row subsets, _split_micro)
+  micro_batches: int = 1  # gradient-accumulation chunks per mini-batch
   scale_by_std: bool = True
   logprob_chunk: int = 128
-  modulation: bool = False        # DynaMO token-level advantage modulation
+  modulation: bool = False  # DynaMO token-level advantage modulation
   modulation_alpha: float = 0.4
   modulation_gamma: float = 50.0
   modulation_tau: float = 0.9
 
 
-def rl_update(graphdef, tx: optax.GradientTransformation, cfg: RLStepConfig, state: TrainState,
-              batch: PolicyBatch, hp: StepHparams, ref_params=None):
+def rl_update(
+  graphdef,
+  tx: optax.GradientTransformation,
+  cfg: RLStepConfig,
+  state: TrainState,
+  batch: PolicyBatch,
+  hp: StepHparams,
+  ref_params=None,
+):
   """GRPO on one step's rollouts: ``cfg.mini_batches`` optimizer updates, each over one contiguous
   mini-batch of rows, each accumulating gradients over ``cfg.micro_batches`` micro-batches.
 
@@ -129,32 +162,74 @@ def rl_update(graphdef, tx: optax.GradientTransformation, cfg: RLStepConfig, sta
   (ρ = 1, the clip never binds); later mini-batches see ρ ≠ 1, where ε_low/ε_high act.
   """
   mask = batch.response_mask_RxN
-  adv_R = losses.group_advantages(batch.rewards_R, batch.group_ids_R, cfg.num_groups,
-                                  scale_by_std=cfg.scale_by_std)
+  adv_R = losses.group_advantages(
+    batch.rewards_R, batch.group_ids_R, cfg.num_groups, scale_by_std=cfg.scale_by_std
+  )
   informative_R = losses.informative_rollouts(batch.rewards_R, batch.group_ids_R, cfg.num_groups)
 
   ref_logp = None
   if cfg.loss.use_kl:
-    ref_logp, _ = score_responses(graphdef, ref_params, batch.prompt_ids_RxP, batch.prompt_mask_RxP,
-                                  batch.response_ids_RxN, mask, hp.tau, cfg.logprob_chunk)
+    ref_logp, _ = score_responses(
+      graphdef,
+      ref_params,
+      batch.prompt_ids_RxP,
+      batch.prompt_mask_RxP,
+      batch.response_ids_RxN,
+      mask,
+      hp.tau,
+      cfg.logprob_chunk,
+    )
     ref_logp = jax.lax.stop_gradient(ref_logp)
 
-  per_row = dict(prompt_ids=batch.prompt_ids_RxP, prompt_mask=batch.prompt_mask_RxP,
-                 response_ids=batch.response_ids_RxN, mask=mask, old_logp=batch.old_logp_RxN,
-                 adv=adv_R, informative=informative_R,
-                 ref_logp=ref_logp if ref_logp is not None else jnp.zeros_like(batch.old_logp_RxN))
+  per_row = dict(
+    prompt_ids=batch.prompt_ids_RxP,
+    prompt_mask=batch.prompt_mask_RxP,
+    response_ids=batch.response_ids_RxN,
+    mask=mask,
+    old_logp=batch.old_logp_RxN,
+    adv=adv_R,
+    informative=informative_R,
+    ref_logp=ref_logp if ref_logp is not None else jnp.zeros_like(batch.old_logp_RxN),
+  )
 
   def micro_loss(params, mb, denom):
-    logp, ent = score_responses(graphdef, params, mb["prompt_ids"], mb["prompt_mask"],
-                                mb["response_ids"], mb["mask"], hp.tau, cfg.logprob_chunk)
+    logp, ent = score_responses(
+      graphdef,
+      params,
+      mb["prompt_ids"],
+      mb["prompt_mask"],
+      mb["response_ids"],
+      mb["mask"],
+      hp.tau,
+      cfg.logprob_chunk,
+    )
     adv_RxT = None
     if cfg.modulation:  # DynaMO: min/max statistics are over this micro-batch
-      adv_RxT = losses.dynamo_modulate(mb["adv"], logp, mb["old_logp"], ent, mb["mask"],
-                                       hp.loss.eps_low, hp.loss.eps_high, cfg.modulation_alpha,
-                                       cfg.modulation_gamma, cfg.modulation_tau)
-    return losses.grpo_loss(logp, mb["old_logp"], mb["adv"], mb["mask"], ent,
-                            mb["ref_logp"] if cfg.loss.use_kl else None, mb["informative"], denom,
-                            hp.loss, cfg.loss, adv_RxT=adv_RxT)
+      adv_RxT = losses.dynamo_modulate(
+        mb["adv"],
+        logp,
+        mb["old_logp"],
+        ent,
+        mb["mask"],
+        hp.loss.eps_low,
+        hp.loss.eps_high,
+        cfg.modulation_alpha,
+        cfg.modulation_gamma,
+        cfg.modulation_tau,
+      )
+    return losses.grpo_loss(
+      logp,
+      mb["old_logp"],
+      mb["adv"],
+      mb["mask"],
+      ent,
+      mb["ref_logp"] if cfg.loss.use_kl else None,
+      mb["informative"],
+      denom,
+      hp.loss,
+      cfg.loss,
+      adv_RxT=adv_RxT,
+    )
 
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
@@ -163,10 +238,15 @@ def rl_update(graphdef, tx: optax.GradientTransformation, cfg: RLStepConfig, sta
     if cfg.micro_batches == 1:
       (loss, metrics), grads = grad_fn(state.params, rows, denom)
     else:
+
       def body(carry, mb):
         (loss_i, m), g = grad_fn(state.params, mb, denom)
         acc_l, acc_m, acc_g = carry
-        return (acc_l + loss_i, jax.tree.map(jnp.add, acc_m, m), jax.tree.map(jnp.add, acc_g, g)), None
+        return (
+          acc_l + loss_i,
+          jax.tree.map(jnp.add, acc_m, m),
+          jax.tree.map(jnp.add, acc_g, g),
+        ), None
 
       mbs = _split_micro(rows, cfg.micro_batches)
       first = jax.tree.map(lambda x: x[0], mbs)
@@ -181,8 +261,12 @@ def rl_update(graphdef, tx: optax.GradientTransformation, cfg: RLStepConfig, sta
     # skipped (state unchanged, so never checkpointed) and counted; the loop decides when to stop.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
-    return new_state, dict(losses.finalize_metrics(metrics), loss=loss, grad_norm=grad_norm,
-                           nonfinite_updates=1 - finite.astype(jnp.int32))
+    return new_state, dict(
+      losses.finalize_metrics(metrics),
+      loss=loss,
+      grad_norm=grad_norm,
+      nonfinite_updates=1 - finite.astype(jnp.int32),
+    )
 
   if cfg.mini_batches == 1:
     state, out = one_update(state, per_row)
@@ -195,14 +279,23 @@ def rl_update(graphdef, tx: optax.GradientTransformation, cfg: RLStepConfig, sta
   return state, out
 
 
-def sft_update(graphdef, tx: optax.GradientTransformation, chunk: int, state: TrainState,
-               prompt_ids_BxP, prompt_mask_BxP, target_ids_BxN, target_mask_BxN):
+def sft_update(
+  graphdef,
+  tx: optax.GradientTransformation,
+  chunk: int,
+  state: TrainState,
+  prompt_ids_BxP,
+  prompt_mask_BxP,
+  target_ids_BxN,
+  target_mask_BxN,
+):
   """One supervised step: mean negative log-likelihood of the target (completion) tokens at τ=1."""
   one = jnp.ones((), jnp.float32)
 
   def nll(params):
-    logp, _ = score_responses(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, target_ids_BxN,
-                              target_mask_BxN, one, chunk)
+    logp, _ = score_responses(
+      graphdef, params, prompt_ids_BxP, prompt_mask_BxP, target_ids_BxN, target_mask_BxN, one, chunk
+    )
     count = jnp.maximum(jnp.sum(target_mask_BxN), 1)
     return -jnp.sum(logp) / count
 
@@ -210,12 +303,27 @@ def sft_update(graphdef, tx: optax.GradientTransformation, chunk: int, state: Tr
   grad_norm = optax.global_norm(grads)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  return (dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state),
-          dict(loss=loss, grad_norm=grad_norm))
+  return (
+    dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state),
+    dict(loss=loss, grad_norm=grad_norm),
+  )
 
 
-def eepo_forget(graphdef, chunk: int, params, prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN,
-                response_mask_RxN, tau, *, lr: float, eps_l: float, eps_r: float, micro: int = 1):
+def eepo_forget(
+  graphdef,
+  chunk: int,
+  params,
+  prompt_ids_RxP,
+  prompt_mask_RxP,
+  response_ids_RxN,
+  response_mask_RxN,
+  tau,
+  *,
+  lr: float,
+  eps_l: float,
+  eps_r: float,
+  micro: int = 1,
+):
   """EEPO's forgetting step on the rollout copy: θ' = θ + η·∇L, one plain SGD ascent step.
 
   L is the unlearning objective of ALGORITHMS.md §5 over the stage-1 responses at τ (log(1-p)
@@ -227,11 +335,13 @@ def eepo_forget(graphdef, chunk: int, params, prompt_ids_RxP, prompt_mask_RxP, r
 
   def objective(p, rows, weight):
     prompt_ids, prompt_mask, response_ids, response_mask = rows
-    hidden_RxNxD, lm_head = response_hidden(graphdef, p, prompt_ids, prompt_mask, response_ids,
-                                            response_mask)
+    hidden_RxNxD, lm_head = response_hidden(
+      graphdef, p, prompt_ids, prompt_mask, response_ids, response_mask
+    )
     logp, log1m_p = fused_log1m_p(hidden_RxNxD, lm_head, response_ids, tau, chunk_size=chunk)
-    return weight * losses.eepo_unlearning_loss_from_logp(logp, log1m_p, response_mask, eps_l,
-                                                          eps_r)
+    return weight * losses.eepo_unlearning_loss_from_logp(
+      logp, log1m_p, response_mask, eps_l, eps_r
+    )
 
   grad_fn = jax.value_and_grad(objective)
   if micro == 1:

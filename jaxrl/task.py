@@ -4,6 +4,7 @@ host-side decode + score used by the loop and by evaluation.
 Two tasks fill it: the built-in arithmetic task (its own tokenizer, exact-match rewards in process)
 and the math task (``jaxrl.math_task``: a checkpoint's tokenizer, datasets, math-verify in a pool).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,21 +29,21 @@ class TaskData:
   pad_id: int
   eos_id: int
   level_names: tuple[str, ...]
-  train_prompt_ids: np.ndarray      # i32[Q, P], left-padded
-  train_prompt_mask: np.ndarray     # bool[Q, P]
-  train_answers: np.ndarray         # object[Q] of str
-  train_levels: np.ndarray          # i32[Q]
+  train_prompt_ids: np.ndarray  # i32[Q, P], left-padded
+  train_prompt_mask: np.ndarray  # bool[Q, P]
+  train_answers: np.ndarray  # object[Q] of str
+  train_levels: np.ndarray  # i32[Q]
   heldout_prompt_ids: np.ndarray
   heldout_prompt_mask: np.ndarray
   heldout_answers: np.ndarray
   heldout_levels: np.ndarray
-  sft_prompt_ids: np.ndarray        # i32[M, P]
+  sft_prompt_ids: np.ndarray  # i32[M, P]
   sft_prompt_mask: np.ndarray
-  sft_target_ids: np.ndarray        # i32[M, N]: answer + EOS, right-padded
+  sft_target_ids: np.ndarray  # i32[M, N]: answer + EOS, right-padded
   sft_target_mask: np.ndarray
   # (responses, answers) -> VerifyResult; None = the arithmetic task's exact match, in process
   scorer: object = None
-  base_mixture: Mixture | None = None   # the training mixture ("" spec); None = all questions
+  base_mixture: Mixture | None = None  # the training mixture ("" spec); None = all questions
 
   def decode(self, out) -> list[str]:
     """Response texts of a ``SampleOutput`` (cut at EOS)."""
@@ -88,15 +89,19 @@ class TaskData:
 
 def task_config(cfg: Config) -> arithmetic.TaskConfig:
   return arithmetic.TaskConfig(
-      levels=arithmetic.parse_levels(cfg.task.levels),
-      num_train_per_level=cfg.task.num_train_per_level,
-      num_heldout_per_level=cfg.task.num_heldout_per_level, seed=cfg.seed,
-      reverse_answer=cfg.task.reverse_answer, digit_width=cfg.task.digit_width)
+    levels=arithmetic.parse_levels(cfg.task.levels),
+    num_train_per_level=cfg.task.num_train_per_level,
+    num_heldout_per_level=cfg.task.num_heldout_per_level,
+    seed=cfg.seed,
+    reverse_answer=cfg.task.reverse_answer,
+    digit_width=cfg.task.digit_width,
+  )
 
 
 def load_task(cfg: Config, tokenizer_dir: str) -> TaskData:
   if cfg.task.name == "math":
     from jaxrl import math_task
+
     return TaskData(**math_task.load(cfg))
   tcfg = task_config(cfg)
   tok = build_tokenizer(tokenizer_dir)
@@ -107,14 +112,29 @@ def load_task(cfg: Config, tokenizer_dir: str) -> TaskData:
 
   def split(problems):
     ids, mask = encode_prompts(tok, [q.prompt for q in problems], p)
-    return (ids, mask, np.asarray([q.answer for q in problems], dtype=object),
-            np.asarray([q.level for q in problems], np.int32))
+    return (
+      ids,
+      mask,
+      np.asarray([q.answer for q in problems], dtype=object),
+      np.asarray([q.level for q in problems], np.int32),
+    )
 
   # Fresh examples for every SFT step (drawing is cheap): the warm start never repeats an example.
-  sft = arithmetic.sft_corpus(tcfg, max(cfg.sft.steps, 1) * cfg.sft.batch_size,
-                              seed=cfg.seed * 1000 + _SFT_STREAM)
+  sft = arithmetic.sft_corpus(
+    tcfg, max(cfg.sft.steps, 1) * cfg.sft.batch_size, seed=cfg.seed * 1000 + _SFT_STREAM
+  )
   sft_ids, sft_mask = encode_prompts(tok, [a for a, _ in sft], p)
   tgt_ids, tgt_mask = encode_completions(tok, [b for _, b in sft], n)
-  return TaskData(tok, len(tok), tok.pad_token_id, tok.eos_token_id,
-                  tuple(s.name for s in tcfg.levels), *split(train), *split(heldout),
-                  sft_ids, sft_mask, tgt_ids, tgt_mask)
+  return TaskData(
+    tok,
+    len(tok),
+    tok.pad_token_id,
+    tok.eos_token_id,
+    tuple(s.name for s in tcfg.levels),
+    *split(train),
+    *split(heldout),
+    sft_ids,
+    sft_mask,
+    tgt_ids,
+    tgt_mask,
+  )

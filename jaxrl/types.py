@@ -13,6 +13,7 @@ Shape letters (suffixes such as ``logp_RxT``):
 Every pytree here is a frozen dataclass registered with ``jax.tree_util.register_dataclass``;
 update with ``dataclasses.replace``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,27 +42,30 @@ def static_field(**kwargs):
 @pytree_dataclass
 class TrainState:
   """Everything the jitted train step reads and writes."""
-  step: Array          # i32[] optimizer updates so far
-  params: PyTree       # nnx.State of nnx.Param leaves
-  opt_state: PyTree    # optax state
+
+  step: Array  # i32[] optimizer updates so far
+  params: PyTree  # nnx.State of nnx.Param leaves
+  opt_state: PyTree  # optax state
 
 
 @pytree_dataclass
 class RolloutBatch:
   """One step's rollouts, flattened over questions: row r belongs to group ``group_ids_R[r]``."""
-  prompt_ids_RxP: Array      # i32, left-padded
-  prompt_mask_RxP: Array     # bool
-  response_ids_RxN: Array    # i32, right-padded after EOS
-  response_mask_RxN: Array   # bool, True on generated tokens up to and including EOS
-  old_logp_RxN: Array        # f32, sampled-token log-probs at tau under the sampling params
-  entropy_RxN: Array         # f32, full-vocabulary entropy at tau under the sampling params
-  group_ids_R: Array         # i32 in [0, B)
+
+  prompt_ids_RxP: Array  # i32, left-padded
+  prompt_mask_RxP: Array  # bool
+  response_ids_RxN: Array  # i32, right-padded after EOS
+  response_mask_RxN: Array  # bool, True on generated tokens up to and including EOS
+  old_logp_RxN: Array  # f32, sampled-token log-probs at tau under the sampling params
+  entropy_RxN: Array  # f32, full-vocabulary entropy at tau under the sampling params
+  group_ids_R: Array  # i32 in [0, B)
 
 
 @pytree_dataclass
 class QuestionStats:
   """Per-question statistics (ALGORITHMS.md §2), as columns indexed by question id."""
-  seen_Q: Array         # i32 rollouts so far
-  correct_Q: Array      # i32 rollouts with reward > 0
-  reward_sum_Q: Array   # f32
-  last_step_Q: Array    # i32 last step the question was sampled, -1 = never
+
+  seen_Q: Array  # i32 rollouts so far
+  correct_Q: Array  # i32 rollouts with reward > 0
+  reward_sum_Q: Array  # f32
+  last_step_Q: Array  # i32 last step the question was sampled, -1 = never

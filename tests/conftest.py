@@ -8,6 +8,7 @@ $JAX_COMPILATION_CACHE_DIR, which every pytest-xdist worker and every ``python -
 subprocess inherits): the many tiny-config runs of the suite compile the same programs, and the
 kill/resume, interrupt and multi-process tests restart runs. Set the variable yourself to keep a
 cache between sessions."""
+
 from __future__ import annotations
 
 import os
@@ -18,7 +19,7 @@ import tempfile
 
 import pytest
 
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:   # the controller (or a run without xdist)
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the controller (or a run without xdist)
   _SESSION_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxrl-xla-")
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 else:

@@ -5,6 +5,7 @@ Weights are re-initialised away from HF's defaults (norms 1, biases 0, Linear st
 wrong norm, bias, transpose or RoPE shows up in the logits instead of vanishing in near-uniform
 attention.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,26 +17,62 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 # Shared by all kinds: GQA (4 query heads on 2 kv heads), float32.
-_COMMON = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+_COMMON = dict(
+  vocab_size=160,
+  hidden_size=64,
+  intermediate_size=96,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  max_position_embeddings=256,
+)
 # Llama 3 RoPE scaling shrunk to the test's positions (< 16): with a context of 64 tokens the
 # 8 frequencies of head_dim 16 (wavelengths 6, 20, 63, 199, ...) fall in all three regimes (kept,
 # interpolated, divided by the factor), and the interpolated ones turn by radians within 10 tokens.
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10_000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LLAMA3_ROPE = {
+  "rope_type": "llama3",
+  "rope_theta": 10_000.0,
+  "factor": 8.0,
+  "low_freq_factor": 1.0,
+  "high_freq_factor": 4.0,
+  "original_max_position_embeddings": 64,
+}
 _KINDS = {
-    # head_dim = hidden / heads; a non-default θ and eps so both must be read from config.json.
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
-              dict(head_dim=16, rms_norm_eps=1e-5, use_sliding_window=False,
-                   rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
-    # head_dim != hidden / heads, as in real Qwen3 models.
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
-              dict(head_dim=32, rms_norm_eps=1e-6, attention_bias=False, use_sliding_window=False,
-                   rope_parameters={"rope_type": "default", "rope_theta": 50_000.0})),
-    # No biases, no q/k norms; RoPE with llama3 frequency scaling.
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-              dict(head_dim=16, rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False,
-                   rope_parameters=LLAMA3_ROPE)),
+  # head_dim = hidden / heads; a non-default θ and eps so both must be read from config.json.
+  "qwen2": (
+    transformers.Qwen2Config,
+    transformers.Qwen2ForCausalLM,
+    dict(
+      head_dim=16,
+      rms_norm_eps=1e-5,
+      use_sliding_window=False,
+      rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    ),
+  ),
+  # head_dim != hidden / heads, as in real Qwen3 models.
+  "qwen3": (
+    transformers.Qwen3Config,
+    transformers.Qwen3ForCausalLM,
+    dict(
+      head_dim=32,
+      rms_norm_eps=1e-6,
+      attention_bias=False,
+      use_sliding_window=False,
+      rope_parameters={"rope_type": "default", "rope_theta": 50_000.0},
+    ),
+  ),
+  # No biases, no q/k norms; RoPE with llama3 frequency scaling.
+  "llama": (
+    transformers.LlamaConfig,
+    transformers.LlamaForCausalLM,
+    dict(
+      head_dim=16,
+      rms_norm_eps=1e-5,
+      attention_bias=False,
+      mlp_bias=False,
+      rope_parameters=LLAMA3_ROPE,
+    ),
+  ),
 }
 KINDS = tuple(_KINDS)
 # Well below the ~330 KB of a tiny model, so every fixture is saved as 2+ shards with an index.
@@ -69,8 +106,9 @@ def make_tiny_hf_model(kind: str, tie: bool, seed: int = 0, **overrides):
   return model
 
 
-def make_tiny_hf(kind: str, tie: bool, out_dir, seed: int = 0,
-                 max_shard_size=SHARD_SIZE) -> pathlib.Path:
+def make_tiny_hf(
+  kind: str, tie: bool, out_dir, seed: int = 0, max_shard_size=SHARD_SIZE
+) -> pathlib.Path:
   """Save a random tiny model with ``save_pretrained`` (safetensors shards + index) into
   ``out_dir``; return it."""
   out = pathlib.Path(out_dir)

@@ -1,4 +1,5 @@
 """Inspecting traced programs in tests (e.g. asserting that no gather on the vocab axis exists)."""
+
 import jax
 
 

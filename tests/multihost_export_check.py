@@ -4,6 +4,7 @@ gathering tensor by tensor — what each host does to feed its own vLLM sidecar.
 
   python multihost_export_check.py PORT RANK OUT_DIR   # writes OUT_DIR/{loop,scan}.rankN
 """
+
 import os
 import sys
 
@@ -15,8 +16,16 @@ SEED = 3
 
 
 def config(scan: bool) -> model.ModelConfig:
-  return model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-                           num_heads=2, num_kv_heads=1, head_dim=16, scan_layers=scan)
+  return model.ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    scan_layers=scan,
+  )
 
 
 def main(port: str, rank: str, out_dir: str) -> None:

@@ -1,5 +1,6 @@
 """Multi-process runs for the tests: `python -m jaxrl.main` as N ranks over jax.distributed (Gloo),
 and the params of a tiny run's checkpoints as one vector."""
+
 from __future__ import annotations
 
 import os
@@ -27,13 +28,34 @@ def run_ranks(flags, workdir, steps: int, processes: int, devices: int, timeout=
   port = free_port()
   procs = []
   for rank in range(processes):
-    dist = ([f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={processes}",
-             f"--process_id={rank}"] if processes > 1 else [])
-    procs.append(subprocess.Popen(
-        [sys.executable, "-m", "jaxrl.main", *flags, f"--workdir={workdir}",
-         f"--config.steps={steps}", f"--cpu_devices={devices}", *dist],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True))
+    dist = (
+      [
+        f"--coordinator_address=127.0.0.1:{port}",
+        f"--num_processes={processes}",
+        f"--process_id={rank}",
+      ]
+      if processes > 1
+      else []
+    )
+    procs.append(
+      subprocess.Popen(
+        [
+          sys.executable,
+          "-m",
+          "jaxrl.main",
+          *flags,
+          f"--workdir={workdir}",
+          f"--config.steps={steps}",
+          f"--cpu_devices={devices}",
+          *dist,
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+      )
+    )
   errs = []
   try:
     for rank, p in enumerate(procs):
@@ -53,8 +75,9 @@ def checkpoint_params(workdir, step=None, sft=False, **overrides) -> np.ndarray:
   graphdef, abstract = model.abstract(arch.model_config(cfg, len(VOCAB)))
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
-  ckpt = Checkpointer(os.path.join(workdir, "sft" if sft else "checkpoints"), keep=5,
-                      async_save=False)
+  ckpt = Checkpointer(
+    os.path.join(workdir, "sft" if sft else "checkpoints"), keep=5, async_save=False
+  )
   try:
     if sft:
       params = ckpt.restore_part(ckpt.latest_step(), {"params": target})["params"]

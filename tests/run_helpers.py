@@ -1,4 +1,5 @@
 """Helpers shared by the end-to-end tests: build configs/tiny.py variants, read a run's metrics."""
+
 import importlib.util
 import json
 import os

@@ -14,10 +14,12 @@ What is measured, per load (the CPU "devices" live in host RAM, so RSS includes 
                of its result. Device bytes only grow during the load, so this is exact at the end
                and a lower bound earlier; numpy_peak covers the earlier transients.
 """
+
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8")
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
 
 import gc  # noqa: E402
 import json  # noqa: E402
@@ -35,8 +37,16 @@ from safetensors.numpy import load_file  # noqa: E402
 from jaxrl import hf, hf_config, model, sharding  # noqa: E402
 
 # 66.6 M params (266 MB in float32): the embedding and LM head are 13% of it each, an MLP kernel 5%.
-CFG = model.ModelConfig(vocab_size=8192, hidden_size=1024, intermediate_size=3072, num_layers=4,
-                        num_heads=8, num_kv_heads=4, head_dim=128, qkv_bias=False)
+CFG = model.ModelConfig(
+  vocab_size=8192,
+  hidden_size=1024,
+  intermediate_size=3072,
+  num_layers=4,
+  num_heads=8,
+  num_kv_heads=4,
+  head_dim=128,
+  qkv_bias=False,
+)
 SHARD_BYTES = 64 * 2**20
 SEED = 7
 
@@ -45,8 +55,10 @@ def random_params(cfg: model.ModelConfig):
   """Host (numpy) params of the loop layout, each leaf from its own seed so they can be rebuilt."""
   _, abstract = model.abstract(cfg)
   leaves, treedef = jax.tree.flatten(abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
-  out = [v.replace(np.random.default_rng([SEED, i]).standard_normal(v.shape, np.float32))
-         for i, v in enumerate(leaves)]
+  out = [
+    v.replace(np.random.default_rng([SEED, i]).standard_normal(v.shape, np.float32))
+    for i, v in enumerate(leaves)
+  ]
   return jax.tree.unflatten(treedef, out)
 
 
@@ -94,13 +106,26 @@ def measure_load(path, mesh, scan: bool) -> dict:
   # The mesh really splits the matrices both ways (over fsdp and tensor).
   split_both = sum(1 for s in want if {"fsdp", "tensor"} <= set(jax.tree.leaves(tuple(s.spec))))
   # Values: the loaded model's HF tensors equal those of the params that were written.
-  mismatched = [name for (name, a), (name_b, b) in
-                zip(hf.to_hf_tensors(params), hf.to_hf_tensors(random_params(CFG)))
-                if name != name_b or not np.array_equal(a, b)]
-  return {"layout": "scan" if scan else "loop", "seconds": seconds, "numpy_peak": numpy_peak,
-          "rss_peak": rss_peak, "rss_transient": rss_peak - device_bytes,
-          "device_bytes": device_bytes, "hwm_reset": reset, "num_arrays": len(got),
-          "wrong_sharding": wrong_sharding, "split_both": split_both, "mismatched": mismatched}
+  mismatched = [
+    name
+    for (name, a), (name_b, b) in zip(
+      hf.to_hf_tensors(params), hf.to_hf_tensors(random_params(CFG))
+    )
+    if name != name_b or not np.array_equal(a, b)
+  ]
+  return {
+    "layout": "scan" if scan else "loop",
+    "seconds": seconds,
+    "numpy_peak": numpy_peak,
+    "rss_peak": rss_peak,
+    "rss_transient": rss_peak - device_bytes,
+    "device_bytes": device_bytes,
+    "hwm_reset": reset,
+    "num_arrays": len(got),
+    "wrong_sharding": wrong_sharding,
+    "split_both": split_both,
+    "mismatched": mismatched,
+  }
 
 
 def control(path) -> dict:

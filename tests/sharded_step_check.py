@@ -1,8 +1,11 @@
 """Run as a script with 8 fake CPU devices: one GRPO step on a (data 1, fsdp 4, tensor 2) mesh must
 equal the same step on one device. Prints the max relative differences as JSON (the test asserts)."""
+
 import os
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
 
 import functools  # noqa: E402
 import json  # noqa: E402
@@ -19,43 +22,65 @@ from jaxrl import losses, model, sharding, step  # noqa: E402
 
 def run_on(mesh, params_host, batch_host, tx, cfg, graphdef, hp, steps=1):
   p_sh = sharding.tree_shardings(params_host, mesh)
-  state_sh = step.TrainState(step=sharding.replicated(mesh), params=p_sh,
-                             opt_state=sharding.tree_shardings(jax.eval_shape(tx.init, params_host), mesh))
+  state_sh = step.TrainState(
+    step=sharding.replicated(mesh),
+    params=p_sh,
+    opt_state=sharding.tree_shardings(jax.eval_shape(tx.init, params_host), mesh),
+  )
   params = jax.device_put(params_host, p_sh)
   # The frozen KL reference: a perturbed copy, so the KL term is non-zero.
   ref = jax.device_put(jax.tree.map(lambda x: x * 0.98, params_host), p_sh)
   state = jax.jit(functools.partial(step.init_state, tx=tx), out_shardings=state_sh)(params)
-  update = jax.jit(functools.partial(step.rl_update, graphdef, tx, cfg), donate_argnums=(0,),
-                   out_shardings=(state_sh, None))
+  update = jax.jit(
+    functools.partial(step.rl_update, graphdef, tx, cfg),
+    donate_argnums=(0,),
+    out_shardings=(state_sh, None),
+  )
   for _ in range(steps):
     state, metrics = update(state, sharding.shard_batch(batch_host, mesh), hp, ref)
-  specs = {jax.tree_util.keystr(k): str(v.sharding.spec) for k, v in
-           jax.tree_util.tree_leaves_with_path(state.params)}
+  specs = {
+    jax.tree_util.keystr(k): str(v.sharding.spec)
+    for k, v in jax.tree_util.tree_leaves_with_path(state.params)
+  }
   return jax.device_get(state.params), jax.device_get(metrics), specs
 
 
 def main():
   assert len(jax.devices()) == 8, jax.devices()
-  mcfg = model.ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
-                           num_heads=4, num_kv_heads=2, head_dim=16)
+  mcfg = model.ModelConfig(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+  )
   graphdef, params = model.create(mcfg, 0)
   params = jax.device_get(params)
   rng = np.random.default_rng(0)
   R, P, N, B = 16, 6, 5, 4
   batch = step.PolicyBatch(
-      prompt_ids_RxP=rng.integers(0, 64, (R, P)).astype(np.int32),
-      prompt_mask_RxP=np.ones((R, P), bool),
-      response_ids_RxN=rng.integers(0, 64, (R, N)).astype(np.int32),
-      response_mask_RxN=np.arange(N)[None, :] < rng.integers(1, N + 1, (R, 1)),
-      old_logp_RxN=(-rng.random((R, N)) * 3).astype(np.float32),
-      rewards_R=rng.integers(0, 2, R).astype(np.float32),
-      group_ids_R=np.repeat(np.arange(B), R // B).astype(np.int32))
+    prompt_ids_RxP=rng.integers(0, 64, (R, P)).astype(np.int32),
+    prompt_mask_RxP=np.ones((R, P), bool),
+    response_ids_RxN=rng.integers(0, 64, (R, N)).astype(np.int32),
+    response_mask_RxN=np.arange(N)[None, :] < rng.integers(1, N + 1, (R, 1)),
+    old_logp_RxN=(-rng.random((R, N)) * 3).astype(np.float32),
+    rewards_R=rng.integers(0, 2, R).astype(np.float32),
+    group_ids_R=np.repeat(np.arange(B), R // B).astype(np.int32),
+  )
   cfg = step.RLStepConfig(
-      loss=losses.LossConfig(aggregation="seq-mean-token-mean", use_kl=True, kl_estimator="k3"),
-      num_groups=B, micro_batches=2)
+    loss=losses.LossConfig(aggregation="seq-mean-token-mean", use_kl=True, kl_estimator="k3"),
+    num_groups=B,
+    micro_batches=2,
+  )
   f32 = jnp.float32
-  hp = step.StepHparams(loss=losses.LossHparams(eps_low=f32(0.2), eps_high=f32(0.28), kl_coef=f32(0.05),
-                                                entropy_coef=f32(0.01)), tau=f32(0.8))
+  hp = step.StepHparams(
+    loss=losses.LossHparams(
+      eps_low=f32(0.2), eps_high=f32(0.28), kl_coef=f32(0.05), entropy_coef=f32(0.01)
+    ),
+    tau=f32(0.8),
+  )
   one, eight = sharding.make_mesh(1, 1, 1), sharding.make_mesh(1, 4, 2)
   rel = lambda a, b: float(np.max(np.abs(a - b)) / (np.max(np.abs(a)) + 1e-12))
   # SGD: the update is the gradient itself, so every parameter leaf (biases included) compares the
@@ -71,10 +96,20 @@ def main():
   a1, _, _ = run_on(one, params, batch, adam, cfg, graphdef, hp)
   a8, _, _ = run_on(eight, params, batch, adam, cfg, graphdef, hp)
   leaves1, leaves8 = jax.tree.leaves(a1), jax.tree.leaves(a8)
-  adam_tree_diff = (max(float(np.max(np.abs(a - b))) for a, b in zip(leaves1, leaves8))
-                    / max(float(np.max(np.abs(a))) for a in leaves1))
-  print(json.dumps({"sgd_leaf_rel_diff": sgd_leaf_diff, "adam_tree_rel_diff": adam_tree_diff,
-                    "metric_rel_diff": metric_diff, "specs": specs, "kl": float(m1["kl"])}))
+  adam_tree_diff = max(float(np.max(np.abs(a - b))) for a, b in zip(leaves1, leaves8)) / max(
+    float(np.max(np.abs(a))) for a in leaves1
+  )
+  print(
+    json.dumps(
+      {
+        "sgd_leaf_rel_diff": sgd_leaf_diff,
+        "adam_tree_rel_diff": adam_tree_diff,
+        "metric_rel_diff": metric_diff,
+        "specs": specs,
+        "kl": float(m1["kl"]),
+      }
+    )
+  )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """A log sink that stalls for real: error records of the ``absl`` logger (orbax logs through it)
 go to a pipe that is full and that nobody reads, so the thread that logs blocks in ``write()``.
 Used in-process and, imported by ``python -c``, in a ``jaxrl.main`` subprocess."""
+
 from __future__ import annotations
 
 import contextlib

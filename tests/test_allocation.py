@@ -4,6 +4,7 @@ The oracles below are written from the spec text with plain Python numbers and l
 computes in float32 with sorts and cumulative sums. Random comparisons use inputs on which the two
 precisions cannot disagree (exact grids, or continuous values whose only ties are identical values).
 """
+
 import math
 from fractions import Fraction
 
@@ -14,9 +15,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxrl.allocation import (DynamoAllocState, E3AllocState, dynamo_allocate, dynamo_allocator,
-                              dynamo_priority, e3_allocate, e3_allocator, e3_bounds, e3_difficulty,
-                              histogram, uniform_allocator)
+from jaxrl.allocation import (
+  DynamoAllocState,
+  E3AllocState,
+  dynamo_allocate,
+  dynamo_allocator,
+  dynamo_priority,
+  e3_allocate,
+  e3_allocator,
+  e3_bounds,
+  e3_difficulty,
+  histogram,
+  uniform_allocator,
+)
 from jaxrl.types import QuestionStats
 
 B = 8
@@ -95,10 +106,10 @@ def oracle_dynamo_allocate(priority, budget, g_min, g_max):
 # Worked examples (ALGORITHMS.md), eager and jitted.
 
 _E3_EXAMPLES = [  # A1-A4
-    ([0.1, 0.3, 0.6, 0.9], [6, 7, 9, 10]),
-    ([0.5, 0.5, 0.5, 0.5], [8, 8, 8, 8]),
-    ([0.0, 0.0, 0.2, 0.9], [6, 6, 10, 10]),
-    ([0.0, 0.0, 0.0, 0.0], [10, 10, 6, 6]),
+  ([0.1, 0.3, 0.6, 0.9], [6, 7, 9, 10]),
+  ([0.5, 0.5, 0.5, 0.5], [8, 8, 8, 8]),
+  ([0.0, 0.0, 0.2, 0.9], [6, 6, 10, 10]),
+  ([0.0, 0.0, 0.0, 0.0], [10, 10, 6, 6]),
 ]
 
 
@@ -135,10 +146,10 @@ def test_dynamo_priority_example_p1(jit):
 
 
 _DYNAMO_EXAMPLES = [  # D1, D2, D5, D6
-    (P1, 64, [24, 22, 9, 9]),
-    ([NAN] * 4, 64, [16, 16, 16, 16]),
-    (P1, 70, [24, 24, 11, 11]),
-    (P1[:2], 100, [24, 24]),
+  (P1, 64, [24, 22, 9, 9]),
+  ([NAN] * 4, 64, [16, 16, 16, 16]),
+  (P1, 70, [24, 24, 11, 11]),
+  (P1[:2], 100, [24, 24]),
 ]
 
 
@@ -157,8 +168,10 @@ _dynamo_batch = jax.jit(jax.vmap(dynamo_allocate))
 
 
 def _random_bounds(rng, n, group_size):
-  return (rng.integers(1, group_size + 1, n).astype(np.int32),
-          rng.integers(group_size, 3 * group_size, n).astype(np.int32))
+  return (
+    rng.integers(1, group_size + 1, n).astype(np.int32),
+    rng.integers(group_size, 3 * group_size, n).astype(np.int32),
+  )
 
 
 def test_e3_difficulty_matches_oracle():
@@ -167,8 +180,9 @@ def test_e3_difficulty_matches_oracle():
   for _ in range(20):
     seen = rng.integers(0, 6, 16)
     reward_sum = rng.integers(0, seen + 1)  # small integers: many equal averages (ties)
-    np.testing.assert_array_equal(fn(np.float32(reward_sum), np.int32(seen)),
-                                  np.float32(oracle_e3_difficulty(reward_sum, seen)))
+    np.testing.assert_array_equal(
+      fn(np.float32(reward_sum), np.int32(seen)), np.float32(oracle_e3_difficulty(reward_sum, seen))
+    )
 
 
 def test_e3_allocate_matches_oracle():
@@ -206,8 +220,9 @@ def test_dynamo_priority_matches_oracle():
   seen = rng.integers(0, 40, 256)
   correct = rng.integers(0, seen + 1)
   got = jax.jit(dynamo_priority)(np.int32(seen), np.int32(correct))
-  np.testing.assert_allclose(got, oracle_dynamo_priority(seen.tolist(), correct.tolist()),
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    got, oracle_dynamo_priority(seen.tolist(), correct.tolist()), rtol=1e-6
+  )
 
 
 # Properties at a fixed shape (B = 8): one compile each for all examples.
@@ -235,8 +250,9 @@ def test_e3_allocate_properties(k, bounds):
 
 
 @settings(max_examples=200, deadline=None)
-@given(j=st.lists(st.integers(0, 32), min_size=B, max_size=B), budget=st.integers(0, 300),
-       bounds=_bounds)
+@given(
+  j=st.lists(st.integers(0, 32), min_size=B, max_size=B), budget=st.integers(0, 300), bounds=_bounds
+)
 def test_dynamo_allocate_properties(j, budget, bounds):
   g_min, g_max = bounds
   j = np.array(j)
@@ -251,11 +267,16 @@ def test_dynamo_allocate_properties(j, budget, bounds):
 
 # Policies.
 
+
 def _stats(seen, correct, reward_sum=None):
   seen = np.int32(seen)
   reward_sum = correct if reward_sum is None else reward_sum
-  return QuestionStats(seen_Q=seen, correct_Q=np.int32(correct),
-                       reward_sum_Q=np.float32(reward_sum), last_step_Q=np.zeros_like(seen))
+  return QuestionStats(
+    seen_Q=seen,
+    correct_Q=np.int32(correct),
+    reward_sum_Q=np.float32(reward_sum),
+    last_step_Q=np.zeros_like(seen),
+  )
 
 
 def test_uniform_allocator():

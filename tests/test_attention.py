@@ -6,6 +6,7 @@ GQA, and T not a multiple of the block. The model computes the same with any ``a
 in training (forward, log-probs, loss gradients) and in the sampler (cached prefill + decode);
 and XLA's memory for the blocked backward really shrinks. Against transformers: test_hf_parity.py.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,7 +22,7 @@ from jaxpr_helpers import output_shapes
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-B, K, REP, E = 3, 2, 3, 8   # GQA: 2 kv heads, 3 query heads each
+B, K, REP, E = 3, 2, 3, 8  # GQA: 2 kv heads, 3 query heads each
 _rng = np.random.default_rng(0)
 
 
@@ -35,7 +36,7 @@ def _qkv(t, s, seed=0):
   return q, k, v, valid
 
 
-@pytest.mark.parametrize("start", [0, 7])      # 0: training (S = T); 7: queries after a cache
+@pytest.mark.parametrize("start", [0, 7])  # 0: training (S = T); 7: queries after a cache
 @pytest.mark.parametrize("block", [1, 4, 5, 13])
 def test_blocks_equal_one_pass(block, start):
   t = 13
@@ -59,8 +60,9 @@ def test_blocks_give_the_same_gradients():
 
   for blocked, one_pass in zip(grads(4), grads(64)):
     scale = float(jnp.max(jnp.abs(one_pass)))
-    np.testing.assert_allclose(np.asarray(blocked), np.asarray(one_pass), rtol=0,
-                               atol=1e-6 * max(scale, 1.0))
+    np.testing.assert_allclose(
+      np.asarray(blocked), np.asarray(one_pass), rtol=0, atol=1e-6 * max(scale, 1.0)
+    )
 
 
 def test_blocked_backward_needs_less_memory():
@@ -76,7 +78,7 @@ def test_blocked_backward_needs_less_memory():
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
     return fn.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
 
-  scores = B * K * REP * 1024 * 1024 * 4   # one f32 [B, H, T, T] buffer
+  scores = B * K * REP * 1024 * 1024 * 4  # one f32 [B, H, T, T] buffer
   blocked, one_pass = temp(128), temp(1024)
   assert one_pass >= 2 * scores
   assert blocked <= one_pass / 4 and blocked < scores
@@ -84,8 +86,15 @@ def test_blocked_backward_needs_less_memory():
 
 # A small Qwen2-like model (q/k/v biases, GQA) in both layouts; prompts P = 5 and responses N = 6
 # are longer than the blocks of 2, so training, prefill and decode all cross block boundaries.
-BASE = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=8)
+BASE = model.ModelConfig(
+  vocab_size=64,
+  hidden_size=32,
+  intermediate_size=48,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=8,
+)
 R, P, N = 4, 5, 6
 PROMPT_IDS = _rng.integers(1, 64, (R, P)).astype(np.int32)
 PROMPT_MASK = np.arange(P)[None] >= np.array([0, 2, 4, 1])[:, None]
@@ -97,7 +106,7 @@ def _models(scan: bool):
   one_pass = dataclasses.replace(BASE, scan_layers=scan, remat="full" if scan else "none")
   blocked = dataclasses.replace(one_pass, attention_block=2)
   graphdef, params = model.create(one_pass, 0)
-  rng = np.random.default_rng(1)   # biases and norms off 0 and 1
+  rng = np.random.default_rng(1)  # biases and norms off 0 and 1
   params = jax.tree.map(lambda x: x + 0.2 * rng.standard_normal(x.shape).astype(x.dtype), params)
   return (one_pass, graphdef), (blocked, model.create(blocked, 0)[0]), params
 
@@ -106,17 +115,23 @@ def _models(scan: bool):
 def test_model_loss_and_grads_equal_with_blocks(scan):
   (_, graphdef), (_, blocked_graphdef), params = _models(scan)
   denom = jnp.float32(RESPONSE_MASK.sum())
-  hp = losses.LossHparams(eps_low=jnp.float32(0.2), eps_high=jnp.float32(0.28),
-                          kl_coef=jnp.float32(0.0), entropy_coef=jnp.float32(0.01))
+  hp = losses.LossHparams(
+    eps_low=jnp.float32(0.2),
+    eps_high=jnp.float32(0.28),
+    kl_coef=jnp.float32(0.0),
+    entropy_coef=jnp.float32(0.01),
+  )
   cfg = losses.LossConfig(aggregation="token-mean")
   old_logp = jnp.asarray(-_rng.random((R, N)), jnp.float32)
   adv = jnp.asarray([1.0, -1.0, 0.5, -0.5], jnp.float32)
 
   def loss(params, gd):
-    logp, ent = step.score_responses(gd, params, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS,
-                                     RESPONSE_MASK, jnp.float32(0.9), 4)
-    value, _ = losses.grpo_loss(logp, old_logp, adv, RESPONSE_MASK, ent, None,
-                                jnp.ones((R,), bool), denom, hp, cfg)
+    logp, ent = step.score_responses(
+      gd, params, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, jnp.float32(0.9), 4
+    )
+    value, _ = losses.grpo_loss(
+      logp, old_logp, adv, RESPONSE_MASK, ent, None, jnp.ones((R,), bool), denom, hp, cfg
+    )
     return value, logp
 
   grad_fn = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
@@ -135,15 +150,31 @@ def test_sampler_equal_with_blocks(scan):
   """Prefill (P = 5 queries into the cache, in blocks of 2) and 1-token decode steps."""
   (cfg, graphdef), (blocked_cfg, blocked_graphdef), params = _models(scan)
   counts = np.array([2, 1, 3, 2])
-  outs = [sampler.generate(gd, params, PROMPT_IDS, PROMPT_MASK, counts, jax.random.key(3), 1.0,
-                           0.95, num_rollouts=8, max_new_tokens=7, eos_id=1, pad_id=0, model_cfg=c)
-          for gd, c in ((graphdef, cfg), (blocked_graphdef, blocked_cfg))]
+  outs = [
+    sampler.generate(
+      gd,
+      params,
+      PROMPT_IDS,
+      PROMPT_MASK,
+      counts,
+      jax.random.key(3),
+      1.0,
+      0.95,
+      num_rollouts=8,
+      max_new_tokens=7,
+      eos_id=1,
+      pad_id=0,
+      model_cfg=c,
+    )
+    for gd, c in ((graphdef, cfg), (blocked_graphdef, blocked_cfg))
+  ]
   one_pass, blocked = outs
   np.testing.assert_array_equal(np.asarray(blocked.tokens_RxN), np.asarray(one_pass.tokens_RxN))
-  assert len(np.unique(np.asarray(one_pass.tokens_RxN))) > 5   # real samples
+  assert len(np.unique(np.asarray(one_pass.tokens_RxN))) > 5  # real samples
   for name in ("logp_RxN", "entropy_RxN"):
-    np.testing.assert_allclose(np.asarray(getattr(blocked, name)),
-                               np.asarray(getattr(one_pass, name)), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(
+      np.asarray(getattr(blocked, name)), np.asarray(getattr(one_pass, name)), rtol=0, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan-remat"])
@@ -152,7 +183,7 @@ def test_prefill_attends_to_the_prompt_slots_only(scan):
   sees slots <= i only, so its scores span the P slots, not S; the hidden states are those of the
   no-cache forward (under remat too, where ``start`` must stay static)."""
   (cfg, graphdef), _, params = _models(scan)
-  slots = P + 17   # no other dimension of the model is 22
+  slots = P + 17  # no other dimension of the model is 22
   positions = model.positions_from_mask(jnp.asarray(PROMPT_MASK))
   valid = jnp.concatenate([jnp.asarray(PROMPT_MASK), jnp.zeros((R, slots - P), bool)], axis=1)
 
@@ -162,13 +193,12 @@ def test_prefill_attends_to_the_prompt_slots_only(scan):
     return hidden, cache
 
   dots = output_shapes(jax.make_jaxpr(prefill)(params).jaxpr, "dot_general")
-  assert any(shape[-1] == P for shape in dots)            # scores [.., P, P]
-  assert not any(slots in shape for shape in dots), dots   # never [.., P, S]
+  assert any(shape[-1] == P for shape in dots)  # scores [.., P, P]
+  assert not any(slots in shape for shape in dots), dots  # never [.., P, S]
   hidden, cache = jax.jit(prefill)(params)
-  no_cache, _, _ = model.forward(graphdef, params, PROMPT_IDS, positions,
-                                 jnp.asarray(PROMPT_MASK))
+  no_cache, _, _ = model.forward(graphdef, params, PROMPT_IDS, positions, jnp.asarray(PROMPT_MASK))
   np.testing.assert_allclose(np.asarray(hidden), np.asarray(no_cache), rtol=0, atol=1e-5)
-  assert np.asarray(cache.k)[..., :P, :].any()   # the prompt's keys are in the cache
+  assert np.asarray(cache.k)[..., :P, :].any()  # the prompt's keys are in the cache
 
 
 def test_block_size_must_be_positive():

@@ -5,6 +5,7 @@ fails them with ENOSPC (the ``file_size_limit`` fixture, conftest.py).
 A write that never settles is real too: orbax reports the failure through absl logging, into a
 full pipe that nobody reads (a stalled log sink), and that thread blocks in ``write()``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,8 @@ from stalled_log import stall_absl_errors
 from jaxrl import checkpoint
 from jaxrl.checkpoint import Checkpointer
 
-LIMIT = 100_000       # bytes: below the tree's data file in the unit test
-RUN_LIMIT = 50_000    # bytes: below a run's checkpoint data file (hidden 256) and its log.txt
+LIMIT = 100_000  # bytes: below the tree's data file in the unit test
+RUN_LIMIT = 50_000  # bytes: below a run's checkpoint data file (hidden 256) and its log.txt
 
 
 @pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
@@ -37,15 +38,15 @@ def test_failed_writes_keep_the_previous_checkpoint(tmp_path, file_size_limit, a
   ckpt = Checkpointer(str(tmp_path), keep=2, async_save=async_save)
   ckpt.save(1, tree, {"step": 1})
   ckpt.wait()
-  file_size_limit(LIMIT)                              # the disk is "full"
+  file_size_limit(LIMIT)  # the disk is "full"
   for step in (2, 3):
     ckpt.save(step, tree, {"step": step})
   ckpt.wait()
   assert ckpt.failed == [2, 3] and ckpt.latest_step() == 1 and "File too large" in ckpt.last_error
-  assert sorted(os.listdir(tmp_path)) == ["1"]        # no partial checkpoint is left behind
+  assert sorted(os.listdir(tmp_path)) == ["1"]  # no partial checkpoint is left behind
   _, meta = ckpt.restore(1, tree)
   assert meta == {"step": 1}
-  file_size_limit(None)                               # room again: saving simply resumes
+  file_size_limit(None)  # room again: saving simply resumes
   ckpt.save(4, tree, {"step": 4})
   ckpt.close()
   again = Checkpointer(str(tmp_path), keep=2, async_save=async_save)
@@ -64,16 +65,33 @@ def test_run_goes_on_when_checkpoints_fail_and_exits_1_without_its_last(tmp_path
   """Every checkpoint of a run fails: all steps still train and log, then one line says so, exit 1.
   The log file's writes fail too: said once, not a traceback per record."""
   work = tmp_path / "run"
-  cmd = [sys.executable, "-m", "jaxrl.main", "--config=configs/tiny.py:test", f"--workdir={work}",
-         "--config.steps=4", "--config.checkpoint.every=1", "--config.sft.steps=0",
-         "--config.model.hidden_size=256", "--config.model.intermediate_size=1024"]
+  cmd = [
+    sys.executable,
+    "-m",
+    "jaxrl.main",
+    "--config=configs/tiny.py:test",
+    f"--workdir={work}",
+    "--config.steps=4",
+    "--config.checkpoint.every=1",
+    "--config.sft.steps=0",
+    "--config.model.hidden_size=256",
+    "--config.model.intermediate_size=1024",
+  ]
 
-  out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
-                       preexec_fn=_run_limit, capture_output=True, text=True, timeout=600)
+  out = subprocess.run(
+    cmd,
+    cwd=ROOT,
+    env=dict(os.environ, PYTHONPATH=ROOT),
+    preexec_fn=_run_limit,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert out.returncode == 1, out.stderr[-3000:]
-  assert [r["step"] for r in read_metrics(work)] == [1, 2, 3, 4]     # training went on
-  failed = [line for line in out.stderr.splitlines()
-            if "checkpoint at step" in line and "failed" in line]
+  assert [r["step"] for r in read_metrics(work)] == [1, 2, 3, 4]  # training went on
+  failed = [
+    line for line in out.stderr.splitlines() if "checkpoint at step" in line and "failed" in line
+  ]
   assert len(failed) == 4 and "no usable checkpoint" in failed[0]
   assert out.stderr.count("jaxrl: cannot write the log file") == 1, out.stderr[-3000:]
   assert "Logging error" not in out.stderr
@@ -103,8 +121,7 @@ def stalled_orbax_log():
 
 
 @pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
-def test_a_write_that_never_settles_fails_within_the_timeout(tmp_path, file_size_limit,
-                                                             async_save):
+def test_a_write_that_never_settles_fails_within_the_timeout(tmp_path, file_size_limit, async_save):
   """The write of step 2 blocks (it fails, and reporting that blocks): the wait gives up after
   ``settle_timeout``, step 3 fails at once, close() returns; once the write ends saving resumes."""
   tree = {"w": jax.random.normal(jax.random.PRNGKey(0), (100_000,))}
@@ -119,10 +136,10 @@ def test_a_write_that_never_settles_fails_within_the_timeout(tmp_path, file_size
     assert ckpt.save(3, tree, {"step": 3}) is False
     ckpt.close()
     elapsed = time.monotonic() - start
-    assert checkpoint.unsettled()          # orbax's threads are still blocked
+    assert checkpoint.unsettled()  # orbax's threads are still blocked
     assert ckpt.failed == [2, 3] and ckpt.latest_step() == 1
     assert ckpt.last_error == "not started: the write of step 2 did not finish within 1 s"
-    assert elapsed < 30, elapsed   # it gave up (a blocked wait never returns)
+    assert elapsed < 30, elapsed  # it gave up (a blocked wait never returns)
   assert not checkpoint.unsettled()
   file_size_limit(None)
   assert ckpt.save(4, tree, {"step": 4})  # the blocked write ended: orbax takes writes again
@@ -146,21 +163,40 @@ def test_run_with_a_write_that_never_settles_exits_1_instead_of_hanging(tmp_path
   without checkpoints, and the run ends with exit 1 and one line, not waiting for orbax's
   threads (they are not daemons: a normal interpreter exit would join them forever)."""
   work = tmp_path / "run"
-  cmd = [sys.executable, "-c", STALLED_MAIN, "--config=configs/tiny.py:test", f"--workdir={work}",
-         "--config.steps=4", "--config.checkpoint.every=1", "--config.sft.steps=0",
-         "--config.model.hidden_size=256", "--config.model.intermediate_size=1024",
-         "--config.log.tensorboard=False", "--config.checkpoint.settle_timeout=3"]
+  cmd = [
+    sys.executable,
+    "-c",
+    STALLED_MAIN,
+    "--config=configs/tiny.py:test",
+    f"--workdir={work}",
+    "--config.steps=4",
+    "--config.checkpoint.every=1",
+    "--config.sft.steps=0",
+    "--config.model.hidden_size=256",
+    "--config.model.intermediate_size=1024",
+    "--config.log.tensorboard=False",
+    "--config.checkpoint.settle_timeout=3",
+  ]
   start = time.monotonic()
   path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
-  out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=path),
-                       preexec_fn=_run_limit, capture_output=True, text=True, timeout=300)
+  out = subprocess.run(
+    cmd,
+    cwd=ROOT,
+    env=dict(os.environ, PYTHONPATH=path),
+    preexec_fn=_run_limit,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   elapsed = time.monotonic() - start
   ours = "\n".join(line for line in out.stderr.splitlines() if "jaxrl" in line)
   assert out.returncode == 1, ours
-  assert [r["step"] for r in read_metrics(work)] == [1, 2, 3, 4]     # training went on
+  assert [r["step"] for r in read_metrics(work)] == [1, 2, 3, 4]  # training went on
   assert "checkpoint at step 1 failed (the write did not finish within 3 s)" in ours, ours
   (error,) = re.findall(r"jaxrl: error: .*", out.stderr)
-  assert ("checkpoint of step 4 could not be written (not started: the write of step 1 did not "
-          "finish within 3 s); no usable checkpoint") in error
+  assert (
+    "checkpoint of step 4 could not be written (not started: the write of step 1 did not "
+    "finish within 3 s); no usable checkpoint"
+  ) in error
   assert "exiting without waiting for it" in out.stderr
   print(f"run with a blocked write ended in {elapsed:.1f} s")

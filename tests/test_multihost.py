@@ -2,6 +2,7 @@
 (jax.distributed over Gloo, real subprocesses) trains exactly like 1 process with 4 devices, and a
 2-process run resumes from its own checkpoint in a new 2-process run; params split across processes
 are exported whole by each."""
+
 from __future__ import annotations
 
 import os
@@ -19,15 +20,19 @@ from safetensors.numpy import load_file
 from jaxrl import hf, model
 
 pytestmark = pytest.mark.slow
-FLAGS = ["--config=configs/tiny.py:test", "--config.mesh.fsdp=4", "--config.sft.steps=40",
-         "--config.checkpoint.every=2"]
+FLAGS = [
+  "--config=configs/tiny.py:test",
+  "--config.mesh.fsdp=4",
+  "--config.sft.steps=40",
+  "--config.checkpoint.every=2",
+]
 
 
 def test_two_processes_train_like_one_and_resume(tmp_path):
   single, multi = tmp_path / "one_process", tmp_path / "two_processes"
   run_ranks(FLAGS, single, steps=5, processes=1, devices=4)
-  run_ranks(FLAGS, multi, steps=3, processes=2, devices=2)   # checkpoints at steps 2 and 3
-  errs = run_ranks(FLAGS, multi, steps=5, processes=2, devices=2)   # a new 2-process run resumes
+  run_ranks(FLAGS, multi, steps=3, processes=2, devices=2)  # checkpoints at steps 2 and 3
+  errs = run_ranks(FLAGS, multi, steps=5, processes=2, devices=2)  # a new 2-process run resumes
   assert all("resumed from step 3" in e for e in errs)
   one, two = read_metrics(single), read_metrics(multi)
   assert [r["step"] for r in two] == [1, 2, 3, 4, 5]
@@ -47,16 +52,23 @@ def test_every_process_exports_the_whole_model(tmp_path):
   """Params split over 2 processes' devices, exported by each (tensor-by-tensor gathers): both
   exports equal the one a single process writes from the same seed, bitwise."""
   port = free_port()
-  procs = [subprocess.Popen([sys.executable, "tests/multihost_export_check.py", str(port), str(r),
-                             str(tmp_path)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for r in range(2)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "tests/multihost_export_check.py", str(port), str(r), str(tmp_path)],
+      cwd=ROOT,
+      env=dict(os.environ, PYTHONPATH=ROOT),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for r in range(2)
+  ]
   for p in procs:
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0 and out.splitlines()[-1].startswith("ok"), err[-3000:]
   for layout in ("loop", "scan"):
     cfg = config(layout == "scan")
-    params = jax.jit(lambda cfg=cfg: model.create(cfg, SEED)[1])()   # jitted, as the ranks did
+    params = jax.jit(lambda cfg=cfg: model.create(cfg, SEED)[1])()  # jitted, as the ranks did
     hf.save_hf_checkpoint(cfg, params, tmp_path / layout, untie=True)
     expected = load_file(tmp_path / layout / "model.safetensors")
     for rank in range(2):

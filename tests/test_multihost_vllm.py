@@ -4,6 +4,7 @@ process with 4 devices and one server. Both runs start RL from the same warm sta
 run's SFT checkpoint, copied), so what is compared is the per-host rollouts and the updates: the
 rollouts must be identical (every count, reward and allocation metric equal), the updates equal to
 float32 reduction order."""
+
 from __future__ import annotations
 
 import os
@@ -21,16 +22,21 @@ from jaxrl.rollout.hosts import host_slices
 pytestmark = pytest.mark.slow
 # head_dim 32 = hidden / heads, as vLLM needs; E3 allocation so questions get different G_i.
 VLLM = {"model.hidden_size": 64, "model.head_dim": 32}
-FLAGS = ["--config=configs/tiny.py:e3,test", "--config.mesh.fsdp=4", "--config.sft.steps=40",
-         "--config.checkpoint.every=3", "--config.rollout.engine=vllm",
-         *(f"--config.{k}={v}" for k, v in VLLM.items())]
+FLAGS = [
+  "--config=configs/tiny.py:e3,test",
+  "--config.mesh.fsdp=4",
+  "--config.sft.steps=40",
+  "--config.checkpoint.every=3",
+  "--config.rollout.engine=vllm",
+  *(f"--config.{k}={v}" for k, v in VLLM.items()),
+]
 STEPS = 3
 
 
 def test_slices_balance_rows_and_keep_questions_whole():
-  counts_B = np.array([8, 0, 2, 2, 12, 4, 0, 4])          # R = 32
+  counts_B = np.array([8, 0, 2, 2, 12, 4, 0, 4])  # R = 32
   bounds = host_slices(counts_B, 2)
-  assert bounds.tolist() == [0, 4, 8]                       # 12 rows and 20: question 4 is whole
+  assert bounds.tolist() == [0, 4, 8]  # 12 rows and 20: question 4 is whole
   assert host_slices(counts_B, 4).tolist() == [0, 1, 4, 5, 8]
   assert host_slices(np.zeros(3, np.int64), 2).tolist() == [0, 3, 3]
   rng = np.random.default_rng(0)
@@ -45,7 +51,7 @@ def test_slices_balance_rows_and_keep_questions_whole():
 
 
 def test_urls_shared_or_one_group_per_process():
-  assert process_urls("", 1, 2) == ()                                  # launch a server each
+  assert process_urls("", 1, 2) == ()  # launch a server each
   assert process_urls("http://localhost:8000", 1, 2) == ("http://localhost:8000",)
   spec = "http://h0:8000; http://h1:8000,http://h1:8001"
   assert process_urls(spec, 0, 2) == ("http://h0:8000",)
@@ -56,8 +62,10 @@ def test_urls_shared_or_one_group_per_process():
     process_urls("http://h0:8000;", 0, 2)
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, ".venv-vllm", ".stamp")),
-                    reason="the vLLM environment is not built (make vllm-env)")
+@pytest.mark.skipif(
+  not os.path.exists(os.path.join(ROOT, ".venv-vllm", ".stamp")),
+  reason="the vLLM environment is not built (make vllm-env)",
+)
 def test_a_sidecar_per_process_samples_like_one(tmp_path):
   multi, single = tmp_path / "two_processes", tmp_path / "one_process"
   run_ranks(FLAGS, multi, steps=STEPS, processes=2, devices=2)
@@ -66,7 +74,7 @@ def test_a_sidecar_per_process_samples_like_one(tmp_path):
     with open(multi / log) as f:
       assert f.read().count("POST /v1/completions") > 0, log
   os.makedirs(single)
-  shutil.copytree(multi / "sft", single / "sft")            # the same warm start
+  shutil.copytree(multi / "sft", single / "sft")  # the same warm start
   errs = run_ranks(FLAGS, single, steps=STEPS, processes=1, devices=4)
   assert "SFT warm start loaded" in errs[0]
   one, two = read_metrics(single), read_metrics(multi)

@@ -1,4 +1,5 @@
 """A non-finite step is skipped, counted and never applied; too many in a row stop the run."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,12 +37,12 @@ def test_nan_step_is_skipped_and_training_continues(tmp_path):
   clean = Trainer(cfg, str(tmp_path / "clean"))
   clean.rl(clean.warm_start(clean.init_params()))
   poisoned = Trainer(cfg, str(tmp_path / "poisoned"))
-  _poison(poisoned, {4})                  # step 4's update gets a NaN loss and gradients
+  _poison(poisoned, {4})  # step 4's update gets a NaN loss and gradients
   poisoned.rl(poisoned.warm_start(poisoned.init_params()))
   rows, clean_rows = read_metrics(tmp_path / "poisoned"), read_metrics(tmp_path / "clean")
   assert [r["nonfinite_updates"] for r in rows] == [0, 0, 0, 1]
-  assert rows[3]["loss"] == "nan"     # the metrics writer logs non-finite values as strings
-  assert rows[:3] == clean_rows[:3]       # identical up to the bad step
+  assert rows[3]["loss"] == "nan"  # the metrics writer logs non-finite values as strings
+  assert rows[:3] == clean_rows[:3]  # identical up to the bad step
   # The skipped update left θ (and the optimizer state) exactly as after step 3: a 3-step run.
   three = Trainer(dataclasses.replace(cfg, steps=3), str(tmp_path / "three"))
   three.rl(three.warm_start(three.init_params()))
@@ -52,11 +53,12 @@ def test_nan_step_is_skipped_and_training_continues(tmp_path):
 
 @pytest.mark.slow
 def test_too_many_nonfinite_steps_stop_the_run(tmp_path):
-  cfg = tiny_config(steps=6, **{"sft.steps": 20, "optim.max_nonfinite_steps": 2,
-                                "checkpoint.every": 1})
+  cfg = tiny_config(
+    steps=6, **{"sft.steps": 20, "optim.max_nonfinite_steps": 2, "checkpoint.every": 1}
+  )
   trainer = Trainer(cfg, str(tmp_path))
   _poison(trainer, {2, 3})
   with pytest.raises(NonFiniteError, match="2 consecutive steps"):
     trainer.rl(trainer.warm_start(trainer.init_params()))
   rows = read_metrics(tmp_path)
-  assert [r["nonfinite_updates"] for r in rows] == [0, 1]   # the 2nd bad step raised before logging
+  assert [r["nonfinite_updates"] for r in rows] == [0, 1]  # the 2nd bad step raised before logging

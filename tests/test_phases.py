@@ -1,5 +1,6 @@
 """The annealing-phase curriculum: mixtures and their cursor, the phase config, and a run that
 switches data, G and response length at the phase start, compiles once there, and resumes exactly."""
+
 import json
 import math
 
@@ -9,12 +10,13 @@ import pytest
 from run_helpers import read_metrics, tiny_config
 
 from jaxrl.config import ConfigError
-from jaxrl.data.cursor import (Cursor, Mixture, MixtureCursor, next_batch, next_mixture_batch)
+from jaxrl.data.cursor import Cursor, Mixture, MixtureCursor, next_batch, next_mixture_batch
 from jaxrl.phases import anneal_start, phase_at, run_phases
 from jaxrl.train import Trainer
 
 
 # -- mixtures ---------------------------------------------------------------------------------------
+
 
 def test_one_pool_mixture_draws_what_the_plain_cursor_draws():
   mix, cur, plain = Mixture.whole(37), MixtureCursor.start(Mixture.whole(37)), Cursor()
@@ -65,9 +67,16 @@ def test_mixture_rejects_empty_pools_and_bad_weights():
 
 # -- the phase config ------------------------------------------------------------------------------
 
+
 def test_annealing_config_scales_group_size_length_and_bounds():
-  cfg = tiny_config("test", **{"anneal_phase.enabled": True, "anneal_phase.group_size": 16,
-                               "anneal_phase.max_new_tokens": 9})
+  cfg = tiny_config(
+    "test",
+    **{
+      "anneal_phase.enabled": True,
+      "anneal_phase.group_size": 16,
+      "anneal_phase.max_new_tokens": 9,
+    },
+  )
   a = cfg.annealing()
   assert (a.rollout.group_size, a.rollout.max_new_tokens) == (16, 9)
   assert a.num_rollouts == 4 * cfg.num_rollouts
@@ -79,12 +88,14 @@ def test_annealing_config_scales_group_size_length_and_bounds():
 
 def test_phase_start_follows_the_entropy_schedule():
   on = {"anneal_phase.enabled": True}
-  assert anneal_start(tiny_config("test", steps=10, **on)) == 6                  # ⌊0.6·T⌋
-  es = tiny_config("es,test", steps=10, **on, **{"clip.schedule": "stable_then_anneal",
-                                                   "clip.rho": 0.25})
-  assert anneal_start(es) == 8                                                   # ⌈(1−ρ)·T⌉
-  assert anneal_start(tiny_config("e3,test", steps=10, **on,
-                                  **{"temperature.anneal_start": 3})) == 3
+  assert anneal_start(tiny_config("test", steps=10, **on)) == 6  # ⌊0.6·T⌋
+  es = tiny_config(
+    "es,test", steps=10, **on, **{"clip.schedule": "stable_then_anneal", "clip.rho": 0.25}
+  )
+  assert anneal_start(es) == 8  # ⌈(1−ρ)·T⌉
+  assert (
+    anneal_start(tiny_config("e3,test", steps=10, **on, **{"temperature.anneal_start": 3})) == 3
+  )
   explicit = tiny_config("test", steps=10, **on, **{"anneal_phase.start": 2})
   phases = run_phases(explicit)
   assert [p.start for p in phases] == [0, 2]
@@ -92,13 +103,16 @@ def test_phase_start_follows_the_entropy_schedule():
   assert len(run_phases(tiny_config("test"))) == 1
 
 
-@pytest.mark.parametrize("overrides, field", [
+@pytest.mark.parametrize(
+  "overrides, field",
+  [
     ({"anneal_phase.mixture": "2x1+:0"}, "anneal_phase.mixture"),
     ({"anneal_phase.mixture": "2x1+:heavy"}, "anneal_phase.mixture"),
     ({"anneal_phase.start": -1}, "anneal_phase.start"),
     ({"anneal_phase.max_new_tokens": -4}, "anneal_phase.max_new_tokens"),
     ({"anneal_phase.group_size": 5, "loss.micro_batches": 8}, "anneal_phase.group_size"),
-])
+  ],
+)
 def test_bad_phase_config_names_the_field(overrides, field):
   with pytest.raises(ConfigError) as e:
     tiny_config("test", **{"anneal_phase.enabled": True, **overrides})
@@ -112,6 +126,7 @@ def test_unknown_mixture_level_fails_before_compiling(tmp_path):
 
 
 # -- a run through the switch ----------------------------------------------------------------------
+
 
 def _anneal_cfg(preset: str, steps: int):
   # Phase from step index 3 (metrics step 4): only level 2+1, G 4 → 8, responses 4 → 8 tokens.
@@ -150,8 +165,9 @@ def test_run_switches_phase_and_compiles_once(tmp_path, preset):
 def test_resume_at_and_after_the_phase_boundary_continues_exactly(tmp_path):
   # E3 allocation re-ranks at the switch; no schedule depends on `steps`, so shorter runs of the
   # same config stop where the longer one passes: at the boundary (3) and inside the phase (5).
-  cfg = lambda steps: tiny_config("grpo,test,anneal", steps=steps, **{
-      "anneal_phase.start": 3, "allocation.method": "e3"})
+  cfg = lambda steps: tiny_config(
+    "grpo,test,anneal", steps=steps, **{"anneal_phase.start": 3, "allocation.method": "e3"}
+  )
   straight = Trainer(cfg(6), str(tmp_path / "straight"))
   straight.run()
   for steps in (3, 5, 6):

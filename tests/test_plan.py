@@ -1,6 +1,7 @@
 """``--plan``: exact per-device state bytes from shapes alone, numbers that shrink with fsdp, the
 architecture source, XLA's memory analysis of a small compiled step, and the 7B plan on 8 fake CPU
 devices (subprocess)."""
+
 import importlib.util
 import json
 import os
@@ -15,7 +16,7 @@ from jaxrl import hf_config, model, plan, plan_report
 from jaxrl.config import from_configdict
 from run_helpers import ROOT, tiny_config
 
-GiB = 1024 ** 3
+GiB = 1024**3
 
 
 def shard_formula_bytes(m: model.ModelConfig, fsdp: int) -> int:
@@ -24,19 +25,23 @@ def shard_formula_bytes(m: model.ModelConfig, fsdp: int) -> int:
   d, f, layers = m.hidden_size, m.intermediate_size, m.num_layers
   he, ke = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
   matrices = m.vocab_size * d * (1 if m.tie_embeddings else 2) + layers * (
-      2 * d * he + 2 * d * ke + 3 * d * f)
+    2 * d * he + 2 * d * ke + 3 * d * f
+  )
   vectors = layers * ((he + 2 * ke) * m.qkv_bias + 2 * d) + d
   assert matrices % fsdp == 0
   return (matrices // fsdp + vectors) * np.dtype(m.param_dtype).itemsize
 
 
 def small(fsdp: int, **overrides):
-  return tiny_config("test", **{"mesh.fsdp": fsdp, "sft.batch_size": 16,
-                                "model.tie_embeddings": False, **overrides})
+  return tiny_config(
+    "test", **{"mesh.fsdp": fsdp, "sft.batch_size": 16, "model.tie_embeddings": False, **overrides}
+  )
 
 
 def qwen7b_config(arg: str = ""):
-  spec = importlib.util.spec_from_file_location("qwen7b", os.path.join(ROOT, "configs", "qwen7b.py"))
+  spec = importlib.util.spec_from_file_location(
+    "qwen7b", os.path.join(ROOT, "configs", "qwen7b.py")
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return from_configdict(module.get_config(arg))
@@ -65,22 +70,30 @@ def test_per_device_numbers_shrink_with_fsdp():
     assert b.phases[0].activations.total < a.phases[0].activations.total
     assert b.phases[0].rollout.total < a.phases[0].rollout.total
   q = {w.kind: w for w in plans[2].weights}["q_proj"]
-  assert q.leaves == 2 and q.shape == (32, 32)              # loop layout: one array per layer
+  assert q.leaves == 2 and q.shape == (32, 32)  # loop layout: one array per layer
   assert q.spec == "P('fsdp', 'tensor')" and q.shard_shape == (8, 32)
   norms = {w.kind: w for w in plans[2].weights}["layer norms"]
   assert norms.spec == "P(None)" and norms.shard_shape == (32,)
-  assert "Not compiled" in plan_report.render(plans[2])            # 4 devices wanted, 1 here
+  assert "Not compiled" in plan_report.render(plans[2])  # 4 devices wanted, 1 here
 
 
 def test_checkpoint_config_json_wins_over_the_section(tmp_path):
-  arch = model.ModelConfig(vocab_size=40, hidden_size=48, intermediate_size=80, num_layers=3,
-                           num_heads=4, num_kv_heads=2, head_dim=12)
+  arch = model.ModelConfig(
+    vocab_size=40,
+    hidden_size=48,
+    intermediate_size=80,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=12,
+  )
   (tmp_path / "config.json").write_text(json.dumps(hf_config.hf_config_from_model(arch)))
   p = plan.build(small(1, **{"model.checkpoint": str(tmp_path)}), compile_steps=False)
   assert str(tmp_path) in p.source and "config.json" in p.source
   assert (p.model_cfg.hidden_size, p.model_cfg.num_layers, p.model_cfg.vocab_size) == (48, 3, 40)
-  missing = plan.build(small(1, **{"model.checkpoint": str(tmp_path / "absent")}),
-                       compile_steps=False)
+  missing = plan.build(
+    small(1, **{"model.checkpoint": str(tmp_path / "absent")}), compile_steps=False
+  )
   assert "not downloaded" in missing.source and missing.model_cfg.hidden_size == 32
 
 
@@ -90,7 +103,7 @@ def test_small_config_reports_xla_memory_of_the_compiled_step():
   (train,) = p.phases[0].compiled
   # The train state is an argument and, donated, aliased by the new state; the batch is the rest.
   assert train.alias >= p.state and train.argument > p.state
-  assert train.temp > p.params          # at least the gradient accumulator
+  assert train.temp > p.params  # at least the gradient accumulator
   text = plan_report.render(p)
   assert "| train step (rl_update) |" in text and "memory_analysis()" in text
 
@@ -100,13 +113,13 @@ def test_eepo_config_compiles_the_forgetting_step():
   names = [c.name for c in p.phases[0].compiled]
   assert names[-1] == "EEPO forgetting step (eepo_forget)"
   forget = p.phases[0].compiled[-1]
-  assert forget.argument >= p.params and forget.output >= p.params   # θ in, θ' out
+  assert forget.argument >= p.params and forget.output >= p.params  # θ in, θ' out
   assert "| EEPO forgetting step (eepo_forget) |" in plan_report.render(p)
 
 
 def test_qwen7b_without_enough_devices_gives_the_table_and_says_how(tmp_path, monkeypatch):
   assert len(jax.devices()) < 8, "run this test without fake devices"
-  monkeypatch.setenv("JAXRL_MODELS", str(tmp_path))   # the checkpoint is not downloaded there
+  monkeypatch.setenv("JAXRL_MODELS", str(tmp_path))  # the checkpoint is not downloaded there
   cfg = qwen7b_config()
   p = plan.build(cfg)
   assert p.skipped and not p.phases[0].compiled
@@ -117,30 +130,47 @@ def test_qwen7b_without_enough_devices_gives_the_table_and_says_how(tmp_path, mo
   assert "| parameters | 3.55 GiB |" in text and "| optimizer state | 7.09 GiB |" in text
 
 
-@pytest.mark.slow   # 10 s on an idle 2-core machine (the 7B step compiles in ~6 s), 20 s under load
+@pytest.mark.slow  # 10 s on an idle 2-core machine (the 7B step compiles in ~6 s), 20 s under load
 def test_qwen7b_plan_on_8_fake_devices(tmp_path):
-  env = dict(os.environ, PYTHONPATH=ROOT, JAXRL_MODELS=str(tmp_path), HF_HUB_OFFLINE="1",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-m", "jaxrl.main", "--config=configs/qwen7b.py", "--plan"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  env = dict(
+    os.environ,
+    PYTHONPATH=ROOT,
+    JAXRL_MODELS=str(tmp_path),
+    HF_HUB_OFFLINE="1",
+    XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    JAX_PLATFORMS="cpu",
+  )
+  out = subprocess.run(
+    [sys.executable, "-m", "jaxrl.main", "--config=configs/qwen7b.py", "--plan"],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   text = out.stdout
   assert "mesh: data=1 x fsdp=8 x tensor=1 = 8 device(s); this process has 8 x cpu" in text
   assert "7.616 B params, L=28, D=3584" in text
-  assert ("| q_proj | 1 | [28, 3584, 3584] | float32 | `P(None, 'fsdp', 'tensor')` | "
-          "[28, 448, 3584] | 171.50 MiB |") in text
+  assert (
+    "| q_proj | 1 | [28, 3584, 3584] | float32 | `P(None, 'fsdp', 'tensor')` | "
+    "[28, 448, 3584] | 171.50 MiB |"
+  ) in text
   assert "| embed | 1 | [152064, 3584] | float32 | `P('tensor', 'fsdp')` | [152064, 448] |" in text
   assert "| parameters | 3.55 GiB |" in text and "| KL reference params | 0 |" in text
   row = next(line for line in text.splitlines() if line.startswith("| train step (rl_update) |"))
   cells = [c.strip() for c in row.strip("|").split("|")]
-  assert cells[1] == "10.65 GiB" and cells[3] == "10.64 GiB"   # the donated state is aliased
-  assert float(cells[4].split()[0]) > 0                         # temp
+  assert cells[1] == "10.65 GiB" and cells[3] == "10.64 GiB"  # the donated state is aliased
+  assert float(cells[4].split()[0]) > 0  # temp
   assert "| pi_old rescoring (score_responses_chunked) |" in text
   assert "Not compiled" not in text
   # The step fits an 80 GB GPU with headroom (CPU numbers; a GPU needs at most about these):
   # blocked attention + rows kept split over the data axes took 175.8 → 44.1 GiB, and the
   # rescoring 69.0 → 8.9 GiB.
-  peaks = {line.split("|")[1].strip(): float(line.split("**")[1].split()[0])
-           for line in text.splitlines() if line.startswith(("| train step (", "| pi_old rescoring ("))}
+  peaks = {
+    line.split("|")[1].strip(): float(line.split("**")[1].split()[0])
+    for line in text.splitlines()
+    if line.startswith(("| train step (", "| pi_old rescoring ("))
+  }
   assert peaks["train step (rl_update)"] < 56, peaks
   assert peaks["pi_old rescoring (score_responses_chunked)"] < 16, peaks

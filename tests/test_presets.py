@@ -1,5 +1,6 @@
 """Every method preset of configs/tiny.py runs end to end, and changing G_i, τ or ε between steps
 never recompiles the train step or the sampler."""
+
 import json
 import os
 
@@ -31,15 +32,15 @@ def test_preset_runs_without_recompiling(tmp_path, preset):
   eps = {round(x["eps_high"], 6) for x in r}
   hists = {tuple(x["alloc_hist"]) for x in r}
   if preset in ("e3", "all"):
-    assert len(taus) > 1, taus          # the temperature controller moved τ
-    assert len(hists) > 1, hists        # E3 re-ranked at the epoch end (step 4)
+    assert len(taus) > 1, taus  # the temperature controller moved τ
+    assert len(hists) > 1, hists  # E3 re-ranked at the epoch end (step 4)
   if preset == "dynamo":
-    assert len(hists) > 1, hists        # DynaMO priorities from live statistics
+    assert len(hists) > 1, hists  # DynaMO priorities from live statistics
   if preset == "es":
-    assert len(eps) > 1, eps            # adaptive clip-higher moved ε_high
+    assert len(eps) > 1, eps  # adaptive clip-higher moved ε_high
   if preset in ("eepo", "all"):
     assert all(x["eepo_gate"] == 1.0 and np.isfinite(x["eepo_unlearn_loss"]) for x in r)
-    assert all(x["eepo_unlearn_loss"] < 0 for x in r)   # mean of log(1 - p) terms
+    assert all(x["eepo_unlearn_loss"] < 0 for x in r)  # mean of log(1 - p) terms
   else:
     assert len(taus) == 1 or preset in ("e3", "all")
   for x in r:
@@ -53,8 +54,9 @@ def test_eepo_forgetting_in_micro_batches_gives_the_same_step(tmp_path):
   runs = {}
   for micro in (1, 4):
     workdir = str(tmp_path / f"micro{micro}")
-    Trainer(tiny_config("eepo,test", steps=1, **{"loss.micro_batches": micro, "sft.steps": 0}),
-            workdir).run()
+    Trainer(
+      tiny_config("eepo,test", steps=1, **{"loss.micro_batches": micro, "sft.steps": 0}), workdir
+    ).run()
     (runs[micro],) = rows(workdir)
   one, four = runs[1], runs[4]
   assert one["eepo_gate"] == four["eepo_gate"] == 1.0

@@ -4,6 +4,7 @@ Oracles: the training forward without a cache (π_old must equal what the traine
 Python loops over rows (EOS handling, group expansion), the exact softmax(z/τ) (chi-square on
 many one-token samples), and transformers' own greedy ``generate`` on a tiny Qwen2 checkpoint.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,15 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 PAD, EOS = 0, 1
 # A small vocabulary so that EOS is sampled often (per-row stops happen within N tokens).
-CFG = model.ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2,
-                        num_heads=4, num_kv_heads=2, head_dim=8)
+CFG = model.ModelConfig(
+  vocab_size=16,
+  hidden_size=32,
+  intermediate_size=64,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=8,
+)
 # Three prompts of different lengths (7, 3, 5), left-padded to P = 7.
 PROMPTS = [[5, 9, 12, 3, 7, 11, 4], [7, 3, 10], [14, 8, 8, 6, 2]]
 P, N = 7, 10
@@ -32,10 +40,10 @@ P, N = 7, 10
 def _left_pad(prompts, p):
   ids = np.full((len(prompts), p), PAD, np.int32)
   for i, row in enumerate(prompts):
-    ids[i, p - len(row):] = row
+    ids[i, p - len(row) :] = row
   mask = np.zeros_like(ids, bool)
   for i, row in enumerate(prompts):
-    mask[i, p - len(row):] = True
+    mask[i, p - len(row) :] = True
   return ids, mask
 
 
@@ -45,13 +53,38 @@ def tiny():
   return graphdef, params
 
 
-def _gen(tiny, counts, key=0, tau=1.0, top_p=1.0, *, cfg=CFG, prompts=PROMPTS, p=P, n=N, eos=EOS,
-         greedy=False):
+def _gen(
+  tiny,
+  counts,
+  key=0,
+  tau=1.0,
+  top_p=1.0,
+  *,
+  cfg=CFG,
+  prompts=PROMPTS,
+  p=P,
+  n=N,
+  eos=EOS,
+  greedy=False,
+):
   graphdef, params = tiny
   ids, mask = _left_pad(prompts, p)
-  return sampler.generate(graphdef, params, ids, mask, np.asarray(counts), jax.random.key(key), tau,
-                          top_p, num_rollouts=int(np.sum(counts)), max_new_tokens=n, eos_id=eos,
-                          pad_id=PAD, model_cfg=cfg, greedy=greedy)
+  return sampler.generate(
+    graphdef,
+    params,
+    ids,
+    mask,
+    np.asarray(counts),
+    jax.random.key(key),
+    tau,
+    top_p,
+    num_rollouts=int(np.sum(counts)),
+    max_new_tokens=n,
+    eos_id=eos,
+    pad_id=PAD,
+    model_cfg=cfg,
+    greedy=greedy,
+  )
 
 
 def _np_log_softmax(z):
@@ -62,8 +95,9 @@ def _np_log_softmax(z):
 @jax.jit
 def _full_logits(graphdef, params, ids_BxT, mask_BxT):
   """The training forward (no cache) over a whole padded sequence, as [B, T, V] logits."""
-  hidden, lm_head, _ = model.forward(graphdef, params, ids_BxT, model.positions_from_mask(mask_BxT),
-                                     mask_BxT)
+  hidden, lm_head, _ = model.forward(
+    graphdef, params, ids_BxT, model.positions_from_mask(mask_BxT), mask_BxT
+  )
   return hidden @ lm_head
 
 
@@ -73,7 +107,7 @@ def _teacher_forced_logits(tiny, out):
   mask = jnp.concatenate([out.prompt_mask_RxP, out.mask_RxN], axis=1)
   logits = np.asarray(_full_logits(*tiny, ids, mask), np.float64)
   p = out.prompt_ids_RxP.shape[1]
-  return logits[:, p - 1:-1]
+  return logits[:, p - 1 : -1]
 
 
 @pytest.mark.parametrize("tau", [0.7, 1.3])
@@ -85,8 +119,9 @@ def test_logp_and_entropy_equal_training_forward(tiny, tau):
   want_logp = np.take_along_axis(logp_ref, tokens[..., None], -1)[..., 0]
   want_entropy = -(np.exp(logp_ref) * logp_ref).sum(-1)
   np.testing.assert_allclose(np.asarray(out.logp_RxN)[mask], want_logp[mask], atol=1e-5, rtol=0)
-  np.testing.assert_allclose(np.asarray(out.entropy_RxN)[mask], want_entropy[mask], atol=1e-5,
-                             rtol=0)
+  np.testing.assert_allclose(
+    np.asarray(out.entropy_RxN)[mask], want_entropy[mask], atol=1e-5, rtol=0
+  )
   assert np.all(np.asarray(out.logp_RxN)[~mask] == 0)
   assert np.all(np.asarray(out.entropy_RxN)[~mask] == 0)
   assert mask.sum() > 40 and not mask.all()  # early-stopped rows are in the batch too
@@ -134,8 +169,21 @@ def test_rows_follow_each_questions_own_count(tiny):
   np.testing.assert_array_equal(out.prompt_mask_RxP, mask[want_groups])
   with pytest.raises(ValueError, match="num_rollouts"):
     graphdef, params = tiny
-    sampler.generate(graphdef, params, ids, mask, np.asarray(counts), jax.random.key(0), 1.0, 1.0,
-                     num_rollouts=7, max_new_tokens=N, eos_id=EOS, pad_id=PAD, model_cfg=CFG)
+    sampler.generate(
+      graphdef,
+      params,
+      ids,
+      mask,
+      np.asarray(counts),
+      jax.random.key(0),
+      1.0,
+      1.0,
+      num_rollouts=7,
+      max_new_tokens=N,
+      eos_id=EOS,
+      pad_id=PAD,
+      model_cfg=CFG,
+    )
 
 
 def test_same_key_same_samples(tiny):
@@ -211,17 +259,34 @@ def test_greedy_equals_hf_generate(tmp_path):
   prompts = [[15, 99, 3, 42, 7, 120], [61, 8, 150]]
   ids, mask = _left_pad(prompts, 6)
   new, eos = 12, cfg.vocab_size - 1
-  out = sampler.generate(graphdef, params, ids, mask, np.array([1, 1]), jax.random.key(0), 1.0, 1.0,
-                         num_rollouts=2, max_new_tokens=new, eos_id=eos, pad_id=PAD, model_cfg=cfg,
-                         greedy=True)
+  out = sampler.generate(
+    graphdef,
+    params,
+    ids,
+    mask,
+    np.array([1, 1]),
+    jax.random.key(0),
+    1.0,
+    1.0,
+    num_rollouts=2,
+    max_new_tokens=new,
+    eos_id=eos,
+    pad_id=PAD,
+    model_cfg=cfg,
+    greedy=True,
+  )
 
   hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
   with torch.no_grad():
     hf_out = hf_model.generate(
-        input_ids=torch.tensor(ids, dtype=torch.long),
-        attention_mask=torch.tensor(mask, dtype=torch.long),
-        do_sample=False, max_new_tokens=new, eos_token_id=eos, pad_token_id=PAD)
-  hf_tokens = hf_out[:, ids.shape[1]:].numpy()
+      input_ids=torch.tensor(ids, dtype=torch.long),
+      attention_mask=torch.tensor(mask, dtype=torch.long),
+      do_sample=False,
+      max_new_tokens=new,
+      eos_token_id=eos,
+      pad_token_id=PAD,
+    )
+  hf_tokens = hf_out[:, ids.shape[1] :].numpy()
   hf_tokens = np.pad(hf_tokens, ((0, 0), (0, new - hf_tokens.shape[1])), constant_values=PAD)
   np.testing.assert_array_equal(np.asarray(out.tokens_RxN), hf_tokens)
   assert len(set(hf_tokens.ravel().tolist())) > 3  # not a degenerate repeat of one token

@@ -1,4 +1,5 @@
 """Schedules and controllers (jaxrl.schedules) against ALGORITHMS.md §3/§5/§6 and Python loops."""
+
 import math
 from collections import deque
 
@@ -13,11 +14,11 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 QWEN_V = 151936
 S_KW = dict(c0=0.28, c_min=0.2, c_max=0.4, delta=0.02, window=3, warmup=2)  # §6 worked examples
-S1_H = [.50, .45, .41, .38, .36, .39]
-S1_CLIP = [.28, .28, .26, .24, .26, .28]
+S1_H = [0.50, 0.45, 0.41, 0.38, 0.36, 0.39]
+S1_CLIP = [0.28, 0.28, 0.26, 0.24, 0.26, 0.28]
 S2_H = [0.2] * 9
-S2_CLIP = [.28, .28, .30, .32, .34, .36, .38, .40, .40]
-G1_H = [.45, .32, .28, .25, .40]
+S2_CLIP = [0.28, 0.28, 0.30, 0.32, 0.34, 0.36, 0.38, 0.40, 0.40]
+G1_H = [0.45, 0.32, 0.28, 0.25, 0.40]
 G1_FIRE = [False, False, False, True, False]
 
 
@@ -68,8 +69,10 @@ def clip_oracle(hs, sched, c0, c_min, c_max, delta, window, warmup):
 
 
 def gate_oracle(hs, m, alpha):
-  return [sum(hs[max(0, i + 1 - m):i + 1]) / len(hs[max(0, i + 1 - m):i + 1]) < alpha
-          for i in range(len(hs))]
+  return [
+    sum(hs[max(0, i + 1 - m) : i + 1]) / len(hs[max(0, i + 1 - m) : i + 1]) < alpha
+    for i in range(len(hs))
+  ]
 
 
 def cosine_py(h0, h1, x):
@@ -95,6 +98,7 @@ def run_tau_scan(ctl, hs):
     tau = ctl.current(state)
     state = ctl.update(state, h)
     return state, (tau, state.clamped, ctl.target(state))
+
   _, out = jax.jit(lambda h_: jax.lax.scan(body, ctl.init(), h_))(jnp.asarray(hs, jnp.float32))
   return [np.asarray(o) for o in out]
 
@@ -111,6 +115,7 @@ def run_clip_scan(ctl, hs):
   def body(state, h):
     state = ctl.update(state, h)
     return state, ctl.current(state)
+
   _, out = jax.jit(lambda h_: jax.lax.scan(body, ctl.init(), h_))(jnp.asarray(hs, jnp.float32))
   return np.asarray(out)
 
@@ -119,6 +124,7 @@ def run_gate_scan(ctl, hs):
   def body(state, h):
     fire, state = ctl.gate(state, h)
     return state, fire
+
   _, out = jax.jit(lambda h_: jax.lax.scan(body, ctl.init(), h_))(jnp.asarray(hs, jnp.float32))
   return np.asarray(out).tolist()
 
@@ -139,8 +145,9 @@ def test_e3_temperature_matches_formula_and_compiles_once():
   fn = jax.jit(lambda *a: sch.e3_temperature(*a))
   rng = np.random.default_rng(0)
   vocabs = [151936, 32000, 50257, 1000, 128256, 256]
-  draws = zip(rng.uniform(0.2, 2, 6), rng.uniform(0.05, 1, 6), rng.uniform(0.05, 1, 6), vocabs,
-              strict=True)
+  draws = zip(
+    rng.uniform(0.2, 2, 6), rng.uniform(0.05, 1, 6), rng.uniform(0.05, 1, 6), vocabs, strict=True
+  )
   for tau, ht, hc, v in draws:
     tau, ht, hc = f32([tau, ht, hc])
     f = math.log(v) + math.log(math.log(v))
@@ -164,9 +171,12 @@ def test_e3_entropy_target_against_loop():
     span = max(t_max - t_a, 1)
     steps = np.arange(0, t_max + 5)
     got = jax.vmap(sch.e3_entropy_target, in_axes=(0, None, None, None, None))(
-        jnp.asarray(steps), 1.3, t_max, eta, start)
-    want = [1.3 if s < t_a else 1.3 * (eta + (1 - eta) * cosine_py(1.0, 0.0, (s - t_a) / span))
-            for s in steps]
+      jnp.asarray(steps), 1.3, t_max, eta, start
+    )
+    want = [
+      1.3 if s < t_a else 1.3 * (eta + (1 - eta) * cosine_py(1.0, 0.0, (s - t_a) / span))
+      for s in steps
+    ]
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     assert float(got[-1]) == pytest.approx(1.3 * eta, rel=1e-6)  # held after t_max
 
@@ -174,11 +184,11 @@ def test_e3_entropy_target_against_loop():
 def test_adaptive_clip_reference():
   fn = jax.jit(lambda *a: sch.adaptive_clip(*a))
   cases = [  # (c, h_sched, h_curr, delta, c_min, c_max) -> expected
-      ((0.28, 0.4, 0.5, 0.02, 0.2, 0.4), 0.26),
-      ((0.28, 0.4, 0.3, 0.02, 0.2, 0.4), 0.30),
-      ((0.28, 0.4, 0.4, 0.02, 0.2, 0.4), 0.28),  # tie: Δc = 0
-      ((0.39, 0.4, 0.1, 0.02, 0.2, 0.4), 0.40),
-      ((0.21, 0.1, 0.4, 0.05, 0.2, 0.4), 0.20),
+    ((0.28, 0.4, 0.5, 0.02, 0.2, 0.4), 0.26),
+    ((0.28, 0.4, 0.3, 0.02, 0.2, 0.4), 0.30),
+    ((0.28, 0.4, 0.4, 0.02, 0.2, 0.4), 0.28),  # tie: Δc = 0
+    ((0.39, 0.4, 0.1, 0.02, 0.2, 0.4), 0.40),
+    ((0.21, 0.1, 0.4, 0.05, 0.2, 0.4), 0.20),
   ]
   for args, want in cases:
     assert float(sch.adaptive_clip(*args)) == pytest.approx(want, abs=1e-7)
@@ -187,7 +197,7 @@ def test_adaptive_clip_reference():
 
 
 def test_eepo_gate_worked_g1_growing_history():
-  assert [bool(sch.eepo_gate(G1_H[:i + 1], 3, 0.3)) for i in range(5)] == G1_FIRE
+  assert [bool(sch.eepo_gate(G1_H[: i + 1], 3, 0.3)) for i in range(5)] == G1_FIRE
   # The buffer + count form under jit: one compile for every count.
   fn = jax.jit(lambda h, m, a, count: sch.eepo_gate(h, m, a, count))  # m traced too
   buf = jnp.asarray(G1_H + [9.0, 9.0], jnp.float32)  # trailing slots are garbage, never read
@@ -208,7 +218,7 @@ def test_eepo_gate_against_loop():
     assert any(want) and not all(want)
     assert np.asarray(every_count(buf, m, 0.3, counts)).tolist() == want
     # The plain list form, eagerly (each new length re-traces, so only a few prefixes).
-    assert [bool(sch.eepo_gate(hs[:n + 1], m, 0.3)) for n in range(6)] == want[:6]
+    assert [bool(sch.eepo_gate(hs[: n + 1], m, 0.3)) for n in range(6)] == want[:6]
 
 
 # Schedules.
@@ -225,11 +235,12 @@ def test_cosine_schedule_endpoints_and_monotone(h0, h1):
   total = 100
   s = sch.cosine_schedule(h0, h1, total)
   vals = np.asarray(jax.jit(jax.vmap(s))(jnp.arange(0, total + 11)))
-  np.testing.assert_allclose(vals, [cosine_py(h0, h1, t / total) for t in range(total + 11)],
-                             atol=1e-6)
+  np.testing.assert_allclose(
+    vals, [cosine_py(h0, h1, t / total) for t in range(total + 11)], atol=1e-6
+  )
   assert vals[0] == pytest.approx(h0, abs=1e-7) and vals[total] == pytest.approx(h1, abs=1e-7)
   assert vals[total // 2] == pytest.approx((h0 + h1) / 2, abs=1e-6)
-  d = np.diff(vals[:total + 1]) * np.sign(h1 - h0)
+  d = np.diff(vals[: total + 1]) * np.sign(h1 - h0)
   assert np.all(d > 0)  # strictly monotone towards the end value
   np.testing.assert_allclose(vals[total:], h1, atol=1e-7)  # held after T
 
@@ -239,11 +250,13 @@ def test_stable_then_anneal_schedule_endpoints_and_segments():
   s = sch.stable_then_anneal_schedule(h_c, h_end, total, rho)
   vals = np.asarray(jax.jit(jax.vmap(s))(jnp.arange(0, total + 6)))
   start = int((1 - rho) * total)  # 180
-  want = [h_c if t <= start else cosine_py(h_c, h_end, (t - start) / (total - start))
-          for t in range(total + 6)]
+  want = [
+    h_c if t <= start else cosine_py(h_c, h_end, (t - start) / (total - start))
+    for t in range(total + 6)
+  ]
   np.testing.assert_allclose(vals, want, atol=1e-6)
-  np.testing.assert_allclose(vals[:start + 1], h_c, atol=1e-7)  # stable phase, including its end
-  assert np.all(np.diff(vals[start:total + 1]) < 0)  # annealing strictly decreasing
+  np.testing.assert_allclose(vals[: start + 1], h_c, atol=1e-7)  # stable phase, including its end
+  assert np.all(np.diff(vals[start : total + 1]) < 0)  # annealing strictly decreasing
   assert vals[total] == pytest.approx(h_end, abs=1e-7)
   assert vals[start + (total - start) // 2] == pytest.approx((h_c + h_end) / 2, abs=1e-6)
   assert float(sch.stable_then_anneal_schedule(0.4, 0.1, 100)(90)) == pytest.approx(0.4)  # ρ = 0.1
@@ -266,13 +279,15 @@ def test_e3_controller_protocol_step1_keeps_tau():
   assert int(state.step) == 2 and not bool(state.clamped)
 
 
-@pytest.mark.parametrize("anneal,start,t_max",
-                         [(True, None, 40), (False, None, 40), (True, 10, 30)])
+@pytest.mark.parametrize(
+  "anneal,start,t_max", [(True, None, 40), (False, None, 40), (True, 10, 30)]
+)
 def test_e3_controller_matches_loop(anneal, start, t_max):
   rng = np.random.default_rng(2)
   hs = f32(rng.uniform(0.05, 0.9, t_max))
-  ctl = sch.e3_temperature_controller(1000, t_max, tau0=0.8, eta=0.85, anneal=anneal,
-                                      anneal_start=start, tau_min=0.5, tau_max=1.5)
+  ctl = sch.e3_temperature_controller(
+    1000, t_max, tau0=0.8, eta=0.85, anneal=anneal, anneal_start=start, tau_min=0.5, tau_max=1.5
+  )
   taus, hits, targets = tau_oracle(hs, 1000, t_max, 0.8, 0.85, anneal, start, 0.5, 1.5)
   assert any(hits) and not all(hits)  # the sequence exercises both regimes
   e_taus, e_hits, e_targets = run_tau_eager(ctl, hs)

@@ -5,6 +5,7 @@ The work runs in subprocesses (tests/sharded_load_check.py): the device count is
 starts, and each layout's load is measured in a fresh process. See that script for what each
 memory number means.
 """
+
 import json
 import os
 import subprocess
@@ -18,8 +19,13 @@ HERE = os.path.dirname(__file__)
 def _run(*args):
   env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
   env.pop("XLA_FLAGS", None)
-  out = subprocess.run([sys.executable, os.path.join(HERE, "sharded_load_check.py"), *args],
-                       env=env, capture_output=True, text=True, timeout=600)
+  out = subprocess.run(
+    [sys.executable, os.path.join(HERE, "sharded_load_check.py"), *args],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   return out.stdout.strip().splitlines()
 

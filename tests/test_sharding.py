@@ -1,4 +1,5 @@
 """One train step on 8 fake CPU devices (fsdp 4 × tensor 2) equals the 1-device step."""
+
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ HERE = os.path.dirname(__file__)
 def test_logical_rules_map_axes_and_replicate_indivisible_dims():
   class FakeMesh:
     shape = {"data": 1, "fsdp": 4, "tensor": 2}
+
   assert sharding.logical_to_spec(("embed", "mlp"), (64, 128), FakeMesh) == P("fsdp", "tensor")
   assert sharding.logical_to_spec(("vocab", "embed"), (63, 64), FakeMesh) == P(None, "fsdp")
   assert sharding.logical_to_spec(("norm",), (64,), FakeMesh) == P(None)
@@ -22,8 +24,13 @@ def test_logical_rules_map_axes_and_replicate_indivisible_dims():
 def test_sharded_step_equals_single_device():
   env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
   env.pop("XLA_FLAGS", None)
-  out = subprocess.run([sys.executable, os.path.join(HERE, "sharded_step_check.py")], env=env,
-                       capture_output=True, text=True, timeout=600)
+  out = subprocess.run(
+    [sys.executable, os.path.join(HERE, "sharded_step_check.py")],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   result = json.loads(out.stdout.strip().splitlines()[-1])
   # The mesh really shards: MLP kernels split over fsdp and tensor.
@@ -31,6 +38,6 @@ def test_sharded_step_equals_single_device():
   assert any("'fsdp', 'tensor'" in s for s in specs.values()), specs
   assert result["sgd_leaf_rel_diff"] <= 1e-5, result
   assert result["adam_tree_rel_diff"] <= 1e-5, result
-  assert result["kl"] > 0, result   # the reference path is exercised
+  assert result["kl"] > 0, result  # the reference path is exercised
   for name, diff in result["metric_rel_diff"].items():
     assert diff <= 1e-5, (name, result)

@@ -8,6 +8,7 @@ One server (launched by a module fixture, from a thread that then exits) serves 
 crash test launches its own, as a run would. Model: the tiny test model widened to head_dim 32
 (vLLM's CPU attention needs head_dim >= 32; its Qwen2 derives head_dim = hidden / heads).
 """
+
 import json
 import os
 import signal
@@ -28,8 +29,14 @@ from jaxrl import model, step
 from jaxrl.config import ConfigError
 from jaxrl.rollout.build import build_engine
 from jaxrl.rollout.engine import JaxEngine
-from jaxrl.rollout.sidecar import (LaunchConfig, Sidecar, SidecarError, group_members, healthy,
-                                   owned_pids)
+from jaxrl.rollout.sidecar import (
+  LaunchConfig,
+  Sidecar,
+  SidecarError,
+  group_members,
+  healthy,
+  owned_pids,
+)
 from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine
 from jaxrl.task import load_task
 from jaxrl.arch import model_config
@@ -65,18 +72,26 @@ def served(sidecar_env, inductor_dir, tmp_path_factory):
   """A launched sidecar engine holding random params of the sidecar model (version 0)."""
   workdir = str(tmp_path_factory.mktemp("sidecar"))
   # Short request timeout and no per-request retry: the hang test detects a stopped server fast.
-  cfg = _vllm_config(**{"rollout.max_new_tokens": 8, "vllm.request_timeout": 10.0,
-                        "vllm.retries": 0})
+  cfg = _vllm_config(
+    **{"rollout.max_new_tokens": 8, "vllm.request_timeout": 10.0, "vllm.retries": 0}
+  )
   task = load_task(cfg, os.path.join(workdir, "tokenizer"))
   mcfg = model_config(cfg, task.vocab_size)
   graphdef, params = model.create(mcfg, 0)
-  engine = build_engine(cfg, graphdef, mcfg, tokenizer=task.tokenizer, eos_id=task.eos_id,
-                        pad_id=task.pad_id, prompt_len=task.train_prompt_ids.shape[1],
-                        workdir=workdir)
+  engine = build_engine(
+    cfg,
+    graphdef,
+    mcfg,
+    tokenizer=task.tokenizer,
+    eos_id=task.eos_id,
+    pad_id=task.pad_id,
+    prompt_len=task.train_prompt_ids.shape[1],
+    workdir=workdir,
+  )
   # Started from a short-lived thread: the server must outlive it (it dies with the trainer
   # process, not with the thread that launched it).
   starter = threading.Thread(target=engine.set_weights, args=(params, 0))
-  with pytest.MonkeyPatch.context() as env:   # the server inherits the trainer's environment
+  with pytest.MonkeyPatch.context() as env:  # the server inherits the trainer's environment
     env.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_dir)
     starter.start()
     starter.join()
@@ -85,9 +100,16 @@ def served(sidecar_env, inductor_dir, tmp_path_factory):
 
 
 def _score(graphdef, params, out, tau):
-  logp, _ = step.score_responses(graphdef, params, jnp.asarray(out.prompt_ids_RxP),
-                                 jnp.asarray(out.prompt_mask_RxP), jnp.asarray(out.tokens_RxN),
-                                 jnp.asarray(out.mask_RxN), jnp.float32(tau), chunk_size=128)
+  logp, _ = step.score_responses(
+    graphdef,
+    params,
+    jnp.asarray(out.prompt_ids_RxP),
+    jnp.asarray(out.prompt_mask_RxP),
+    jnp.asarray(out.tokens_RxN),
+    jnp.asarray(out.mask_RxN),
+    jnp.float32(tau),
+    chunk_size=128,
+  )
   return np.asarray(logp)
 
 
@@ -99,7 +121,7 @@ def test_server_outlives_the_thread_that_started_it(served):
   engine = served[0]
   time.sleep(1.0)
   assert engine.sidecar.alive() and healthy(engine.sidecar.url)
-  assert engine.client.weight_version(engine.sidecar.url) == "0"    # labelled at the start
+  assert engine.client.weight_version(engine.sidecar.url) == "0"  # labelled at the start
 
 
 def test_the_server_builds_no_kernel_into_the_inductor_cache(served, inductor_dir):
@@ -120,7 +142,7 @@ def test_server_logprobs_match_fused_logprobs(served, tau):
   out = engine.generate(ids, mask, np.array([4, 1, 3]), tau, jax.random.PRNGKey(7))
   assert out.tokens_RxN.shape == (8, 8)
   np.testing.assert_array_equal(out.group_ids_R, [0, 0, 0, 0, 1, 2, 2, 2])
-  assert out.mask_RxN.sum() > 8      # random weights: long responses, few early EOS
+  assert out.mask_RxN.sum() > 8  # random weights: long responses, few early EOS
   # The rows of a question are different samples (one request with n = G_i and a seed).
   assert len({tuple(r) for r in out.tokens_RxN[:4]}) > 1
   np.testing.assert_allclose(out.logp_RxN, _score(graphdef, params, out, tau), atol=1e-4)
@@ -135,41 +157,65 @@ def test_weight_push_serves_new_params_and_version(served):
   out = engine.generate(ids, mask, np.array([2, 2, 2]), 1.0, jax.random.PRNGKey(3))
   np.testing.assert_allclose(out.logp_RxN, _score(graphdef, new, out, 1.0), atol=1e-4)
   assert np.abs(out.logp_RxN - _score(graphdef, params, out, 1.0)).max() > 1e-2
-  assert len(os.listdir(engine._root)) == 1   # the previous version's directory is gone
+  assert len(os.listdir(engine._root)) == 1  # the previous version's directory is gone
   engine.set_weights(params, 0)
 
 
 def test_greedy_rows_match_the_jax_sampler(served):
   engine, graphdef, params, task = served
   ids, mask = _prompts(task)
-  counts = np.array([2, 0, 3])   # vLLM takes greedy requests with n = 1 only
+  counts = np.array([2, 0, 3])  # vLLM takes greedy requests with n = 1 only
   out = engine.generate(ids, mask, counts, 1.0, jax.random.PRNGKey(0), greedy=True)
-  ref = JaxEngine(graphdef, engine.model_cfg, max_new_tokens=engine.max_new_tokens,
-                  eos_id=task.eos_id, pad_id=task.pad_id)
+  ref = JaxEngine(
+    graphdef,
+    engine.model_cfg,
+    max_new_tokens=engine.max_new_tokens,
+    eos_id=task.eos_id,
+    pad_id=task.pad_id,
+  )
   ref.set_weights(params, 0)
   want = ref.generate(ids, mask, counts, 1.0, jax.random.PRNGKey(0), greedy=True)
-  for field in ("prompt_ids_RxP", "prompt_mask_RxP", "tokens_RxN", "mask_RxN", "lengths_R",
-                "group_ids_R", "finished_R"):
+  for field in (
+    "prompt_ids_RxP",
+    "prompt_mask_RxP",
+    "tokens_RxN",
+    "mask_RxN",
+    "lengths_R",
+    "group_ids_R",
+    "finished_R",
+  ):
     np.testing.assert_array_equal(getattr(out, field), np.asarray(getattr(want, field)), field)
 
 
 def test_sync_every_skips_steps_but_never_keeps_a_temporary_version(served):
   engine, graphdef, params, task = served
   url = engine.sidecar.url
-  attached = VllmEngine(engine.model_cfg, task.tokenizer,
-                        EngineConfig(launch=None, urls=(url,), sync_every=2),
-                        workdir=engine.workdir, max_new_tokens=8, eos_id=task.eos_id,
-                        pad_id=task.pad_id)
+  attached = VllmEngine(
+    engine.model_cfg,
+    task.tokenizer,
+    EngineConfig(launch=None, urls=(url,), sync_every=2),
+    workdir=engine.workdir,
+    max_new_tokens=8,
+    eos_id=task.eos_id,
+    pad_id=task.pad_id,
+  )
   theta_prime = jax.tree.map(lambda x: x * 1.05, params)
   served_version = []
-  for p, version in [(params, 2), (theta_prime, "2-forget"), (params, 3), (params, 5),
-                     (params, 6), (params, -1), (params, 0)]:
+  for p, version in [
+    (params, 2),
+    (theta_prime, "2-forget"),
+    (params, 3),
+    (params, 5),
+    (params, 6),
+    (params, -1),
+    (params, 0),
+  ]:
     attached.set_weights(p, version)
     served_version.append(attached.client.weight_version(url))
   # 3 follows EEPO's θ' and -1 is the evaluation: both pushed; 5 is skipped (k = 2).
   assert served_version == ["2", "2-forget", "3", "3", "6", "-1", "0"]
   attached.close()
-  assert engine.sidecar.alive()   # an attached engine never stops the server
+  assert engine.sidecar.alive()  # an attached engine never stops the server
 
 
 def test_a_rejected_request_fails_at_once_without_restart(served):
@@ -177,8 +223,9 @@ def test_a_rejected_request_fails_at_once_without_restart(served):
   starts = engine.sidecar.starts
   too_long = np.full((1, engine.sidecar.cfg.max_model_len + 1), 5, np.int32)
   with pytest.raises(SidecarError, match="rejected the rollout request: .*HTTP 400"):
-    engine.generate(too_long, np.ones_like(too_long, bool), np.array([1]), 1.0,
-                    jax.random.PRNGKey(0))
+    engine.generate(
+      too_long, np.ones_like(too_long, bool), np.array([1]), 1.0, jax.random.PRNGKey(0)
+    )
   assert engine.sidecar.starts == starts
 
 
@@ -192,7 +239,7 @@ def test_three_training_steps_through_the_sidecar(served, tmp_path):
   assert any(len(np.flatnonzero(r["alloc_hist"])) > 1 for r in rows)
   for r in rows:
     assert r["eepo_gate"] == 1.0 and np.isfinite(r["eepo_unlearn_loss"])
-    assert r["rollout_logp_gap"] < 1e-4       # π_old rescored by the trainer agrees with vLLM's
+    assert r["rollout_logp_gap"] < 1e-4  # π_old rescored by the trainer agrees with vLLM's
     assert np.isfinite(r["loss"]) and r["entropy_stage1"] > 0 and r["entropy_stage2"] > 0
 
 
@@ -218,7 +265,7 @@ def test_sigkilled_server_is_restarted_and_the_step_completes(sidecar_env, tmp_p
   with open(os.path.join(tmp_path, "vllm.log")) as f:
     assert f.read().count("=== jaxrl: start") == 2
   assert len(engine.sidecar.group_ids) == 2
-  assert not any(group_members(g) for g in engine.sidecar.group_ids)   # nothing left behind
+  assert not any(group_members(g) for g in engine.sidecar.group_ids)  # nothing left behind
 
 
 def _state(pid: int) -> str:
@@ -233,28 +280,34 @@ def test_clear_errors_wrong_python_port_in_use_bad_model(sidecar_env, tmp_path):
   with pytest.raises(SidecarError, match="make vllm-env"):
     Sidecar(LaunchConfig(python=str(tmp_path / "nope"), log_dir=str(tmp_path))).start(str(tmp_path))
   with pytest.raises(SidecarError, match="no vllm package"):
-    Sidecar(LaunchConfig(python=os.path.join(ROOT, ".venv", "bin", "python"),
-                         log_dir=str(tmp_path))).start(str(tmp_path))
+    Sidecar(
+      LaunchConfig(python=os.path.join(ROOT, ".venv", "bin", "python"), log_dir=str(tmp_path))
+    ).start(str(tmp_path))
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     s.listen()
     port = s.getsockname()[1]
     with pytest.raises(SidecarError, match=f"port {port} .* in use"):
-      Sidecar(LaunchConfig(python=sidecar_env, log_dir=str(tmp_path), port=port)).start(str(tmp_path))
+      Sidecar(LaunchConfig(python=sidecar_env, log_dir=str(tmp_path), port=port)).start(
+        str(tmp_path)
+      )
   bad = tmp_path / "bad_model"
   bad.mkdir()
   (bad / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
   sidecar = Sidecar(LaunchConfig(python=sidecar_env, log_dir=str(tmp_path)))
-  with pytest.raises(SidecarError, match="(?s)exited with code .* before becoming healthy.*"
-                                         "no-such-architecture"):
+  with pytest.raises(
+    SidecarError, match="(?s)exited with code .* before becoming healthy.*no-such-architecture"
+  ):
     sidecar.start(str(bad))
   assert not group_members(sidecar.group_ids[0])
 
 
 def test_config_errors_for_models_vllm_cannot_serve(tmp_path):
-  for overrides, field in [({"model.head_dim": 48}, "model.head_dim"),
-                           ({"model.hidden_size": 32, "model.head_dim": 16}, "model.head_dim"),
-                           ({"vllm.weight_transfer": "nccl"}, "vllm.weight_transfer")]:
+  for overrides, field in [
+    ({"model.head_dim": 48}, "model.head_dim"),
+    ({"model.hidden_size": 32, "model.head_dim": 16}, "model.head_dim"),
+    ({"vllm.weight_transfer": "nccl"}, "vllm.weight_transfer"),
+  ]:
     with pytest.raises(ConfigError) as e:
       Trainer(_vllm_config(**overrides), str(tmp_path))
     assert e.value.field == field
@@ -278,7 +331,7 @@ def test_server_killed_while_answering_is_restarted(served):
   def kill_once_busy(done: threading.Event):
     pid = engine.sidecar.server_pid()
     while not done.is_set() and not killed:
-      if _requests_running(url) > 0:     # the rollout's requests are being answered
+      if _requests_running(url) > 0:  # the rollout's requests are being answered
         os.kill(pid, signal.SIGKILL)
         killed.append(pid)
       time.sleep(0.01)
@@ -289,8 +342,9 @@ def test_server_killed_while_answering_is_restarted(served):
     killer = threading.Thread(target=kill_once_busy, args=(done,))
     killer.start()
     try:
-      out = engine.generate(ids, mask, np.array([128, 128, 128]), 1.0,
-                            jax.random.PRNGKey(11 + attempt))
+      out = engine.generate(
+        ids, mask, np.array([128, 128, 128]), 1.0, jax.random.PRNGKey(11 + attempt)
+      )
     finally:
       done.set()
       killer.join()
@@ -305,11 +359,11 @@ def test_server_killed_while_answering_is_restarted(served):
 def test_hung_server_times_out_and_is_restarted(served):
   engine, graphdef, params, task = served
   starts = engine.sidecar.starts
-  os.kill(engine.sidecar.server_pid(), signal.SIGSTOP)   # alive but answering nothing
+  os.kill(engine.sidecar.server_pid(), signal.SIGSTOP)  # alive but answering nothing
   ids, mask = _prompts(task)
   out = engine.generate(ids, mask, np.array([2, 1, 1]), 1.0, jax.random.PRNGKey(5))
   assert engine.sidecar.starts == starts + 1
-  assert engine.client.weight_version(engine.sidecar.url) == "0"      # re-synced version
+  assert engine.client.weight_version(engine.sidecar.url) == "0"  # re-synced version
   np.testing.assert_allclose(out.logp_RxN, _score(graphdef, params, out, 1.0), atol=1e-4)
   assert not any(group_members(g) for g in engine.sidecar.group_ids[:-1])
 
@@ -340,22 +394,26 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_a_sigkilled_trainer_leaves_no_process_and_no_tmpfs_weights(sidecar_env, tmp_path):
-  child = subprocess.run([sys.executable, "-c", _KILLED_TRAINER, str(tmp_path), sidecar_env],
-                         capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, PYTHONPATH=ROOT))
+  child = subprocess.run(
+    [sys.executable, "-c", _KILLED_TRAINER, str(tmp_path), sidecar_env],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=dict(os.environ, PYTHONPATH=ROOT),
+  )
   assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
   trainer, group, root = child.stdout.split()
   deadline = time.time() + 30
   while (group_members(int(group)) or owned_pids(int(trainer))) and time.time() < deadline:
     time.sleep(0.2)
   assert not group_members(int(group)) and not owned_pids(int(trainer))
-  assert not os.path.exists(root)      # the guard removed the dead trainer's tmpfs weights
+  assert not os.path.exists(root)  # the guard removed the dead trainer's tmpfs weights
 
 
 def test_no_server_left_after_close(served):
   engine = served[0]
   engine.close()
   deadline = time.time() + 30
-  while owned_pids() and time.time() < deadline:   # every sidecar this test session started
+  while owned_pids() and time.time() < deadline:  # every sidecar this test session started
     time.sleep(0.5)
   assert not owned_pids()

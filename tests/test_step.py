@@ -1,4 +1,5 @@
 """The GRPO update: mini-batches are sequential optimizer steps, micro-batches accumulate exactly."""
+
 import functools
 
 import jax
@@ -10,26 +11,37 @@ from jaxrl import losses, model, step
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-MCFG = model.ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
-                         num_heads=2, num_kv_heads=1, head_dim=16)
+MCFG = model.ModelConfig(
+  vocab_size=32,
+  hidden_size=32,
+  intermediate_size=64,
+  num_layers=2,
+  num_heads=2,
+  num_kv_heads=1,
+  head_dim=16,
+)
 
 
 def make_batch(rng, R=8, P=5, N=4, groups=2):
   return step.PolicyBatch(
-      prompt_ids_RxP=rng.integers(0, 32, (R, P)).astype(np.int32),
-      prompt_mask_RxP=np.ones((R, P), bool),
-      response_ids_RxN=rng.integers(0, 32, (R, N)).astype(np.int32),
-      response_mask_RxN=np.arange(N)[None, :] < rng.integers(1, N + 1, (R, 1)),
-      old_logp_RxN=(-rng.random((R, N)) * 3 - 0.5).astype(np.float32),
-      rewards_R=np.tile([1.0, 0.0, 0.0, 1.0], R // 4).astype(np.float32),
-      group_ids_R=np.repeat(np.arange(groups), R // groups).astype(np.int32))
+    prompt_ids_RxP=rng.integers(0, 32, (R, P)).astype(np.int32),
+    prompt_mask_RxP=np.ones((R, P), bool),
+    response_ids_RxN=rng.integers(0, 32, (R, N)).astype(np.int32),
+    response_mask_RxN=np.arange(N)[None, :] < rng.integers(1, N + 1, (R, 1)),
+    old_logp_RxN=(-rng.random((R, N)) * 3 - 0.5).astype(np.float32),
+    rewards_R=np.tile([1.0, 0.0, 0.0, 1.0], R // 4).astype(np.float32),
+    group_ids_R=np.repeat(np.arange(groups), R // groups).astype(np.int32),
+  )
 
 
 def hparams():
   f32 = jnp.float32
-  return step.StepHparams(loss=losses.LossHparams(eps_low=f32(0.2), eps_high=f32(0.28),
-                                                  kl_coef=f32(0.0), entropy_coef=f32(0.0)),
-                          tau=f32(0.9))
+  return step.StepHparams(
+    loss=losses.LossHparams(
+      eps_low=f32(0.2), eps_high=f32(0.28), kl_coef=f32(0.0), entropy_coef=f32(0.0)
+    ),
+    tau=f32(0.9),
+  )
 
 
 def test_mini_batches_are_sequential_updates_on_strided_rows():
@@ -43,17 +55,21 @@ def test_mini_batches_are_sequential_updates_on_strided_rows():
   two = step.RLStepConfig(loss=loss_cfg, num_groups=2, mini_batches=2, scale_by_std=False)
   one = step.RLStepConfig(loss=loss_cfg, num_groups=2, scale_by_std=False)
   state = step.init_state(params, tx)
-  s_two, m_two = jax.jit(functools.partial(step.rl_update, graphdef, tx, two))(state, batch, hparams())
-  even, odd = (jax.tree.map(lambda x, sl=sl: x[sl], batch) for sl in (slice(0, None, 2),
-                                                                     slice(1, None, 2)))
+  s_two, m_two = jax.jit(functools.partial(step.rl_update, graphdef, tx, two))(
+    state, batch, hparams()
+  )
+  even, odd = (
+    jax.tree.map(lambda x, sl=sl: x[sl], batch) for sl in (slice(0, None, 2), slice(1, None, 2))
+  )
   update = jax.jit(functools.partial(step.rl_update, graphdef, tx, one))
   s_seq, m1 = update(step.init_state(params, tx), even, hparams())
   s_seq, m2 = update(s_seq, odd, hparams())
   assert int(s_two.step) == 2
   for a, b in zip(jax.tree.leaves(s_two.params), jax.tree.leaves(s_seq.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
-  np.testing.assert_allclose(float(m_two["loss"]), (float(m1["loss"]) + float(m2["loss"])) / 2,
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    float(m_two["loss"]), (float(m1["loss"]) + float(m2["loss"])) / 2, rtol=1e-5
+  )
 
 
 def test_micro_batches_give_the_same_update():
@@ -62,10 +78,12 @@ def test_micro_batches_give_the_same_update():
   batch = make_batch(np.random.default_rng(1))
   out = []
   for micro in (1, 4):
-    cfg = step.RLStepConfig(loss=losses.LossConfig(aggregation="seq-mean-token-mean"), num_groups=2,
-                            micro_batches=micro)
+    cfg = step.RLStepConfig(
+      loss=losses.LossConfig(aggregation="seq-mean-token-mean"), num_groups=2, micro_batches=micro
+    )
     s, m = jax.jit(functools.partial(step.rl_update, graphdef, tx, cfg))(
-        step.init_state(params, tx), batch, hparams())
+      step.init_state(params, tx), batch, hparams()
+    )
     out.append((s, m))
   for a, b in zip(jax.tree.leaves(out[0][0].params), jax.tree.leaves(out[1][0].params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

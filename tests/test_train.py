@@ -1,4 +1,5 @@
 """End-to-end checks of the loop on configs/tiny.py:test: exact resume, a golden step, artifacts."""
+
 import os
 
 import numpy as np
@@ -10,6 +11,7 @@ from jaxrl.train import Trainer
 
 def final_params(trainer):
   import jax
+
   return [np.asarray(x) for x in jax.tree.leaves(trainer.final_params)]
 
 
@@ -29,8 +31,14 @@ def test_resume_continues_exactly(tmp_path):
 def test_run_writes_artifacts_and_golden_step(tmp_path):
   workdir = str(tmp_path / "run")
   summary = Trainer(tiny_config(steps=3), workdir).run()
-  for name in ("metrics.jsonl", "run.png", "results.md", "config.json", "eval_sft.json",
-               "eval_step3.json"):
+  for name in (
+    "metrics.jsonl",
+    "run.png",
+    "results.md",
+    "config.json",
+    "eval_sft.json",
+    "eval_step3.json",
+  ):
     assert os.path.exists(os.path.join(workdir, name)), name
   assert os.listdir(os.path.join(workdir, "tensorboard"))
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "3"))

@@ -66,8 +66,14 @@ class LevelSpec:
 # asymmetric levels (2+1, 3+2, 4+3) sit between them so most levels start mid-range, and 5+5 leaves
 # headroom for answers written least-significant first, which tiny models learn much more easily.
 DEFAULT_LEVELS: tuple[LevelSpec, ...] = (
-    LevelSpec(1, 1), LevelSpec(2, 1), LevelSpec(2, 2), LevelSpec(3, 2),
-    LevelSpec(3, 3), LevelSpec(4, 3), LevelSpec(4, 4), LevelSpec(5, 5),
+  LevelSpec(1, 1),
+  LevelSpec(2, 1),
+  LevelSpec(2, 2),
+  LevelSpec(3, 2),
+  LevelSpec(3, 3),
+  LevelSpec(4, 3),
+  LevelSpec(4, 4),
+  LevelSpec(5, 5),
 )
 
 
@@ -140,8 +146,9 @@ def answer_width(op: str, digit_width: int) -> int:
   return digit_width + 1 if op == "+" else digit_width if op == "-" else 2 * digit_width
 
 
-def format_problem(spec: LevelSpec, a: int, b: int, reverse_answer: bool,
-                   digit_width: int = 0) -> tuple[str, str]:
+def format_problem(
+  spec: LevelSpec, a: int, b: int, reverse_answer: bool, digit_width: int = 0
+) -> tuple[str, str]:
   """(prompt, canonical answer) of one problem.
 
   ``digit_width`` = 0: numbers as usual ("12+345=", answer "357", or "753" reversed).
@@ -167,8 +174,13 @@ def max_lengths(levels: Sequence[LevelSpec], digit_width: int = 0) -> tuple[int,
     return 2 * digit_width + 2, max(answer_width(s.op, digit_width) for s in levels)
   prompt = max(s.digits_a + s.digits_b + 2 for s in levels)
   answer = max(
-      max(s.digits_a, s.digits_b) + 1 if s.op == "+" else s.digits_a if s.op == "-"
-      else s.digits_a + s.digits_b for s in levels)
+    max(s.digits_a, s.digits_b) + 1
+    if s.op == "+"
+    else s.digits_a
+    if s.op == "-"
+    else s.digits_a + s.digits_b
+    for s in levels
+  )
   return prompt, answer
 
 
@@ -210,7 +222,8 @@ def build_task(cfg: TaskConfig) -> tuple[list[Problem], list[Problem]]:
   """(train, held-out) problem lists, deterministic in ``cfg``; qids are 0..N-1 per split."""
   splits: tuple[list[Problem], list[Problem]] = ([], [])
   for split, (heldout, n) in enumerate(
-      ((False, cfg.num_train_per_level), (True, cfg.num_heldout_per_level))):
+    ((False, cfg.num_train_per_level), (True, cfg.num_heldout_per_level))
+  ):
     for level, spec in enumerate(cfg.levels):
       # One independent stream per (seed, split, level): resizing one level leaves others intact.
       rng = np.random.default_rng([cfg.seed, split, level])
@@ -220,8 +233,9 @@ def build_task(cfg: TaskConfig) -> tuple[list[Problem], list[Problem]]:
   return splits
 
 
-def sft_corpus(cfg: TaskConfig, num_examples: int, seed: int,
-               level_weights: Sequence[float] | None = None) -> list[tuple[str, str]]:
+def sft_corpus(
+  cfg: TaskConfig, num_examples: int, seed: int, level_weights: Sequence[float] | None = None
+) -> list[tuple[str, str]]:
   """(prompt, completion) pairs drawn with replacement from the train buckets of every level.
 
   ``level_weights`` (default ``cfg.sft_level_weights``, else uniform) set the level mixture. The

@@ -6,6 +6,7 @@ drawn. A ``Mixture`` holds several pools with weights (e.g. the annealing phase'
 each batch slot picks its pool by weight from a generator seeded by (seed, questions drawn so far),
 then takes the next question of that pool's own pass.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,8 +17,9 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class Cursor:
   """Position in one pool's sequence of permutations."""
+
   epoch: int = 0
-  position: int = 0     # questions of this epoch's permutation already taken
+  position: int = 0  # questions of this epoch's permutation already taken
 
 
 def epoch_order(seed: int, epoch: int, num_questions: int, stream: int = 0) -> np.ndarray:
@@ -25,13 +27,14 @@ def epoch_order(seed: int, epoch: int, num_questions: int, stream: int = 0) -> n
   return np.random.default_rng(entropy).permutation(num_questions)
 
 
-def next_batch(cursor: Cursor, seed: int, num_questions: int, batch: int,
-               stream: int = 0) -> tuple[np.ndarray, Cursor]:
+def next_batch(
+  cursor: Cursor, seed: int, num_questions: int, batch: int, stream: int = 0
+) -> tuple[np.ndarray, Cursor]:
   """``batch`` question ids and the advanced cursor; an epoch's tail carries into the next epoch."""
   ids, epoch, pos = [], cursor.epoch, cursor.position
   while len(ids) < batch:
     order = epoch_order(seed, epoch, num_questions, stream)
-    take = order[pos:pos + batch - len(ids)]
+    take = order[pos : pos + batch - len(ids)]
     ids.extend(take.tolist())
     pos += len(take)
     if pos >= num_questions:
@@ -42,9 +45,10 @@ def next_batch(cursor: Cursor, seed: int, num_questions: int, batch: int,
 @dataclasses.dataclass(frozen=True)
 class Mixture:
   """Pools of question ids (indices into the task's training arrays) and their sampling weights."""
+
   pools: tuple[np.ndarray, ...]
   weights: tuple[float, ...]
-  stream: int = 0                   # distinguishes the permutations of different mixtures (phases)
+  stream: int = 0  # distinguishes the permutations of different mixtures (phases)
 
   def __post_init__(self):
     if len(self.pools) != len(self.weights) or not self.pools:
@@ -64,9 +68,10 @@ class Mixture:
 @dataclasses.dataclass(frozen=True)
 class MixtureCursor:
   """Where a run stands in a mixture; ``epoch`` counts passes of ``mixture.size`` questions."""
+
   pools: tuple[Cursor, ...]
-  drawn: int = 0        # questions drawn from this mixture so far
-  epoch0: int = 0       # epochs completed before this mixture began (earlier phases)
+  drawn: int = 0  # questions drawn from this mixture so far
+  epoch0: int = 0  # epochs completed before this mixture began (earlier phases)
 
   @classmethod
   def start(cls, mixture: Mixture, epoch0: int = 0) -> "MixtureCursor":
@@ -76,16 +81,20 @@ class MixtureCursor:
     return self.epoch0 + self.drawn // mixture.size
 
   def to_json(self) -> dict:
-    return {"pools": [dataclasses.asdict(c) for c in self.pools], "drawn": self.drawn,
-            "epoch0": self.epoch0}
+    return {
+      "pools": [dataclasses.asdict(c) for c in self.pools],
+      "drawn": self.drawn,
+      "epoch0": self.epoch0,
+    }
 
   @classmethod
   def from_json(cls, data: dict) -> "MixtureCursor":
     return cls(tuple(Cursor(**c) for c in data["pools"]), data["drawn"], data["epoch0"])
 
 
-def next_mixture_batch(cursor: MixtureCursor, seed: int, mixture: Mixture,
-                       batch: int) -> tuple[np.ndarray, MixtureCursor]:
+def next_mixture_batch(
+  cursor: MixtureCursor, seed: int, mixture: Mixture, batch: int
+) -> tuple[np.ndarray, MixtureCursor]:
   """``batch`` question ids drawn from the mixture, and the advanced cursor.
 
   A one-pool mixture draws exactly what ``next_batch`` over that pool draws.
@@ -102,7 +111,8 @@ def next_mixture_batch(cursor: MixtureCursor, seed: int, mixture: Mixture,
   for s, pool in enumerate(mixture.pools):
     slots = np.flatnonzero(source_B == s)
     if len(slots):
-      local, pools[s] = next_batch(pools[s], seed, len(pool), len(slots),
-                                   stream=mixture.stream * 1024 + s)
+      local, pools[s] = next_batch(
+        pools[s], seed, len(pool), len(slots), stream=mixture.stream * 1024 + s
+      )
       ids_B[slots] = pool[local]
   return ids_B, MixtureCursor(tuple(pools), cursor.drawn + batch, cursor.epoch0)

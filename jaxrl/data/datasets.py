@@ -6,6 +6,7 @@ answer are dropped and counted (``strict``: the first one is an error naming the
 field that no row has is always an error listing the keys the rows do have. A training mixture is
 several datasets with weights, each one pool of the deterministic ``MixtureCursor``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,23 +24,25 @@ from jaxrl.data.cursor import Mixture
 
 log = logging.getLogger(__name__)
 _EXAMPLES = 5
-_BATCH_ROWS = 4096          # rows per arrow record batch turned into Python dicts at a time
-_MISSING = object()         # a field the row does not have (None is a field set to null)
-_NOT_TEXT = object()        # a field holding a list or dict: not usable as text
+_BATCH_ROWS = 4096  # rows per arrow record batch turned into Python dicts at a time
+_MISSING = object()  # a field the row does not have (None is a field set to null)
+_NOT_TEXT = object()  # a field holding a list or dict: not usable as text
 
 
 @dataclasses.dataclass(frozen=True)
 class Fields:
   """Dotted paths into a row."""
+
   question: str = "problem"
   answer: str = "answer"
-  id: str = ""          # "" = "SOURCE#ROW"
-  level: str = ""       # "" = one level
+  id: str = ""  # "" = "SOURCE#ROW"
+  level: str = ""  # "" = one level
 
 
 @dataclasses.dataclass
 class Questions:
   """The valid rows of one or more datasets, in file order."""
+
   questions: list[str]
   answers: list[str]
   ids: list[str]
@@ -51,13 +54,15 @@ class Questions:
 
   @staticmethod
   def concat(parts: list[Questions]) -> Questions:
-    return Questions(*([x for p in parts for x in getattr(p, f.name)]
-                       for f in dataclasses.fields(Questions)))
+    return Questions(
+      *([x for p in parts for x in getattr(p, f.name)] for f in dataclasses.fields(Questions))
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class RowReport:
   """What validation found in one file; ``str(report)`` is its log line."""
+
   source: str
   total: int
   kept: int
@@ -70,9 +75,11 @@ class RowReport:
     dropped = self.total - self.kept
     text = f"{self.source}: {self.total} rows, {self.kept} kept"
     if dropped:
-      text += (f", {dropped} dropped ({self.missing_answer} without an answer, "
-               f"{self.empty_question} with an empty question, {self.malformed} malformed; "
-               f"{'; '.join(self.examples)})")
+      text += (
+        f", {dropped} dropped ({self.missing_answer} without an answer, "
+        f"{self.empty_question} with an empty question, {self.malformed} malformed; "
+        f"{'; '.join(self.examples)})"
+      )
     return text
 
 
@@ -102,7 +109,7 @@ def _text(value):
     if not math.isfinite(value):
       return None
     return str(int(value)) if float(value).is_integer() else repr(float(value))
-  if isinstance(value, (list, tuple)) and len(value) == 1:   # e.g. answers stored as ["42"]
+  if isinstance(value, (list, tuple)) and len(value) == 1:  # e.g. answers stored as ["42"]
     return _text(value[0])
   return _NOT_TEXT
 
@@ -115,15 +122,19 @@ def _describe(row: dict, path: str) -> str:
     if not (isinstance(node, dict) and key in node):
       break
     node = node[key]
-    inner = (", ".join(sorted(map(str, node))) if isinstance(node, dict)
-             else f"a {type(node).__name__}")
-    text += f"; its {'.'.join(keys[:depth + 1])!r} is {inner}"
+    inner = (
+      ", ".join(sorted(map(str, node))) if isinstance(node, dict) else f"a {type(node).__name__}"
+    )
+    text += f"; its {'.'.join(keys[: depth + 1])!r} is {inner}"
   return text
 
 
 def _open_text(path: str):
-  return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(
-      path, encoding="utf-8")
+  return (
+    gzip.open(path, "rt", encoding="utf-8")
+    if path.endswith(".gz")
+    else open(path, encoding="utf-8")
+  )
 
 
 def _jsonl_rows(path: str) -> Iterator[tuple[int, object]]:
@@ -173,8 +184,9 @@ def _parquet_rows(paths: list[str]) -> Iterator[tuple[int, object]]:
   import pyarrow.parquet as pq
 
   # One numbering across the files, so default ids stay unique.
-  yield from _batches_rows(batch for path in paths
-                           for batch in pq.ParquetFile(path).iter_batches(batch_size=_BATCH_ROWS))
+  yield from _batches_rows(
+    batch for path in paths for batch in pq.ParquetFile(path).iter_batches(batch_size=_BATCH_ROWS)
+  )
 
 
 def _disk_rows(path: str, split: str) -> Iterator[tuple[int, object]]:
@@ -191,8 +203,12 @@ def _disk_rows(path: str, split: str) -> Iterator[tuple[int, object]]:
 
 def _hub_parquet(path: str, split: str) -> list[str]:
   """The parquet files of a hub download: ``data/<split>-*.parquet``, else all of them."""
-  files = sorted(os.path.join(root, f) for root, _, names in os.walk(path) for f in names
-                 if f.endswith(".parquet"))
+  files = sorted(
+    os.path.join(root, f)
+    for root, _, names in os.walk(path)
+    for f in names
+    if f.endswith(".parquet")
+  )
   return [p for p in files if os.path.basename(p).startswith(split)] or files
 
 
@@ -201,8 +217,10 @@ def _rows(path: str, split: str) -> tuple[Iterable[tuple[int, object]], str]:
   if not os.path.exists(path):
     raise ValueError(f"{path}: no such file or directory")
   if os.path.isdir(path):
-    if any(os.path.exists(os.path.join(path, name))
-           for name in ("dataset_info.json", "dataset_dict.json", "state.json")):
+    if any(
+      os.path.exists(os.path.join(path, name))
+      for name in ("dataset_info.json", "dataset_dict.json", "state.json")
+    ):
       return _disk_rows(path, split), "row"
     parquet = _hub_parquet(path, split)
     if not parquet:
@@ -215,20 +233,26 @@ def _rows(path: str, split: str) -> tuple[Iterable[tuple[int, object]], str]:
     return _json_rows(path)
   if path.endswith(".parquet"):
     return _parquet_rows([path]), "row"
-  raise ValueError(f"{path}: unknown dataset format (use .jsonl, .json, .parquet, a "
-                   "datasets.save_to_disk directory or a directory of parquet files)")
+  raise ValueError(
+    f"{path}: unknown dataset format (use .jsonl, .json, .parquet, a "
+    "datasets.save_to_disk directory or a directory of parquet files)"
+  )
 
 
-def load_questions(path: str, fields: Fields, *, split: str = "train", strict: bool = False,
-                   limit: int = 0) -> tuple[Questions, RowReport]:
+def load_questions(
+  path: str, fields: Fields, *, split: str = "train", strict: bool = False, limit: int = 0
+) -> tuple[Questions, RowReport]:
   """The valid rows of one dataset (at most ``limit`` > 0 of them) and what validation found."""
   source = os.path.basename(path.rstrip("/")) or path
   rows, unit = _rows(path, split)
   out = Questions([], [], [], [], [])
   counts = dict(total=0, missing_answer=0, empty_question=0, malformed=0)
   examples: list[str] = []
-  mapped = {name: getattr(fields, name) for name in ("question", "answer", "id", "level")
-            if getattr(fields, name)}
+  mapped = {
+    name: getattr(fields, name)
+    for name in ("question", "answer", "id", "level")
+    if getattr(fields, name)
+  }
   seen = dict.fromkeys(mapped, False)
   first_row = None
 
@@ -259,8 +283,12 @@ def load_questions(path: str, fields: Fields, *, split: str = "train", strict: b
       name = "question" if question is None else "answer"
       absent = values[name] is _MISSING
       what = f"{'no' if absent else 'empty'} {name} ({mapped[name]!r})"
-      bad("empty_question" if name == "question" else "missing_answer", where, what,
-          row if absent else None)
+      bad(
+        "empty_question" if name == "question" else "missing_answer",
+        where,
+        what,
+        row if absent else None,
+      )
       continue
     if question is _NOT_TEXT or answer is _NOT_TEXT:
       name = "question" if question is _NOT_TEXT else "answer"
@@ -276,8 +304,10 @@ def load_questions(path: str, fields: Fields, *, split: str = "train", strict: b
   unmapped = [name for name, hit in seen.items() if not hit]
   if first_row is not None and unmapped:
     name = unmapped[0]
-    raise ValueError(f"{path}: no row has the {name} field {mapped[name]!r} (set "
-                     f"data.{name}_field; {_describe(first_row, mapped[name])})")
+    raise ValueError(
+      f"{path}: no row has the {name} field {mapped[name]!r} (set "
+      f"data.{name}_field; {_describe(first_row, mapped[name])})"
+    )
   report = RowReport(source=path, kept=len(out), examples=tuple(examples), **counts)
   log.info("%s", report)
   if not len(out):
@@ -285,8 +315,14 @@ def load_questions(path: str, fields: Fields, *, split: str = "train", strict: b
   return out, report
 
 
-def load_mixture(spec: str, fields: Fields, *, split: str = "train", strict: bool = False,
-                 field: str = "data.train") -> tuple[Questions, Mixture, list[RowReport]]:
+def load_mixture(
+  spec: str,
+  fields: Fields,
+  *,
+  split: str = "train",
+  strict: bool = False,
+  field: str = "data.train",
+) -> tuple[Questions, Mixture, list[RowReport]]:
   """``"PATH[:WEIGHT],..."`` → the datasets concatenated, and a Mixture with one pool per dataset."""
   parts = parse_mixture(spec, field)
   if not parts:

@@ -7,6 +7,7 @@ tokenizer's chat template with the generation prompt, and tokenised without adde
 it). Prompts longer than P are dropped, truncated inside the question (the chat frame and the
 instruction stay whole) or refused, and counted.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 _QUESTION = "{question}"
 _TEMPLATES = {"boxed": "{question}\n\n" + BOXED_INSTRUCTION, "plain": "{question}"}
-_MARK = "\x00QUESTION\x00"   # stands for the question while the frame is tokenised
+_MARK = "\x00QUESTION\x00"  # stands for the question while the frame is tokenised
 
 
 def load_tokenizer(checkpoint_dir: str):
@@ -32,7 +33,7 @@ def load_tokenizer(checkpoint_dir: str):
   import transformers
 
   tok = transformers.AutoTokenizer.from_pretrained(checkpoint_dir, local_files_only=True)
-  if tok.pad_token_id is None:   # Llama 3: no pad token; padded positions are masked anyway
+  if tok.pad_token_id is None:  # Llama 3: no pad token; padded positions are masked anyway
     tok.pad_token = tok.eos_token
   tok.padding_side = "left"
   return tok
@@ -57,27 +58,35 @@ def stop_token_ids(checkpoint_dir: str, tokenizer) -> tuple[int, ...]:
 def _template(template: str) -> str:
   text = _TEMPLATES.get(template, template)
   if _QUESTION not in text:
-    raise ValueError(f"data.template {template!r}: expected boxed, plain, or a string with "
-                     "{question}")
+    raise ValueError(
+      f"data.template {template!r}: expected boxed, plain, or a string with {{question}}"
+    )
   return text
 
 
-def render_prompt(tokenizer, question: str, *, template: str = "boxed", system_prompt: str = "",
-                  chat_template: bool = True) -> str:
+def render_prompt(
+  tokenizer,
+  question: str,
+  *,
+  template: str = "boxed",
+  system_prompt: str = "",
+  chat_template: bool = True,
+) -> str:
   """The prompt text the model is conditioned on (chat template + generation prompt if any)."""
   user = _template(template).replace(_QUESTION, question)
   if not (chat_template and getattr(tokenizer, "chat_template", None)):
     return user
   messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-      {"role": "user", "content": user}]
+    {"role": "user", "content": user}
+  ]
   return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class EncodedPrompts:
-  ids_QxP: np.ndarray     # i32 [kept, P], left-padded with the pad id
-  mask_QxP: np.ndarray    # bool [kept, P]
-  kept_Q: np.ndarray      # i64: which input questions these rows are (dropped ones absent)
+  ids_QxP: np.ndarray  # i32 [kept, P], left-padded with the pad id
+  mask_QxP: np.ndarray  # bool [kept, P]
+  kept_Q: np.ndarray  # i64: which input questions these rows are (dropped ones absent)
   truncated: int
   dropped: int
 
@@ -99,21 +108,34 @@ def _left_pad(rows: list[list[int]], max_len: int, pad_id: int) -> tuple[np.ndar
   mask_QxP = np.arange(max_len)[None, :] >= (max_len - lengths_Q)[:, None]
   ids_QxP = np.full((len(rows), max_len), pad_id, np.int32)
   # Boolean assignment fills the True cells in row-major order: each row's ids, left to right.
-  ids_QxP[mask_QxP] = np.fromiter(itertools.chain.from_iterable(rows), np.int32,
-                                  count=int(lengths_Q.sum()))
+  ids_QxP[mask_QxP] = np.fromiter(
+    itertools.chain.from_iterable(rows), np.int32, count=int(lengths_Q.sum())
+  )
   return ids_QxP, mask_QxP
 
 
-def encode_math_prompts(tokenizer, questions: Sequence[str], max_len: int, *,
-                        overlength: str = "drop", template: str = "boxed", system_prompt: str = "",
-                        chat_template: bool = True) -> EncodedPrompts:
+def encode_math_prompts(
+  tokenizer,
+  questions: Sequence[str],
+  max_len: int,
+  *,
+  overlength: str = "drop",
+  template: str = "boxed",
+  system_prompt: str = "",
+  chat_template: bool = True,
+) -> EncodedPrompts:
   """Left-padded prompt ids of every question that fits in ``max_len`` tokens (see module doc)."""
   if overlength not in ("drop", "truncate", "error"):
     raise ValueError(f"overlength {overlength!r}: expected drop, truncate or error")
   if tokenizer.pad_token_id is None:
     raise ValueError("the tokenizer has no pad token (load it with load_tokenizer)")
-  render = functools.partial(render_prompt, tokenizer, template=template,
-                             system_prompt=system_prompt, chat_template=chat_template)
+  render = functools.partial(
+    render_prompt,
+    tokenizer,
+    template=template,
+    system_prompt=system_prompt,
+    chat_template=chat_template,
+  )
   frame = render(_MARK)
   if frame.count(_MARK) != 1:
     raise ValueError("the chat template must contain the user message exactly once")
@@ -122,16 +144,21 @@ def encode_math_prompts(tokenizer, questions: Sequence[str], max_len: int, *,
   # gets the tokenizer's BOS, unless the template string already starts with it.
   bos_token = tokenizer.bos_token if tokenizer.bos_token_id is not None else None
   used_chat = chat_template and bool(getattr(tokenizer, "chat_template", None))
-  lead = ([tokenizer.bos_token_id] if bos_token and not used_chat
-          and not head_text.startswith(bos_token) else [])
+  lead = (
+    [tokenizer.bos_token_id]
+    if bos_token and not used_chat and not head_text.startswith(bos_token)
+    else []
+  )
   rows = [lead + ids for ids in _ids(tokenizer, [render(q) for q in questions])]
   over = [i for i, ids in enumerate(rows) if len(ids) > max_len]
   truncated = dropped = 0
   if over and overlength == "error":
     i = over[0]
-    raise ValueError(f"question {i} needs {len(rows[i])} prompt tokens, more than "
-                     f"task.max_prompt_len={max_len} (data.overlength=error; {len(over)} of "
-                     f"{len(rows)} prompts are too long)")
+    raise ValueError(
+      f"question {i} needs {len(rows[i])} prompt tokens, more than "
+      f"task.max_prompt_len={max_len} (data.overlength=error; {len(over)} of "
+      f"{len(rows)} prompts are too long)"
+    )
   if over and overlength == "truncate":
     # The frame (chat header, instruction, generation prompt) stays whole; the question is cut.
     # Tokenised apart, the seams may merge differently from the full text: only ever shorter.
@@ -145,6 +172,12 @@ def encode_math_prompts(tokenizer, questions: Sequence[str], max_len: int, *,
   dropped = len(rows) - len(kept)
   ids_QxP, mask_QxP = _left_pad([rows[i] for i in kept], max_len, tokenizer.pad_token_id)
   if over:
-    log.info("%d of %d prompts longer than %d tokens: %d truncated, %d dropped", len(over),
-             len(rows), max_len, truncated, dropped)
+    log.info(
+      "%d of %d prompts longer than %d tokens: %d truncated, %d dropped",
+      len(over),
+      len(rows),
+      max_len,
+      truncated,
+      dropped,
+    )
   return EncodedPrompts(ids_QxP, mask_QxP, np.asarray(kept, np.int64), truncated, dropped)

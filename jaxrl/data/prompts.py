@@ -24,10 +24,11 @@ class SFTArrays:
   ``target_mask_BxL`` is True where that target is a completion token or the EOS (the prompt is not
   learned). Everything is right-padded: valid inputs come first, so positions are 0..len-1.
   """
-  inputs_BxL: np.ndarray       # i32, pad_id after the sequence
-  targets_BxL: np.ndarray      # i32, inputs shifted left by one, pad_id after the EOS
+
+  inputs_BxL: np.ndarray  # i32, pad_id after the sequence
+  targets_BxL: np.ndarray  # i32, inputs shifted left by one, pad_id after the EOS
   target_mask_BxL: np.ndarray  # bool, True on completion + EOS targets
-  attn_mask_BxL: np.ndarray    # bool, True on real input tokens
+  attn_mask_BxL: np.ndarray  # bool, True on real input tokens
 
 
 def _ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
@@ -47,34 +48,37 @@ def _check_len(kind: str, text: str, n: int, max_len: int):
     raise ValueError(f"{kind} {text!r} needs {n} tokens, more than max_len={max_len}")
 
 
-def encode_prompts(tokenizer, prompts: Sequence[str],
-                   max_len: int) -> tuple[np.ndarray, np.ndarray]:
+def encode_prompts(
+  tokenizer, prompts: Sequence[str], max_len: int
+) -> tuple[np.ndarray, np.ndarray]:
   """(ids_BxP, mask_BxP) with P = max_len, LEFT-padded with pad_id so every prompt ends at P-1."""
   ids_BxP = np.full((len(prompts), max_len), tokenizer.pad_token_id, np.int32)
   mask_BxP = np.zeros((len(prompts), max_len), bool)
   for i, (text, ids) in enumerate(zip(prompts, prompt_ids(tokenizer, prompts))):
     _check_len("prompt", text, len(ids), max_len)
     if ids:
-      ids_BxP[i, max_len - len(ids):] = ids
-      mask_BxP[i, max_len - len(ids):] = True
+      ids_BxP[i, max_len - len(ids) :] = ids
+      mask_BxP[i, max_len - len(ids) :] = True
   return ids_BxP, mask_BxP
 
 
-def encode_completions(tokenizer, completions: Sequence[str],
-                       max_len: int) -> tuple[np.ndarray, np.ndarray]:
+def encode_completions(
+  tokenizer, completions: Sequence[str], max_len: int
+) -> tuple[np.ndarray, np.ndarray]:
   """(ids_BxN, mask_BxN): completion + EOS, RIGHT-padded with pad_id; mask True up to the EOS."""
   ids_BxN = np.full((len(completions), max_len), tokenizer.pad_token_id, np.int32)
   mask_BxN = np.zeros((len(completions), max_len), bool)
   for i, (text, ids) in enumerate(zip(completions, _ids(tokenizer, completions))):
     ids = ids + [tokenizer.eos_token_id]
     _check_len("completion (with EOS)", text, len(ids), max_len)
-    ids_BxN[i, :len(ids)] = ids
-    mask_BxN[i, :len(ids)] = True
+    ids_BxN[i, : len(ids)] = ids
+    mask_BxN[i, : len(ids)] = True
   return ids_BxN, mask_BxN
 
 
-def encode_sft(tokenizer, prompts: Sequence[str], completions: Sequence[str],
-               max_len: int) -> SFTArrays:
+def encode_sft(
+  tokenizer, prompts: Sequence[str], completions: Sequence[str], max_len: int
+) -> SFTArrays:
   """Shifted, right-padded SFT arrays of length L = max_len (the sequence may hold L+1 tokens)."""
   if len(prompts) != len(completions):
     raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
@@ -94,7 +98,7 @@ def encode_sft(tokenizer, prompts: Sequence[str], completions: Sequence[str],
     attn_mask_BxL[i, :n] = True
     # Target t is seq[t+1]; completion tokens start at seq[len(p_ids)], i.e. target len(p_ids)-1.
     # (An empty prefix cannot predict its first token, so that one is not learned.)
-    target_mask_BxL[i, max(len(p_ids) - 1, 0):n] = True
+    target_mask_BxL[i, max(len(p_ids) - 1, 0) : n] = True
   return SFTArrays(inputs_BxL, targets_BxL, target_mask_BxL, attn_mask_BxL)
 
 
@@ -110,6 +114,6 @@ def decode_responses(tokenizer, ids_BxN, lengths_B) -> list[str]:
   for ids, n in zip(ids_BxN.tolist(), lengths_B.tolist()):
     ids = ids[:n]
     if tokenizer.eos_token_id in ids:
-      ids = ids[:ids.index(tokenizer.eos_token_id)]
+      ids = ids[: ids.index(tokenizer.eos_token_id)]
     rows.append(ids)
   return tokenizer.batch_decode(rows, skip_special_tokens=False) if rows else []

@@ -29,10 +29,12 @@ def _raw_tokenizer() -> Tokenizer:
   """The `tokenizers` object: digits and punctuation isolated, looked up in the fixed vocabulary."""
   tok = Tokenizer(models.WordLevel(vocab=VOCAB, unk_token=UNK))
   # No whitespace splitting: a stray space or letter becomes <unk> instead of silently vanishing.
-  tok.pre_tokenizer = pre_tokenizers.Sequence([
+  tok.pre_tokenizer = pre_tokenizers.Sequence(
+    [
       pre_tokenizers.Digits(individual_digits=True),
       pre_tokenizers.Punctuation(behavior="isolated"),
-  ])
+    ]
+  )
   tok.decoder = decoders.Fuse()  # concatenate tokens: "1","2","5" -> "125", not "1 2 5"
   tok.add_special_tokens(list(SPECIAL_TOKENS))
   return tok
@@ -49,8 +51,14 @@ def build_tokenizer(cache_dir: str | Path) -> transformers.PreTrainedTokenizerFa
   cache_dir = Path(cache_dir)
   if not _is_cached(cache_dir):
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=_raw_tokenizer(), pad_token=PAD, eos_token=EOS, bos_token=BOS,
-        unk_token=UNK, padding_side="left", clean_up_tokenization_spaces=False)
+      tokenizer_object=_raw_tokenizer(),
+      pad_token=PAD,
+      eos_token=EOS,
+      bos_token=BOS,
+      unk_token=UNK,
+      padding_side="left",
+      clean_up_tokenization_spaces=False,
+    )
     cache_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(cache_dir)
     tmp = cache_dir / f"{_MARKER}.{os.getpid()}.tmp"

@@ -8,5 +8,12 @@ bounded worker pool of ``pool`` (per-answer time limit, crash isolation, counted
 from jaxrl.rewards.arithmetic import MAX_RESPONSE_CHARS, score, score_batch
 from jaxrl.rewards.pool import MATH_REWARD, VerifierPool, VerifyResult, load_reward_fn
 
-__all__ = ["MAX_RESPONSE_CHARS", "MATH_REWARD", "VerifierPool", "VerifyResult", "load_reward_fn",
-           "score", "score_batch"]
+__all__ = [
+  "MAX_RESPONSE_CHARS",
+  "MATH_REWARD",
+  "VerifierPool",
+  "VerifyResult",
+  "load_reward_fn",
+  "score",
+  "score_batch",
+]

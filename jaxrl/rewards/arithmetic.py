@@ -38,5 +38,6 @@ def score_batch(responses: Sequence, answers: Sequence) -> np.ndarray:
   """f32[B] of ``score`` over aligned responses and answers."""
   if len(responses) != len(answers):
     raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
-  return np.fromiter((score(r, a) for r, a in zip(responses, answers)), np.float32,
-                     count=len(responses))
+  return np.fromiter(
+    (score(r, a) for r, a in zip(responses, answers)), np.float32, count=len(responses)
+  )

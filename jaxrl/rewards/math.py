@@ -32,7 +32,7 @@ _DELIMITED = ("\\boxed", "\\fbox", "$", "\\(", "\\[")
 
 def _box_closes(window: str) -> bool:
   """True iff the box at the start of ``window`` has its argument complete inside it."""
-  rest = window[len("\\boxed"):] if window.startswith("\\boxed") else window[len("\\fbox"):]
+  rest = window[len("\\boxed") :] if window.startswith("\\boxed") else window[len("\\fbox") :]
   body = rest.lstrip()
   if not body.startswith("{"):
     return bool(body)  # `\boxed 5`: the argument is one token, present iff anything follows
@@ -61,7 +61,7 @@ def answer_window(response: str, max_chars: int = MAX_ANSWER_CHARS) -> tuple[str
   start = max(response.rfind(box) for box in _BOXES)
   if start < 0:
     return response[-max_chars:], len(response) > max_chars
-  window = response[start:start + max_chars]
+  window = response[start : start + max_chars]
   return window, not _box_closes(window)
 
 
@@ -92,8 +92,9 @@ def score(response: str, answer: str) -> float:
   answer that is empty or does not parse (a data error); a response that does not parse scores 0.
   """
   if not isinstance(response, str) or not isinstance(answer, str):
-    raise TypeError(f"response and answer must be str, got {type(response).__name__} and "
-                    f"{type(answer).__name__}")
+    raise TypeError(
+      f"response and answer must be str, got {type(response).__name__} and {type(answer).__name__}"
+    )
   gold = parse_gold(answer)
   window, _ = answer_window(response)
   pred = parse(window, _EXTRACTION, parsing_timeout=None)

@@ -48,8 +48,10 @@ MATH_REWARD = "jaxrl.rewards.math:score"
 _STARTUP_TIMEOUT_S = 60.0
 _PR_SET_PDEATHSIG = 1
 # Run by a worker's interpreter: the parent's sys.path first (custom reward modules), then the loop.
-_BOOT = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
-         "from jaxrl.rewards.pool import _worker_entry; _worker_entry()")
+_BOOT = (
+  "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+  "from jaxrl.rewards.pool import _worker_entry; _worker_entry()"
+)
 _MESSAGE_CHARS = 300
 
 
@@ -71,13 +73,16 @@ def load_reward_fn(spec: str) -> Callable[[str, str], float]:
       raise RewardFnError(f"reward function {spec!r}: module {e.name!r} not found") from e
     raise RewardFnError(f"reward function {spec!r}: importing {module_name!r} failed: {e}") from e
   except Exception as e:
-    raise RewardFnError(f"reward function {spec!r}: importing {module_name!r} raised "
-                        f"{type(e).__name__}: {e}") from e
+    raise RewardFnError(
+      f"reward function {spec!r}: importing {module_name!r} raised {type(e).__name__}: {e}"
+    ) from e
   obj = module
   for part in attr.split("."):
     if not hasattr(obj, part):
-      raise RewardFnError(f"reward function {spec!r}: {type(obj).__name__} "
-                          f"{getattr(obj, '__name__', module_name)!r} has no attribute {part!r}")
+      raise RewardFnError(
+        f"reward function {spec!r}: {type(obj).__name__} "
+        f"{getattr(obj, '__name__', module_name)!r} has no attribute {part!r}"
+      )
     obj = getattr(obj, part)
   if not callable(obj):
     raise RewardFnError(f"reward function {spec!r} is a {type(obj).__name__}, not callable")
@@ -87,16 +92,17 @@ def load_reward_fn(spec: str) -> Callable[[str, str], float]:
 @dataclasses.dataclass(frozen=True)
 class VerifyResult:
   rewards_R: np.ndarray  # f32[R]; 0 for every answer counted below
-  timeouts: int          # stopped at the per-answer limit, or while running at the batch deadline
-  errors: int            # the function raised or returned a non-finite non-number, or its worker died
-  skipped: int           # never started before the batch deadline
-  truncated: int         # answer region cut by the input cap (math verifier only; still scored)
+  timeouts: int  # stopped at the per-answer limit, or while running at the batch deadline
+  errors: int  # the function raised or returned a non-finite non-number, or its worker died
+  skipped: int  # never started before the batch deadline
+  truncated: int  # answer region cut by the input cap (math verifier only; still scored)
   first_error: str | None = None  # the error of the lowest-index failed answer, for the log
 
   def metrics(self, prefix: str = "reward/") -> dict[str, float]:
     """The counters as floats, for the metrics writer."""
-    return {prefix + k: float(getattr(self, k))
-            for k in ("timeouts", "errors", "skipped", "truncated")}
+    return {
+      prefix + k: float(getattr(self, k)) for k in ("timeouts", "errors", "skipped", "truncated")
+    }
 
 
 class _SoftTimeout(BaseException):
@@ -116,8 +122,10 @@ def _run_one(fn, response: str, answer: str, limit_s: float) -> tuple[str, objec
         value = fn(response, answer)
         if isinstance(value, numbers.Real) and math.isfinite(float(value)):
           return "ok", float(value)
-        return "error", f"returned {type(value).__name__} {str(value)[:_MESSAGE_CHARS]!r}, " \
-                        "not a finite number"
+        return (
+          "error",
+          f"returned {type(value).__name__} {str(value)[:_MESSAGE_CHARS]!r}, not a finite number",
+        )
       except _SoftTimeout:
         raise
       except BaseException as e:  # noqa: BLE001 — the answer scores 0 whatever the function did
@@ -150,6 +158,7 @@ def _worker_main(conn, spec: str, limit_s: float, memory_limit_mb: int | None) -
   logging.getLogger("math_verify").setLevel(logging.ERROR)
   if memory_limit_mb:
     import resource
+
     limit = memory_limit_mb << 20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
   try:
@@ -178,7 +187,7 @@ class _Worker:
   proc: subprocess.Popen
   conn: multiprocessing.connection.Connection
   ready: bool = False
-  task: int | None = None     # index into the batch, while busy
+  task: int | None = None  # index into the batch, while busy
   deadline: float = math.inf  # hard deadline of the running task (monotonic)
 
 
@@ -217,25 +226,38 @@ class VerifierPool:
   hard limit.
   """
 
-  def __init__(self, reward_fn: str = MATH_REWARD, *, num_workers: int | None = None,
-               time_limit_s: float = 5.0, kill_grace_s: float = 0.5,
-               batch_time_limit_s: float | None = None, per_answer_budget_s: float = 0.25,
-               max_answer_chars: int = MAX_ANSWER_CHARS, memory_limit_mb: int | None = 4096):
+  def __init__(
+    self,
+    reward_fn: str = MATH_REWARD,
+    *,
+    num_workers: int | None = None,
+    time_limit_s: float = 5.0,
+    kill_grace_s: float = 0.5,
+    batch_time_limit_s: float | None = None,
+    per_answer_budget_s: float = 0.25,
+    max_answer_chars: int = MAX_ANSWER_CHARS,
+    memory_limit_mb: int | None = 4096,
+  ):
     if num_workers is None:
       num_workers = min(8, os.cpu_count() or 1)
-    for name, value in (("num_workers", num_workers), ("time_limit_s", time_limit_s),
-                        ("per_answer_budget_s", per_answer_budget_s),
-                        ("max_answer_chars", max_answer_chars)):
+    for name, value in (
+      ("num_workers", num_workers),
+      ("time_limit_s", time_limit_s),
+      ("per_answer_budget_s", per_answer_budget_s),
+      ("max_answer_chars", max_answer_chars),
+    ):
       if not value > 0:
         raise ValueError(f"VerifierPool: {name} must be positive, got {value}")
     if kill_grace_s < 0:
       raise ValueError(f"VerifierPool: kill_grace_s must be >= 0, got {kill_grace_s}")
     if batch_time_limit_s is not None and not batch_time_limit_s > 0:
-      raise ValueError(f"VerifierPool: batch_time_limit_s must be positive, got "
-                       f"{batch_time_limit_s}")
+      raise ValueError(
+        f"VerifierPool: batch_time_limit_s must be positive, got {batch_time_limit_s}"
+      )
     if memory_limit_mb is not None and not memory_limit_mb > 0:
-      raise ValueError(f"VerifierPool: memory_limit_mb must be positive or None, got "
-                       f"{memory_limit_mb}")
+      raise ValueError(
+        f"VerifierPool: memory_limit_mb must be positive or None, got {memory_limit_mb}"
+      )
     load_reward_fn(reward_fn)  # a bad spec fails here, in the caller, with its message
     self.reward_fn = reward_fn
     self.num_workers = num_workers
@@ -255,11 +277,20 @@ class VerifierPool:
     """Starts a worker; it says ready on its socket once its reward function is loaded."""
     parent_sock, child_sock = socket.socketpair()
     with child_sock:
-      argv = [sys.executable, "-c", _BOOT, json.dumps([str(p) for p in sys.path]), str(os.getpid()),
-              str(child_sock.fileno()), self.reward_fn, repr(self.time_limit_s),
-              str(self.memory_limit_mb or 0)]
-      proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, pass_fds=(child_sock.fileno(),),
-                              start_new_session=True)
+      argv = [
+        sys.executable,
+        "-c",
+        _BOOT,
+        json.dumps([str(p) for p in sys.path]),
+        str(os.getpid()),
+        str(child_sock.fileno()),
+        self.reward_fn,
+        repr(self.time_limit_s),
+        str(self.memory_limit_mb or 0),
+      ]
+      proc = subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, pass_fds=(child_sock.fileno(),), start_new_session=True
+      )
     return _Worker(proc, multiprocessing.connection.Connection(parent_sock.detach()))
 
   def _replace(self, w: _Worker) -> None:
@@ -284,8 +315,10 @@ class VerifierPool:
       raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
     for i, (r, a) in enumerate(zip(responses, answers)):
       if not isinstance(r, str) or not isinstance(a, str):
-        raise TypeError(f"item {i}: response and answer must be str, got {type(r).__name__} "
-                        f"and {type(a).__name__}")
+        raise TypeError(
+          f"item {i}: response and answer must be str, got {type(r).__name__} "
+          f"and {type(a).__name__}"
+        )
     if self.reward_fn != MATH_REWARD:
       return list(responses), 0
     windows = [answer_window(r, self.max_answer_chars) for r in responses]
@@ -313,8 +346,11 @@ class VerifierPool:
     errors = {}  # answer index -> message
     batch_limit = self.batch_time_limit_s
     if batch_limit is None:
-      batch_limit = (self.time_limit_s + self.kill_grace_s
-                     + self.per_answer_budget_s * math.ceil(n / self.num_workers))
+      batch_limit = (
+        self.time_limit_s
+        + self.kill_grace_s
+        + self.per_answer_budget_s * math.ceil(n / self.num_workers)
+      )
     batch_deadline = None  # set when a worker is ready: start-up does not eat into the batch
     started = time.monotonic()
 
@@ -332,18 +368,22 @@ class VerifierPool:
             continue
           pending.popleft()
           w.task, w.deadline = i, now + self.time_limit_s + self.kill_grace_s
-      wake = min([w.deadline for w in self._workers if w.task is not None]
-                 + [batch_deadline if batch_deadline is not None
-                    else started + _STARTUP_TIMEOUT_S])
-      for conn in multiprocessing.connection.wait([w.conn for w in self._workers],
-                                                  max(0.0, wake - time.monotonic())):
+      wake = min(
+        [w.deadline for w in self._workers if w.task is not None]
+        + [batch_deadline if batch_deadline is not None else started + _STARTUP_TIMEOUT_S]
+      )
+      for conn in multiprocessing.connection.wait(
+        [w.conn for w in self._workers], max(0.0, wake - time.monotonic())
+      ):
         w = next(w for w in self._workers if w.conn is conn)
         try:
           msg = conn.recv()
         except (EOFError, OSError):
           if not w.ready:
-            raise RuntimeError(f"a verifier worker died while starting (exit code "
-                               f"{w.proc.wait(timeout=5.0)}); its stderr says why") from None
+            raise RuntimeError(
+              f"a verifier worker died while starting (exit code "
+              f"{w.proc.wait(timeout=5.0)}); its stderr says why"
+            ) from None
           code = w.proc.wait(timeout=5.0)
           if w.task is not None:
             counts["errors"] += 1
@@ -380,10 +420,16 @@ class VerifierPool:
         pending.clear()
 
     first_error = errors[min(errors)] if errors else None
-    result = VerifyResult(rewards_R, counts["timeouts"], counts["errors"], counts["skipped"],
-                          truncated, first_error)
+    result = VerifyResult(
+      rewards_R, counts["timeouts"], counts["errors"], counts["skipped"], truncated, first_error
+    )
     if result.timeouts or result.errors or result.skipped:
-      log.warning("verifier: %d timeouts, %d errors, %d skipped of %d answers%s", result.timeouts,
-                  result.errors, result.skipped, n,
-                  f" (first error: {first_error})" if first_error else "")
+      log.warning(
+        "verifier: %d timeouts, %d errors, %d skipped of %d answers%s",
+        result.timeouts,
+        result.errors,
+        result.skipped,
+        n,
+        f" (first error: {first_error})" if first_error else "",
+      )
     return result

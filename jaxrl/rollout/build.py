@@ -1,4 +1,5 @@
 """The rollout engine a config asks for: the built-in JAX sampler or vLLM sidecars."""
+
 from __future__ import annotations
 
 import os
@@ -15,10 +16,20 @@ def _max_response(cfg: Config) -> int:
   return max(p.cfg.rollout.max_new_tokens for p in run_phases(cfg))
 
 
-def build_engine(cfg: Config, graphdef, model_cfg, *, tokenizer, eos_id: int | tuple[int, ...],
-                 pad_id: int, prompt_len: int, workdir: str):
-  common = dict(max_new_tokens=cfg.rollout.max_new_tokens, eos_id=eos_id, pad_id=pad_id,
-                top_p=cfg.rollout.top_p)
+def build_engine(
+  cfg: Config,
+  graphdef,
+  model_cfg,
+  *,
+  tokenizer,
+  eos_id: int | tuple[int, ...],
+  pad_id: int,
+  prompt_len: int,
+  workdir: str,
+):
+  common = dict(
+    max_new_tokens=cfg.rollout.max_new_tokens, eos_id=eos_id, pad_id=pad_id, top_p=cfg.rollout.top_p
+  )
   if cfg.rollout.engine == "jax":
     return JaxEngine(graphdef, model_cfg, **common)
   from jaxrl.rollout import vllm_engine
@@ -29,16 +40,22 @@ def build_engine(cfg: Config, graphdef, model_cfg, *, tokenizer, eos_id: int | t
     # vLLM's NCCL path (/init_weight_transfer_engine with a torch-free nccl_unique_id handshake,
     # /start_weight_update, /update_weights {names, dtypes, shapes} while the trainer broadcasts
     # the tensors, /finish_weight_update) needs CUDA on both sides; it is not built yet.
-    raise ConfigError("vllm.weight_transfer", "'nccl' needs GPUs and is not implemented in this "
-                      "build; use 'files' (HF safetensors in tmpfs + reload_weights, CPU and GPU)")
+    raise ConfigError(
+      "vllm.weight_transfer",
+      "'nccl' needs GPUs and is not implemented in this "
+      "build; use 'files' (HF safetensors in tmpfs + reload_weights, CPU and GPU)",
+    )
   m = model_cfg
   if not m.qk_norm and m.head_dim * m.num_heads != m.hidden_size:
-    raise ConfigError("model.head_dim", f"vLLM's Qwen2 derives head_dim = hidden_size / num_heads = "
-                      f"{m.hidden_size // m.num_heads}, not {m.head_dim}: make them agree")
+    raise ConfigError(
+      "model.head_dim",
+      f"vLLM's Qwen2 derives head_dim = hidden_size / num_heads = "
+      f"{m.hidden_size // m.num_heads}, not {m.head_dim}: make them agree",
+    )
   if m.head_dim < 32:
     raise ConfigError("model.head_dim", f"{m.head_dim}: vLLM's CPU attention needs head_dim >= 32")
   p = jax.process_index()
-  suffix = f".process{p}" if p else ""   # processes sharing a host keep their files apart
+  suffix = f".process{p}" if p else ""  # processes sharing a host keep their files apart
   urls = process_urls(v.urls, p, jax.process_count())
   launch = None
   if not urls:
@@ -46,18 +63,34 @@ def build_engine(cfg: Config, graphdef, model_cfg, *, tokenizer, eos_id: int | t
     need = prompt_len + _max_response(cfg)
     max_len = v.max_model_len or -(-need // 16) * 16
     if max_len < need:
-      raise ConfigError("vllm.max_model_len", f"{max_len} < prompt length {prompt_len} + "
-                        f"longest response {_max_response(cfg)}")
-    launch = LaunchConfig(python=python, log_dir=workdir, log_name=f"vllm{suffix}.log",
-                          host=v.host, port=v.port,
-                          dtype=v.dtype or cfg.model.dtype, max_model_len=max_len,
-                          max_num_seqs=v.max_num_seqs, startup_timeout=v.startup_timeout,
-                          extra_args=tuple(v.extra_args.split()))
+      raise ConfigError(
+        "vllm.max_model_len",
+        f"{max_len} < prompt length {prompt_len} + longest response {_max_response(cfg)}",
+      )
+    launch = LaunchConfig(
+      python=python,
+      log_dir=workdir,
+      log_name=f"vllm{suffix}.log",
+      host=v.host,
+      port=v.port,
+      dtype=v.dtype or cfg.model.dtype,
+      max_model_len=max_len,
+      max_num_seqs=v.max_num_seqs,
+      startup_timeout=v.startup_timeout,
+      extra_args=tuple(v.extra_args.split()),
+    )
   engine_cfg = vllm_engine.EngineConfig(
-      launch=launch, urls=urls, request_timeout=v.request_timeout, retries=v.retries,
-      max_restarts=v.max_restarts, sync_every=v.sync_every, fallback_dir=f"sidecar{suffix}",
-      weights_root=os.path.join(v.weights_dir, f"process{p}")
-      if v.weights_dir and jax.process_count() > 1 else v.weights_dir)
+    launch=launch,
+    urls=urls,
+    request_timeout=v.request_timeout,
+    retries=v.retries,
+    max_restarts=v.max_restarts,
+    sync_every=v.sync_every,
+    fallback_dir=f"sidecar{suffix}",
+    weights_root=os.path.join(v.weights_dir, f"process{p}")
+    if v.weights_dir and jax.process_count() > 1
+    else v.weights_dir,
+  )
   engine = vllm_engine.VllmEngine(model_cfg, tokenizer, engine_cfg, workdir=workdir, **common)
   # Several processes: one sidecar per process (launched on its host, or its group of URLs), each
   # sampling its slice of the questions; the rollouts are gathered to every process.
@@ -72,6 +105,9 @@ def process_urls(spec: str, process: int, processes: int) -> tuple[str, ...]:
   if len(groups) == 1:
     return groups[0]
   if len(groups) != processes or not all(groups):
-    raise ConfigError("vllm.urls", f"{len(groups)} ';'-separated groups of URLs for {processes} "
-                      "process(es): give one non-empty group per process, or one for all")
+    raise ConfigError(
+      "vllm.urls",
+      f"{len(groups)} ';'-separated groups of URLs for {processes} "
+      "process(es): give one non-empty group per process, or one for all",
+    )
   return groups[process]

@@ -3,6 +3,7 @@
 The trainer only calls ``generate(prompt ids, counts G_i, temperature, key)`` and
 ``set_weights(params, version)``; a vLLM sidecar engine implements the same two methods.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -16,23 +17,33 @@ from jaxrl.rollout import sampler
 
 
 class RolloutEngine(Protocol):
-  provides_entropy: bool    # False: the trainer scores the rollouts for π_old and entropies
-  max_new_tokens: int       # set by the loop when a phase changes it
+  provides_entropy: bool  # False: the trainer scores the rollouts for π_old and entropies
+  max_new_tokens: int  # set by the loop when a phase changes it
 
   def set_weights(self, params, version) -> None: ...
 
   def close(self) -> None: ...
 
-  def generate(self, prompt_ids_BxP, prompt_mask_BxP, counts_B, temperature, key, *,
-               greedy: bool = False) -> sampler.SampleOutput: ...
+  def generate(
+    self, prompt_ids_BxP, prompt_mask_BxP, counts_B, temperature, key, *, greedy: bool = False
+  ) -> sampler.SampleOutput: ...
 
 
 class JaxEngine:
   """Samples with ``jaxrl.rollout.sampler`` from params held in device memory (no copy on sync)."""
+
   provides_entropy = True
 
-  def __init__(self, graphdef, model_cfg, *, max_new_tokens: int, eos_id: int | tuple[int, ...],
-               pad_id: int, top_p: float = 1.0):
+  def __init__(
+    self,
+    graphdef,
+    model_cfg,
+    *,
+    max_new_tokens: int,
+    eos_id: int | tuple[int, ...],
+    pad_id: int,
+    top_p: float = 1.0,
+  ):
     self._graphdef = graphdef
     self._model_cfg = model_cfg
     self.max_new_tokens = max_new_tokens  # set by the loop when a phase changes it
@@ -48,13 +59,25 @@ class JaxEngine:
   def close(self) -> None:
     self._params = None
 
-  def generate(self, prompt_ids_BxP, prompt_mask_BxP, counts_B, temperature, key, *,
-               greedy: bool = False) -> sampler.SampleOutput:
+  def generate(
+    self, prompt_ids_BxP, prompt_mask_BxP, counts_B, temperature, key, *, greedy: bool = False
+  ) -> sampler.SampleOutput:
     counts_B = np.asarray(counts_B, np.int32)
     out = sampler.generate(
-        self._graphdef, self._params, jnp.asarray(prompt_ids_BxP), jnp.asarray(prompt_mask_BxP),
-        jnp.asarray(counts_B), key, jnp.float32(temperature), self._top_p,
-        num_rollouts=int(counts_B.sum()), max_new_tokens=self.max_new_tokens, eos_id=self._eos,
-        pad_id=self._pad, model_cfg=self._model_cfg, greedy=greedy)
+      self._graphdef,
+      self._params,
+      jnp.asarray(prompt_ids_BxP),
+      jnp.asarray(prompt_mask_BxP),
+      jnp.asarray(counts_B),
+      key,
+      jnp.float32(temperature),
+      self._top_p,
+      num_rollouts=int(counts_B.sum()),
+      max_new_tokens=self.max_new_tokens,
+      eos_id=self._eos,
+      pad_id=self._pad,
+      model_cfg=self._model_cfg,
+      greedy=greedy,
+    )
     # Several processes: every one decodes and scores all rollouts (identical rewards everywhere).
     return distributed.to_host(out) if jax.process_count() > 1 else out

@@ -7,6 +7,7 @@ multiples of R / P, so every server samples about the same number of rows whatev
 order, so the gathered output is laid out exactly as one server's would be; a question's requests
 carry the same seed on whichever host samples it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,8 +43,7 @@ def gather_rows(local: SampleOutput, rows_P: np.ndarray) -> SampleOutput:
     return np.concatenate([x, np.zeros((most - len(x), *x.shape[1:]), x.dtype)])
 
   stacked = multihost_utils.process_allgather(jax.tree.map(pad, local), tiled=False)
-  return jax.tree.map(lambda x: np.concatenate([x[p, :n] for p, n in enumerate(rows_P)]),
-                      stacked)
+  return jax.tree.map(lambda x: np.concatenate([x[p, :n] for p, n in enumerate(rows_P)]), stacked)
 
 
 class PerHostEngine:
@@ -62,19 +62,26 @@ class PerHostEngine:
     self.local.max_new_tokens = value
 
   def set_weights(self, params, version) -> None:
-    self.local.set_weights(params, version)   # every process exports its own copy for its server
+    self.local.set_weights(params, version)  # every process exports its own copy for its server
 
   def close(self) -> None:
     self.local.close()
 
-  def generate(self, prompt_ids_BxP, prompt_mask_BxP, counts_B, temperature, key, *,
-               greedy: bool = False) -> SampleOutput:
+  def generate(
+    self, prompt_ids_BxP, prompt_mask_BxP, counts_B, temperature, key, *, greedy: bool = False
+  ) -> SampleOutput:
     counts_B = np.asarray(counts_B, np.int64)
     bounds = host_slices(counts_B, jax.process_count())
     lo, hi = bounds[jax.process_index()], bounds[jax.process_index() + 1]
-    local = self.local.generate(np.asarray(prompt_ids_BxP)[lo:hi],
-                                np.asarray(prompt_mask_BxP)[lo:hi], counts_B[lo:hi], temperature,
-                                key, greedy=greedy, first_question=int(lo))
+    local = self.local.generate(
+      np.asarray(prompt_ids_BxP)[lo:hi],
+      np.asarray(prompt_mask_BxP)[lo:hi],
+      counts_B[lo:hi],
+      temperature,
+      key,
+      greedy=greedy,
+      first_question=int(lo),
+    )
     first_row_B = np.concatenate([[0], np.cumsum(counts_B)])
     rows_P = first_row_B[bounds[1:]] - first_row_B[bounds[:-1]]
     out = gather_rows(local, rows_P)

@@ -12,6 +12,7 @@ Cache layout (``jaxrl.model``): the left-padded prompt fills slots 0..P-1, gener
 slot P+n, and ``kv_valid_RxS`` marks the real slots, so RoPE positions and attention match a
 no-cache forward over ``prompt ++ response`` with ``positions_from_mask``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,24 +30,26 @@ from jaxrl.types import Array, pytree_dataclass
 @pytree_dataclass
 class SampleOutput:
   """R rollouts: row r answers question ``group_ids_R[r]``; responses right-padded with pad_id."""
-  prompt_ids_RxP: Array    # i32, left-padded
-  prompt_mask_RxP: Array   # bool
-  tokens_RxN: Array        # i32, pad_id after EOS
-  mask_RxN: Array          # bool, True on generated tokens up to and including EOS
-  logp_RxN: Array          # f32, log softmax(z/τ)[token], 0 where masked
-  entropy_RxN: Array       # f32, entropy of the full softmax(z/τ), 0 where masked
-  lengths_R: Array         # i32, number of generated tokens (EOS included)
-  group_ids_R: Array       # i32 in [0, B)
-  finished_R: Array        # bool, the row emitted EOS
+
+  prompt_ids_RxP: Array  # i32, left-padded
+  prompt_mask_RxP: Array  # bool
+  tokens_RxN: Array  # i32, pad_id after EOS
+  mask_RxN: Array  # bool, True on generated tokens up to and including EOS
+  logp_RxN: Array  # f32, log softmax(z/τ)[token], 0 where masked
+  entropy_RxN: Array  # f32, entropy of the full softmax(z/τ), 0 where masked
+  lengths_R: Array  # i32, number of generated tokens (EOS included)
+  group_ids_R: Array  # i32 in [0, B)
+  finished_R: Array  # bool, the row emitted EOS
 
 
 @pytree_dataclass
 class _DecodeState:
   """Carry of the decode loop; ``logits_RxV`` predict token ``n``."""
-  n: Array                 # i32[] index of the next token to emit
+
+  n: Array  # i32[] index of the next token to emit
   cache: model.KVCache
-  kv_valid_RxS: Array      # bool
-  logits_RxV: Array        # f32
+  kv_valid_RxS: Array  # bool
+  logits_RxV: Array  # f32
   tokens_RxN: Array
   mask_RxN: Array
   logp_RxN: Array
@@ -79,15 +82,34 @@ def _choose(key: Array, logits_RxV: Array, tau: Array, top_p: Array, greedy: boo
     return jnp.argmax(logits_RxV, axis=-1).astype(jnp.int32)
   z_RxV = logits_RxV / tau
   # top_p = 1 skips the per-step sort; the cumsum can also round just past 1 and drop tail tokens.
-  return jax.lax.cond(top_p < 1.0,
-                      lambda: _nucleus_sample(key, z_RxV, top_p),
-                      lambda: jax.random.categorical(key, z_RxV, axis=-1).astype(jnp.int32))
+  return jax.lax.cond(
+    top_p < 1.0,
+    lambda: _nucleus_sample(key, z_RxV, top_p),
+    lambda: jax.random.categorical(key, z_RxV, axis=-1).astype(jnp.int32),
+  )
 
 
-@functools.partial(jax.jit, static_argnames=("num_rollouts", "max_new_tokens", "eos_id", "pad_id",
-                                             "model_cfg", "greedy"))
-def _generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, key, temperature, top_p,
-              *, num_rollouts, max_new_tokens, eos_id, pad_id, model_cfg, greedy):
+@functools.partial(
+  jax.jit,
+  static_argnames=("num_rollouts", "max_new_tokens", "eos_id", "pad_id", "model_cfg", "greedy"),
+)
+def _generate(
+  graphdef,
+  params,
+  prompt_ids_BxP,
+  prompt_mask_BxP,
+  counts_B,
+  key,
+  temperature,
+  top_p,
+  *,
+  num_rollouts,
+  max_new_tokens,
+  eos_id,
+  pad_id,
+  model_cfg,
+  greedy,
+):
   """Jitted body of ``generate`` (no host-side checks)."""
   R, N = num_rollouts, max_new_tokens
   B, P = prompt_ids_BxP.shape
@@ -105,8 +127,14 @@ def _generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, key, 
   kv_valid_RxS = jnp.concatenate([prompt_mask_RxP, jnp.zeros((R, N), bool)], axis=1)
   cache = model.init_cache(model_cfg, R, P + N, jnp.dtype(model_cfg.dtype))
   hidden_RxPxD, lm_head_DxV, cache = model.forward(
-      graphdef, params, prompt_ids_RxP, model.positions_from_mask(prompt_mask_RxP), kv_valid_RxS,
-      cache, 0)
+    graphdef,
+    params,
+    prompt_ids_RxP,
+    model.positions_from_mask(prompt_mask_RxP),
+    kv_valid_RxS,
+    cache,
+    0,
+  )
 
   def emit(st: _DecodeState) -> _DecodeState:
     """Choose token n from ``st.logits_RxV`` and record it (pad and masked once a row finished)."""
@@ -119,15 +147,18 @@ def _generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, key, 
       return jax.lax.dynamic_update_slice_in_dim(x_RxN, col_R[:, None].astype(x_RxN.dtype), st.n, 1)
 
     return _DecodeState(
-        n=st.n + 1, cache=st.cache,
-        kv_valid_RxS=jax.lax.dynamic_update_slice_in_dim(
-            st.kv_valid_RxS, live_R[:, None], P + st.n, 1),
-        logits_RxV=st.logits_RxV,
-        tokens_RxN=put(st.tokens_RxN, tok_R),
-        mask_RxN=put(st.mask_RxN, live_R),
-        logp_RxN=put(st.logp_RxN, jnp.where(live_R, logp_R, 0.0)),
-        entropy_RxN=put(st.entropy_RxN, jnp.where(live_R, entropy_R, 0.0)),
-        finished_R=st.finished_R | (live_R & jnp.isin(tok_R, jnp.asarray(stop_ids(eos_id)))))
+      n=st.n + 1,
+      cache=st.cache,
+      kv_valid_RxS=jax.lax.dynamic_update_slice_in_dim(
+        st.kv_valid_RxS, live_R[:, None], P + st.n, 1
+      ),
+      logits_RxV=st.logits_RxV,
+      tokens_RxN=put(st.tokens_RxN, tok_R),
+      mask_RxN=put(st.mask_RxN, live_R),
+      logp_RxN=put(st.logp_RxN, jnp.where(live_R, logp_R, 0.0)),
+      entropy_RxN=put(st.entropy_RxN, jnp.where(live_R, entropy_R, 0.0)),
+      finished_R=st.finished_R | (live_R & jnp.isin(tok_R, jnp.asarray(stop_ids(eos_id)))),
+    )
 
   def decode(st: _DecodeState) -> _DecodeState:
     """Feed token n-1 (slot P+n-1) through the model, then emit token n."""
@@ -135,7 +166,8 @@ def _generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, key, 
     tok_Rx1 = jax.lax.dynamic_slice_in_dim(st.tokens_RxN, prev, 1, axis=1)
     pos_Rx1 = (prompt_len_R + prev)[:, None]
     hidden_Rx1xD, lm_head, cache = model.forward(
-        graphdef, params, tok_Rx1, pos_Rx1, st.kv_valid_RxS, st.cache, P + prev)
+      graphdef, params, tok_Rx1, pos_Rx1, st.kv_valid_RxS, st.cache, P + prev
+    )
     logits_RxV = _logits(hidden_Rx1xD[:, 0], lm_head)
     return emit(dataclasses.replace(st, cache=cache, logits_RxV=logits_RxV))
 
@@ -143,23 +175,50 @@ def _generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, key, 
     return (st.n < N) & ~jnp.all(st.finished_R)
 
   # Token 0 comes from the prefill's last slot (P-1 holds every row's last prompt token).
-  st = emit(_DecodeState(
-      n=jnp.int32(0), cache=cache, kv_valid_RxS=kv_valid_RxS,
+  st = emit(
+    _DecodeState(
+      n=jnp.int32(0),
+      cache=cache,
+      kv_valid_RxS=kv_valid_RxS,
       logits_RxV=_logits(hidden_RxPxD[:, -1], lm_head_DxV),
-      tokens_RxN=jnp.full((R, N), pad_id, jnp.int32), mask_RxN=jnp.zeros((R, N), bool),
-      logp_RxN=jnp.zeros((R, N), jnp.float32), entropy_RxN=jnp.zeros((R, N), jnp.float32),
-      finished_R=jnp.zeros((R,), bool)))
+      tokens_RxN=jnp.full((R, N), pad_id, jnp.int32),
+      mask_RxN=jnp.zeros((R, N), bool),
+      logp_RxN=jnp.zeros((R, N), jnp.float32),
+      entropy_RxN=jnp.zeros((R, N), jnp.float32),
+      finished_R=jnp.zeros((R,), bool),
+    )
+  )
   st = jax.lax.while_loop(running, decode, st)
   return SampleOutput(
-      prompt_ids_RxP=prompt_ids_RxP, prompt_mask_RxP=prompt_mask_RxP, tokens_RxN=st.tokens_RxN,
-      mask_RxN=st.mask_RxN, logp_RxN=st.logp_RxN, entropy_RxN=st.entropy_RxN,
-      lengths_R=jnp.sum(st.mask_RxN, axis=-1, dtype=jnp.int32), group_ids_R=group_ids_R,
-      finished_R=st.finished_R)
+    prompt_ids_RxP=prompt_ids_RxP,
+    prompt_mask_RxP=prompt_mask_RxP,
+    tokens_RxN=st.tokens_RxN,
+    mask_RxN=st.mask_RxN,
+    logp_RxN=st.logp_RxN,
+    entropy_RxN=st.entropy_RxN,
+    lengths_R=jnp.sum(st.mask_RxN, axis=-1, dtype=jnp.int32),
+    group_ids_R=group_ids_R,
+    finished_R=st.finished_R,
+  )
 
 
-def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, key, temperature, top_p,
-             *, num_rollouts: int, max_new_tokens: int, eos_id: int | tuple[int, ...], pad_id: int,
-             model_cfg, greedy: bool = False) -> SampleOutput:
+def generate(
+  graphdef,
+  params,
+  prompt_ids_BxP,
+  prompt_mask_BxP,
+  counts_B,
+  key,
+  temperature,
+  top_p,
+  *,
+  num_rollouts: int,
+  max_new_tokens: int,
+  eos_id: int | tuple[int, ...],
+  pad_id: int,
+  model_cfg,
+  greedy: bool = False,
+) -> SampleOutput:
   """Sample counts_B[i] responses to each left-padded prompt i; needs Σ counts_B == num_rollouts.
 
   A row finishes at the first token in ``eos_id`` (one id, or several: e.g. Llama 3 Instruct's
@@ -177,10 +236,21 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, key, t
       raise ValueError(f"sum(counts_B) = {total} but num_rollouts = {num_rollouts}")
   # Fixed dtypes (not weak Python scalars) so floats, numpy and jax inputs share one cache entry.
   return _generate(
-      graphdef, params, jnp.asarray(prompt_ids_BxP, jnp.int32), jnp.asarray(prompt_mask_BxP, bool),
-      jnp.asarray(counts_B, jnp.int32), key, jnp.asarray(temperature, jnp.float32),
-      jnp.asarray(top_p, jnp.float32), num_rollouts=num_rollouts, max_new_tokens=max_new_tokens,
-      eos_id=stop_ids(eos_id), pad_id=pad_id, model_cfg=model_cfg, greedy=greedy)
+    graphdef,
+    params,
+    jnp.asarray(prompt_ids_BxP, jnp.int32),
+    jnp.asarray(prompt_mask_BxP, bool),
+    jnp.asarray(counts_B, jnp.int32),
+    key,
+    jnp.asarray(temperature, jnp.float32),
+    jnp.asarray(top_p, jnp.float32),
+    num_rollouts=num_rollouts,
+    max_new_tokens=max_new_tokens,
+    eos_id=stop_ids(eos_id),
+    pad_id=pad_id,
+    model_cfg=model_cfg,
+    greedy=greedy,
+  )
 
 
 def stop_ids(eos_id: int | tuple[int, ...]) -> tuple[int, ...]:

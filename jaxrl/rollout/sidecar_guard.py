@@ -16,6 +16,7 @@ processes would otherwise outlive a killed API server) except multiprocessing's 
 which exit by themselves after unlinking vLLM's shared memory; all of it after a grace period.
 When the server exits by itself (a crash), the same, and the guard exits with the server's code.
 """
+
 import os
 import shutil
 import signal
@@ -24,8 +25,8 @@ import sys
 import threading
 import time
 
-_GRACE_SECONDS = 10.0     # for the server to exit after SIGTERM
-_TRACKER_SECONDS = 5.0    # for resource trackers to clean up after the server
+_GRACE_SECONDS = 10.0  # for the server to exit after SIGTERM
+_TRACKER_SECONDS = 5.0  # for resource trackers to clean up after the server
 _POLL_SECONDS = 0.25
 
 
@@ -64,7 +65,7 @@ def _end_rest_of_group() -> None:
 def main() -> int:
   trainer_pid, cleanup_dir, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
   stopping = threading.Event()
-  server: list[subprocess.Popen] = []   # set once started; the handlers may run before that
+  server: list[subprocess.Popen] = []  # set once started; the handlers may run before that
 
   def stop(orphaned: bool) -> None:
     """Ask the server to exit; SIGKILL the whole group if it has not after the grace period.
@@ -98,12 +99,12 @@ def main() -> int:
   if stopping.is_set():
     return 1
   server.append(subprocess.Popen(argv))
-  if stopping.is_set():    # stopped while the server was being spawned
+  if stopping.is_set():  # stopped while the server was being spawned
     server[0].send_signal(signal.SIGTERM)
   code = server[0].wait()
   signal.signal(signal.SIGTERM, signal.SIG_IGN)
   _end_rest_of_group()
-  return code if code >= 0 else 128 - code   # killed by signal N: 128 + N, as a shell reports it
+  return code if code >= 0 else 128 - code  # killed by signal N: 128 + N, as a shell reports it
 
 
 if __name__ == "__main__":

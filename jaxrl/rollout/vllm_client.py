@@ -24,6 +24,7 @@ broadcasts each tensor in that order from device memory → ``/finish_weight_upd
 {weight_version}`` → ``/resume``. The CPU build has no accelerator for it ("Cannot access
 accelerator device").
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -49,23 +50,26 @@ class RequestError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Completion:
   """One sampled response."""
+
   token_ids: list[int]
-  logprobs: list[float]             # log p(token) at τ for each sampled token
-  finish_reason: str                # "stop" (EOS / stop token) or "length"
+  logprobs: list[float]  # log p(token) at τ for each sampled token
+  finish_reason: str  # "stop" (EOS / stop token) or "length"
 
 
 def _post(url: str, payload: dict | None, timeout: float):
   data = None if payload is None else json.dumps(payload).encode()
-  req = urllib.request.Request(url, data=data, method="POST",
-                               headers={"Content-Type": "application/json"})
+  req = urllib.request.Request(
+    url, data=data, method="POST", headers={"Content-Type": "application/json"}
+  )
   with urllib.request.urlopen(req, timeout=timeout) as r:
     body = r.read()
   return json.loads(body) if body.strip() else None
 
 
 class VllmClient:
-  def __init__(self, urls: list[str], *, timeout: float = 120.0, retries: int = 2,
-               max_concurrency: int = 256):
+  def __init__(
+    self, urls: list[str], *, timeout: float = 120.0, retries: int = 2, max_concurrency: int = 256
+  ):
     if not urls:
       raise ValueError("VllmClient needs at least one server URL")
     self.urls = [u.rstrip("/") for u in urls]
@@ -95,16 +99,25 @@ class VllmClient:
         last = repr(e)
       if attempt < self.retries and not self._closed:
         log.warning("%s%s failed (%s); retry %d/%d", url, path, last, attempt + 1, self.retries)
-        time.sleep(min(0.5 * 2 ** attempt, 4.0))
+        time.sleep(min(0.5 * 2**attempt, 4.0))
       else:
         break
     raise ServerError(f"{url}{path} failed after {attempt + 1} attempt(s): {last}")
 
   # -- rollouts ------------------------------------------------------------------------------------
 
-  def complete(self, prompts: list[list[int]], counts: list[int], *, temperature: float,
-               max_tokens: int, stop_token_ids: list[int], seed: int, top_p: float = 1.0,
-               model: str | None = None) -> list[list[Completion]]:
+  def complete(
+    self,
+    prompts: list[list[int]],
+    counts: list[int],
+    *,
+    temperature: float,
+    max_tokens: int,
+    stop_token_ids: list[int],
+    seed: int,
+    top_p: float = 1.0,
+    model: str | None = None,
+  ) -> list[list[Completion]]:
     """``counts[i]`` completions of each token-id prompt (questions with 0 are skipped), in order.
 
     ``temperature = 0`` is greedy: vLLM then accepts only ``n = 1``, and the one answer stands for
@@ -114,10 +127,18 @@ class VllmClient:
 
     def one(i: int) -> list[Completion]:
       n = 1 if greedy else int(counts[i])
-      payload = {"prompt": prompts[i], "n": n, "temperature": float(temperature),
-                 "top_p": float(top_p), "max_tokens": int(max_tokens),
-                 "stop_token_ids": list(stop_token_ids), "seed": int(seed) + i, "logprobs": 0,
-                 "return_token_ids": True, "skip_special_tokens": False}
+      payload = {
+        "prompt": prompts[i],
+        "n": n,
+        "temperature": float(temperature),
+        "top_p": float(top_p),
+        "max_tokens": int(max_tokens),
+        "stop_token_ids": list(stop_token_ids),
+        "seed": int(seed) + i,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+      }
       if model:
         payload["model"] = model
       url = self.urls[i % len(self.urls)]
@@ -125,8 +146,14 @@ class VllmClient:
       choices = sorted(body["choices"], key=lambda c: c["index"])
       if len(choices) != n:
         raise ServerError(f"{url}: asked for n={n} completions, got {len(choices)}")
-      done = [Completion(list(c["token_ids"]), [float(x) for x in c["logprobs"]["token_logprobs"]],
-                         c.get("finish_reason") or "length") for c in choices]
+      done = [
+        Completion(
+          list(c["token_ids"]),
+          [float(x) for x in c["logprobs"]["token_logprobs"]],
+          c.get("finish_reason") or "length",
+        )
+        for c in choices
+      ]
       return done * int(counts[i]) if greedy else done
 
     futures = {i: self._pool.submit(one, i) for i in range(len(prompts)) if counts[i] > 0}
@@ -154,11 +181,13 @@ class VllmClient:
   def _verify(self, url: str, version: str) -> None:
     got = self.weight_version(url)
     if got != version:
-      raise ServerError(f"{url}: after the weight update the server reports version {got!r}, "
-                        f"expected {version!r}")
+      raise ServerError(
+        f"{url}: after the weight update the server reports version {got!r}, expected {version!r}"
+      )
 
   def set_version(self, version: str) -> None:
     """Label the weights every server holds (after a start on a weights directory) and verify."""
+
     def one(url: str) -> None:
       self.post(url, "/update_weight_version", {"new_version": version})
       self._verify(url, version)
@@ -167,12 +196,16 @@ class VllmClient:
 
   def load_weights(self, weights_dir: str, version: str) -> None:
     """Every server: pause → reload_weights(dir) → reset prefix cache → set version → resume."""
+
     def one(url: str) -> None:
       self.post(url, "/pause?mode=wait", None)
       try:
-        self.post(url, "/collective_rpc",
-                  {"method": "reload_weights", "kwargs": {"weights_path": weights_dir}},
-                  timeout=max(self.timeout, 600.0))
+        self.post(
+          url,
+          "/collective_rpc",
+          {"method": "reload_weights", "kwargs": {"weights_path": weights_dir}},
+          timeout=max(self.timeout, 600.0),
+        )
         self.post(url, "/reset_prefix_cache", None)
         self.post(url, "/update_weight_version", {"new_version": version})
       finally:

@@ -16,6 +16,7 @@ sampling from the last pushed step, up to k-1 updates stale). Any other version 
 evaluation's params) is always pushed, and so is the first step after one: the servers never keep
 sampling from a temporary θ'.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,14 +39,14 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-  launch: LaunchConfig | None        # None: attach to ``urls``
+  launch: LaunchConfig | None  # None: attach to ``urls``
   urls: tuple[str, ...] = ()
   request_timeout: float = 120.0
   retries: int = 2
   max_restarts: int = 2
-  weights_root: str = ""             # "" = /dev/shm when it has room, else the run's workdir
-  sync_every: int = 1                # push every k-th new version (EEPO's θ' always)
-  fallback_dir: str = "sidecar"      # under the workdir, when neither weights_root nor tmpfs
+  weights_root: str = ""  # "" = /dev/shm when it has room, else the run's workdir
+  sync_every: int = 1  # push every k-th new version (EEPO's θ' always)
+  fallback_dir: str = "sidecar"  # under the workdir, when neither weights_root nor tmpfs
 
 
 def _step_version(version: str | None) -> int | None:
@@ -65,17 +66,30 @@ def _weights_root(configured: str, fallback: str, need_bytes: int) -> str:
 class VllmEngine:
   provides_entropy = False
 
-  def __init__(self, model_cfg, tokenizer, cfg: EngineConfig, *, workdir: str, max_new_tokens: int,
-               eos_id: int | tuple[int, ...], pad_id: int, top_p: float = 1.0):
+  def __init__(
+    self,
+    model_cfg,
+    tokenizer,
+    cfg: EngineConfig,
+    *,
+    workdir: str,
+    max_new_tokens: int,
+    eos_id: int | tuple[int, ...],
+    pad_id: int,
+    top_p: float = 1.0,
+  ):
     self.model_cfg, self.tokenizer, self.cfg = model_cfg, tokenizer, cfg
     self.workdir = workdir
     self.max_new_tokens = max_new_tokens  # set by the loop when a phase changes it
     self._eos, self._pad, self._top_p = stop_ids(eos_id), pad_id, top_p
     self.sidecar = Sidecar(cfg.launch) if cfg.launch is not None else None
-    self.client = VllmClient(list(cfg.urls), timeout=cfg.request_timeout,
-                             retries=cfg.retries) if cfg.urls else None
-    self.version: str | None = None       # the version the servers hold
-    self._dir: str | None = None          # ... and the directory it was loaded from
+    self.client = (
+      VllmClient(list(cfg.urls), timeout=cfg.request_timeout, retries=cfg.retries)
+      if cfg.urls
+      else None
+    )
+    self.version: str | None = None  # the version the servers hold
+    self._dir: str | None = None  # ... and the directory it was loaded from
     self._root: str | None = None
     self._pushes = 0
     self.push_seconds: list[float] = []
@@ -94,18 +108,25 @@ class VllmEngine:
     t0 = time.time()
     if self._root is None:
       size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-      self._root = _weights_root(self.cfg.weights_root, os.path.join(self.workdir, self.cfg.fallback_dir), size)
+      self._root = _weights_root(
+        self.cfg.weights_root, os.path.join(self.workdir, self.cfg.fallback_dir), size
+      )
       if self.sidecar is not None and os.path.basename(self._root).startswith("jaxrl-weights-"):
-        self.sidecar.cleanup_dir = self._root   # ours alone: the guard removes it if we die
+        self.sidecar.cleanup_dir = self._root  # ours alone: the guard removes it if we die
     self._pushes += 1
     new_dir = os.path.abspath(os.path.join(self._root, f"v{self._pushes:06d}"))
     hf.save_hf_checkpoint(self.model_cfg, params, new_dir, tokenizer=self.tokenizer, untie=True)
     fresh = self.sidecar is not None and not self.sidecar.alive()
     try:
       # A server (re)started on new_dir already holds it: nothing left to push then.
-      self._with_restarts(f"weight push {version}", new_dir, version,
-                          lambda: self.client.load_weights(new_dir, version), fresh=fresh,
-                          done_by_start=True)
+      self._with_restarts(
+        f"weight push {version}",
+        new_dir,
+        version,
+        lambda: self.client.load_weights(new_dir, version),
+        fresh=fresh,
+        done_by_start=True,
+      )
     except BaseException:
       shutil.rmtree(new_dir, ignore_errors=True)
       raise
@@ -120,12 +141,21 @@ class VllmEngine:
     if self.client is not None:
       self.client.close()  # its running requests stop retrying against the old server
     self.sidecar.restart(model_dir)
-    self.client = VllmClient([self.sidecar.url], timeout=self.cfg.request_timeout,
-                             retries=self.cfg.retries)
+    self.client = VllmClient(
+      [self.sidecar.url], timeout=self.cfg.request_timeout, retries=self.cfg.retries
+    )
     self.client.set_version(version)
 
-  def _with_restarts(self, what: str, model_dir: str, version: str, call, *, fresh: bool = False,
-                     done_by_start: bool = False):
+  def _with_restarts(
+    self,
+    what: str,
+    model_dir: str,
+    version: str,
+    call,
+    *,
+    fresh: bool = False,
+    done_by_start: bool = False,
+  ):
     """``call()``; when the server is down or hung, restart it on ``model_dir`` (labelled
     ``version``) and call again, at most ``max_restarts`` times. ``fresh``: start it first;
     ``done_by_start``: a successful (re)start is all ``call`` would have done."""
@@ -145,16 +175,33 @@ class VllmEngine:
           raise SidecarError(f"{what} failed (attached servers are not restarted): {e}") from None
         failures += 1
         if failures > self.cfg.max_restarts:
-          raise SidecarError(f"{what} failed after {failures - 1} sidecar restart(s) "
-                             f"(vllm.max_restarts): {e}; log: {self.sidecar.log_path}") from None
-        log.warning("vLLM sidecar failed during the %s (%s): restart %d/%d on %s", what, e,
-                    failures, self.cfg.max_restarts, model_dir)
+          raise SidecarError(
+            f"{what} failed after {failures - 1} sidecar restart(s) "
+            f"(vllm.max_restarts): {e}; log: {self.sidecar.log_path}"
+          ) from None
+        log.warning(
+          "vLLM sidecar failed during the %s (%s): restart %d/%d on %s",
+          what,
+          e,
+          failures,
+          self.cfg.max_restarts,
+          model_dir,
+        )
         start = True
 
   # -- rollouts ------------------------------------------------------------------------------------
 
-  def generate(self, prompt_ids_BxP, prompt_mask_BxP, counts_B, temperature, key, *,
-               greedy: bool = False, first_question: int = 0) -> SampleOutput:
+  def generate(
+    self,
+    prompt_ids_BxP,
+    prompt_mask_BxP,
+    counts_B,
+    temperature,
+    key,
+    *,
+    greedy: bool = False,
+    first_question: int = 0,
+  ) -> SampleOutput:
     """``first_question``: the batch is questions first_question.. of a larger one (one host's
     slice): their requests get the seeds they would get in the whole batch."""
     ids_BxP, mask_BxP = np.asarray(prompt_ids_BxP), np.asarray(prompt_mask_BxP, bool)
@@ -166,10 +213,19 @@ class VllmEngine:
     if self.sidecar is not None and self._dir is None:
       raise SidecarError("generate() before set_weights(): no sidecar has been started yet")
     done = self._with_restarts(
-        "rollout", self._dir, self.version,
-        lambda: self.client.complete(prompts, counts_B.tolist(), temperature=tau,
-                                     max_tokens=self.max_new_tokens, stop_token_ids=list(self._eos),
-                                     seed=seed, top_p=1.0 if greedy else self._top_p))
+      "rollout",
+      self._dir,
+      self.version,
+      lambda: self.client.complete(
+        prompts,
+        counts_B.tolist(),
+        temperature=tau,
+        max_tokens=self.max_new_tokens,
+        stop_token_ids=list(self._eos),
+        seed=seed,
+        top_p=1.0 if greedy else self._top_p,
+      ),
+    )
     return self._assemble(ids_BxP, mask_BxP, counts_B, done)
 
   def _assemble(self, ids_BxP, mask_BxP, counts_B, done) -> SampleOutput:
@@ -189,10 +245,17 @@ class VllmEngine:
       lengths_R[i] = length
       finished_R[i] = length > 0 and c.token_ids[length - 1] in self._eos
     mask_RxN = np.arange(n)[None, :] < lengths_R[:, None]
-    return SampleOutput(prompt_ids_RxP=ids_BxP[group_ids_R], prompt_mask_RxP=mask_BxP[group_ids_R],
-                        tokens_RxN=tokens_RxN, mask_RxN=mask_RxN, logp_RxN=logp_RxN,
-                        entropy_RxN=np.zeros((r, n), np.float32), lengths_R=lengths_R,
-                        group_ids_R=group_ids_R, finished_R=finished_R)
+    return SampleOutput(
+      prompt_ids_RxP=ids_BxP[group_ids_R],
+      prompt_mask_RxP=mask_BxP[group_ids_R],
+      tokens_RxN=tokens_RxN,
+      mask_RxN=mask_RxN,
+      logp_RxN=logp_RxN,
+      entropy_RxN=np.zeros((r, n), np.float32),
+      lengths_R=lengths_R,
+      group_ids_R=group_ids_R,
+      finished_R=finished_R,
+    )
 
   def close(self) -> None:
     if self.client is not None:
