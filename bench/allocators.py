@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl import allocation
+from jaxrl.methods import allocation
 from jaxrl.types import QuestionStats
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.logprobs import DEFAULT_CHUNK_SIZE, fused_logprobs_entropy, naive_logprobs_entropy
+from jaxrl.nn.logprobs import DEFAULT_CHUNK_SIZE, fused_logprobs_entropy, naive_logprobs_entropy
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

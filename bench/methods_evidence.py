@@ -69,13 +69,15 @@ def col(rows, key):
 
 def eval_row(name: str, evals: list[dict]) -> str:
   """One table row: mean held-out pass@1, pass@8, greedy over seeds, and pass@1 per seed."""
-  mean = lambda get: f"{100 * np.mean([get(e) for e in evals]):.1f}"
+
+  def mean(get) -> str:
+    return f"{100 * np.mean([get(e) for e in evals]):.1f}"
+
   per_seed = ", ".join(f"{100 * e['pass_at']['1']['all']:.1f}" for e in evals)
-  return (
-    f"| {name} | {mean(lambda e: e['pass_at']['1']['all'])} | {mean(lambda e: e['pass_at']['8'][
-        'all'
-      ])} | {mean(lambda e: e['greedy']['all'])} | {per_seed} |"
-  )
+  pass1 = mean(lambda e: e["pass_at"]["1"]["all"])
+  pass8 = mean(lambda e: e["pass_at"]["8"]["all"])
+  greedy = mean(lambda e: e["greedy"]["all"])
+  return f"| {name} | {pass1} | {pass8} | {greedy} | {per_seed} |"
 
 
 def summarize(root: str, seeds, steps: int) -> tuple[str, dict]:
@@ -164,8 +166,9 @@ def summarize(root: str, seeds, steps: int) -> tuple[str, dict]:
   levels = [k for k in ev["e3"][0]["pass_at"]["1"] if k != "all"]
   hard = levels[len(levels) // 2 :]
   sys.path.insert(0, os.path.join(ROOT, "configs"))
-  from jaxrl.data.arithmetic import parse_levels
   from tiny import get_config
+
+  from jaxrl.tasks.data.arithmetic import parse_levels
 
   names = [spec.name for spec in parse_levels(get_config("").task.levels)]
   lines.append(

@@ -25,11 +25,12 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from jaxrl import model, step  # noqa: E402
-from jaxrl.data.tokenizer import build_tokenizer  # noqa: E402
+from jaxrl.rl import step  # noqa: E402
+from jaxrl.nn import model
 from jaxrl.rollout.engine import JaxEngine  # noqa: E402
 from jaxrl.rollout.sidecar import LaunchConfig  # noqa: E402
 from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine  # noqa: E402
+from jaxrl.tasks.data.tokenizer import build_tokenizer  # noqa: E402
 
 
 def timed(engine, ids, mask, counts, tau, seed):
@@ -41,7 +42,7 @@ def timed(engine, ids, mask, counts, tau, seed):
 
 def logp_gap(graphdef, params, out, tau) -> float:
   """Largest |log p| difference between the engine's sampled-token log-probs and jaxrl's."""
-  logp, _ = step.score_responses(
+  logp, _ = step.logp_responses(
     graphdef,
     params,
     jnp.asarray(out.prompt_ids_RxP),

@@ -19,7 +19,6 @@ anneals), e.g. ``configs/tiny.py:e3,anneal``. Every field stays overridable:
 
 from jaxrl.config import default_configdict
 
-
 PRESETS = ("grpo", "e3", "dynamo", "eepo", "es", "all")
 SIZES = ("quick", "test")
 PHASES = ("anneal",)

@@ -1,0 +1,18 @@
+"""jaxrl: reinforcement learning of language models with verifiable rewards, in JAX.
+
+Layers, lowest first (a module imports only from its own layer and the ones below it; checked by
+``tests/test_layering.py``):
+
+  types, config, rng, paper_configs   the typed config, pytrees and the shape legend, random streams
+  parallel/                           mesh, logical-axis sharding, multi-process helpers
+  nn/                                 the decoder, fused log-probs, HF checkpoints
+  rl/                                 losses, jitted steps, optimizer, statistics, compiled programs
+  methods/                            allocation, schedules, controllers (registry), phases
+  tasks/                              datasets, prompts, verifiers, the reward pool
+  rollout/                            the JAX sampler, the vLLM sidecar, EEPO's two-stage rollouts
+  run/                                CLI, trainer and loop, SFT, eval, plan, checkpoints, metrics
+
+The reference functions of ALGORITHMS.md §0 are importable from ``jaxrl.allocation``,
+``jaxrl.schedules``, ``jaxrl.losses`` and ``jaxrl.metrics``; ``python -m jaxrl.main`` trains and
+``python -m jaxrl.eval`` evaluates a checkpoint.
+"""

@@ -82,7 +82,7 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True)
 class RewardSection:
-  """Math rewards run in a pool of worker processes (``jaxrl.rewards.pool``)."""
+  """Math rewards run in a pool of worker processes (``jaxrl.tasks.rewards.pool``)."""
 
   fn: str = ""  # "" = the task's verifier; else "module:function"
   workers: int = 0  # 0 = min(8, CPUs)
@@ -275,7 +275,7 @@ class Config:
   seed: int = 0
   steps: int = 200  # RL steps
   batch_questions: int = 16  # B: questions per RL step
-  # Compiled programs kept across runs (jaxrl.compile_cache): "" = WORKDIR/compile_cache (or JAX's
+  # Compiled programs kept across runs (jaxrl.run.compile_cache): "" = WORKDIR/compile_cache (or JAX's
   # own $JAX_COMPILATION_CACHE_DIR when set), "off", or a directory shared by several runs.
   compile_cache: str = ""
   model: ModelSection = ModelSection()
@@ -333,6 +333,7 @@ class Config:
     return tuple(int(k) for k in self.eval.ks.split(","))
 
 
+# Method names (allocation, temperature, clip, schedule) are checked by ``methods.registry.check``.
 _CHOICES = {
   "loss.aggregation": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
   "loss.kl_estimator": ("k1", "k2", "k3"),
@@ -344,10 +345,6 @@ _CHOICES = {
   "optim.state_dtype": ("float32", "bfloat16"),
   "task.name": ("arithmetic", "math"),
   "data.overlength": ("drop", "truncate", "error"),
-  "allocation.method": ("uniform", "e3", "dynamo"),
-  "temperature.method": ("fixed", "e3"),
-  "clip.method": ("fixed", "adaptive"),
-  "clip.schedule": ("constant", "cosine", "stable_then_anneal"),
   "eepo.old_logp_from": ("rollout", "policy"),
 }
 

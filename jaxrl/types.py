@@ -1,14 +1,18 @@
 """Pytrees that cross jit boundaries, and the shape-letter legend used in names across jaxrl.
 
-Shape letters (suffixes such as ``logp_RxT``):
+Shape letters (suffixes such as ``logp_RxN``), each with one meaning:
   B  questions in a step            R  rollouts in a step (R = sum of G_i, static)
   G  rollouts of one question       Q  questions of a dataset split (|D|)
-  T  tokens (response, or full sequence where stated)
-  P  prompt tokens (left-padded)    N  newly generated tokens
+  T  tokens of a sequence (response, or prompt + response where stated)
+  P  prompt tokens (left-padded)    N  newly generated (response) tokens
   S  KV-cache slots (P + N)         L  decoder layers
   D  model width                    F  feed-forward width
-  H  attention heads                K  key/value heads       E  head_dim
-  V  vocabulary                     C  chunk of tokens (fused log-probs)
+  H  attention heads                K  key/value heads
+  A  query heads per key/value head (H / K)                 E  head_dim
+  V  vocabulary
+  U  tokens flattened over rows (B·T)   C  tokens in one fused log-prob chunk   J  chunks (U / C)
+  M  sequential row chunks (micro-batches)                  W  rows in one such chunk (R / M)
+  Z  queries in one attention block                         Y  attention blocks (T / Z)
 
 Every pytree here is a frozen dataclass registered with ``jax.tree_util.register_dataclass``;
 update with ``dataclasses.replace``.
@@ -49,16 +53,23 @@ class TrainState:
 
 
 @pytree_dataclass
-class RolloutBatch:
-  """One step's rollouts, flattened over questions: row r belongs to group ``group_ids_R[r]``."""
+class Rollouts:
+  """One step's rollouts from the engine to the update. Row r answers question ``group_ids_R[r]``
+  (an index into the step's B questions); responses are right-padded after EOS.
+
+  Engines return every field but ``rewards_R``; the loop adds the verifier's rewards with
+  ``dataclasses.replace`` before the update, which reads them."""
 
   prompt_ids_RxP: Array  # i32, left-padded
   prompt_mask_RxP: Array  # bool
-  response_ids_RxN: Array  # i32, right-padded after EOS
-  response_mask_RxN: Array  # bool, True on generated tokens up to and including EOS
-  old_logp_RxN: Array  # f32, sampled-token log-probs at tau under the sampling params
-  entropy_RxN: Array  # f32, full-vocabulary entropy at tau under the sampling params
+  tokens_RxN: Array  # i32 response tokens, pad_id after EOS
+  mask_RxN: Array  # bool, True on generated tokens up to and including EOS
+  logp_RxN: Array  # f32 π_old: log softmax(z/τ)[token] under the sampling params, 0 where masked
+  entropy_RxN: Array  # f32, entropy of the full softmax(z/τ), 0 where masked
+  lengths_R: Array  # i32, generated tokens (EOS included)
   group_ids_R: Array  # i32 in [0, B)
+  finished_R: Array  # bool, the row emitted EOS
+  rewards_R: Array | None = None  # f32, added after verification
 
 
 @pytree_dataclass

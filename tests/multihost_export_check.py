@@ -10,7 +10,8 @@ import sys
 
 import jax
 
-from jaxrl import distributed, hf, model, sharding
+from jaxrl.nn import hf, model
+from jaxrl.parallel import distributed, sharding
 
 SEED = 3
 

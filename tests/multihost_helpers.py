@@ -12,9 +12,9 @@ import jax
 import numpy as np
 from run_helpers import ROOT, tiny_config
 
-from jaxrl import arch, model
-from jaxrl.checkpoint import Checkpointer
-from jaxrl.data.tokenizer import VOCAB
+from jaxrl.nn import arch, model
+from jaxrl.run.checkpoint import Checkpointer
+from jaxrl.tasks.data.tokenizer import VOCAB
 
 
 def free_port() -> int:

@@ -11,6 +11,7 @@ import sys
 import time
 
 NOT_CALLABLE = 3
+_calls = 0
 
 
 def exact(response: str, answer: str) -> float:
@@ -45,3 +46,10 @@ def chaos(response: str, answer: str):
 def imported_modules(response: str, answer: str) -> float:
   """1.0 iff the module named by ``response`` is imported in this process."""
   return float(response in sys.modules)
+
+
+def call_count(response: str, answer: str) -> float:
+  """How many times this process has called it, this call included (a pool's warm-up counts)."""
+  global _calls
+  _calls += 1
+  return float(_calls)

@@ -30,3 +30,25 @@ def read_metrics(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
   return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def rollouts(prompt_ids_RxP, prompt_mask_RxP, tokens_RxN, mask_RxN, logp_RxN, rewards_R, group_ids_R):
+  """A ``Rollouts`` for the update from the fields it reads (entropies, lengths and finished flags
+  derived: the update ignores them)."""
+  import numpy as np
+
+  from jaxrl.types import Rollouts
+
+  mask_RxN = np.asarray(mask_RxN, bool)
+  return Rollouts(
+    prompt_ids_RxP=np.asarray(prompt_ids_RxP),
+    prompt_mask_RxP=np.asarray(prompt_mask_RxP, bool),
+    tokens_RxN=np.asarray(tokens_RxN),
+    mask_RxN=mask_RxN,
+    logp_RxN=np.asarray(logp_RxN, np.float32),
+    entropy_RxN=np.zeros(mask_RxN.shape, np.float32),
+    lengths_R=mask_RxN.sum(axis=1).astype(np.int32),
+    group_ids_R=np.asarray(group_ids_R, np.int32),
+    finished_R=mask_RxN.sum(axis=1) < mask_RxN.shape[1],
+    rewards_R=np.asarray(rewards_R, np.float32),
+  )

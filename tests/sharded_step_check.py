@@ -17,7 +17,12 @@ import optax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from jaxrl import losses, model, sharding, step  # noqa: E402
+from run_helpers import rollouts  # noqa: E402
+
+from jaxrl.rl import step  # noqa: E402
+from jaxrl.nn import model
+from jaxrl.parallel import sharding
+from jaxrl.rl import losses
 
 
 def run_on(mesh, params_host, batch_host, tx, cfg, graphdef, hp, steps=1):
@@ -60,12 +65,12 @@ def main():
   params = jax.device_get(params)
   rng = np.random.default_rng(0)
   R, P, N, B = 16, 6, 5, 4
-  batch = step.PolicyBatch(
+  batch = rollouts(
     prompt_ids_RxP=rng.integers(0, 64, (R, P)).astype(np.int32),
     prompt_mask_RxP=np.ones((R, P), bool),
-    response_ids_RxN=rng.integers(0, 64, (R, N)).astype(np.int32),
-    response_mask_RxN=np.arange(N)[None, :] < rng.integers(1, N + 1, (R, 1)),
-    old_logp_RxN=(-rng.random((R, N)) * 3).astype(np.float32),
+    tokens_RxN=rng.integers(0, 64, (R, N)).astype(np.int32),
+    mask_RxN=np.arange(N)[None, :] < rng.integers(1, N + 1, (R, 1)),
+    logp_RxN=(-rng.random((R, N)) * 3).astype(np.float32),
     rewards_R=rng.integers(0, 2, R).astype(np.float32),
     group_ids_R=np.repeat(np.arange(B), R // B).astype(np.int32),
   )

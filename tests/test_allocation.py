@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxrl.allocation import (
+from jaxrl.methods.allocation import (
   DynamoAllocState,
   E3AllocState,
   dynamo_allocate,

@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import pytest
 
-from jaxrl.data.arithmetic import (
+from jaxrl.tasks.data.arithmetic import (
   DEFAULT_LEVELS,
   LevelSpec,
   TaskConfig,
@@ -22,7 +22,7 @@ from jaxrl.data.arithmetic import (
   parse_levels,
   sft_corpus,
 )
-from jaxrl.rewards import MAX_RESPONSE_CHARS, score, score_batch
+from jaxrl.tasks.rewards import MAX_RESPONSE_CHARS, score, score_batch
 
 M64 = (1 << 64) - 1
 SALT = 0x6A6178726C2D6172

@@ -15,10 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jaxrl import losses, model, step
-from jaxrl.rollout import sampler
 from jaxpr_helpers import output_shapes
+
+from jaxrl.nn import model
+from jaxrl.rl import losses, step
+from jaxrl.rollout import sampler
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -126,7 +127,7 @@ def test_model_loss_and_grads_equal_with_blocks(scan):
   adv = jnp.asarray([1.0, -1.0, 0.5, -0.5], jnp.float32)
 
   def loss(params, gd):
-    logp, ent = step.score_responses(
+    logp, ent = step.logp_responses(
       gd, params, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, jnp.float32(0.9), 4
     )
     value, _ = losses.grpo_loss(

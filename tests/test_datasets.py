@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from jaxrl.config import ConfigError
-from jaxrl.data.cursor import MixtureCursor, next_mixture_batch
-from jaxrl.data.datasets import Fields, load_mixture, load_questions
+from jaxrl.tasks.data.cursor import MixtureCursor, next_mixture_batch
+from jaxrl.tasks.data.datasets import Fields, load_mixture, load_questions
 
 ROWS = [
   {"problem": "What is 1+1?", "answer": "2", "meta": {"gt": "2", "level": "easy"}, "uid": "a"},

@@ -7,14 +7,14 @@ gradient (q_j − p_j off the token, −p_a on it, q = softmax over the other lo
 import math
 
 import jax
-from jaxpr_helpers import contains_primitive
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_helpers import contains_primitive
 
-from jaxrl.logprobs import fused_log1m_p, logp_log1m_p_from_logits
-from jaxrl.losses import eepo_unlearning_loss, eepo_unlearning_loss_from_logp
+from jaxrl.nn.logprobs import fused_log1m_p, logp_log1m_p_from_logits
+from jaxrl.rl.losses import eepo_unlearning_loss, eepo_unlearning_loss_from_logp
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -1,4 +1,4 @@
-"""HF checkpoint import/export (jaxrl.hf) against transformers' own Qwen2/Qwen3/Llama as the oracle.
+"""HF checkpoint import/export (jaxrl.nn.hf) against transformers' own Qwen2/Qwen3/Llama as the oracle.
 
 Tiny random models (GQA, float32, non-trivial norms and biases; Llama with llama3 RoPE scaling) are
 saved with ``save_pretrained`` as several shards; our forward on the loaded params, in the loop and
@@ -16,6 +16,7 @@ import shutil
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import hf_fixtures  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
@@ -27,8 +28,8 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
-import hf_fixtures  # noqa: E402
-from jaxrl import hf, hf_config, model, sharding  # noqa: E402
+from jaxrl.parallel import sharding  # noqa: E402
+from jaxrl.nn import hf, hf_config, model
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

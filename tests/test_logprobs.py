@@ -1,4 +1,4 @@
-"""Tests for jaxrl.logprobs: fused vs naive vs a float64 numpy oracle, traced τ, memory, sharding."""
+"""Tests for jaxrl.nn.logprobs: fused vs naive vs a float64 numpy oracle, traced τ, memory, sharding."""
 
 import os
 import subprocess
@@ -6,13 +6,13 @@ import sys
 import textwrap
 
 import jax
-from jaxpr_helpers import contains_primitive
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_helpers import contains_primitive
 
-from jaxrl.logprobs import (
+from jaxrl.nn.logprobs import (
   fused_logprobs_entropy,
   logprobs_entropy_from_logits,
   naive_logprobs_entropy,
@@ -218,7 +218,7 @@ def test_vocab_sharded_over_tensor_axis_matches_and_never_gathers_logits():
         jax.config.update("jax_num_cpu_devices", 2)
         jax.config.update("jax_default_matmul_precision", "highest")
         from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-        from jaxrl.logprobs import fused_logprobs_entropy, naive_logprobs_entropy
+        from jaxrl.nn.logprobs import fused_logprobs_entropy, naive_logprobs_entropy
         k = jax.random.split(jax.random.key(0), 3)
         h = jax.random.normal(k[0], (2, 37, 16))
         w = jax.random.normal(k[1], (16, 256)) * 0.5

@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from jaxrl.losses import (
+from jaxrl.rl.losses import (
   LossConfig,
   LossHparams,
   LossMetrics,

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 
+import math_fixtures
 import numpy as np
 import pytest
 
-import math_fixtures
-from jaxrl.data import math_prompts
+from jaxrl.tasks.data import math_prompts
 
 LONG = "Find x such that " + " + ".join(f"{i} x" for i in range(60)) + " = 1."
 

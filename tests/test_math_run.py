@@ -16,10 +16,9 @@ import subprocess
 import sys
 
 import jax
+import math_fixtures
 import numpy as np
 import pytest
-
-import math_fixtures
 from run_helpers import ROOT, read_metrics
 
 pytestmark = pytest.mark.slow
@@ -80,7 +79,7 @@ def test_qwen7b_config_trains_two_steps_on_a_tiny_checkpoint(tiny):
   assert (work / "checkpoints" / "2").is_dir()
   assert (work / "eval_step2.json").exists() and (work / "eval_sft.json").exists()
   # The trained policy exported in HF layout loads back (with the checkpoint's stop ids).
-  from jaxrl import hf
+  from jaxrl.nn import hf
 
   _, _, exported = hf.load_hf_checkpoint(work / "hf")
   assert json.loads((work / "hf" / "generation_config.json").read_text())["eos_token_id"]

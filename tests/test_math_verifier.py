@@ -16,8 +16,8 @@ import time
 import numpy as np
 import pytest
 
-from jaxrl.rewards.math import MAX_ANSWER_CHARS, answer_window
-from jaxrl.rewards.pool import MATH_REWARD, RewardFnError, VerifierPool, load_reward_fn
+from jaxrl.tasks.rewards.math import MATH_REWARD, MAX_ANSWER_CHARS, WARM_UP, answer_window
+from jaxrl.tasks.rewards.pool import RewardFnError, VerifierPool, load_reward_fn
 
 CHAOS = "reward_fns:chaos"  # tests/reward_fns.py; tests/ is on sys.path under pytest
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -106,16 +106,21 @@ LIMIT_S = 1.0
 GRACE_S = 0.5
 
 
+def math_verifier(**kwargs) -> VerifierPool:
+  """The pool as the math task builds it: math-verify on the answer window, warmed up."""
+  return VerifierPool(MATH_REWARD, prepare=answer_window, warm_up=WARM_UP, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def math_pool():
   # A looser limit for the table: its slowest case takes ~0.4 s alone, more on a busy CPU.
-  with VerifierPool(num_workers=2, time_limit_s=4.0) as pool:
+  with math_verifier(num_workers=2, time_limit_s=4.0) as pool:
     yield pool
 
 
 @pytest.fixture(scope="module")
 def tight_pool():
-  with VerifierPool(num_workers=2, time_limit_s=LIMIT_S, kill_grace_s=GRACE_S) as pool:
+  with math_verifier(num_workers=2, time_limit_s=LIMIT_S, kill_grace_s=GRACE_S) as pool:
     pool.score(["1"], ["1"])  # workers ready: later timings are of answers, not start-up
     yield pool
 
@@ -146,7 +151,7 @@ def test_adversarial_output_scores_zero_within_limit(tight_pool, name, response,
 def test_many_hanging_answers_cost_one_batch_deadline():
   limit, n_hang = 0.5, 30
   # 30 hangs on 2 workers: ~7.5 s at one limit per answer and worker; the batch deadline cuts it.
-  with VerifierPool(
+  with math_verifier(
     num_workers=2, time_limit_s=limit, kill_grace_s=0.25, batch_time_limit_s=limit + 0.25
   ) as pool:
     pool.score(["1"], ["1"])
@@ -238,7 +243,7 @@ def test_bad_gold_is_an_error_not_a_crash(math_pool):
 
 
 def test_pool_is_reused_and_closes():
-  pool = VerifierPool(num_workers=2, time_limit_s=2.0)
+  pool = math_verifier(num_workers=2, time_limit_s=2.0)
   with pool:
     pool.score([r"\boxed{1}"], ["1"])
     procs = [w.proc for w in pool._workers]
@@ -258,16 +263,16 @@ def test_workers_are_clean_interpreters_that_die_with_the_parent():
   import jax  # noqa: F401 — present in the parent, must not be in the worker
 
   with VerifierPool("reward_fns:imported_modules", num_workers=1, time_limit_s=4.0) as pool:
-    res = pool.score(["jax", "jaxrl.rewards.pool", "pytest"], ["", "", ""])
+    res = pool.score(["jax", "jaxrl.tasks.rewards.pool", "pytest"], ["", "", ""])
     assert res.rewards_R.tolist() == [0.0, 1.0, 0.0]
     assert os.getsid(pool._workers[0].proc.pid) != os.getsid(0)  # out of reach of Ctrl-C
   # A parent killed with SIGKILL (no atexit, no close) takes its workers along.
   code = (
-    "import sys; sys.path[:0] = %r; from jaxrl.rewards.pool import VerifierPool; "
-    "p = VerifierPool(num_workers=2); p.score(['1'], ['1']); "
+    "import sys; sys.path[:0] = %r; from jaxrl.tasks.rewards.pool import VerifierPool; "
+    "p = VerifierPool(%r, num_workers=2); p.score(['1'], ['1']); "
     "print(*[w.proc.pid for w in p._workers], flush=True); "
     "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
-  ) % [os.path.dirname(TESTS)]
+  ) % ([os.path.dirname(TESTS)], MATH_REWARD)
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
   pids = [int(p) for p in out.stdout.split()]
   assert len(pids) == 2, out.stderr
@@ -292,9 +297,29 @@ def test_bad_arguments_raise(math_pool):
   with pytest.raises(TypeError, match="item 1: .* got NoneType"):
     math_pool.score(["1", None], ["1", "2"])
   with pytest.raises(ValueError, match="num_workers must be positive"):
-    VerifierPool(num_workers=0)
+    math_verifier(num_workers=0)
   with pytest.raises(ValueError, match="memory_limit_mb must be positive or None"):
-    VerifierPool(memory_limit_mb=0)
+    math_verifier(memory_limit_mb=0)
+  with pytest.raises(ValueError, match=r"warm_up must be a \(response, answer\) pair"):
+    VerifierPool("reward_fns:exact", warm_up=("x",))
+
+
+def test_prepare_and_warm_up_hooks():
+  # The pool is task-agnostic: what it sends to the function and how a worker warms up are the
+  # caller's. Without hooks, the function gets the whole response and no warm-up call.
+  def first_3(response: str) -> tuple[str, bool]:
+    return response[:3], len(response) > 3
+
+  with VerifierPool("reward_fns:exact", num_workers=1, prepare=first_3) as pool:
+    res = pool.score(["abcdef", "ab", "abc"], ["abc", "ab", "abcdef"])
+    assert res.rewards_R.tolist() == [1.0, 1.0, 0.0] and res.truncated == 1, res
+  with VerifierPool("reward_fns:exact", num_workers=1) as pool:
+    res = pool.score(["abcdef"], ["abc"])
+    assert res.rewards_R.tolist() == [0.0] and res.truncated == 0, res
+  with VerifierPool("reward_fns:call_count", num_workers=1, warm_up=("x", "y")) as pool:
+    assert pool.score(["a"], ["b"]).rewards_R.tolist() == [2.0]  # the warm-up was call 1
+  with VerifierPool("reward_fns:call_count", num_workers=1) as pool:
+    assert pool.score(["a"], ["b"]).rewards_R.tolist() == [1.0]
 
 
 def test_answer_window():

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from jaxrl.metrics import MetricsError, MetricsWriter, read_jsonl
+from jaxrl.run.metrics import MetricsError, MetricsWriter, read_jsonl
 
 # 60 scalars: a 0.7 KB JSON line.
 ROW = {f"k{i}": 0.5 for i in range(60)}

@@ -19,9 +19,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-
 from jaxpr_helpers import contains_primitive
-from jaxrl import losses, model, step
+
+from run_helpers import rollouts
+
+from jaxrl.nn import model
+from jaxrl.rl import losses, step
 from jaxrl.rollout import sampler
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -119,7 +122,7 @@ def test_scan_forward_and_logprobs_equal_loop(models):
   assert np.std(loop) > 0.3
   np.testing.assert_allclose(scan, loop, rtol=0, atol=1e-5)
 
-  score = jax.jit(step.score_responses, static_argnums=(0, 7))
+  score = jax.jit(step.logp_responses, static_argnums=(0, 7))
   outs = [
     score(
       models[k][0],
@@ -168,12 +171,12 @@ def test_scan_sampler_equals_loop(models):
 
 
 def test_scan_rl_update_equals_loop(models):
-  batch = step.PolicyBatch(
+  batch = rollouts(
     prompt_ids_RxP=PROMPT_IDS,
     prompt_mask_RxP=PROMPT_MASK,
-    response_ids_RxN=RESPONSE_IDS,
-    response_mask_RxN=RESPONSE_MASK,
-    old_logp_RxN=-np.linspace(0.5, 3, R * N, dtype=np.float32).reshape(R, N),
+    tokens_RxN=RESPONSE_IDS,
+    mask_RxN=RESPONSE_MASK,
+    logp_RxN=-np.linspace(0.5, 3, R * N, dtype=np.float32).reshape(R, N),
     rewards_R=np.array([1, 0, 0, 1], np.float32),
     group_ids_R=np.array([0, 0, 1, 1], np.int32),
   )

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.losses import LossConfig, LossHparams, dynamo_modulate, grpo_loss, loss_denominator
+from jaxrl.rl.losses import LossConfig, LossHparams, dynamo_modulate, grpo_loss, loss_denominator
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -17,7 +17,7 @@ from multihost_helpers import assert_same_metrics, checkpoint_params, free_port,
 from run_helpers import ROOT, read_metrics
 from safetensors.numpy import load_file
 
-from jaxrl import hf, model
+from jaxrl.nn import hf, model
 
 pytestmark = pytest.mark.slow
 FLAGS = [

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from run_helpers import read_metrics, tiny_config
 
-from jaxrl.train import NonFiniteError, Trainer
+from jaxrl.run.stops import NonFiniteError
+from jaxrl.run.train import Trainer
 
 
 def _poison(trainer: Trainer, bad_calls: set[int]):
@@ -27,8 +28,8 @@ def _poison(trainer: Trainer, bad_calls: set[int]):
   trainer.engine.generate = generate_with_nan
 
 
-def _params(trainer):
-  return [np.asarray(x) for x in jax.tree.leaves(trainer.final_params)]
+def _params(result):
+  return [np.asarray(x) for x in jax.tree.leaves(result.params)]
 
 
 @pytest.mark.slow
@@ -38,17 +39,17 @@ def test_nan_step_is_skipped_and_training_continues(tmp_path):
   clean.rl(clean.warm_start(clean.init_params()))
   poisoned = Trainer(cfg, str(tmp_path / "poisoned"))
   _poison(poisoned, {4})  # step 4's update gets a NaN loss and gradients
-  poisoned.rl(poisoned.warm_start(poisoned.init_params()))
+  poisoned_result = poisoned.rl(poisoned.warm_start(poisoned.init_params()))
   rows, clean_rows = read_metrics(tmp_path / "poisoned"), read_metrics(tmp_path / "clean")
   assert [r["nonfinite_updates"] for r in rows] == [0, 0, 0, 1]
   assert rows[3]["loss"] == "nan"  # the metrics writer logs non-finite values as strings
   assert rows[:3] == clean_rows[:3]  # identical up to the bad step
   # The skipped update left θ (and the optimizer state) exactly as after step 3: a 3-step run.
   three = Trainer(dataclasses.replace(cfg, steps=3), str(tmp_path / "three"))
-  three.rl(three.warm_start(three.init_params()))
-  for a, b in zip(_params(poisoned), _params(three)):
+  three_result = three.rl(three.warm_start(three.init_params()))
+  for a, b in zip(_params(poisoned_result), _params(three_result)):
     np.testing.assert_array_equal(a, b)
-  assert all(np.isfinite(a).all() for a in _params(poisoned))
+  assert all(np.isfinite(a).all() for a in _params(poisoned_result))
 
 
 @pytest.mark.slow

@@ -5,9 +5,10 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from jaxrl.passk import pass_at_k, pass_at_k_array
+from jaxrl.rl.passk import pass_at_k, pass_at_k_array
 
 
 def exact_pass_at_k(n, c, k):

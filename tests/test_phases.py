@@ -10,10 +10,9 @@ import pytest
 from run_helpers import read_metrics, tiny_config
 
 from jaxrl.config import ConfigError
-from jaxrl.data.cursor import Cursor, Mixture, MixtureCursor, next_batch, next_mixture_batch
-from jaxrl.phases import anneal_start, phase_at, run_phases
-from jaxrl.train import Trainer
-
+from jaxrl.methods.phases import anneal_start, phase_at, run_phases
+from jaxrl.run.train import Trainer
+from jaxrl.tasks.data.cursor import Cursor, Mixture, MixtureCursor, next_batch, next_mixture_batch
 
 # -- mixtures ---------------------------------------------------------------------------------------
 
@@ -139,7 +138,7 @@ def test_run_switches_phase_and_compiles_once(tmp_path, preset):
   cfg = _anneal_cfg(preset, 6)
   assert cfg.anneal_phase.mixture == "2x1+"
   trainer = Trainer(cfg, str(tmp_path))
-  trainer.run()
+  result = trainer.run()
   rows = read_metrics(tmp_path)
   with open(tmp_path / "metrics.jsonl") as f:
     compiles = [json.loads(line) for line in f]
@@ -156,7 +155,7 @@ def test_run_switches_phase_and_compiles_once(tmp_path, preset):
   assert compiles[3]["compiles_sampler"] == compiles[0]["compiles_sampler"] + 1
   # From the switch on, only questions of the phase's mixture (level 2+1) were sampled.
   task = trainer.task
-  last_step_Q = np.asarray(trainer.final_stats.last_step_Q)
+  last_step_Q = np.asarray(result.rl.stats.last_step_Q)
   sampled_late = np.flatnonzero(last_step_Q >= 3)
   assert len(sampled_late) and set(task.train_levels[sampled_late]) == {task.level_index("2x1+")}
 
@@ -168,13 +167,11 @@ def test_resume_at_and_after_the_phase_boundary_continues_exactly(tmp_path):
   cfg = lambda steps: tiny_config(
     "grpo,test,anneal", steps=steps, **{"anneal_phase.start": 3, "allocation.method": "e3"}
   )
-  straight = Trainer(cfg(6), str(tmp_path / "straight"))
-  straight.run()
+  straight = Trainer(cfg(6), str(tmp_path / "straight")).run().rl
   for steps in (3, 5, 6):
-    resumed = Trainer(cfg(steps), str(tmp_path / "resumed"))
-    resumed.run()
+    resumed = Trainer(cfg(steps), str(tmp_path / "resumed")).run().rl
   assert read_metrics(tmp_path / "straight") == read_metrics(tmp_path / "resumed")
-  for a, b in zip(jax.tree.leaves(straight.final_params), jax.tree.leaves(resumed.final_params)):
+  for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  for a, b in zip(jax.tree.leaves(straight.final_stats), jax.tree.leaves(resumed.final_stats)):
+  for a, b in zip(jax.tree.leaves(straight.stats), jax.tree.leaves(resumed.stats)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

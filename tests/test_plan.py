@@ -11,10 +11,11 @@ import sys
 import jax
 import numpy as np
 import pytest
-
-from jaxrl import hf_config, model, plan, plan_report
-from jaxrl.config import from_configdict
 from run_helpers import ROOT, tiny_config
+
+from jaxrl.config import from_configdict
+from jaxrl.nn import hf_config, model
+from jaxrl.run import plan, plan_report
 
 GiB = 1024**3
 
@@ -162,7 +163,7 @@ def test_qwen7b_plan_on_8_fake_devices(tmp_path):
   cells = [c.strip() for c in row.strip("|").split("|")]
   assert cells[1] == "10.65 GiB" and cells[3] == "10.64 GiB"  # the donated state is aliased
   assert float(cells[4].split()[0]) > 0  # temp
-  assert "| pi_old rescoring (score_responses_chunked) |" in text
+  assert "| pi_old rescoring (logp_responses_chunked) |" in text
   assert "Not compiled" not in text
   # The step fits an 80 GB GPU with headroom (CPU numbers; a GPU needs at most about these):
   # blocked attention + rows kept split over the data axes took 175.8 → 44.1 GiB, and the
@@ -173,4 +174,49 @@ def test_qwen7b_plan_on_8_fake_devices(tmp_path):
     if line.startswith(("| train step (", "| pi_old rescoring ("))
   }
   assert peaks["train step (rl_update)"] < 56, peaks
-  assert peaks["pi_old rescoring (score_responses_chunked)"] < 16, peaks
+  assert peaks["pi_old rescoring (logp_responses_chunked)"] < 16, peaks
+
+
+def test_plan_compiles_the_very_programs_the_trainer_runs(tmp_path, monkeypatch):
+  """``--plan`` and ``Trainer`` build their jitted programs in one place (``rl.programs``): the
+  same functions with the same static arguments, donations and output shardings."""
+  import optax
+
+  from jaxrl.rl import programs, step
+  from jaxrl.run.train import Trainer
+
+  made = []
+  init = programs.Programs.__init__
+
+  def recording_init(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    made.append(self)
+
+  monkeypatch.setattr(programs.Programs, "__init__", recording_init)
+  cfg = small(1, **{"loss.micro_batches": 2, "eepo.enabled": True, "sft.steps": 0})
+  plan.build(cfg)
+  planned = made[-1]
+  trainer = Trainer(cfg, str(tmp_path))
+  try:
+    ctx = trainer.step_context(None)
+    ctx.runtime(0)  # the phase's train step
+    trainer.programs.forget(programs.ForgetConfig.from_config(cfg))
+  finally:
+    trainer.engine.close()
+  ran = trainer.programs
+  assert ran is made[-1] and planned is not ran
+  update_key = ("update", programs.rl_step_config(cfg))
+  forget_key = ("forget", programs.ForgetConfig.from_config(cfg))
+  assert {update_key, forget_key} <= set(planned.built()) & set(ran.built())
+  for key in (update_key, forget_key):
+    a, b = planned.built()[key], ran.built()[key]
+    fa, fb = a.__wrapped__, b.__wrapped__  # the partials jit wraps: function + static arguments
+    assert fa.func is fb.func and fa.func in (step.rl_update, step.eepo_forget)
+    # Everything but the optimizer (each side builds its own from the same ``cfg.optim``).
+    static_a, static_b = (
+      [x for x in f.args if not isinstance(x, optax.GradientTransformation)] for f in (fa, fb)
+    )
+    assert static_a == static_b and fa.keywords == fb.keywords
+  assert jax.tree.all(
+    jax.tree.map(lambda x, y: x == y, planned.state_shardings, ran.state_shardings)
+  )

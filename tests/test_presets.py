@@ -6,9 +6,9 @@ import os
 
 import numpy as np
 import pytest
-
-from jaxrl.train import Trainer
 from run_helpers import tiny_config
+
+from jaxrl.run.train import Trainer
 
 PRESETS = ("grpo", "e3", "dynamo", "eepo", "es", "all")
 

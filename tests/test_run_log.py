@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from jaxrl.main import _RunLog
+from jaxrl.run.main import _RunLog
 
 
 @pytest.fixture

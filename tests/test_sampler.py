@@ -16,7 +16,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jaxrl import model  # noqa: E402
+from jaxrl.nn import model  # noqa: E402
 from jaxrl.rollout import sampler  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -249,10 +249,10 @@ def test_one_step_samples_follow_softmax_at_tau(tiny):
 
 def test_greedy_equals_hf_generate(tmp_path):
   torch = pytest.importorskip("torch")
+  import hf_fixtures
   import transformers
 
-  import hf_fixtures
-  from jaxrl import hf
+  from jaxrl.nn import hf
 
   path = hf_fixtures.make_tiny_hf("qwen2", False, tmp_path / "qwen2")
   cfg, graphdef, params = hf.load_hf_checkpoint(path)

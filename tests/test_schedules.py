@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl import schedules as sch
+from jaxrl.methods import schedules as sch
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -5,9 +5,9 @@ import os
 import subprocess
 import sys
 
-
-from jaxrl import sharding
 from jax.sharding import PartitionSpec as P
+
+from jaxrl.parallel import sharding
 
 HERE = os.path.dirname(__file__)
 

@@ -7,7 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl import losses, model, step
+from run_helpers import rollouts
+
+from jaxrl.nn import model
+from jaxrl.rl import losses, step
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -23,12 +26,12 @@ MCFG = model.ModelConfig(
 
 
 def make_batch(rng, R=8, P=5, N=4, groups=2):
-  return step.PolicyBatch(
+  return rollouts(
     prompt_ids_RxP=rng.integers(0, 32, (R, P)).astype(np.int32),
     prompt_mask_RxP=np.ones((R, P), bool),
-    response_ids_RxN=rng.integers(0, 32, (R, N)).astype(np.int32),
-    response_mask_RxN=np.arange(N)[None, :] < rng.integers(1, N + 1, (R, 1)),
-    old_logp_RxN=(-rng.random((R, N)) * 3 - 0.5).astype(np.float32),
+    tokens_RxN=rng.integers(0, 32, (R, N)).astype(np.int32),
+    mask_RxN=np.arange(N)[None, :] < rng.integers(1, N + 1, (R, 1)),
+    logp_RxN=(-rng.random((R, N)) * 3 - 0.5).astype(np.float32),
     rewards_R=np.tile([1.0, 0.0, 0.0, 1.0], R // 4).astype(np.float32),
     group_ids_R=np.repeat(np.arange(groups), R // groups).astype(np.int32),
   )

@@ -7,16 +7,16 @@ tokenizer, so the layouts are checked against an independent oracle.
 import numpy as np
 import pytest
 
-from jaxrl.data import tokenizer as tokmod
-from jaxrl.data.arithmetic import TaskConfig, build_task
-from jaxrl.data.prompts import (
+from jaxrl.tasks.data import tokenizer as tokmod
+from jaxrl.tasks.data.arithmetic import TaskConfig, build_task
+from jaxrl.tasks.data.prompts import (
   decode_responses,
   encode_completions,
   encode_prompts,
   encode_sft,
   prompt_ids,
 )
-from jaxrl.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB, build_tokenizer
+from jaxrl.tasks.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB, build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -6,23 +6,20 @@ import numpy as np
 import pytest
 from run_helpers import read_metrics, tiny_config
 
-from jaxrl.train import Trainer
+from jaxrl.run.train import Trainer
 
 
-def final_params(trainer):
+def final_params(result):
   import jax
 
-  return [np.asarray(x) for x in jax.tree.leaves(trainer.final_params)]
+  return [np.asarray(x) for x in jax.tree.leaves(result.rl.params)]
 
 
 @pytest.mark.slow
 def test_resume_continues_exactly(tmp_path):
-  straight = Trainer(tiny_config(steps=6), str(tmp_path / "straight"))
-  straight.run()
-  first = Trainer(tiny_config(steps=3), str(tmp_path / "resumed"))
-  first.run()
-  second = Trainer(tiny_config(steps=6), str(tmp_path / "resumed"))
-  second.run()
+  straight = Trainer(tiny_config(steps=6), str(tmp_path / "straight")).run()
+  Trainer(tiny_config(steps=3), str(tmp_path / "resumed")).run()
+  second = Trainer(tiny_config(steps=6), str(tmp_path / "resumed")).run()
   assert read_metrics(tmp_path / "straight") == read_metrics(tmp_path / "resumed")
   for a, b in zip(final_params(straight), final_params(second)):
     np.testing.assert_array_equal(a, b)
@@ -42,7 +39,7 @@ def test_run_writes_artifacts_and_golden_step(tmp_path):
     assert os.path.exists(os.path.join(workdir, name)), name
   assert os.listdir(os.path.join(workdir, "tensorboard"))
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "3"))
-  assert "pass@1 SFT" in summary["table"]
+  assert "pass@1 SFT" in summary.table
   rows = read_metrics(workdir)
   assert [r["step"] for r in rows] == [1, 2, 3]
   # Step 3 has mixed-reward groups (a real gradient) and follows an update: its metrics are pinned.

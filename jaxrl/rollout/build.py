@@ -7,7 +7,7 @@ import os
 import jax
 
 from jaxrl.config import Config, ConfigError
-from jaxrl.phases import run_phases
+from jaxrl.methods.phases import run_phases
 from jaxrl.rollout.engine import JaxEngine
 from jaxrl.rollout.hosts import PerHostEngine
 

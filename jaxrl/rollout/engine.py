@@ -12,21 +12,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl import distributed
+from jaxrl.parallel import distributed
 from jaxrl.rollout import sampler
+from jaxrl.types import Rollouts
 
 
 class RolloutEngine(Protocol):
   provides_entropy: bool  # False: the trainer scores the rollouts for π_old and entropies
-  max_new_tokens: int  # set by the loop when a phase changes it
+  max_new_tokens: int  # the default response length (a call may ask for another)
 
   def set_weights(self, params, version) -> None: ...
 
   def close(self) -> None: ...
 
   def generate(
-    self, prompt_ids_BxP, prompt_mask_BxP, counts_B, temperature, key, *, greedy: bool = False
-  ) -> sampler.SampleOutput: ...
+    self,
+    prompt_ids_BxP,
+    prompt_mask_BxP,
+    counts_B,
+    temperature,
+    key,
+    *,
+    max_new_tokens: int | None = None,
+    greedy: bool = False,
+  ) -> Rollouts: ...
 
 
 class JaxEngine:
@@ -46,7 +55,7 @@ class JaxEngine:
   ):
     self._graphdef = graphdef
     self._model_cfg = model_cfg
-    self.max_new_tokens = max_new_tokens  # set by the loop when a phase changes it
+    self.max_new_tokens = max_new_tokens  # the default; each phase passes its own to generate
     self._eos, self._pad = eos_id, pad_id
     self._top_p = jnp.float32(top_p)
     self._params = None
@@ -60,8 +69,16 @@ class JaxEngine:
     self._params = None
 
   def generate(
-    self, prompt_ids_BxP, prompt_mask_BxP, counts_B, temperature, key, *, greedy: bool = False
-  ) -> sampler.SampleOutput:
+    self,
+    prompt_ids_BxP,
+    prompt_mask_BxP,
+    counts_B,
+    temperature,
+    key,
+    *,
+    max_new_tokens: int | None = None,
+    greedy: bool = False,
+  ) -> Rollouts:
     counts_B = np.asarray(counts_B, np.int32)
     out = sampler.generate(
       self._graphdef,
@@ -73,7 +90,7 @@ class JaxEngine:
       jnp.float32(temperature),
       self._top_p,
       num_rollouts=int(counts_B.sum()),
-      max_new_tokens=self.max_new_tokens,
+      max_new_tokens=max_new_tokens or self.max_new_tokens,
       eos_id=self._eos,
       pad_id=self._pad,
       model_cfg=self._model_cfg,

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxrl.rollout.sampler import SampleOutput
+from jaxrl.types import Rollouts
 
 
 def host_slices(counts_B: np.ndarray, processes: int) -> np.ndarray:
@@ -32,7 +32,7 @@ def host_slices(counts_B: np.ndarray, processes: int) -> np.ndarray:
   return np.searchsorted(owner_B, np.arange(processes + 1), side="left")
 
 
-def gather_rows(local: SampleOutput, rows_P: np.ndarray) -> SampleOutput:
+def gather_rows(local: Rollouts, rows_P: np.ndarray) -> Rollouts:
   """Every process's rows concatenated in process order, on every process (a collective).
 
   ``rows_P[p]`` is process p's row count; rows are padded to the largest for the all-gather."""
@@ -57,10 +57,6 @@ class PerHostEngine:
   def max_new_tokens(self) -> int:
     return self.local.max_new_tokens
 
-  @max_new_tokens.setter
-  def max_new_tokens(self, value: int) -> None:
-    self.local.max_new_tokens = value
-
   def set_weights(self, params, version) -> None:
     self.local.set_weights(params, version)  # every process exports its own copy for its server
 
@@ -68,8 +64,16 @@ class PerHostEngine:
     self.local.close()
 
   def generate(
-    self, prompt_ids_BxP, prompt_mask_BxP, counts_B, temperature, key, *, greedy: bool = False
-  ) -> SampleOutput:
+    self,
+    prompt_ids_BxP,
+    prompt_mask_BxP,
+    counts_B,
+    temperature,
+    key,
+    *,
+    max_new_tokens: int | None = None,
+    greedy: bool = False,
+  ) -> Rollouts:
     counts_B = np.asarray(counts_B, np.int64)
     bounds = host_slices(counts_B, jax.process_count())
     lo, hi = bounds[jax.process_index()], bounds[jax.process_index() + 1]
@@ -79,6 +83,7 @@ class PerHostEngine:
       counts_B[lo:hi],
       temperature,
       key,
+      max_new_tokens=max_new_tokens,
       greedy=greedy,
       first_question=int(lo),
     )

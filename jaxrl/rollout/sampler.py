@@ -8,7 +8,7 @@ With each sampled token it returns ℓ = log softmax(z/τ)[token] and the entrop
 over the FULL vocabulary (never the top-p-truncated one): π_old for the trainer, computed by the
 same ``logprobs_entropy_from_logits`` the training forward uses.
 
-Cache layout (``jaxrl.model``): the left-padded prompt fills slots 0..P-1, generated token n goes to
+Cache layout (``jaxrl.nn.model``): the left-padded prompt fills slots 0..P-1, generated token n goes to
 slot P+n, and ``kv_valid_RxS`` marks the real slots, so RoPE positions and attention match a
 no-cache forward over ``prompt ++ response`` with ``positions_from_mask``.
 """
@@ -22,24 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl import model
-from jaxrl.logprobs import logprobs_entropy_from_logits
-from jaxrl.types import Array, pytree_dataclass
-
-
-@pytree_dataclass
-class SampleOutput:
-  """R rollouts: row r answers question ``group_ids_R[r]``; responses right-padded with pad_id."""
-
-  prompt_ids_RxP: Array  # i32, left-padded
-  prompt_mask_RxP: Array  # bool
-  tokens_RxN: Array  # i32, pad_id after EOS
-  mask_RxN: Array  # bool, True on generated tokens up to and including EOS
-  logp_RxN: Array  # f32, log softmax(z/τ)[token], 0 where masked
-  entropy_RxN: Array  # f32, entropy of the full softmax(z/τ), 0 where masked
-  lengths_R: Array  # i32, number of generated tokens (EOS included)
-  group_ids_R: Array  # i32 in [0, B)
-  finished_R: Array  # bool, the row emitted EOS
+from jaxrl.nn import model
+from jaxrl.nn.logprobs import logprobs_entropy_from_logits
+from jaxrl.types import Array, Rollouts, pytree_dataclass
 
 
 @pytree_dataclass
@@ -93,7 +78,7 @@ def _choose(key: Array, logits_RxV: Array, tau: Array, top_p: Array, greedy: boo
   jax.jit,
   static_argnames=("num_rollouts", "max_new_tokens", "eos_id", "pad_id", "model_cfg", "greedy"),
 )
-def _generate(
+def sample_program(
   graphdef,
   params,
   prompt_ids_BxP,
@@ -189,7 +174,7 @@ def _generate(
     )
   )
   st = jax.lax.while_loop(running, decode, st)
-  return SampleOutput(
+  return Rollouts(
     prompt_ids_RxP=prompt_ids_RxP,
     prompt_mask_RxP=prompt_mask_RxP,
     tokens_RxN=st.tokens_RxN,
@@ -218,7 +203,7 @@ def generate(
   pad_id: int,
   model_cfg,
   greedy: bool = False,
-) -> SampleOutput:
+) -> Rollouts:
   """Sample counts_B[i] responses to each left-padded prompt i; needs Σ counts_B == num_rollouts.
 
   A row finishes at the first token in ``eos_id`` (one id, or several: e.g. Llama 3 Instruct's
@@ -235,7 +220,7 @@ def generate(
     if total != num_rollouts:
       raise ValueError(f"sum(counts_B) = {total} but num_rollouts = {num_rollouts}")
   # Fixed dtypes (not weak Python scalars) so floats, numpy and jax inputs share one cache entry.
-  return _generate(
+  return sample_program(
     graphdef,
     params,
     jnp.asarray(prompt_ids_BxP, jnp.int32),
@@ -256,6 +241,3 @@ def generate(
 def stop_ids(eos_id: int | tuple[int, ...]) -> tuple[int, ...]:
   """The stop token ids as a tuple (hashable, so it can be a static jit argument)."""
   return (int(eos_id),) if np.ndim(eos_id) == 0 else tuple(int(i) for i in eos_id)
-
-
-generate._cache_size = _generate._cache_size

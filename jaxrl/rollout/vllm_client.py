@@ -8,7 +8,9 @@ batch, or a busy server counts as hung.
 
 Failures: a connection refused or reset, a timeout or an HTTP 5xx is retried and then raised as
 ``ServerError`` (the server is down or hung: the engine restarts it); an HTTP 4xx is raised at once
-as ``RequestError`` (the request itself is wrong: a restart would not help).
+as ``RequestError`` (the request itself is wrong: a restart would not help). For tests,
+``VllmClient.on_requests_sent`` is a one-shot hook that fires while a rollout's requests are in
+flight: deterministic fault injection (e.g. SIGKILL the server at that moment).
 
 Weight update without NCCL (works on CPU and GPU; ../shared/spec/SIDECAR.md): the trainer writes
 an HF-layout directory, then per server: pause (finish in-flight requests) → ``reload_weights``
@@ -29,12 +31,15 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import http.client
 import json
 import logging
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +61,38 @@ class Completion:
   finish_reason: str  # "stop" (EOS / stop token) or "length"
 
 
-def _post(url: str, payload: dict | None, timeout: float):
+def _then(data: bytes, sent: Callable[[], None]) -> Iterable[bytes]:
+  """``data`` as a request body that calls ``sent()`` once http.client has written all of it."""
+  yield data
+  sent()
+
+
+def _post(url: str, payload: dict | None, timeout: float, sent: Callable[[], None] | None = None):
+  """``sent``: called once the request has been written, before its answer is awaited."""
   data = None if payload is None else json.dumps(payload).encode()
-  req = urllib.request.Request(
-    url, data=data, method="POST", headers={"Content-Type": "application/json"}
-  )
+  headers = {"Content-Type": "application/json"}
+  if sent is not None and data is not None:
+    headers["Content-Length"] = str(len(data))  # an iterable body would be sent chunked otherwise
+    data = _then(data, sent)
+  req = urllib.request.Request(url, data=data, method="POST", headers=headers)
   with urllib.request.urlopen(req, timeout=timeout) as r:
     body = r.read()
   return json.loads(body) if body.strip() else None
+
+
+class _Countdown:
+  """``done`` is set once every key has been marked (repeated marks count once)."""
+
+  def __init__(self, keys):
+    self._left, self._lock, self.done = set(keys), threading.Lock(), threading.Event()
+    if not self._left:
+      self.done.set()
+
+  def mark(self, key) -> None:
+    with self._lock:
+      self._left.discard(key)
+      if not self._left:
+        self.done.set()
 
 
 class VllmClient:
@@ -77,18 +106,35 @@ class VllmClient:
     # One thread per in-flight question: fewer threads would cap the server's batch.
     self._pool = cf.ThreadPoolExecutor(max_concurrency, thread_name_prefix="vllm-client")
     self._closed = False
+    # Deterministic fault injection, for tests: a test sets this (e.g. to SIGKILL the server) to
+    # act at the one moment a crash test needs, while a rollout's requests are in flight, instead
+    # of racing the server with a polling thread. One-shot: the next ``complete`` with at least one
+    # request clears it, then calls it from the caller's thread once every request has been written
+    # to its server (or has already failed), before any result is collected; so the rollout's
+    # retry (after the engine's restart) runs unharmed. None (the default) costs nothing. With more
+    # questions than ``max_concurrency``, the last requests are sent only as earlier ones finish.
+    self.on_requests_sent: Callable[[], None] | None = None
 
   def close(self) -> None:
     """Cancel queued requests; running ones stop retrying (the server may be replaced)."""
     self._closed = True
     self._pool.shutdown(wait=False, cancel_futures=True)
 
-  def post(self, url: str, path: str, payload: dict | None = None, timeout: float | None = None):
-    """POST with bounded retries; the error names the endpoint and the last failure."""
+  def post(
+    self,
+    url: str,
+    path: str,
+    payload: dict | None = None,
+    timeout: float | None = None,
+    *,
+    sent: Callable[[], None] | None = None,
+  ):
+    """POST with bounded retries; the error names the endpoint and the last failure. ``sent``: see
+    ``_post`` (called at each attempt that gets its request written)."""
     last = None
     for attempt in range(self.retries + 1):
       try:
-        return _post(f"{url}{path}", payload, self.timeout if timeout is None else timeout)
+        return _post(f"{url}{path}", payload, self.timeout if timeout is None else timeout, sent)
       except urllib.error.HTTPError as e:
         detail = e.read()[:500].decode(errors="replace")
         if e.code < 500:
@@ -125,7 +171,7 @@ class VllmClient:
     """
     greedy = float(temperature) == 0.0
 
-    def one(i: int) -> list[Completion]:
+    def one(i: int, sent: Callable[[], None] | None = None) -> list[Completion]:
       n = 1 if greedy else int(counts[i])
       payload = {
         "prompt": prompts[i],
@@ -142,7 +188,7 @@ class VllmClient:
       if model:
         payload["model"] = model
       url = self.urls[i % len(self.urls)]
-      body = self.post(url, "/v1/completions", payload)
+      body = self.post(url, "/v1/completions", payload, sent=sent)
       choices = sorted(body["choices"], key=lambda c: c["index"])
       if len(choices) != n:
         raise ServerError(f"{url}: asked for n={n} completions, got {len(choices)}")
@@ -156,8 +202,20 @@ class VllmClient:
       ]
       return done * int(counts[i]) if greedy else done
 
-    futures = {i: self._pool.submit(one, i) for i in range(len(prompts)) if counts[i] > 0}
+    wanted = [i for i in range(len(prompts)) if counts[i] > 0]
+    hook = self.on_requests_sent if wanted else None
+    if hook is None:
+      futures = {i: self._pool.submit(one, i) for i in wanted}
+    else:
+      self.on_requests_sent = None  # one-shot
+      in_flight = _Countdown(wanted)
+      futures = {i: self._pool.submit(one, i, functools.partial(in_flight.mark, i)) for i in wanted}
+      for i, f in futures.items():  # a request that failed (or was cancelled) unsent counts too
+        f.add_done_callback(lambda _, i=i: in_flight.mark(i))
     try:
+      if hook is not None:
+        in_flight.done.wait()
+        hook()
       return [futures[i].result() if i in futures else [] for i in range(len(prompts))]
     except BaseException:
       for f in futures.values():  # the rollout is lost: do not keep a failing server busy

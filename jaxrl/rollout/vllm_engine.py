@@ -2,7 +2,7 @@
 
 ``set_weights(params, version)`` exports the params as an HF-layout directory (tmpfs when it has
 room) and loads it into every server; ``generate`` sends one request per question with ``n = G_i``
-and returns the same ``SampleOutput`` layout as the JAX sampler. The server returns sampled-token
+and returns the same ``Rollouts`` layout as the JAX sampler. The server returns sampled-token
 log-probs at τ but no entropies (``provides_entropy = False``): the trainer scores the rollouts
 under the sampling params, which gives both.
 
@@ -29,10 +29,11 @@ import time
 import jax
 import numpy as np
 
-from jaxrl import hf
-from jaxrl.rollout.sampler import SampleOutput, stop_ids
+from jaxrl.nn import hf
+from jaxrl.rollout.sampler import stop_ids
 from jaxrl.rollout.sidecar import LaunchConfig, Sidecar, SidecarError
 from jaxrl.rollout.vllm_client import RequestError, ServerError, VllmClient
+from jaxrl.types import Rollouts
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class VllmEngine:
   ):
     self.model_cfg, self.tokenizer, self.cfg = model_cfg, tokenizer, cfg
     self.workdir = workdir
-    self.max_new_tokens = max_new_tokens  # set by the loop when a phase changes it
+    self.max_new_tokens = max_new_tokens  # the default; each phase passes its own to generate
     self._eos, self._pad, self._top_p = stop_ids(eos_id), pad_id, top_p
     self.sidecar = Sidecar(cfg.launch) if cfg.launch is not None else None
     self.client = (
@@ -199,9 +200,10 @@ class VllmEngine:
     temperature,
     key,
     *,
+    max_new_tokens: int | None = None,
     greedy: bool = False,
     first_question: int = 0,
-  ) -> SampleOutput:
+  ) -> Rollouts:
     """``first_question``: the batch is questions first_question.. of a larger one (one host's
     slice): their requests get the seeds they would get in the whole batch."""
     ids_BxP, mask_BxP = np.asarray(prompt_ids_BxP), np.asarray(prompt_mask_BxP, bool)
@@ -210,6 +212,7 @@ class VllmEngine:
     # One seed per call from the step's key: a resumed run sends the same requests.
     seed = int(jax.random.randint(key, (), 0, 2**30)) + first_question
     tau = 0.0 if greedy else float(temperature)
+    n = max_new_tokens or self.max_new_tokens
     if self.sidecar is not None and self._dir is None:
       raise SidecarError("generate() before set_weights(): no sidecar has been started yet")
     done = self._with_restarts(
@@ -220,17 +223,16 @@ class VllmEngine:
         prompts,
         counts_B.tolist(),
         temperature=tau,
-        max_tokens=self.max_new_tokens,
+        max_tokens=n,
         stop_token_ids=list(self._eos),
         seed=seed,
         top_p=1.0 if greedy else self._top_p,
       ),
     )
-    return self._assemble(ids_BxP, mask_BxP, counts_B, done)
+    return self._assemble(ids_BxP, mask_BxP, counts_B, done, n)
 
-  def _assemble(self, ids_BxP, mask_BxP, counts_B, done) -> SampleOutput:
-    """Rows grouped in question order, responses right-padded with pad_id to max_new_tokens."""
-    n = self.max_new_tokens
+  def _assemble(self, ids_BxP, mask_BxP, counts_B, done, n: int) -> Rollouts:
+    """Rows grouped in question order, responses right-padded with pad_id to ``n`` tokens."""
     group_ids_R = np.repeat(np.arange(len(counts_B), dtype=np.int32), counts_B)
     flat = [c for per_question in done for c in per_question]
     r = len(flat)
@@ -245,7 +247,7 @@ class VllmEngine:
       lengths_R[i] = length
       finished_R[i] = length > 0 and c.token_ids[length - 1] in self._eos
     mask_RxN = np.arange(n)[None, :] < lengths_R[:, None]
-    return SampleOutput(
+    return Rollouts(
       prompt_ids_RxP=ids_BxP[group_ids_R],
       prompt_mask_RxP=mask_BxP[group_ids_R],
       tokens_RxN=tokens_RxN,

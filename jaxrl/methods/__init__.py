@@ -1,0 +1,1 @@
+"""The four papers' policies: allocation, schedules and controllers, their registry, and phases."""

@@ -1,0 +1,45 @@
+"""Training phases: the main phase from step 0 and the optional annealing phase (ES §5).
+
+A phase is a start step, the run's config inside it (``Config.annealing``: group size, response
+length, allocation bounds) and the data mixture it samples. The loop asks ``phase_at(step)`` and
+switches when the answer changes; a phase switch is the only point where shapes change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxrl.config import Config
+from jaxrl.methods import schedules
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+  index: int
+  start: int  # first RL step (0-based) of the phase
+  cfg: Config  # the run's config inside the phase
+  mixture: str  # data mixture spec ("" = every training question)
+  name: str
+
+
+def anneal_start(cfg: Config) -> int:
+  """First step of the annealing phase: configured, or where the entropy schedule starts to anneal
+  (the adaptive clip's stable-then-anneal schedule first, else E3's t_anneal, whose default
+  ⌊0.6·steps⌋ also serves runs without an annealing schedule)."""
+  if cfg.anneal_phase.start:
+    return cfg.anneal_phase.start
+  if cfg.clip.method == "adaptive" and cfg.clip.schedule == "stable_then_anneal":
+    return math.ceil(schedules.stable_anneal_start(cfg.steps, cfg.clip.rho))
+  return cfg.temperature.anneal_start or schedules.e3_anneal_start(cfg.steps)
+
+
+def run_phases(cfg: Config) -> tuple[Phase, ...]:
+  main = Phase(0, 0, cfg, "", "main")
+  if not cfg.anneal_phase.enabled:
+    return (main,)
+  return main, Phase(1, anneal_start(cfg), cfg.annealing(), cfg.anneal_phase.mixture, "annealing")
+
+
+def phase_at(phases: tuple[Phase, ...], step: int) -> Phase:
+  return [p for p in phases if p.start <= step][-1]

@@ -1,0 +1,1 @@
+"""The network: the decoder, its fused log-probs, and its HF checkpoints in and out."""

@@ -1,0 +1,402 @@
+"""Hugging Face checkpoints <-> jaxrl ``Decoder`` params (Qwen2 / Qwen2.5 / Qwen3 / Llama 3.x).
+
+Loading reads ``config.json`` and safetensors (single file or sharded with an index) and builds each
+param device block by device block: a block's bytes are read from the file with ``pread`` (only
+the rows it needs, never a memory map whose pages would pile up in the process), cast, and handed
+to its device(s). So beyond what the devices hold, host memory holds one device block, one read
+chunk (``_READ_CHUNK_BYTES``) and the block or two before it that jax's runtime releases lazily
+after their transfer, for loop and scanned (stacked [L, ...]) params alike: never a whole tensor
+unless a device's block is one. A block that takes only some columns of HF's rows (e.g. an
+fsdp-split input dim) reads whole rows chunk by chunk: bounded memory, at the price of re-reading
+those rows (from the page cache) once per column block; tests/sharded_load_check.py measures it.
+Export writes the same HF layout with numpy only (no torch), which both transformers and a vLLM
+sidecar's ``reload_weights`` read.
+
+Name map (HF -> jaxrl): ``model.`` prefix dropped; ``*_proj.weight`` and ``lm_head.weight`` are
+[out, in] in HF and [in, out] here; ``{q,k,v}_proj.bias`` become ``{q,k,v}_bias``; with
+``scan_layers`` the L tensors ``model.layers.{l}.X`` are one param ``layers/X`` of shape [L, ...].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import struct
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
+
+from jaxrl.nn import model as jaxrl_model
+from jaxrl.nn.hf_config import hf_config_from_model, load_model_config
+from jaxrl.nn.model import ModelConfig
+from jaxrl.parallel import distributed
+
+_SAFETENSORS_DTYPES = {
+  "F64": np.float64,
+  "F32": np.float32,
+  "F16": np.float16,
+  "BF16": ml_dtypes.bfloat16,
+}
+_SAFETENSORS_NAMES = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}
+# File rows are read in pieces of about this size when they cannot go straight into the block
+# (a column slice, a transpose or a cast): host memory then holds the block plus one piece.
+_READ_CHUNK_BYTES = 8 * 2**20
+
+
+def _is_var(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _key(key_path) -> tuple:
+  """A jax key path as plain names, without the Variable's trailing ``.value``."""
+  out = []
+  for k in key_path:
+    if isinstance(k, jax.tree_util.DictKey):
+      out.append(k.key)
+    elif isinstance(k, jax.tree_util.SequenceKey):
+      out.append(k.idx)
+    elif isinstance(k, jax.tree_util.GetAttrKey) and k.name != "value":
+      out.append(k.name)
+  return tuple(out)
+
+
+def _is_stacked(key: tuple) -> bool:
+  """A scanned model's layer param: ``layers/<module>/<leaf>`` with no layer index."""
+  return len(key) >= 2 and key[0] == "layers" and not isinstance(key[1], int)
+
+
+def hf_name(key: tuple) -> tuple[str, bool]:
+  """HF tensor name for a jaxrl (per-layer) param path, and whether HF stores it transposed."""
+  if key == ("lm_head",):
+    return "lm_head.weight", True
+  if key in (("embed_tokens",), ("norm",)):
+    return f"model.{key[0]}.weight", False
+  if len(key) >= 3 and key[0] == "layers" and isinstance(key[1], int):
+    module, leaf = ".".join(str(k) for k in key[:-1]), key[-1]
+    if leaf.endswith("_proj"):
+      return f"model.{module}.{leaf}.weight", True
+    if leaf in ("q_bias", "k_bias", "v_bias"):
+      return f"model.{module}.{leaf[0]}_proj.bias", False
+    if leaf.endswith("norm"):
+      return f"model.{module}.{leaf}.weight", False
+  raise ValueError(f"no HF name for jaxrl param {'/'.join(map(str, key))}")
+
+
+class _SafetensorsFile:
+  """One safetensors file read by explicit ``pread``s of row ranges (no mmap, no full reads)."""
+
+  def __init__(self, path: pathlib.Path):
+    self.path = path
+    self._fd = os.open(path, os.O_RDONLY)
+    try:
+      (size,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+      header = json.loads(os.pread(self._fd, size, 8))
+    except (struct.error, ValueError) as e:
+      os.close(self._fd)
+      raise ValueError(f"{path}: not a safetensors file ({e})") from e
+    header.pop("__metadata__", None)
+    self._base = 8 + size
+    self.tensors = {}
+    for name, info in header.items():
+      if info["dtype"] not in _SAFETENSORS_DTYPES:
+        raise ValueError(
+          f"{path}: tensor {name!r} has dtype {info['dtype']}, expected one of "
+          f"{sorted(_SAFETENSORS_DTYPES)}"
+        )
+      dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
+      shape, (begin, end) = tuple(info["shape"]), info["data_offsets"]
+      if end - begin != math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape}")
+      self.tensors[name] = (dtype, shape, begin)
+
+  def close(self):
+    os.close(self._fd)
+
+  def row_bytes(self, name: str) -> int:
+    dtype, shape, _ = self.tensors[name]
+    return math.prod(shape[1:]) * dtype.itemsize
+
+  def rows(self, name: str, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Rows lo..hi-1 (along axis 0) of a tensor, read into ``out`` (C-contiguous, the tensor's
+    dtype) when given."""
+    dtype, shape, begin = self.tensors[name]
+    if not shape:
+      raise ValueError(f"{self.path}: tensor {name!r} is 0-d, no parameter is")
+    if out is None:
+      out = np.empty((hi - lo, *shape[1:]), dtype)
+    assert out.dtype == dtype and out.shape == (hi - lo, *shape[1:]) and out.flags.c_contiguous, (
+      out.dtype,
+      out.shape,
+    )
+    view = out.reshape(-1).view(np.uint8)
+    offset, done = self._base + begin + lo * self.row_bytes(name), 0
+    while done < view.size:  # pread may return fewer bytes than asked
+      n = os.preadv(self._fd, [view[done:]], offset + done)
+      if n <= 0:
+        raise ValueError(f"{self.path}: tensor {name!r} is truncated")
+      done += n
+    return out
+
+
+def _tensor_files(path: pathlib.Path) -> list[pathlib.Path]:
+  """The safetensors files of an HF directory (single file or every shard of an index)."""
+  single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+  if single.exists():
+    return [single]
+  if index.exists():
+    weight_map = json.loads(index.read_text())["weight_map"]
+    return [path / f for f in sorted(set(weight_map.values()))]
+  raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
+
+
+def _read_into(
+  handle: _SafetensorsFile, name: str, index: tuple, transposed: bool, out: np.ndarray
+):
+  """Fill ``out`` with the block ``index`` (slices in jaxrl's layout) of one HF tensor, cast to
+  ``out.dtype``: straight from the file when its rows are the block's, else chunk by chunk."""
+  dtype, shape, _ = handle.tensors[name]
+  rows, *cols = index[::-1] if transposed else index
+  whole_rows = all((c.start, c.stop) == (0, n) for c, n in zip(cols, shape[1:]))
+  if whole_rows and not transposed and dtype == out.dtype:
+    handle.rows(name, rows.start, rows.stop, out=out)
+    return
+  dst = out.T if transposed else out  # a view of ``out`` in HF's layout
+  step = max(1, _READ_CHUNK_BYTES // max(1, handle.row_bytes(name)))
+  for lo in range(rows.start, rows.stop, step):
+    hi = min(lo + step, rows.stop)
+    dst[lo - rows.start : hi - rows.start] = handle.rows(name, lo, hi)[(slice(None), *cols)]
+
+
+def _same_tensor(a: _SafetensorsFile, a_name: str, b: _SafetensorsFile, b_name: str) -> bool:
+  """Whether two tensors are equal, compared chunk by chunk."""
+  if a.tensors[a_name][:2] != b.tensors[b_name][:2]:  # dtype and shape
+    return False
+  n = a.tensors[a_name][1][0]
+  step = max(1, _READ_CHUNK_BYTES // max(1, a.row_bytes(a_name)))
+  for lo in range(0, n, step):
+    hi = min(lo + step, n)
+    if not np.array_equal(a.rows(a_name, lo, hi), b.rows(b_name, lo, hi)):
+      return False
+  return True
+
+
+def _assemble(shape, sharding, read_block) -> jax.Array:
+  """A global array from ``read_block(index)``, reading each distinct device block once and
+  holding one block on host at a time; ``sharding=None``: the whole array on the default device."""
+  full = tuple(slice(0, n) for n in shape)
+  if sharding is None:
+    return jnp.asarray(read_block(full))
+  by_block: dict[tuple, list] = {}
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
+    index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+    by_block.setdefault(tuple((s.start, s.stop) for s in index), []).append((device, index))
+  on_device = {}
+  for group in by_block.values():
+    block = read_block(group[0][1])
+    for device, _ in group:
+      on_device[device] = jax.device_put(block, device)
+    # A transfer may read ``block`` asynchronously: wait, or later blocks would pile up on host.
+    jax.block_until_ready([on_device[device] for device, _ in group])
+    del block
+  arrays = [on_device[d] for d in sharding.addressable_devices_indices_map(shape)]
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def load_hf_checkpoint(
+  path,
+  dtype=jnp.float32,
+  shardings=None,
+  *,
+  scan_layers: bool = False,
+  remat: str = "none",
+  compute_dtype: str = "float32",
+):
+  """(ModelConfig, graphdef, params) from an HF directory, streamed and cast to ``dtype``.
+
+  ``dtype`` becomes ``ModelConfig.param_dtype``; ``scan_layers``, ``remat`` and ``compute_dtype``
+  (``ModelConfig.dtype``) say how to run it. ``shardings``: None (default device) or a pytree of
+  ``NamedSharding`` with the structure of the params, e.g. ``sharding.tree_shardings(
+  model.abstract(load_model_config(path, scan_layers=True))[1], mesh)``.
+  """
+  path = pathlib.Path(path)
+  cfg = load_model_config(
+    path,
+    param_dtype=jnp.dtype(dtype).name,
+    scan_layers=scan_layers,
+    remat=remat,
+    dtype=compute_dtype,
+  )
+  graphdef, abstract = jaxrl_model.abstract(cfg)
+  placement = None
+  if shardings is not None:
+    placement = {_key(p): s for p, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+  np_dtype = np.dtype(dtype)
+  expected = set()
+
+  with contextlib.ExitStack() as stack:
+    handles = {}
+    for f in _tensor_files(path):
+      handle = _SafetensorsFile(f)
+      stack.callback(handle.close)
+      handles.update((name, handle) for name in handle.tensors)
+
+    def check(name, key, want):
+      expected.add(name)
+      if name not in handles:
+        raise ValueError(f"{path}: tensor {name!r} (jaxrl {'/'.join(map(str, key))}) is missing")
+      shape = handles[name].tensors[name][1]
+      if shape != want:
+        raise ValueError(f"{path}: tensor {name!r} has shape {shape}, config.json implies {want}")
+
+    def load_one(key_path, var):
+      key = _key(key_path)
+      stacked = _is_stacked(key)
+      per_layer = [("layers", i, *key[1:]) for i in range(cfg.num_layers)] if stacked else [key]
+      names = [hf_name(k)[0] for k in per_layer]
+      transposed = hf_name(per_layer[0])[1]
+      inner = var.shape[1:] if stacked else var.shape
+      for name in names:
+        check(name, key, tuple(inner[::-1] if transposed else inner))
+
+      def read_block(index):
+        out = np.empty(tuple(s.stop - s.start for s in index), np_dtype)
+        if stacked:
+          for j, layer in enumerate(range(index[0].start, index[0].stop)):
+            _read_into(handles[names[layer]], names[layer], index[1:], transposed, out[j])
+        else:
+          _read_into(handles[names[0]], names[0], index, transposed, out)
+        return out
+
+      if placement is not None and key not in placement:
+        raise ValueError(f"shardings has no entry for {'/'.join(map(str, key))}")
+      sharding = None if placement is None else placement[key]
+      return var.replace(_assemble(var.shape, sharding, read_block))
+
+    params = jax.tree_util.tree_map_with_path(load_one, abstract, is_leaf=_is_var)
+
+    unexpected = sorted(n for n in set(handles) - expected if not n.endswith("rotary_emb.inv_freq"))
+    if cfg.tie_embeddings and "lm_head.weight" in unexpected:
+      head, embed = ("lm_head.weight", "model.embed_tokens.weight")
+      if not _same_tensor(handles[head], head, handles[embed], embed):
+        raise ValueError(
+          f"{path}: tie_word_embeddings is true but lm_head.weight differs from "
+          "model.embed_tokens.weight"
+        )
+      unexpected.remove("lm_head.weight")
+  if unexpected:
+    raise ValueError(
+      f"{path}: unexpected tensors {unexpected[:8]}"
+      f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} in all)"
+    )
+  return cfg, graphdef, params
+
+
+def _hf_entries(params) -> list[tuple[str, bool, object, int | None]]:
+  """(HF name, transposed, leaf, layer index into a stacked leaf or None) for every HF tensor,
+  a scanned model's stacked leaves expanded layer by layer where they first appear."""
+  entries, stacked = [], []
+  for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    key = _key(key_path)
+    if _is_stacked(key):
+      if not stacked:
+        entries.append(stacked)  # placeholder, filled below
+      stacked.append((key, leaf))
+    else:
+      entries.append((*hf_name(key), leaf, None))
+  layers = [
+    (*hf_name(("layers", i, *key[1:])), leaf, i)
+    for i in range(stacked[0][1].shape[0] if stacked else 0)
+    for key, leaf in stacked
+  ]
+  out = []
+  for e in entries:
+    out.extend(layers if e is stacked else [e])
+  return out
+
+
+def _host(leaf, layer, transposed) -> np.ndarray:
+  # A multi-process run's params span hosts: every process gathers each tensor (a collective).
+  array = distributed.to_host(leaf if layer is None else leaf[layer])
+  return np.ascontiguousarray(array.T if transposed else array)
+
+
+def to_hf_tensors(params) -> Iterator[tuple[str, np.ndarray]]:
+  """(HF name, host array in HF layout) for every HF tensor, one at a time, in the params' dtype
+  (a scanned model's stacked params are unstacked into per-layer tensors)."""
+  for name, transposed, leaf, layer in _hf_entries(params):
+    yield name, _host(leaf, layer, transposed)
+
+
+def save_hf_checkpoint(
+  cfg: ModelConfig,
+  params,
+  out_dir,
+  tokenizer=None,
+  max_shard_bytes: int = 5 * 2**30,
+  untie: bool = False,
+) -> pathlib.Path:
+  """Write config.json + safetensors in HF layout (sharded with an index above ``max_shard_bytes``).
+
+  Overwrites any earlier weights in ``out_dir``. Host memory peaks at about one shard. Params keep
+  their dtype, so ``load_hf_checkpoint`` with that dtype gives them back bitwise. ``untie`` writes
+  a tied model as an untied one (an explicit ``lm_head.weight``): vLLM's CPU build keeps a stale
+  packed copy of a tied head after ``reload_weights``.
+  """
+  out = pathlib.Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+    stale.unlink(missing_ok=True)  # a leftover shard of an earlier save would be read back
+  entries = _hf_entries(params)
+  if untie and cfg.tie_embeddings:
+    cfg = dataclasses.replace(cfg, tie_embeddings=False)
+    # [V, D] is HF's lm_head layout too, so it is written untransposed.
+    entries.append(("lm_head.weight", False, params["embed_tokens"][...], None))
+  dtype = entries[0][2].dtype
+  if np.dtype(dtype) not in _SAFETENSORS_NAMES:
+    raise ValueError(
+      f"params of dtype {dtype} cannot be saved (supported: "
+      f"{sorted(str(d) for d in _SAFETENSORS_NAMES)})"
+    )
+  (out / "config.json").write_text(json.dumps(hf_config_from_model(cfg, dtype), indent=2))
+
+  # Plan shards from sizes alone so tensors are materialised on host one shard at a time.
+  sizes = [
+    math.prod(leaf.shape[layer is not None :]) * leaf.dtype.itemsize
+    for _, _, leaf, layer in entries
+  ]
+  bounds, start, acc = [], 0, 0
+  for i, size in enumerate(sizes):
+    if acc and acc + size > max_shard_bytes:
+      bounds.append((start, i))
+      start, acc = i, 0
+    acc += size
+  bounds.append((start, len(sizes)))
+
+  weight_map = {}
+  for shard, (lo, hi) in enumerate(bounds):
+    fname = (
+      "model.safetensors"
+      if len(bounds) == 1
+      else f"model-{shard + 1:05d}-of-{len(bounds):05d}.safetensors"
+    )
+    chunk = {
+      name: _host(leaf, layer, transposed) for name, transposed, leaf, layer in entries[lo:hi]
+    }
+    save_file(chunk, out / fname, metadata={"format": "pt"})
+    weight_map.update((name, fname) for name in chunk)
+    del chunk
+  if len(bounds) > 1:
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+  if tokenizer is not None:
+    tokenizer.save_pretrained(out)
+  return out

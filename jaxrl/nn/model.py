@@ -1,0 +1,460 @@
+"""Qwen2 / Qwen2.5 / Qwen3 / Llama 3.x decoder in Flax NNX, used functionally.
+
+The module is built once; training and sampling call ``forward(graphdef, params, ...)`` on a split
+``nnx.State``, so params are a plain pytree that jit, optax, orbax and sharding act on.
+Hidden states and the LM head are separate: log-probs and entropies are computed by the fused,
+chunked path in ``jaxrl.nn.logprobs`` and never through a [B, T, V] logits buffer.
+
+Every parameter names its logical axes (``logical_axes`` metadata); ``jaxrl.parallel.sharding`` alone maps
+them onto the mesh. Linear kernels are stored [in, out] (HF stores [out, in]).
+
+Two layouts of the L decoder layers compute the same function from the same init:
+  loop (``scan_layers=False``): ``params["layers"][i]`` per layer, applied by a Python loop;
+  scan (``scan_layers=True``):  one ``params["layers"]`` whose leaves carry a leading [L] axis
+    (logical axis "layers"), applied by ``jax.lax.scan``, so compile time does not grow with L.
+Both run every layer through one function (optionally rematerialised, ``remat``), and both keep
+the KV cache as one [L, B, K, S, E] array per k/v, updated in place.
+
+Memory at long T: attention runs in blocks of ``attention_block`` queries (``attention``), each
+block rematerialised, so no [B, H, T, T] buffer exists; and under jit on a mesh the activations
+are constrained to keep rows split over the data axes (``sharding.constrain``; a no-op elsewhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.parallel.sharding import activation_mesh, constrain
+from jaxrl.types import Array, pytree_dataclass
+
+ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = ("float32", "bfloat16")
+
+
+def _remat_policy(name: str):
+  """The ``jax.checkpoint`` policy of a ``ModelConfig.remat`` name (None: save nothing)."""
+  if name == "full":
+    return None
+  if name == "dots":  # keep the projections' outputs, recompute norms, RoPE, softmax, SiLU
+    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  if name == "offload":  # as "dots", but parked in pinned host memory between the passes
+    return jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+  raise ValueError(name)
+
+
+REMAT_POLICIES = ("none", "full", "dots", "offload")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture (the fields of an HF ``config.json``) and how to execute it.
+
+  The execution fields (``dtype``, ``param_dtype``, ``scan_layers``, ``remat``) never change the
+  function computed, only precision, memory and compile time.
+  """
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float = 1_000_000.0
+  rms_norm_eps: float = 1e-6
+  qkv_bias: bool = True  # Qwen2: True; Qwen3, Llama: False
+  qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+  tie_embeddings: bool = False
+  dtype: str = "float32"  # compute dtype of activations and matmuls
+  # RoPE frequency scaling, as HF ``rope_parameters``: "linear" divides every frequency by
+  # ``rope_factor``; "llama3" divides the low ones, keeps the high ones, interpolates between.
+  rope_type: str = "default"
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_positions: int = 8192
+  param_dtype: str = "float32"  # storage dtype of the params (and so of grads and AdamW moments)
+  scan_layers: bool = False  # stack the layers on a leading axis and lax.scan over them
+  remat: str = "none"  # per layer: one of REMAT_POLICIES (see _remat_policy)
+  # Queries per attention block: longer inputs attend block by block (scores [B, H, block, S]
+  # instead of [B, H, T, S]); T <= block (decode, short prompts) takes the one-block path.
+  attention_block: int = 512
+  # Architecture: the longest context the checkpoint declares (HF max_position_embeddings); only
+  # carried through to the exported config.json, never used in the computation.
+  max_position_embeddings: int = 32768
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+        f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+      )
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not one of {DTYPES}")
+    if self.attention_block < 1:
+      raise ValueError(f"ModelConfig.attention_block={self.attention_block} must be >= 1")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"ModelConfig.remat={self.remat!r} is not one of {REMAT_POLICIES}")
+    if self.rope_type not in ROPE_TYPES:
+      raise ValueError(f"ModelConfig.rope_type={self.rope_type!r} is not one of {ROPE_TYPES}")
+    if self.rope_type != "default" and self.rope_factor <= 0:
+      raise ValueError(f"ModelConfig.rope_factor={self.rope_factor} must be > 0")
+    if self.rope_type == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor:
+      raise ValueError(
+        f"llama3 RoPE needs rope_high_freq_factor ({self.rope_high_freq_factor}) > "
+        f"rope_low_freq_factor ({self.rope_low_freq_factor})"
+      )
+
+
+@pytree_dataclass
+class KVCache:
+  """Keys/values of every layer; slot s holds sequence position s of the (left-padded) batch.
+
+  Heads come before slots so that both attention matmuls read a layer's cache as it lies (batch
+  dims b, k leading); a [.., S, K, E] layout made XLA transpose every layer's cache each step.
+  """
+
+  k: Array  # [L, B, K, S, E]
+  v: Array  # [L, B, K, S, E]
+
+  def write(self, layer, start, k_BxTxKxE: Array, v_BxTxKxE: Array) -> KVCache:
+    """Store T new keys/values of ``layer`` (int or traced) at slots start..start+T-1, in place."""
+    at = (layer, 0, 0, start, 0)
+
+    def put(cache, x_BxTxKxE):
+      return jax.lax.dynamic_update_slice(
+        cache, jnp.swapaxes(x_BxTxKxE, 1, 2)[None].astype(cache.dtype), at
+      )
+
+    return KVCache(k=put(self.k, k_BxTxKxE), v=put(self.v, v_BxTxKxE))
+
+  def layer(self, layer) -> tuple[Array, Array]:
+    """(k_BxKxSxE, v_BxKxSxE) of one layer."""
+    return (
+      jax.lax.dynamic_index_in_dim(self.k, layer, keepdims=False),
+      jax.lax.dynamic_index_in_dim(self.v, layer, keepdims=False),
+    )
+
+
+def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> KVCache:
+  shape = (cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim)
+  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def _param(cfg: ModelConfig, rngs: nnx.Rngs, shape, axes, scale: float | None = None) -> nnx.Param:
+  """A normal(0, scale) parameter (scale = 1/sqrt(fan_in) by default) tagged with logical axes."""
+  scale = shape[0] ** -0.5 if scale is None else scale
+  value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
+  return nnx.Param(value.astype(cfg.param_dtype), logical_axes=axes)
+
+
+def _const(cfg: ModelConfig, value: float, shape, axes) -> nnx.Param:
+  return nnx.Param(jnp.full(shape, value, cfg.param_dtype), logical_axes=axes)
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+  """HF-style RMSNorm: normalise in float32, scale, cast back."""
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (weight.astype(jnp.float32) * x32).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Array:
+  """RoPE inverse frequencies [E/2] in float32, with the config's scaling, in transformers' order
+  of float32 operations (``modeling_rope_utils``), so the angles match its to the last bit or so."""
+  half = cfg.head_dim // 2
+  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+  if cfg.rope_type == "linear":
+    return inv_freq / cfg.rope_factor
+  if cfg.rope_type == "llama3":
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    context = cfg.rope_original_max_positions
+    wavelen = 2 * math.pi / inv_freq
+    # Wavelengths beyond context/low were never seen whole in pretraining: stretch them by factor.
+    scaled = jnp.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < context / high) & ~(wavelen > context / low)
+    return jnp.where(medium, smoothed, scaled)
+  return inv_freq
+
+
+def rope(x_BxTxHxE: Array, positions_BxT: Array, inv_freq_half: Array) -> Array:
+  """Rotary embedding in HF's rotate-half layout (first and second halves of head_dim pair up)."""
+  half = x_BxTxHxE.shape[-1] // 2
+  angles_BxTxhalf = positions_BxT.astype(jnp.float32)[..., None] * inv_freq_half
+  cos = jnp.cos(angles_BxTxhalf)[:, :, None, :]
+  sin = jnp.sin(angles_BxTxhalf)[:, :, None, :]
+  x32 = x_BxTxHxE.astype(jnp.float32)
+  x1, x2 = x32[..., :half], x32[..., half:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxHxE.dtype)
+
+
+def _attend(
+  q_BxTxKxAxE: Array, k_BxKxSxE: Array, v_BxKxSxE: Array, kv_valid_BxS: Array, first_slot
+) -> Array:
+  """Softmax attention of T queries at slots first_slot..first_slot+T-1 to the S slots: a query
+  sees the valid slots up to its own. Scores and softmax in float32. Returns [B, T, K, R, E]."""
+  t, s = q_BxTxKxAxE.shape[1], k_BxKxSxE.shape[2]
+  scores = jnp.einsum(
+    "btkae,bkse->bkats", q_BxTxKxAxE, k_BxKxSxE, preferred_element_type=jnp.float32
+  )
+  scores = scores * (q_BxTxKxAxE.shape[-1] ** -0.5)
+  query_slot_T = first_slot + jnp.arange(t)
+  causal_TxS = jnp.arange(s)[None, :] <= query_slot_T[:, None]
+  allowed_BxTxS = causal_TxS[None] & kv_valid_BxS[:, None, :].astype(bool)
+  # finfo.min, not -inf: a query with no visible slot (a pad) gets a uniform row, never NaN.
+  scores = jnp.where(allowed_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxE.dtype)
+  return jnp.einsum("bkats,bkse->btkae", probs, v_BxKxSxE)
+
+
+def attention(
+  q_BxTxKxAxE: Array, k_BxKxSxE: Array, v_BxKxSxE: Array, kv_valid_BxS: Array, start, block: int
+) -> Array:
+  """Grouped-query attention of T queries (slots start..start+T-1) to S slots, ``block`` queries
+  at a time: [B, T, K, R, E].
+
+  Each block attends to all S slots with the full softmax, so every output row is computed as in
+  one pass (the same einsums on a slice of the queries). Blocks run in sequence (``lax.map``) and
+  each is rematerialised, so the forward keeps only its output and the backward recomputes one
+  block's [B, H, block, S] scores at a time: memory O(block · S) instead of O(T · S).
+  """
+  b, t = q_BxTxKxAxE.shape[:2]
+  if t <= block:
+    return _attend(q_BxTxKxAxE, k_BxKxSxE, v_BxKxSxE, kv_valid_BxS, start)
+  n = -(-t // block)
+  pad = n * block - t  # padded queries see the same slots as any query; their rows are dropped
+  q = jnp.pad(q_BxTxKxAxE, ((0, 0), (0, pad)) + ((0, 0),) * 3)
+  q_YxBxZxKxAxE = jnp.swapaxes(q.reshape(b, n, block, *q.shape[2:]), 0, 1)
+
+  @jax.checkpoint
+  def one_block(q_BxZxKxAxE, k, v, kv_valid, first_slot):
+    return _attend(q_BxZxKxAxE, k, v, kv_valid, first_slot)
+
+  out_YxBxZxKxAxE = jax.lax.map(
+    lambda qi: one_block(qi[0], k_BxKxSxE, v_BxKxSxE, kv_valid_BxS, start + qi[1] * block),
+    (q_YxBxZxKxAxE, jnp.arange(n)),
+  )
+  out = jnp.swapaxes(out_YxBxZxKxAxE, 0, 1).reshape(b, n * block, *q.shape[2:])
+  return out[:, :t]
+
+
+def _is_slot_zero(start) -> bool:
+  """Whether ``start`` is the Python int 0 (known when tracing; a traced start is never assumed)."""
+  return isinstance(start, int) and start == 0
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention with optional q/k RMSNorm and a slot-indexed KV cache."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, h, k, e = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.q_proj = _param(cfg, rngs, (d, h * e), ("embed", "heads"))
+    self.k_proj = _param(cfg, rngs, (d, k * e), ("embed", "kv_heads"))
+    self.v_proj = _param(cfg, rngs, (d, k * e), ("embed", "kv_heads"))
+    self.o_proj = _param(cfg, rngs, (h * e, d), ("heads", "embed"))
+    if cfg.qkv_bias:
+      self.q_bias = _const(cfg, 0.0, (h * e,), ("heads",))
+      self.k_bias = _const(cfg, 0.0, (k * e,), ("kv_heads",))
+      self.v_bias = _const(cfg, 0.0, (k * e,), ("kv_heads",))
+    if cfg.qk_norm:
+      self.q_norm = _const(cfg, 1.0, (e,), ("norm",))
+      self.k_norm = _const(cfg, 1.0, (e,), ("norm",))
+
+  def _project(self, x, kernel, bias_name, heads):
+    cfg = self.cfg
+    y = x @ kernel[...].astype(x.dtype)
+    if cfg.qkv_bias:
+      y = y + getattr(self, bias_name)[...].astype(x.dtype)
+    y = y.reshape(*x.shape[:2], heads, cfg.head_dim)
+    return constrain(y, "batch", "act_seq", "act_heads", None)
+
+  def __call__(self, x_BxTxD, positions_BxT, kv_valid_BxS, start, cache: KVCache | None, layer):
+    """Attend from T new tokens (slots start..start+T-1) to all S cache slots (or the T tokens)."""
+    cfg = self.cfg
+    b, t, _ = x_BxTxD.shape
+    q = self._project(x_BxTxD, self.q_proj, "q_bias", cfg.num_heads)
+    k = self._project(x_BxTxD, self.k_proj, "k_bias", cfg.num_kv_heads)
+    v = self._project(x_BxTxD, self.v_proj, "v_bias", cfg.num_kv_heads)
+    if cfg.qk_norm:
+      q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
+      k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
+    inv_freq = rope_inv_freq(cfg)
+    q = rope(q, positions_BxT, inv_freq)
+    k = rope(k, positions_BxT, inv_freq)
+    if cache is not None:
+      cache = cache.write(layer, start, k, v)
+    if cache is not None and not _is_slot_zero(start):
+      k_BxKxSxE, v_BxKxSxE = cache.layer(layer)
+      k_BxKxSxE, v_BxKxSxE = k_BxKxSxE.astype(x_BxTxD.dtype), v_BxKxSxE.astype(x_BxTxD.dtype)
+    else:
+      # No cache, or a prefill from slot 0: a query at slot i < T sees slots <= i only, so the T
+      # new tokens are all it can attend to: scores [.., T, T], not [.., T, S] (S = P + N).
+      k_BxKxSxE, v_BxKxSxE = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+      kv_valid_BxS = kv_valid_BxS[:, :t]
+    rep = cfg.num_heads // cfg.num_kv_heads
+    q = q.reshape(b, t, cfg.num_kv_heads, rep, cfg.head_dim)
+    out = attention(q, k_BxKxSxE, v_BxKxSxE, kv_valid_BxS, start, cfg.attention_block)
+    out = constrain(
+      out.reshape(b, t, cfg.num_heads * cfg.head_dim), "batch", "act_seq", "act_heads"
+    )
+    out = out @ self.o_proj[...].astype(out.dtype)
+    return constrain(out, "batch", "act_seq", "act_embed"), cache
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward block."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    self.gate_proj = _param(cfg, rngs, (d, f), ("embed", "mlp"))
+    self.up_proj = _param(cfg, rngs, (d, f), ("embed", "mlp"))
+    self.down_proj = _param(cfg, rngs, (f, d), ("mlp", "embed"))
+
+  def __call__(self, x_BxTxD):
+    dt = x_BxTxD.dtype
+    gate_BxTxF = constrain(x_BxTxD @ self.gate_proj[...].astype(dt), "batch", "act_seq", "act_mlp")
+    up_BxTxF = constrain(x_BxTxD @ self.up_proj[...].astype(dt), "batch", "act_seq", "act_mlp")
+    out = (jax.nn.silu(gate_BxTxF) * up_BxTxF) @ self.down_proj[...].astype(dt)
+    return constrain(out, "batch", "act_seq", "act_embed")
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm residual block: attention then MLP."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.input_layernorm = _const(cfg, 1.0, (cfg.hidden_size,), ("norm",))
+    self.self_attn = Attention(cfg, rngs)
+    self.post_attention_layernorm = _const(cfg, 1.0, (cfg.hidden_size,), ("norm",))
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x, positions, kv_valid, start, cache, layer):
+    eps = self.cfg.rms_norm_eps
+    x = constrain(x, "batch", "act_seq", "act_embed")
+    h, cache = self.self_attn(
+      rms_norm(x, self.input_layernorm[...], eps), positions, kv_valid, start, cache, layer
+    )
+    x = x + h
+    x = x + self.mlp(rms_norm(x, self.post_attention_layernorm[...], eps))
+    return constrain(x, "batch", "act_seq", "act_embed"), cache
+
+
+def _is_var(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
+  """One DecoderLayer whose params hold the given layers' params on a leading "layers" axis."""
+  graphdef = nnx.split(layers[0])[0]
+  states = [nnx.split(layer)[1] for layer in layers]
+
+  def stack(*vs):
+    axes = vs[0].get_metadata()["logical_axes"]
+    return vs[0].replace(jnp.stack([v[...] for v in vs]), logical_axes=("layers", *axes))
+
+  return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=_is_var))
+
+
+def _layer_fn(cfg: ModelConfig, graphdef: nnx.GraphDef, start):
+  """The pure per-layer function (state_i, x, positions, kv_valid, cache, i) -> (x, cache),
+  rematerialised by ``cfg.remat``; the same function runs in loop and scan mode. ``start`` is
+  bound, not passed: a Python int stays static through ``jax.checkpoint`` (a prefill from slot 0
+  then attends to its own T tokens only, ``Attention``)."""
+
+  def apply(state, x, positions, kv_valid, cache, layer):
+    return nnx.merge(graphdef, state)(x, positions, kv_valid, start, cache, layer)
+
+  if cfg.remat == "none":
+    return apply
+  # Inside scan, CSE cannot merge the recomputation into the forward, so the guard is not needed.
+  return jax.checkpoint(apply, policy=_remat_policy(cfg.remat), prevent_cse=not cfg.scan_layers)
+
+
+class Decoder(nnx.Module):
+  """Token embedding, decoder layers, final norm; the LM head is read separately."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed_tokens = _param(
+      cfg, rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), 0.02
+    )
+    # Built one by one in both modes, so a seed gives the same weights whether scanned or not.
+    layers = [DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)]
+    self.layers = _stack_layers(layers) if cfg.scan_layers else nnx.List(layers)
+    self.norm = _const(cfg, 1.0, (cfg.hidden_size,), ("norm",))
+    if not cfg.tie_embeddings:
+      self.lm_head = _param(cfg, rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
+
+  def lm_head_weight(self) -> Array:
+    """The output projection as [D, V] (the transposed embedding when tied)."""
+    if self.cfg.tie_embeddings:
+      return self.embed_tokens[...].T
+    return self.lm_head[...]
+
+  def __call__(
+    self, tokens_BxT, positions_BxT, kv_valid_BxS, cache: KVCache | None = None, start=0
+  ):
+    """Final-norm hidden states [B, T, D] and the updated cache.
+
+    Without a cache, S = T and token t attends to tokens ≤ t that are valid. With a cache, the T
+    tokens are written at slots ``start..start+T-1`` and attend to valid slots up to their own.
+    """
+    cfg = self.cfg
+    x = jnp.take(self.embed_tokens[...], tokens_BxT, axis=0).astype(cfg.dtype)
+    x = constrain(x, "batch", "act_seq", "act_embed")
+    if cfg.scan_layers:
+      graphdef, stacked = nnx.split(self.layers)
+      layer_fn = _layer_fn(cfg, graphdef, start)
+
+      def body(x_and_cache, state_and_index):
+        (x, cache), (state, i) = x_and_cache, state_and_index
+        return layer_fn(state, x, positions_BxT, kv_valid_BxS, cache, i), None
+
+      (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, jnp.arange(cfg.num_layers)))
+    else:
+      for i, layer in enumerate(self.layers):
+        graphdef, state = nnx.split(layer)
+        x, cache = _layer_fn(cfg, graphdef, start)(state, x, positions_BxT, kv_valid_BxS, cache, i)
+    x = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
+    return constrain(x, "batch", "act_seq", "act_embed"), cache
+
+
+def create(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
+  """Randomly initialised model, split into (graphdef, params)."""
+  model = Decoder(cfg, nnx.Rngs(params=seed))
+  graphdef, params = nnx.split(model, nnx.Param)
+  return graphdef, params
+
+
+def abstract(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+  """(graphdef, params of ShapeDtypeStructs): a model plan without allocating weights."""
+  model = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(params=0)))
+  return nnx.split(model, nnx.Param)
+
+
+def forward(graphdef, params, tokens_BxT, positions_BxT, kv_valid_BxS, cache=None, start=0):
+  """Pure forward: (hidden_BxTxD, lm_head_DxV, new_cache)."""
+  model = nnx.merge(graphdef, params)
+  with activation_mesh(params):  # the params' mesh: activations keep rows over the data axes
+    hidden, cache = model(tokens_BxT, positions_BxT, kv_valid_BxS, cache, start)
+  return hidden, model.lm_head_weight(), cache
+
+
+def positions_from_mask(mask_BxT: Array) -> Array:
+  """RoPE positions for a left- or right-padded batch: cumsum(mask) - 1 (pads clamp to 0)."""
+  return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def num_params(params) -> int:
+  return sum(x.size for x in jax.tree.leaves(params))

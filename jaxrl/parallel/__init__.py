@@ -1,0 +1,1 @@
+"""The mesh and the processes: logical-axis sharding rules and multi-process helpers."""

@@ -1,0 +1,349 @@
+"""GRPO objective: group advantages, the clipped surrogate, KL and entropy terms (ALGORITHMS.md §1).
+
+Everything here is a pure function of arrays plus a static `LossConfig`; the hyperparameters that
+schedules change every step (ε_low, ε_high, β, λ) arrive as the traced `LossHparams` pytree, so a
+new value never recompiles. The loss is written as numerator / denominator with the denominator
+computed once over the whole step's batch (`loss_denominator`): summing `grpo_loss` over
+micro-batches that share that denominator gives exactly the loss and gradient of one big batch.
+Metrics are returned as additive sums and counts for the same reason; `finalize_metrics` turns
+them into means once all micro-batches are summed.
+
+The method extras sit at the end: DynaMO's token-level advantage modulation (§4), whose output
+feeds `grpo_loss(..., adv_RxT=...)`, and EEPO's unlearning loss (§5) for the rollout copy θ'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.nn.logprobs import logp_log1m_p_from_logits
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def _valid_or_all(valid_R, n):
+  return jnp.ones((n,), bool) if valid_R is None else jnp.asarray(valid_R, bool)
+
+
+def _group_extremes(rewards_R, group_ids_R, num_groups, valid_R):
+  """Per-group max and min over valid rows (empty group: -inf, +inf)."""
+  r_max = jnp.where(valid_R, rewards_R, -jnp.inf)
+  r_min = jnp.where(valid_R, rewards_R, jnp.inf)
+  max_G = jax.ops.segment_max(r_max, group_ids_R, num_segments=num_groups)
+  min_G = jax.ops.segment_min(r_min, group_ids_R, num_segments=num_groups)
+  return max_G, min_G
+
+
+def _gather(values_G, group_ids_R, valid_R):
+  # Padding rows may carry any id (even -1); clamp them to a real group, their value is masked.
+  return values_G[jnp.where(valid_R, group_ids_R, 0)]
+
+
+def informative_rollouts(rewards_R, group_ids_R, num_groups, valid_R=None):
+  """True where the rollout is valid and its group's valid rewards are not all equal."""
+  rewards_R = jnp.asarray(rewards_R, jnp.float32)
+  group_ids_R = jnp.asarray(group_ids_R, jnp.int32)
+  valid_R = _valid_or_all(valid_R, rewards_R.shape[0])
+  max_G, min_G = _group_extremes(rewards_R, group_ids_R, num_groups, valid_R)
+  return valid_R & _gather(max_G > min_G, group_ids_R, valid_R)
+
+
+def group_advantages(rewards_R, group_ids_R, num_groups, scale_by_std=True, eps=1e-6, valid_R=None):
+  """GRPO advantages (r − mean_g)/(std_g + eps), or Dr.GRPO's r − mean_g, by segment sums."""
+  rewards_R = jnp.asarray(rewards_R, jnp.float32)
+  group_ids_R = jnp.asarray(group_ids_R, jnp.int32)
+  valid_R = _valid_or_all(valid_R, rewards_R.shape[0])
+  w_R = valid_R.astype(jnp.float32)
+  count_G = jax.ops.segment_sum(w_R, group_ids_R, num_segments=num_groups)
+  sum_G = jax.ops.segment_sum(rewards_R * w_R, group_ids_R, num_segments=num_groups)
+  mean_G = sum_G / jnp.maximum(count_G, 1.0)
+  dev_R = (rewards_R - _gather(mean_G, group_ids_R, valid_R)) * w_R
+  if scale_by_std:
+    # Two-pass (centred) variance: no cancellation for large reward offsets.
+    sq_G = jax.ops.segment_sum(dev_R * dev_R, group_ids_R, num_segments=num_groups)
+    std_G = jnp.sqrt(sq_G / jnp.maximum(count_G - 1.0, 1.0))
+    dev_R = dev_R / (_gather(std_G, group_ids_R, valid_R) + eps)
+  # Constant groups (incl. size 1) have advantage exactly 0 in exact arithmetic; rounding in the
+  # mean would otherwise leave ~1e-8/eps residues, so zero them explicitly.
+  keep_R = informative_rollouts(rewards_R, group_ids_R, num_groups, valid_R)
+  return jnp.where(keep_R, dev_R, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """Static loss choices (hashable; a change recompiles), fixed for a run."""
+
+  aggregation: str = "token-mean"
+  dual_clip: float | None = None  # c > 1; lower-bounds the objective by c·A when A < 0
+  kl_estimator: str = "k3"
+  use_kl: bool = False
+  informative_only: bool = False
+  max_response_len: int = 0  # T_max of Dr.GRPO's seq-mean-token-sum-norm
+
+  def __post_init__(self):
+    if self.aggregation not in AGGREGATIONS:
+      raise ValueError(f"aggregation {self.aggregation!r} not in {AGGREGATIONS}")
+    if self.kl_estimator not in KL_ESTIMATORS:
+      raise ValueError(f"kl_estimator {self.kl_estimator!r} not in {KL_ESTIMATORS}")
+    if self.dual_clip is not None and not self.dual_clip > 1.0:
+      raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
+    if self.aggregation == "seq-mean-token-sum-norm" and self.max_response_len <= 0:
+      raise ValueError("seq-mean-token-sum-norm needs max_response_len > 0")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LossHparams:
+  """Traced f32 scalars that schedules may change every step without recompiling."""
+
+  eps_low: jax.Array
+  eps_high: jax.Array
+  kl_coef: jax.Array
+  entropy_coef: jax.Array
+
+  @classmethod
+  def create(cls, eps_low=0.2, eps_high=0.28, kl_coef=0.0, entropy_coef=0.0):
+    """Build from numbers as f32 arrays (Python floats would be weak-typed: a second trace)."""
+    f = lambda x: jnp.asarray(x, jnp.float32)
+    return cls(f(eps_low), f(eps_high), f(kl_coef), f(entropy_coef))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LossMetrics:
+  """Sums and counts, additive across micro-batches (`a + b`); see `finalize_metrics`."""
+
+  pg_loss: jax.Array  # −(aggregated objective)/denom: already a share of the global loss
+  kl_loss: jax.Array  # β·(aggregated KL)/denom
+  entropy_loss: jax.Array  # −λ·(aggregated entropy)/denom
+  token_count: jax.Array  # tokens that enter the loss
+  clipped_count: jax.Array  # tokens where the clipped branch is the active min
+  dual_clipped_count: jax.Array  # tokens where the dual clip c·A binds
+  ratio_sum: jax.Array
+  kl_sum: jax.Array
+  entropy_sum: jax.Array
+
+  def __add__(self, other):
+    return jax.tree.map(jnp.add, self, other)
+
+  @classmethod
+  def zeros(cls):
+    """All-zero metrics, the identity for accumulation."""
+    return cls(*(jnp.zeros((), jnp.float32) for _ in dataclasses.fields(cls)))
+
+
+def finalize_metrics(metrics):
+  """Turn summed metrics into means: clip_frac, kl, entropy, ratio_mean, pg_loss, …."""
+  n = metrics.token_count
+  per_token = lambda s: jnp.where(n > 0, s / jnp.maximum(n, 1.0), 0.0)
+  return {
+    "pg_loss": metrics.pg_loss,
+    "kl_loss": metrics.kl_loss,
+    "entropy_loss": metrics.entropy_loss,
+    "clip_frac": per_token(metrics.clipped_count),
+    "dual_clip_frac": per_token(metrics.dual_clipped_count),
+    "ratio_mean": per_token(metrics.ratio_sum),
+    "kl": per_token(metrics.kl_sum),
+    "entropy": per_token(metrics.entropy_sum),
+    "token_count": n,
+  }
+
+
+def _rollout_weights(mask_RxT, informative_R, cfg):
+  """Mask times the per-rollout weight (0 for non-informative rollouts if informative_only)."""
+  mask_RxT = jnp.asarray(mask_RxT, jnp.float32)
+  if cfg.informative_only:
+    if informative_R is None:
+      raise ValueError("informative_only needs informative_R")
+    mask_RxT = mask_RxT * jnp.asarray(informative_R, jnp.float32)[:, None]
+  return mask_RxT
+
+
+def loss_denominator(mask_RxT, informative_R, cfg: LossConfig):
+  """Global loss denominator for the whole step's batch (tokens or non-empty sequences)."""
+  w_RxT = _rollout_weights(mask_RxT, informative_R, cfg)
+  if cfg.aggregation == "token-mean":
+    return jnp.sum(w_RxT)
+  # Padding rows have no tokens, so "sequences with ≥ 1 token" excludes them in both seq modes.
+  return jnp.sum((jnp.sum(w_RxT, axis=1) > 0).astype(jnp.float32))
+
+
+def _aggregate(x_RxT, w_RxT, mask_RxT, cfg):
+  """Numerator of the chosen aggregation: a sum over rows, so additive across micro-batches."""
+  xw_RxT = x_RxT * w_RxT
+  if cfg.aggregation == "token-mean":
+    return jnp.sum(xw_RxT)
+  if cfg.aggregation == "seq-mean-token-mean":
+    len_R = jnp.maximum(jnp.sum(mask_RxT, axis=1), 1.0)
+    return jnp.sum(jnp.sum(xw_RxT, axis=1) / len_R)
+  return jnp.sum(xw_RxT) / cfg.max_response_len
+
+
+def _kl(logp_RxT, ref_logp_RxT, estimator):
+  """Per-token KL(π_θ ‖ π_ref) estimate from log-probs of the sampled tokens."""
+  d_RxT = ref_logp_RxT - logp_RxT
+  if estimator == "k1":
+    return -d_RxT
+  if estimator == "k2":
+    return 0.5 * d_RxT * d_RxT
+  return jnp.exp(d_RxT) - d_RxT - 1.0
+
+
+def grpo_loss(
+  logp_RxT,
+  old_logp_RxT,
+  adv_R,
+  mask_RxT,
+  entropy_RxT,
+  ref_logp_RxT,
+  informative_R,
+  denom,
+  hp: LossHparams,
+  cfg: LossConfig,
+  *,
+  adv_RxT=None,
+):
+  """Clipped GRPO surrogate + β·KL − λ·entropy, each aggregated and divided by `denom`.
+
+  `adv_RxT`, if given, is a per-token advantage (e.g. `dynamo_modulate`'s) used in the surrogate
+  and the dual clip instead of `adv_R` broadcast over tokens; `adv_R` is then ignored.
+  """
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  mask_RxT = f32(mask_RxT)
+  on_RxT = mask_RxT > 0
+  w_RxT = _rollout_weights(mask_RxT, informative_R, cfg)
+  # Padded positions may hold -inf log-probs; select them away before exp so neither the value
+  # nor the gradient sees a NaN.
+  logp_RxT = jnp.where(on_RxT, f32(logp_RxT), 0.0)
+  old_RxT = jnp.where(on_RxT, jax.lax.stop_gradient(f32(old_logp_RxT)), 0.0)
+  if adv_RxT is None:
+    adv_RxT = jnp.broadcast_to(f32(adv_R)[:, None], mask_RxT.shape)
+  else:
+    # Masked positions may hold anything; zero them so no NaN reaches the (zero-weighted) sum.
+    adv_RxT = jnp.where(on_RxT, f32(adv_RxT), 0.0)
+  adv_RxT = jax.lax.stop_gradient(adv_RxT)
+
+  ratio_RxT = jnp.exp(logp_RxT - old_RxT)
+  unclipped_RxT = ratio_RxT * adv_RxT
+  clipped_RxT = jnp.clip(ratio_RxT, 1.0 - hp.eps_low, 1.0 + hp.eps_high) * adv_RxT
+  obj_RxT = jnp.minimum(unclipped_RxT, clipped_RxT)
+  is_clipped_RxT = clipped_RxT < unclipped_RxT
+  is_dual_RxT = jnp.zeros_like(is_clipped_RxT)
+  if cfg.dual_clip is not None:
+    floor_RxT = cfg.dual_clip * adv_RxT
+    is_dual_RxT = (adv_RxT < 0) & (floor_RxT > obj_RxT)
+    obj_RxT = jnp.where(is_dual_RxT, floor_RxT, obj_RxT)
+
+  safe_denom = jnp.where(denom > 0, denom, 1.0)  # empty batch: every numerator is 0 too
+  pg_loss = -_aggregate(obj_RxT, w_RxT, mask_RxT, cfg) / safe_denom
+
+  kl_RxT = jnp.zeros_like(logp_RxT)
+  if cfg.use_kl:
+    if ref_logp_RxT is None:
+      raise ValueError("use_kl needs ref_logp_RxT")
+    ref_RxT = jnp.where(on_RxT, jax.lax.stop_gradient(f32(ref_logp_RxT)), 0.0)
+    kl_RxT = _kl(logp_RxT, ref_RxT, cfg.kl_estimator)
+  kl_loss = hp.kl_coef * _aggregate(kl_RxT, w_RxT, mask_RxT, cfg) / safe_denom
+
+  ent_RxT = jnp.zeros_like(logp_RxT)
+  if entropy_RxT is not None:
+    ent_RxT = jnp.where(on_RxT, f32(entropy_RxT), 0.0)
+  entropy_loss = -hp.entropy_coef * _aggregate(ent_RxT, w_RxT, mask_RxT, cfg) / safe_denom
+
+  loss = pg_loss + kl_loss + entropy_loss
+  tok = lambda x_RxT: jnp.sum(jnp.where(w_RxT > 0, f32(x_RxT), 0.0))
+  metrics = LossMetrics(
+    pg_loss=jax.lax.stop_gradient(pg_loss),
+    kl_loss=jax.lax.stop_gradient(kl_loss),
+    entropy_loss=jax.lax.stop_gradient(entropy_loss),
+    token_count=tok(jnp.ones_like(w_RxT)),
+    clipped_count=tok(is_clipped_RxT),
+    dual_clipped_count=tok(is_dual_RxT),
+    ratio_sum=jax.lax.stop_gradient(tok(ratio_RxT)),
+    kl_sum=jax.lax.stop_gradient(tok(kl_RxT)),
+    entropy_sum=jax.lax.stop_gradient(tok(ent_RxT)),
+  )
+  return loss, metrics
+
+
+def dynamo_modulate(
+  adv, logp, old_logp, entropy, mask, eps_low, eps_high, alpha=0.4, gamma=50.0, tau=0.9
+):
+  """DynaMO per-token advantage A·f·g (Eq. 8–14), f32[R,T], no gradient, 0 on masked tokens.
+
+  `adv` is the sequence advantage f[R]; `logp`, `old_logp`, `entropy` and `mask` are [R,T] (entropy
+  of the full softmax at τ). The normaliser max Ξ and the entropy range H_min/H_max are taken over
+  the valid tokens of the arrays given: with micro-batching that is the micro-batch, not the whole
+  step. Every hyperparameter may be a traced scalar.
+  """
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  mask_RxT = f32(mask)
+  on_RxT = mask_RxT > 0
+  # Padded positions may hold −inf log-probs or garbage entropies: zero them before any arithmetic.
+  logp_RxT = jnp.where(on_RxT, f32(logp), 0.0)
+  old_RxT = jnp.where(on_RxT, f32(old_logp), 0.0)
+  ent_RxT = jnp.where(on_RxT, f32(entropy), 0.0)
+  adv_RxT = jnp.broadcast_to(f32(adv)[:, None], mask_RxT.shape)
+  alpha = f32(alpha)
+
+  # Stabilisation f: Ξ estimates |ΔH| of Eq. 10–11 from the sampled token only.
+  ratio_RxT = jnp.exp(logp_RxT - old_RxT)
+  unclipped_RxT = ((adv_RxT > 0) & (ratio_RxT <= 1.0 + eps_high)) | (
+    (adv_RxT < 0) & (ratio_RxT >= 1.0 - eps_low)
+  )
+  xi_RxT = jnp.where(unclipped_RxT, ratio_RxT * adv_RxT, 0.0)
+  t1_RxT = jnp.exp(logp_RxT) * (logp_RxT + ent_RxT)
+  len_Rx1 = jnp.maximum(jnp.sum(mask_RxT, axis=1, keepdims=True), 1.0)
+  mean_t1_Rx1 = jnp.sum(t1_RxT * mask_RxT, axis=1, keepdims=True) / len_Rx1
+  big_xi_RxT = jnp.abs(xi_RxT * (t1_RxT - mean_t1_Rx1)) * mask_RxT
+  x_RxT = big_xi_RxT / (jnp.max(big_xi_RxT) + 1e-8)
+  lam_min = 1.0 - alpha
+  f_RxT = lam_min + (1.0 - lam_min) * jax.nn.sigmoid(-gamma * (x_RxT - tau))
+
+  # Compensation g for A > 0; an all-masked batch has no entropy range, use g = 1 there.
+  any_on = jnp.any(on_RxT)
+  h_max = jnp.where(any_on, jnp.max(jnp.where(on_RxT, ent_RxT, -jnp.inf)), 0.0)
+  h_min = jnp.where(any_on, jnp.min(jnp.where(on_RxT, ent_RxT, jnp.inf)), 0.0)
+  g_pos_RxT = 1.0 + alpha * (h_max - ent_RxT) / (h_max - h_min + 1e-8)
+  g_RxT = jnp.where(adv_RxT > 0, g_pos_RxT, 1.0)
+  return jax.lax.stop_gradient(adv_RxT * f_RxT * g_RxT) * mask_RxT
+
+
+def eepo_unlearning_loss_from_logp(logp_RxT, log1m_p_RxT, mask_RxT, eps_l, eps_r):
+  """EEPO's L = mean_k (1/T_k)·Σ_t m_t·[p_t ≥ ε_L]·log(1 − p_t), from log p and log(1 − p).
+
+  The caller ascends L (θ' ← θ' + η·∇L). Value: each log(1 − p) term is floored at log ε_R.
+  Gradient: straight-through, that of the unfloored `log1m_p_RxT` (−p on the token's logit when it
+  comes from `logp_log1m_p_from_logits`), so a dominant token keeps a gradient where the paper's
+  clip of p to 1 − ε_R would give none. Tokens with p < ε_L contribute 0 in value and gradient.
+  T_k counts the valid tokens of sequence k; rows with none (padding) are left out of the mean.
+  """
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  mask_RxT = f32(mask_RxT)
+  logp_RxT = f32(logp_RxT)
+  log1m_p_RxT = f32(log1m_p_RxT)
+  active_RxT = (mask_RxT > 0) & (jax.lax.stop_gradient(jnp.exp(logp_RxT)) >= eps_l)
+  term_RxT = jnp.where(active_RxT, log1m_p_RxT, 0.0)
+  floored_RxT = jnp.maximum(term_RxT, jnp.log(f32(eps_r)))
+  # Forward: exactly the floored value (term − sg(term) is exactly 0); backward: d term.
+  term_RxT = jax.lax.stop_gradient(floored_RxT) + (term_RxT - jax.lax.stop_gradient(term_RxT))
+  term_RxT = jnp.where(active_RxT, term_RxT, 0.0)
+  len_R = jnp.sum(mask_RxT, axis=1)
+  seq_R = jnp.sum(term_RxT, axis=1) / jnp.maximum(len_R, 1.0)
+  num_seqs = jnp.sum((len_R > 0).astype(jnp.float32))
+  return jnp.sum(seq_R) / jnp.maximum(num_seqs, 1.0)
+
+
+def eepo_unlearning_loss(logits, tokens, mask, eps_l, eps_r):
+  """EEPO unlearning loss from logits f[R,T,V] at τ = 1 (divide by τ first); see `_from_logp`."""
+  R, T, V = logits.shape
+  logp_N, log1m_p_N = logp_log1m_p_from_logits(
+    jnp.reshape(logits, (R * T, V)), jnp.reshape(jnp.asarray(tokens), (R * T,)), 1.0
+  )
+  return eepo_unlearning_loss_from_logp(
+    logp_N.reshape(R, T), log1m_p_N.reshape(R, T), mask, eps_l, eps_r
+  )

@@ -1,0 +1,175 @@
+"""One home for the run's compiled programs: the trainer runs them, ``--plan`` lowers them.
+
+``Programs`` holds what every jitted step of a run shares (the model's graphdef, the mesh, the
+optimizer, the train state's shardings) and builds each jitted function once per static
+configuration: the GRPO update per ``RLStepConfig`` (one per phase), π_old rescoring per log-prob
+chunk, EEPO's forgetting step per ``ForgetConfig``. ``Trainer`` and ``plan.build`` both construct
+their programs here, so the plan compiles exactly the functions, static arguments, donations and
+output shardings that run. (The JAX sampler's jitted body lives with the sampler,
+``rollout.sampler.generate``; the plan lowers that same function.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxrl.config import Config
+from jaxrl.parallel import sharding
+from jaxrl.rl import losses, optim, step
+from jaxrl.types import TrainState
+
+
+def rl_step_config(cfg: Config) -> step.RLStepConfig:
+  """The static structure of a phase's GRPO update (part of its compiled function)."""
+  loss = losses.LossConfig(
+    aggregation=cfg.loss.aggregation,
+    dual_clip=cfg.loss.dual_clip or None,
+    kl_estimator=cfg.loss.kl_estimator,
+    use_kl=cfg.loss.kl_coef > 0,
+    informative_only=cfg.loss.informative_only,
+    max_response_len=cfg.rollout.max_new_tokens,
+  )
+  mod = cfg.modulation
+  return step.RLStepConfig(
+    loss=loss,
+    num_groups=cfg.batch_questions,
+    mini_batches=cfg.loss.mini_batches,
+    micro_batches=cfg.loss.micro_batches,
+    scale_by_std=cfg.loss.scale_by_std,
+    logprob_chunk=cfg.loss.logprob_chunk,
+    modulation=mod.enabled,
+    modulation_alpha=mod.alpha,
+    modulation_gamma=mod.gamma,
+    modulation_tau=mod.tau,
+  )
+
+
+def step_hparams(cfg: Config, tau, eps_high) -> step.StepHparams:
+  """The step's traced knobs: changing them never recompiles."""
+  f32 = jnp.float32
+  return step.StepHparams(
+    loss=losses.LossHparams(
+      eps_low=f32(cfg.loss.eps_low),
+      eps_high=f32(eps_high),
+      kl_coef=f32(cfg.loss.kl_coef),
+      entropy_coef=f32(cfg.loss.entropy_coef),
+    ),
+    tau=f32(tau),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class ForgetConfig:
+  """Static arguments of EEPO's forgetting step (ALGORITHMS.md §5)."""
+
+  logprob_chunk: int
+  lr: float
+  eps_l: float
+  eps_r: float
+
+  @classmethod
+  def from_config(cls, cfg: Config) -> ForgetConfig:
+    e = cfg.eepo
+    return cls(cfg.loss.logprob_chunk, e.lr, e.eps_l, e.eps_r)
+
+
+def train_state_shardings(tx: optax.GradientTransformation, abstract_params, mesh):
+  """Shardings of a ``TrainState``: params by logical axes, optimizer moments like their params."""
+  return TrainState(
+    step=sharding.replicated(mesh),
+    params=sharding.tree_shardings(abstract_params, mesh),
+    opt_state=sharding.tree_shardings(jax.eval_shape(tx.init, abstract_params), mesh),
+  )
+
+
+class Programs:
+  """The jitted programs of one run (or one SFT warm start) on one mesh."""
+
+  def __init__(self, graphdef, abstract_params, mesh, tx: optax.GradientTransformation):
+    self.graphdef = graphdef
+    self.mesh = mesh
+    self.tx = tx
+    self.state_shardings = train_state_shardings(tx, abstract_params, mesh)
+    self.param_shardings = self.state_shardings.params
+    self._built: dict[tuple, object] = {}
+
+  @classmethod
+  def for_run(cls, cfg: Config, graphdef, abstract_params, mesh) -> Programs:
+    """The RL run's programs: its optimizer is ``optim`` of the config."""
+    return cls(graphdef, abstract_params, mesh, optim.from_config(cfg.optim))
+
+  def _once(self, key: tuple, build):
+    if key not in self._built:
+      self._built[key] = build()
+    return self._built[key]
+
+  @property
+  def init_state(self):
+    """params → TrainState on the state's shardings (step 0, fresh optimizer moments)."""
+    return self._once(
+      ("init_state",),
+      lambda: jax.jit(
+        functools.partial(step.init_state, tx=self.tx), out_shardings=self.state_shardings
+      ),
+    )
+
+  def update(self, step_cfg: step.RLStepConfig):
+    """The GRPO update ``(state, batch, hparams, ref_params) → (state, metrics)``; the state is
+    donated (updated in place) and keeps its shardings."""
+    return self._once(
+      ("update", step_cfg),
+      lambda: jax.jit(
+        functools.partial(step.rl_update, self.graphdef, self.tx, step_cfg),
+        donate_argnums=(0,),
+        out_shardings=(self.state_shardings, None),
+      ),
+    )
+
+  def sft_update(self, chunk: int):
+    """One supervised step ``(state, prompt ids, mask, target ids, mask) → (state, metrics)``."""
+    return self._once(
+      ("sft_update", chunk),
+      lambda: jax.jit(
+        functools.partial(step.sft_update, self.graphdef, self.tx, chunk),
+        donate_argnums=(0,),
+        out_shardings=(self.state_shardings, None),
+      ),
+    )
+
+  def logp(self, chunk: int):
+    """π_old log-probs and entropies at τ of rows sharded over the data axes, in ``micro``
+    sequential strided chunks (``micro`` static)."""
+    return self._once(
+      ("logp", chunk),
+      lambda: jax.jit(
+        functools.partial(step.logp_responses_chunked, self.graphdef, chunk_size=chunk),
+        static_argnames=("micro",),
+      ),
+    )
+
+  def forget(self, fc: ForgetConfig):
+    """EEPO's θ' = θ + η∇L; θ' gets θ's shardings, so stage 2 reuses stage 1's sampler."""
+    return self._once(
+      ("forget", fc),
+      lambda: jax.jit(
+        functools.partial(
+          step.eepo_forget,
+          self.graphdef,
+          fc.logprob_chunk,
+          lr=fc.lr,
+          eps_l=fc.eps_l,
+          eps_r=fc.eps_r,
+        ),
+        out_shardings=(self.param_shardings, None),
+        static_argnames=("micro",),
+      ),
+    )
+
+  def built(self) -> dict[tuple, object]:
+    """Every program built so far, by (kind, static configuration)."""
+    return dict(self._built)

@@ -1,0 +1,73 @@
+"""A step's rollouts with π_old: the engine samples, and when it cannot return entropies (vLLM) the
+rollouts are rescored under the params that sampled them.
+
+``Collector`` is the one place that turns host rows into device rows for the rescoring and
+forgetting programs (rows sharded over the data axes, ``step.sequential_chunks`` sequential
+chunks: what ``--plan`` compiles).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl.parallel import distributed, sharding
+from jaxrl.rl import step
+from jaxrl.rl.programs import ForgetConfig, Programs
+from jaxrl.rollout.engine import RolloutEngine
+from jaxrl.types import Rollouts
+
+
+def token_mean_entropy(rollouts: Rollouts) -> float:
+  """Token-weighted mean entropy at τ over every generated token."""
+  mask = np.asarray(rollouts.mask_RxN)
+  return float((np.asarray(rollouts.entropy_RxN) * mask).sum() / max(mask.sum(), 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Collector:
+  """Samples from ``engine`` and scores / forgets with the run's ``programs``."""
+
+  engine: RolloutEngine
+  programs: Programs
+  logprob_chunk: int
+  micro_batches: int  # loss.micro_batches: the rescoring's chunks are at most this many
+
+  def sample(self, params, ids_BxP, mask_BxP, counts_B, tau, key, max_new_tokens: int):
+    """Rollouts with π_old log-probs and entropies at τ under ``params``, and a metrics dict.
+
+    The JAX sampler returns both. A vLLM sidecar returns its own log-probs but no entropies: the
+    rollouts are scored here under the params that sampled them (one forward, as the update does),
+    those log-probs serve as π_old, and the largest gap to the server's is logged.
+    """
+    out = self.engine.generate(ids_BxP, mask_BxP, counts_B, tau, key, max_new_tokens=max_new_tokens)
+    if self.engine.provides_entropy:
+      return out, {}
+    logp, ent = distributed.to_host(self.logp(params, out, tau))
+    gap = float(np.max(np.abs(logp - out.logp_RxN), initial=0.0))
+    out = jax.tree.map(jnp.asarray, dataclasses.replace(out, logp_RxN=logp, entropy_RxN=ent))
+    return out, {"rollout_logp_gap": gap}
+
+  def _rows(self, rollouts: Rollouts):
+    """The rows a forward reads, sharded over the data axes; and how many sequential chunks."""
+    rows = (
+      rollouts.prompt_ids_RxP,
+      rollouts.prompt_mask_RxP,
+      rollouts.tokens_RxN,
+      rollouts.mask_RxN,
+    )
+    batch = sharding.shard_batch(tuple(np.asarray(x) for x in rows), self.programs.mesh)
+    return batch, step.sequential_chunks(len(rows[0]), self.micro_batches)
+
+  def logp(self, params, rollouts: Rollouts, tau):
+    """(logp_RxN, entropy_RxN) at τ of the rollouts under ``params``."""
+    batch, micro = self._rows(rollouts)
+    return self.programs.logp(self.logprob_chunk)(params, *batch, jnp.float32(tau), micro=micro)
+
+  def forget(self, params, rollouts: Rollouts, tau, fc: ForgetConfig):
+    """EEPO's (θ', unlearning loss) from the rollouts' rows."""
+    batch, micro = self._rows(rollouts)
+    return self.programs.forget(fc)(params, *batch, jnp.float32(tau), micro=micro)

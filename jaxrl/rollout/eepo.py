@@ -1,0 +1,80 @@
+"""EEPO's two-stage rollouts (ALGORITHMS.md §5): sample → gate → forget → sample.
+
+Stage 1 samples half of each question's rollouts (``eepo_stage1_counts``: exactly R/2 rows); the
+gate reads their entropy; when it fires, one ascent step on the unlearning objective gives θ', the
+engine samples stage 2 from θ' (pushed as a temporary version: the next step's ``set_weights``
+replaces it), and the two stages are concatenated. π_old of stage 2 comes from θ', or is recomputed
+under θ (``eepo.old_logp_from = "policy"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.methods.policies import eepo_stage1_counts
+from jaxrl.rl.programs import ForgetConfig
+from jaxrl.rollout.collect import Collector, token_mean_entropy
+from jaxrl.types import Rollouts
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoStage:
+  """What EEPO adds to a step: the rollouts, the gate's new state and the step's EEPO metrics."""
+
+  rollouts: Rollouts
+  gate_state: object
+  metrics: dict
+
+
+def two_stage_rollouts(
+  collector: Collector,
+  gate,
+  gate_state,
+  params,
+  ids_BxP,
+  mask_BxP,
+  counts_B,
+  tau,
+  key,
+  *,
+  version: int,
+  max_new_tokens: int,
+  forget: ForgetConfig,
+  old_logp_from: str,
+) -> TwoStage:
+  """``gate(gate_state, H_stage1) → (fire, gate_state)`` is the jitted EEPO gate controller."""
+  counts1_B = eepo_stage1_counts(counts_B)
+  out1, info1 = collector.sample(
+    params, ids_BxP, mask_BxP, counts1_B, tau, jax.random.fold_in(key, 1), max_new_tokens
+  )
+  h1 = token_mean_entropy(out1)
+  fire, gate_state = gate(gate_state, h1)
+  unlearn, params2 = float("nan"), params
+  if bool(fire):
+    params2, unlearn = collector.forget(params, out1, tau, forget)
+    collector.engine.set_weights(params2, f"{version}-forget")
+  out2, info2 = collector.sample(
+    params2,
+    ids_BxP,
+    mask_BxP,
+    counts_B - counts1_B,
+    tau,
+    jax.random.fold_in(key, 2),
+    max_new_tokens,
+  )
+  out = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out1, out2)
+  if bool(fire) and old_logp_from == "policy":
+    old_logp, _ = collector.logp(params, out, tau)
+    out = dataclasses.replace(out, logp_RxN=old_logp)
+  gaps = [d["rollout_logp_gap"] for d in (info1, info2) if d]
+  metrics = {
+    "eepo_gate": float(bool(fire)),
+    "eepo_unlearn_loss": float(unlearn),
+    "entropy_stage1": h1,
+    "entropy_stage2": token_mean_entropy(out2),
+    **({"rollout_logp_gap": max(gaps)} if gaps else {}),
+  }
+  return TwoStage(out, gate_state, metrics)

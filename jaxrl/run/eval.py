@@ -1,0 +1,131 @@
+"""Held-out evaluation as the papers report it: pass@1 = mean accuracy of n samples per question at
+τ (1.0 by default), unbiased pass@k from the same n samples, and greedy accuracy; per level and
+overall.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from jaxrl.run.metrics import pass_at_k_array
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+  levels: tuple[int, ...]
+  num_questions: dict  # level -> count
+  pass_at: dict  # k -> {level -> value}, and {"all" -> value}
+  greedy: dict  # level -> accuracy, and "all"
+
+  def to_json(self) -> dict:
+    return {
+      "levels": list(self.levels),
+      "num_questions": {str(k): v for k, v in self.num_questions.items()},
+      "pass_at": {str(k): {str(l): v for l, v in d.items()} for k, d in self.pass_at.items()},
+      "greedy": {str(l): v for l, v in self.greedy.items()},
+    }
+
+  @staticmethod
+  def from_json(d: dict) -> "EvalResult":
+    def lv(x):
+      return x if x == "all" else int(x)
+
+    return EvalResult(
+      levels=tuple(d["levels"]),
+      num_questions={int(k): v for k, v in d["num_questions"].items()},
+      pass_at={int(k): {lv(l): v for l, v in m.items()} for k, m in d["pass_at"].items()},
+      greedy={lv(l): v for l, v in d["greedy"].items()},
+    )
+
+
+def _per_level(values_Q: np.ndarray, levels_Q: np.ndarray, levels: Sequence[int]) -> dict:
+  out = {lvl: float(values_Q[levels_Q == lvl].mean()) for lvl in levels}
+  out["all"] = float(values_Q.mean())
+  return out
+
+
+def engine_sampler(engine, decode: Callable, temperature: float, on_call: Callable | None = None):
+  """The ``sample_fn`` of ``evaluate`` over a rollout engine: responses decoded to text."""
+
+  def sample_fn(ids, mask, counts, key, greedy):
+    out = engine.generate(ids, mask, counts, temperature, key, greedy=greedy)
+    if greedy and on_call is not None:  # one greedy call per chunk of questions
+      on_call()
+    return decode(out), np.asarray(out.group_ids_R)
+
+  return sample_fn
+
+
+def evaluate(
+  sample_fn: Callable,
+  prompt_ids_QxP: np.ndarray,
+  prompt_mask_QxP: np.ndarray,
+  levels_Q: np.ndarray,
+  score_fn: Callable,
+  *,
+  num_samples: int,
+  ks: Sequence[int],
+  questions_per_call: int,
+  key,
+) -> EvalResult:
+  """Sample ``num_samples`` answers per question (and one greedy answer) and score them.
+
+  ``sample_fn(ids_BxP, mask_BxP, counts_B, key, greedy) -> (responses: list[str], group_ids_R)`` runs
+  the engine on a fixed-size chunk of questions; ``score_fn(responses, question_indices) -> rewards``.
+  The last chunk is padded by repeating its first question so every call has the same shapes.
+  """
+  num_q = len(levels_Q)
+  correct_Q = np.zeros(num_q, np.int64)
+  greedy_Q = np.zeros(num_q, np.float64)
+  for start in range(0, num_q, questions_per_call):
+    idx = np.arange(start, min(start + questions_per_call, num_q))
+    padded = np.concatenate([idx, np.full(questions_per_call - len(idx), idx[0])])
+    ids, mask = prompt_ids_QxP[padded], prompt_mask_QxP[padded]
+    key, k_sample, k_greedy = jax.random.split(key, 3)
+    counts = np.full(questions_per_call, num_samples, np.int32)
+    responses, group_ids = sample_fn(ids, mask, counts, k_sample, False)
+    rewards = score_fn(responses, padded[np.asarray(group_ids)])
+    per_q = np.bincount(np.asarray(group_ids), weights=(rewards > 0), minlength=questions_per_call)
+    correct_Q[idx] = per_q[: len(idx)].astype(np.int64)
+    responses, group_ids = sample_fn(
+      ids, mask, np.ones(questions_per_call, np.int32), k_greedy, True
+    )
+    rewards = score_fn(responses, padded[np.asarray(group_ids)])
+    greedy_Q[idx] = rewards[: len(idx)] > 0
+  levels = tuple(sorted(set(int(l) for l in levels_Q)))
+  pass_at = {
+    k: _per_level(pass_at_k_array(np.full(num_q, num_samples), correct_Q, k), levels_Q, levels)
+    for k in ks
+  }
+  return EvalResult(
+    levels=levels,
+    num_questions={lvl: int((levels_Q == lvl).sum()) for lvl in levels},
+    pass_at=pass_at,
+    greedy=_per_level(greedy_Q, levels_Q, levels),
+  )
+
+
+def comparison_table(
+  before: EvalResult, after: EvalResult, ks: Sequence[int], level_names: Sequence[str] | None = None
+) -> str:
+  """Markdown table of held-out pass@k and greedy accuracy per level, before → after."""
+  head = ["level", "n"]
+  cols = []
+  for k in ks:
+    cols += [f"pass@{k} SFT", f"pass@{k} RL", "Δ"]
+  cols += ["greedy SFT", "greedy RL", "Δ"]
+  lines = ["| " + " | ".join(head + cols) + " |", "|" + "---|" * (len(head) + len(cols))]
+  for lvl in list(before.levels) + ["all"]:
+    n = sum(before.num_questions.values()) if lvl == "all" else before.num_questions[lvl]
+    row = [level_names[lvl] if level_names is not None and lvl != "all" else str(lvl), str(n)]
+    for k in ks:
+      b, a = before.pass_at[k][lvl], after.pass_at[k][lvl]
+      row += [f"{100 * b:.1f}", f"{100 * a:.1f}", f"{100 * (a - b):+.1f}"]
+    b, a = before.greedy[lvl], after.greedy[lvl]
+    row += [f"{100 * b:.1f}", f"{100 * a:.1f}", f"{100 * (a - b):+.1f}"]
+    lines.append("| " + " | ".join(row) + " |")
+  return "\n".join(lines)

@@ -1,0 +1,242 @@
+"""``python -m jaxrl.eval``: avg@n and unbiased pass@k of a checkpoint on benchmark files.
+
+  python -m jaxrl.eval --config=configs/qwen7b.py --checkpoint=runs/qwen7b \\
+      --benchmarks=aime24=data/aime24.jsonl,math500=data/math500.jsonl [--num_samples=16 --ks=1,16]
+
+``--checkpoint``: an HF directory (config.json + safetensors), a run directory (its latest
+checkpoint) or one of its ``checkpoints/N``. Each benchmark is a dataset file read with the config's
+field mapping and prompt template (default: ``data.heldout``); n samples per question at
+``eval.temperature`` plus one greedy answer, scored by the config's verifier. Writes
+``eval_results.json`` and ``eval_results.md`` into ``--out`` (default: ``CHECKPOINT/eval``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+
+import jax
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", None, "Path to a config file (configs/*.py[:arg])."
+)
+_CHECKPOINT = flags.DEFINE_string(
+  "checkpoint", None, "HF directory, run directory or run checkpoint."
+)
+_BENCHMARKS = flags.DEFINE_string("benchmarks", "", "NAME=PATH,... (default: data.heldout).")
+_OUT = flags.DEFINE_string("out", "", "Where to write eval_results.{json,md}.")
+_NUM_SAMPLES = flags.DEFINE_integer(
+  "num_samples", 0, "n samples per question (0: eval.num_samples)."
+)
+_KS = flags.DEFINE_string("ks", "", "k values of pass@k (default: eval.ks).")
+
+log = logging.getLogger(__name__)
+
+
+def parse_benchmarks(spec: str, default: str) -> list[tuple[str, str]]:
+  """``"a=x.jsonl,y.parquet"`` → [("a", "x.jsonl"), ("y", "y.parquet")]."""
+  out = []
+  for part in filter(None, (p.strip() for p in (spec or default).split(","))):
+    name, sep, path = part.partition("=")
+    if not sep:
+      name, path = os.path.splitext(os.path.basename(part.rstrip("/")))[0], part
+    out.append((name.strip(), path.strip()))
+  if not out:
+    raise ValueError("no benchmark: pass --benchmarks=NAME=PATH,... or set data.heldout")
+  return out
+
+
+def _run_checkpoint(path: str) -> tuple[str, int] | None:
+  """(checkpoints dir, step) when ``path`` is a run directory or one of its checkpoints."""
+  path = os.path.abspath(path)
+  if os.path.isdir(os.path.join(path, "checkpoints")):
+    return os.path.join(path, "checkpoints"), -1
+  parent, step = os.path.split(path)
+  if step.isdigit() and os.path.basename(parent) == "checkpoints":
+    return parent, int(step)
+  return None
+
+
+def load_params(cfg, path: str, graphdef_and_shardings):
+  """Params of an HF directory or a jaxrl run checkpoint, on the given shardings."""
+  from jaxrl.nn import hf
+  from jaxrl.run.checkpoint import Checkpointer
+
+  abstract_params, shardings = graphdef_and_shardings
+  run = _run_checkpoint(path)
+  if run is None:
+    m = cfg.model
+    return hf.load_hf_checkpoint(
+      path,
+      dtype=np.dtype(m.param_dtype),
+      shardings=shardings,
+      scan_layers=m.scan_layers,
+      remat=m.remat,
+      compute_dtype=m.dtype,
+    )[2]
+  directory, step = run
+  ckpt = Checkpointer(directory, keep=1, async_save=False)
+  try:
+    step = ckpt.latest_step() if step < 0 else step
+    if step is None:
+      raise FileNotFoundError(f"{directory}: no checkpoint")
+    target = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params, shardings
+    )
+    log.info("restoring params of %s step %d", directory, step)
+    return ckpt.restore_params(step, target)
+  finally:
+    ckpt.close()
+
+
+def markdown(results: dict, ks, num_samples: int) -> str:
+  cols = [f"avg@{num_samples}"] + [f"pass@{k}" for k in ks] + ["greedy"]
+  lines = ["| benchmark | questions | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+  for name, r in results.items():
+    values = (
+      [r[f"avg@{num_samples}"]] + [r["pass_at"][str(k)]["all"] for k in ks] + [r["greedy"]["all"]]
+    )
+    lines.append(
+      f"| {name} | {sum(r['num_questions'].values())} | "
+      + " | ".join(f"{100 * v:.1f}" for v in values)
+      + " |"
+    )
+  return "\n".join(lines)
+
+
+def evaluate_checkpoint(
+  cfg,
+  checkpoint: str,
+  benchmarks: list[tuple[str, str]],
+  out_dir: str,
+  num_samples: int = 0,
+  ks: tuple[int, ...] = (),
+) -> dict:
+  """Evaluate ``checkpoint`` on each benchmark; write and return the results."""
+  from jaxrl import rng
+  from jaxrl.nn import arch, model
+  from jaxrl.parallel import sharding
+  from jaxrl.rollout.build import build_engine
+  from jaxrl.run.eval import engine_sampler, evaluate
+  from jaxrl.tasks import math_task
+  from jaxrl.tasks.data import datasets, math_prompts
+  from jaxrl.tasks.data.prompts import decode_responses
+
+  num_samples = num_samples or cfg.eval.num_samples
+  ks = ks or cfg.eval_ks
+  if _run_checkpoint(checkpoint) is None:  # an HF directory: its own architecture and tokenizer
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, checkpoint=checkpoint))
+  model_cfg = arch.model_config(cfg)
+  mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  graphdef, abstract_params = model.abstract(model_cfg)
+  shardings = sharding.tree_shardings(abstract_params, mesh)
+  tokenizer = math_prompts.load_tokenizer(cfg.model.checkpoint)
+  stops = math_prompts.stop_token_ids(cfg.model.checkpoint, tokenizer)
+  params = load_params(cfg, checkpoint, (abstract_params, shardings))
+  scorer = math_task.MathScorer(cfg)
+  engine = build_engine(
+    cfg,
+    graphdef,
+    model_cfg,
+    tokenizer=tokenizer,
+    eos_id=stops,
+    pad_id=tokenizer.pad_token_id,
+    prompt_len=cfg.task.max_prompt_len,
+    workdir=out_dir,
+  )
+
+  def decode(out):
+    return decode_responses(tokenizer, np.asarray(out.tokens_RxN), np.asarray(out.lengths_R))
+
+  results = {}
+  try:
+    engine.set_weights(params, "eval")
+    per_call = max(1, cfg.num_rollouts // num_samples)
+    for name, path in benchmarks:
+      questions, report = datasets.load_questions(
+        path, math_task.fields(cfg), split=cfg.data.split, strict=cfg.data.strict
+      )
+      enc = math_task.encode(cfg, tokenizer, questions.questions, name)
+      answers = np.asarray(questions.answers, dtype=object)[enc.kept_Q]
+
+      result = evaluate(
+        engine_sampler(engine, decode, cfg.eval.temperature),
+        enc.ids_QxP,
+        enc.mask_QxP,
+        np.zeros(len(enc.kept_Q), np.int32),
+        lambda responses, q: scorer(responses, answers[q]).rewards_R,
+        num_samples=num_samples,
+        ks=sorted({1, *ks}),
+        questions_per_call=per_call,
+        key=rng.key(cfg.seed, rng.EVAL),
+      )
+      row = result.to_json()
+      row[f"avg@{num_samples}"] = result.pass_at[1]["all"]  # pass@1 of n samples = mean accuracy
+      row.update(path=path, dropped=enc.dropped, truncated=enc.truncated, rows=str(report))
+      results[name] = row
+      log.info("%s: %s", name, {k: v for k, v in row.items() if k.startswith("avg@")})
+  finally:
+    engine.close()
+    scorer.close()
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "eval_results.json"), "w") as f:
+    json.dump(
+      {
+        "checkpoint": checkpoint,
+        "num_samples": num_samples,
+        "ks": list(ks),
+        "temperature": cfg.eval.temperature,
+        "benchmarks": results,
+      },
+      f,
+      indent=1,
+    )
+  table = markdown(results, ks, num_samples)
+  with open(os.path.join(out_dir, "eval_results.md"), "w") as f:
+    f.write(
+      f"# {checkpoint}\n\nn = {num_samples} samples per question at τ = "
+      f"{cfg.eval.temperature} (avg@n = mean accuracy), unbiased pass@k, greedy.\n\n{table}\n"
+    )
+  return {"results": results, "table": table}
+
+
+def main(argv):
+  del argv
+  from jaxrl.config import ConfigError, from_configdict
+
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  for name in ("absl", "jax", "orbax"):
+    logging.getLogger(name).setLevel(logging.WARNING)
+  if _CONFIG.value is None or not _CHECKPOINT.value:
+    print("jaxrl.eval: error: --config and --checkpoint are required", file=sys.stderr)
+    sys.exit(2)
+  try:
+    cfg = from_configdict(_CONFIG.value)
+    benchmarks = parse_benchmarks(_BENCHMARKS.value, cfg.data.heldout)
+    ks = tuple(int(k) for k in _KS.value.split(",")) if _KS.value else ()
+    if not os.path.exists(_CHECKPOINT.value):
+      raise ValueError(f"--checkpoint {_CHECKPOINT.value!r} does not exist")
+    out = _OUT.value or os.path.join(_CHECKPOINT.value, "eval")
+    # A training run's directory already holds its compiled programs (the sampler among them).
+    from jaxrl.run import compile_cache
+
+    run = _run_checkpoint(_CHECKPOINT.value)
+    compile_cache.enable(cfg.compile_cache, os.path.dirname(run[0]) if run else out)
+    summary = evaluate_checkpoint(
+      cfg, _CHECKPOINT.value, benchmarks, out, num_samples=_NUM_SAMPLES.value, ks=ks
+    )
+  except (ConfigError, ValueError, FileNotFoundError) as e:
+    print(f"jaxrl.eval: error: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(summary["table"])
+  print(f"\nwritten: {out}/eval_results.json, eval_results.md")
+
+
+def run():
+  app.run(main)

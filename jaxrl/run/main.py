@@ -1,0 +1,241 @@
+"""Command line: ``python -m jaxrl.main --config=configs/tiny.py --workdir=DIR [--config.x=y]``.
+
+A thin shell over ``jaxrl.run.train``: parse flags, convert the config once, run. A broken config (or
+flag) prints one line naming the field and exits with code 2, before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", None, "Path to a config file (configs/*.py[:arg])."
+)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for everything the run writes.")
+_PLAN = flags.DEFINE_bool(
+  "plan",
+  False,
+  "Print the per-device memory plan of the configured mesh and exit (no weights "
+  "needed; with fake devices via XLA_FLAGS it also compiles the train step ahead of time).",
+)
+_COORDINATOR = flags.DEFINE_string(
+  "coordinator_address",
+  "",
+  "Multi-process runs: host:port of process 0 (or $JAXRL_COORDINATOR); "
+  "'auto' lets JAX read the cluster (SLURM, TPU pods).",
+)
+_NUM_PROCESSES = flags.DEFINE_integer(
+  "num_processes", 0, "Processes of the run ($JAXRL_NUM_PROCESSES)."
+)
+_PROCESS_ID = flags.DEFINE_integer("process_id", -1, "This process's index ($JAXRL_PROCESS_ID).")
+_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "CPU devices per process (0: JAX's default).")
+
+USAGE_ERROR = 2
+
+
+_BAD_FLAG_ERRORS = (flags.Error, OSError, ValueError, TypeError, AttributeError, KeyError)
+
+
+def _usage_error(e: BaseException):
+  """Print one line for a bad flag or config file and exit 2."""
+  cause = e.args[0] if e.args else None
+  if isinstance(e, AttributeError) and isinstance(cause, KeyError):  # ml_collections' unknown key
+    message = f"unknown config field {cause.args[0]}"
+  else:
+    # Errors raised inside a config file arrive wrapped with their traceback: keep the last line.
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    message = lines[-1] if lines else type(e).__name__
+  print(f"jaxrl: error: {message}", file=sys.stderr)
+  sys.exit(USAGE_ERROR)
+
+
+class _RunLog(logging.FileHandler):
+  """The run's log file. When it cannot be written (EFBIG, a full disk) that is said once on
+  stderr and the file is dropped: logging's default prints two tracebacks for every record after
+  that, from every thread, for the rest of the run."""
+
+  _dead = False
+
+  def emit(self, record):
+    if not self._dead:
+      super().emit(record)
+
+  def handleError(self, record):
+    if self._dead:
+      return
+    if not isinstance(sys.exc_info()[1], OSError):  # a bad record (format args), not the file
+      super().handleError(record)
+      return
+    self._dead = True
+    try:
+      print(
+        f"jaxrl: cannot write the log file {self.baseFilename} ({sys.exc_info()[1]}); "
+        "logging to stderr only",
+        file=sys.stderr,
+        flush=True,
+      )
+    except OSError:
+      pass
+
+
+def _parse_flags(argv):
+  try:
+    return flags.FLAGS(argv)
+  except _BAD_FLAG_ERRORS as e:
+    _usage_error(e)
+
+
+def main(argv):
+  del argv
+  # Past a file-size limit, writes fail with EFBIG (handled: a failed checkpoint is logged, the
+  # previous one kept) instead of the default SIGXFSZ killing the run.
+  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  from jaxrl.config import ConfigError, from_configdict
+  from jaxrl.methods import registry
+
+  if _CONFIG.value is None or not (_WORKDIR.value or _PLAN.value):
+    print("jaxrl: error: --config and --workdir are required", file=sys.stderr)
+    sys.exit(USAGE_ERROR)
+  try:
+    cfg = from_configdict(_CONFIG.value)  # the config file is loaded lazily, here
+    registry.check(cfg)  # method names: whatever the registry holds
+  except ConfigError as e:
+    print(f"jaxrl: error: {e}", file=sys.stderr)
+    sys.exit(USAGE_ERROR)
+  except _BAD_FLAG_ERRORS as e:
+    _usage_error(e)
+  if _PLAN.value:
+    from jaxrl.parallel import distributed
+    from jaxrl.run import plan, plan_report
+
+    distributed.initialize(cpu_devices=_CPU_DEVICES.value)
+    try:
+      print(plan_report.render(plan.build(cfg)))
+    except ConfigError as e:
+      print(f"jaxrl: error: {e}", file=sys.stderr)
+      sys.exit(USAGE_ERROR)
+    return
+  from jaxrl.nn.arch import checkpoint_error
+
+  if (error := checkpoint_error(cfg)) is not None:  # before the run directory is written
+    print(f"jaxrl: error: {error}", file=sys.stderr)
+    sys.exit(USAGE_ERROR)
+  from jaxrl.parallel import distributed
+
+  try:
+    distributed.initialize(
+      _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _CPU_DEVICES.value
+    )
+  except ValueError as e:
+    print(f"jaxrl: error: {e}", file=sys.stderr)
+    sys.exit(USAGE_ERROR)
+  import jax
+
+  workdir = os.path.abspath(_WORKDIR.value)
+  os.makedirs(workdir, exist_ok=True)
+  log_name = "log.txt" if jax.process_index() == 0 else f"log.process{jax.process_index()}.txt"
+  logging.basicConfig(
+    level=logging.INFO,
+    force=True,
+    format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    handlers=[logging.StreamHandler(sys.stderr), _RunLog(os.path.join(workdir, log_name))],
+  )
+  # orbax and absl log every checkpoint phase at INFO; keep the run's own log readable.
+  for name in ("absl", "jax", "orbax"):
+    logging.getLogger(name).setLevel(logging.WARNING)
+  from jaxrl.run import compile_cache
+
+  compile_cache.enable(cfg.compile_cache, workdir)
+  _leave(_run(cfg, workdir))
+
+
+def _run(cfg, workdir: str) -> int:
+  """Train; the process's exit code (0 after printing the results)."""
+  from jaxrl.config import ConfigError
+  from jaxrl.rollout.sidecar import SidecarError
+  from jaxrl.run.checkpoint import CheckpointError
+  from jaxrl.run.metrics import MetricsError
+  from jaxrl.run.stops import NonFiniteError, Stopped
+  from jaxrl.run.train import train
+
+  try:
+    result = train(cfg, workdir)
+  except ConfigError as e:  # found while building the task (e.g. an unknown level in a mixture)
+    print(f"jaxrl: error: {e}", file=sys.stderr)
+    return USAGE_ERROR
+  except SidecarError as e:  # checkpoints up to the last completed save are intact
+    print(
+      f"jaxrl: error: vLLM sidecar: {e}\njaxrl: the last checkpoint in {workdir}/checkpoints "
+      "is intact; run the same command again to resume.",
+      file=sys.stderr,
+    )
+    return 1
+  except CheckpointError as e:  # training went on; only the final write failed (or never ended)
+    print(f"jaxrl: error: {e}", file=sys.stderr)
+    return 1
+  except NonFiniteError as e:
+    print(f"jaxrl: error: {e}", file=sys.stderr)
+    return 1
+  except MetricsError as e:  # the step it failed on was not checkpointed: a resume redoes it
+    print(
+      f"jaxrl: error: {e}\njaxrl: the last checkpoint in {workdir}/checkpoints is intact; "
+      "free space and run the same command again to resume.",
+      file=sys.stderr,
+    )
+    return 1
+  except Stopped as e:  # SIGINT / SIGTERM: the step finished and its checkpoint is saved
+    print(f"\njaxrl: {e}; run the same command again to resume.", file=sys.stderr)
+    return 0
+  except KeyboardInterrupt:
+    print("\njaxrl: interrupted; run the same command again to resume.", file=sys.stderr)
+    return 130
+  except Exception:  # noqa: BLE001 - a bug or an I/O error: its traceback, and an exit that ends
+    _leave_if_unsettled(1, print_traceback=True)
+    raise
+  print("\nHeld-out evaluation, SFT warm start vs after RL (percent):\n")
+  print(result.table)
+  print(f"\nworkdir: {workdir} (metrics.jsonl, tensorboard/, run.png, checkpoints/, results.md)")
+  return 0
+
+
+def _leave(code: int) -> None:
+  _leave_if_unsettled(code)
+  sys.exit(code)
+
+
+def _leave_if_unsettled(code: int, print_traceback: bool = False) -> None:
+  """Exit now with ``os._exit`` if a checkpoint write never settled: its orbax threads are not
+  daemons, blocked (e.g. on a dead disk), and a normal exit would wait for them forever. Exit
+  handlers are skipped: the trainer has already closed its engine, writers and pools, and every
+  log handler flushes each record."""
+  from jaxrl.run import checkpoint
+
+  if not checkpoint.unsettled():
+    return
+  if print_traceback:
+    import traceback
+
+    traceback.print_exc()
+  print(
+    "jaxrl: a checkpoint write is still blocked; exiting without waiting for it", file=sys.stderr
+  )
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except OSError:
+      pass
+  os._exit(code)
+
+
+def run_cli():
+  app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+  run_cli()

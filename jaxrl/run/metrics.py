@@ -1,0 +1,244 @@
+"""Run metrics: pass@k, and the writers (JSONL, TensorBoard, optional W&B) plus the run plot.
+
+``pass_at_k`` is the public reference function of ALGORITHMS.md §8 (it lives in ``jaxrl.rl.passk``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import socket
+import struct
+import time
+from typing import Mapping
+
+import numpy as np
+
+from jaxrl.rl.passk import pass_at_k, pass_at_k_array  # noqa: F401  (public re-export)
+
+log = logging.getLogger(__name__)
+
+
+def _scalar(value) -> float | None:
+  try:
+    out = float(np.asarray(value))
+  except (TypeError, ValueError):
+    return None
+  return out
+
+
+class _EventFile:
+  """A TensorBoard event file of scalars, one event per step, written and flushed in the caller's
+  thread, so a failed write raises here. (tensorboardX's SummaryWriter writes from a thread that
+  dies on its first failed write; its queue of 10 events then fills and the next add_scalar blocks
+  forever: a full disk hung the run. Its RecordWriter also fsyncs at every flush.)
+
+  Records are TFRecord-framed ``Event`` protos: length, its masked CRC-32C, data, its masked
+  CRC-32C, as TensorBoard reads them.
+  """
+
+  def __init__(self, logdir: str, purge_step: int | None):
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+    from tensorboardX.proto.summary_pb2 import Summary
+    from tensorboardX.record_writer import masked_crc32c
+
+    self._event, self._summary, self._crc = Event, Summary, masked_crc32c
+    os.makedirs(logdir, exist_ok=True)
+    name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
+    self._file = open(os.path.join(logdir, name), "ab")  # a run resumed in the same second appends
+    self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+    if purge_step is not None:
+      # A resumed run: TensorBoard hides the earlier files' events from this step on.
+      self._write(
+        Event(
+          wall_time=time.time(), step=purge_step, session_log=SessionLog(status=SessionLog.START)
+        )
+      )
+    self._file.flush()
+
+  def _write(self, event) -> None:
+    data = event.SerializeToString()
+    header = struct.pack("<Q", len(data))
+    self._file.write(
+      header + struct.pack("<I", self._crc(header)) + data + struct.pack("<I", self._crc(data))
+    )
+
+  def write(self, step: int, scalars: Mapping[str, float]) -> None:
+    values = [self._summary.Value(tag=k, simple_value=v) for k, v in scalars.items()]
+    self._write(self._event(wall_time=time.time(), step=step, summary=self._summary(value=values)))
+    self._file.flush()
+
+  def close(self) -> None:
+    self._file.close()
+
+
+class MetricsError(RuntimeError):
+  """metrics.jsonl could not be written (a full disk, a file-size limit, permissions)."""
+
+
+class MetricsWriter:
+  """Appends one JSON line per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard/W&B.
+
+  On resume, lines from steps after the restored step are dropped first, so the file holds
+  each step once even when a run was interrupted after logging but before checkpointing.
+
+  Failures: a line that cannot be appended to metrics.jsonl raises ``MetricsError`` (the run
+  stops before that step's checkpoint, so a resume redoes the step and loses nothing). TensorBoard
+  is a mirror: when its events cannot be written it is dropped with one warning and training
+  goes on.
+  """
+
+  def __init__(
+    self,
+    workdir: str,
+    *,
+    tensorboard: bool = True,
+    wandb_project: str | None = None,
+    config: dict | None = None,
+    resume_step: int = 0,
+  ):
+    os.makedirs(workdir, exist_ok=True)
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self._truncate_from(resume_step)
+    self._file = open(self.path, "a", encoding="utf-8")
+    self._tb = None
+    if tensorboard:
+      try:
+        self._tb = _EventFile(
+          os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1 if resume_step else None
+        )
+      except OSError as e:
+        self._drop_tensorboard(e)
+    self._wandb = None
+    if wandb_project:
+      try:
+        import wandb
+      except ImportError:
+        log.warning("log.wandb is on but wandb is not installed; logging to JSONL/TensorBoard only")
+      else:
+        self._wandb = wandb.init(project=wandb_project, config=config, dir=workdir, resume="allow")
+
+  def _truncate_from(self, step: int) -> None:
+    if not os.path.exists(self.path):
+      return
+    keep = []
+    with open(self.path, encoding="utf-8") as f:
+      for number, line in enumerate(f, 1):
+        try:
+          row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:  # torn by a kill or a full disk mid-line
+          log.warning("%s:%d is not a JSON line (a write cut short); dropped", self.path, number)
+          continue
+        if row is not None and row.get("step", -1) <= step:
+          keep.append(line if line.endswith("\n") else line + "\n")
+    tmp = self.path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.writelines(keep)
+    os.replace(tmp, self.path)
+
+  def write(self, step: int, metrics: Mapping[str, object]) -> dict:
+    row = {"step": int(step)}
+    for key, value in metrics.items():
+      if isinstance(value, (str, list)):
+        row[key] = value
+        continue
+      scalar = _scalar(value)
+      if scalar is not None:
+        row[key] = scalar if math.isfinite(scalar) else str(scalar)
+    try:
+      self._file.write(json.dumps(row) + "\n")
+      self._file.flush()
+    except OSError as e:
+      raise MetricsError(f"cannot append step {step} to {self.path}: {e}") from e
+    numeric = {k: v for k, v in row.items() if isinstance(v, float) and k != "step"}
+    if self._tb is not None:
+      try:
+        self._tb.write(step, numeric)
+      except OSError as e:
+        self._drop_tensorboard(e)
+    if self._wandb is not None:
+      self._wandb.log(numeric, step=step)
+    return row
+
+  def _drop_tensorboard(self, error: OSError) -> None:
+    log.warning(
+      "cannot write TensorBoard events (%s); TensorBoard logging is off for the rest of "
+      "this run, metrics.jsonl goes on",
+      error,
+    )
+    if self._tb is not None:
+      with contextlib.suppress(OSError):  # what is still buffered fails the same way
+        self._tb.close()
+    self._tb = None
+
+  def close(self) -> None:
+    try:
+      self._file.close()
+    except OSError as e:  # the line that failed is still buffered: MetricsError said so
+      log.warning("closing %s: %s", self.path, e)
+    if self._tb is not None:
+      try:
+        self._tb.close()
+      except OSError as e:
+        self._drop_tensorboard(e)
+    if self._wandb is not None:
+      self._wandb.finish()
+
+
+def read_jsonl(path: str) -> list[dict]:
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_run(
+  metrics_path: str,
+  out_png: str,
+  keys=(
+    "reward",
+    "entropy_rollout",
+    "informative_frac",
+    "frac_all_correct",
+    "frac_all_wrong",
+    "response_len",
+    "kl",
+    "clip_frac",
+    "grad_norm",
+  ),
+) -> str:
+  """A grid of per-step curves (raw and smoothed) from metrics.jsonl, saved as a PNG.
+
+  Curves that are zero throughout (KL without a reference, clipping in on-policy steps) are left out.
+  """
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  rows = read_jsonl(metrics_path)
+  keys = [k for k in keys if any(isinstance(r.get(k), float) and r[k] != 0 for r in rows)]
+  cols = 3
+  fig, axes = plt.subplots(
+    max(1, math.ceil(len(keys) / cols)),
+    cols,
+    figsize=(4 * cols, 2.8 * max(1, math.ceil(len(keys) / cols))),
+    squeeze=False,
+  )
+  for ax, key in zip(axes.flat, keys):
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), float)]
+    steps, values = np.array(pts).T
+    ax.plot(steps, values, alpha=0.35, lw=0.8)
+    if len(values) >= 10:
+      w = max(len(values) // 20, 3)
+      smooth = np.convolve(values, np.ones(w) / w, mode="valid")
+      ax.plot(steps[w - 1 :], smooth, lw=1.6)
+    ax.set_title(key, fontsize=9)
+    ax.grid(alpha=0.3)
+  for ax in list(axes.flat)[len(keys) :]:
+    ax.axis("off")
+  fig.tight_layout()
+  fig.savefig(out_png, dpi=90)
+  plt.close(fig)
+  return out_png

@@ -1,0 +1,482 @@
+"""``--plan``: what a run needs per device, from shapes alone (no weights, no allocation).
+
+The model, the train state and a step's batch are built abstractly (``jax.eval_shape``) with the
+shardings the trainer gives them (``sharding.tree_shardings``, ``sharding.shard_batch``), so the
+state's byte counts are exact. Activations depend on what XLA makes of the step, so the plan gives
+an analytic estimate and, when the process has the mesh's devices (real ones, or fake CPU devices
+via ``XLA_FLAGS=--xla_force_host_platform_device_count=N``), lowers and compiles the very programs
+the trainer jits and reports XLA's ``memory_analysis()``. Without enough devices the mesh is an
+``AbstractMesh``: every sharded number is still exact, only the compiled part is skipped (and the
+report says how to get it), because a table is more use to someone sizing a run than an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType
+
+from jaxrl.config import Config, ConfigError
+from jaxrl.methods import registry
+from jaxrl.methods.phases import run_phases
+from jaxrl.nn import arch, model
+from jaxrl.parallel import sharding
+from jaxrl.rl import step
+from jaxrl.rl.programs import ForgetConfig, Programs, rl_step_config, step_hparams
+from jaxrl.types import Rollouts
+
+GiB = 1024**3
+FAKE_DEVICES = "JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count={n}"
+# The last key of a parameter's path → the weight kind the table shows (in model order).
+_KINDS = {
+  "embed_tokens": "embed",
+  "q_proj": "q_proj",
+  "k_proj": "k_proj",
+  "v_proj": "v_proj",
+  "o_proj": "o_proj",
+  "q_bias": "q/k/v bias",
+  "k_bias": "q/k/v bias",
+  "v_bias": "q/k/v bias",
+  "q_norm": "q/k norm",
+  "k_norm": "q/k norm",
+  "gate_proj": "mlp gate_proj",
+  "up_proj": "mlp up_proj",
+  "down_proj": "mlp down_proj",
+  "input_layernorm": "layer norms",
+  "post_attention_layernorm": "layer norms",
+  "norm": "final norm",
+  "lm_head": "lm_head",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightRow:
+  """One weight kind: its leaves share shape, dtype, spec and shard."""
+
+  kind: str
+  leaves: int  # arrays of this kind (L per kind in the loop layout)
+  shape: tuple[int, ...]
+  dtype: str
+  spec: str  # the PartitionSpec
+  shard_shape: tuple[int, ...]  # on one device
+  bytes_per_device: int  # all leaves of the kind
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """Analytic per-device bytes: named items and the total they add up to."""
+
+  rows: int  # rows per device
+  tokens: int  # sequence length (T, or KV slots S)
+  items: tuple[tuple[str, int], ...]
+  total: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+  """XLA's memory analysis of one compiled program, per device."""
+
+  name: str
+  seconds: float  # lower + compile
+  argument: int
+  output: int
+  alias: int  # outputs that reuse donated argument buffers
+  temp: int
+  code: int
+
+  @property
+  def peak(self) -> int:
+    return self.argument + self.output - self.alias + self.temp
+
+
+@dataclasses.dataclass(frozen=True)
+class PhasePlan:
+  """One phase's step shapes and what they cost per device."""
+
+  name: str
+  cfg: Config  # the phase's config (the annealing phase has its own shapes)
+  activations: Estimate  # the train step's largest micro-batch
+  rollout: Estimate  # the JAX sampler, or vLLM's π_old rescoring pass
+  compiled: tuple[Compiled, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  source: str  # where the architecture came from
+  model_cfg: model.ModelConfig
+  mesh_shape: dict[str, int]
+  devices: str  # what this process has, e.g. "8 x cpu"
+  device_memory: int | None  # bytes per device, when the backend reports it
+  weights: tuple[WeightRow, ...]
+  params: int  # bytes per device
+  opt_state: int
+  ref_params: int  # 0 without KL
+  phases: tuple[PhasePlan, ...]
+  skipped: str  # why nothing was compiled ("" = compiled)
+
+  @property
+  def state(self) -> int:
+    return self.params + self.opt_state + self.ref_params
+
+
+# -- shapes and shardings ---------------------------------------------------------------------------
+
+
+def architecture(cfg: Config) -> tuple[model.ModelConfig, str]:
+  """The checkpoint's config.json when it is there, else the model section; and which one."""
+  m = cfg.model
+  if m.checkpoint and arch.checkpoint_error(cfg) is None:
+    return arch.model_config(cfg), f"config.json of {m.checkpoint}"
+  vocab = m.vocab_size
+  if not vocab and cfg.task.name == "arithmetic":
+    from jaxrl.tasks.data.tokenizer import VOCAB
+
+    vocab = len(VOCAB)
+  if not vocab:
+    raise ConfigError(
+      "model.vocab_size",
+      "is 0 (= the tokenizer's) and there is no checkpoint to read it from: set it to plan the run",
+    )
+  missing = f" ({m.checkpoint} is not downloaded)" if m.checkpoint else ""
+  return arch.from_section(cfg, vocab), f"the config's model section{missing}"
+
+
+def prompt_len(cfg: Config) -> int:
+  """P as the task pads prompts: task.max_prompt_len, or the arithmetic task's longest + BOS."""
+  if cfg.task.max_prompt_len:
+    return cfg.task.max_prompt_len
+  if cfg.task.name == "math":
+    raise ConfigError("task.max_prompt_len", "the plan needs a fixed prompt length: set it")
+  from jaxrl.tasks import task
+  from jaxrl.tasks.data import arithmetic
+
+  tcfg = task.task_config(cfg)
+  return arithmetic.max_lengths(tcfg.levels, tcfg.digit_width)[0] + 1
+
+
+def plan_mesh(cfg: Config):
+  """(mesh, "") on the mesh's devices; (AbstractMesh, why) when this process has too few."""
+  m = cfg.mesh
+  need = m.data * m.fsdp * m.tensor
+  have = jax.devices()
+  if need <= len(have):
+    return sharding.make_mesh(m.data, m.fsdp, m.tensor), ""
+  why = (
+    f"the mesh data={m.data} x fsdp={m.fsdp} x tensor={m.tensor} needs {need} devices and "
+    f"this process has {len(have)} ({have[0].platform}). To compile the step here, plan on "
+    f"fake CPU devices: {FAKE_DEVICES.format(n=need)} python -m jaxrl.main --config=... --plan"
+  )
+  return AbstractMesh(
+    (m.data, m.fsdp, m.tensor), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3
+  ), why
+
+
+def bytes_per_device(tree, shardings) -> int:
+  """Σ over leaves of one device's shard size × itemsize."""
+  sizes = jax.tree.map(
+    lambda x, s: math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize, tree, shardings
+  )
+  return int(sum(jax.tree.leaves(sizes)))
+
+
+def weight_rows(params, shardings) -> tuple[WeightRow, ...]:
+  """The weight table: one row per kind, in model order."""
+  found: dict[str, WeightRow] = {}
+  for (path, x), s in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(shardings)):
+    name = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
+    kind = _KINDS.get(name, name)
+    shard = tuple(s.shard_shape(x.shape))
+    size = math.prod(shard) * np.dtype(x.dtype).itemsize
+    spec = "P(" + ", ".join("None" if a is None else repr(a) for a in s.spec) + ")"
+    row = found.get(kind)
+    found[kind] = (
+      WeightRow(kind, 1, tuple(x.shape), str(x.dtype), spec, shard, size)
+      if row is None
+      else dataclasses.replace(
+        row, leaves=row.leaves + 1, bytes_per_device=row.bytes_per_device + size
+      )
+    )
+  order = list(dict.fromkeys(_KINDS.values()))
+  return tuple(sorted(found.values(), key=lambda r: order.index(r.kind) if r.kind in order else 99))
+
+
+# -- analytic activations ---------------------------------------------------------------------------
+
+
+def _split(dim: int, mesh_shape: dict, axis: str) -> int:
+  """A dimension's size on one device under ``logical_to_spec``'s rule (split only if divisible)."""
+  n = mesh_shape[axis]
+  return dim // n if dim % n == 0 else dim
+
+
+def _layer_internals(rows: int, t: int, m: model.ModelConfig, mesh_shape: dict) -> int:
+  """One layer's activations per token: the two norms' outputs and residuals, q/k/v before and
+  after RoPE, the attention output, gate, silu(gate), up and their product."""
+  h, k = _split(m.num_heads, mesh_shape, "tensor"), _split(m.num_kv_heads, mesh_shape, "tensor")
+  f = _split(m.intermediate_size, mesh_shape, "tensor")
+  d, e = m.hidden_size, m.head_dim
+  return rows * t * (5 * d + 3 * h * e + 3 * k * e + 4 * f) * jnp.dtype(m.dtype).itemsize
+
+
+def activation_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> Estimate:
+  """Activations of the train step's largest micro-batch on one device, forward + backward.
+
+  Assumes the micro-batch's rows are split over data x fsdp and heads / mlp over tensor. With remat
+  "full" the backward keeps each layer's input and recomputes one layer at a time, so one layer's
+  internals are live at once. Attention runs in blocks of ``attention_block`` queries, each
+  rematerialised: one block's f32 scores [rows, H, block, T], probs and their two gradients.
+  """
+  rows = pc.num_rollouts // (pc.loss.mini_batches * pc.loss.micro_batches)
+  rows //= mesh_shape["data"] * mesh_shape["fsdp"]
+  t = prompt_len(pc) + pc.rollout.max_new_tokens
+  b = jnp.dtype(m.dtype).itemsize
+  d, e = m.hidden_size, m.head_dim
+  h, k = _split(m.num_heads, mesh_shape, "tensor"), _split(m.num_kv_heads, mesh_shape, "tensor")
+  f = _split(m.intermediate_size, mesh_shape, "tensor")
+  internals = _layer_internals(rows, t, m, mesh_shape)
+  q_block = min(t, m.attention_block)
+  attention = rows * h * q_block * t * 2 * (4 + b)  # f32 scores + probs, and their gradients
+  inputs = m.num_layers * rows * t * d * b
+  dots = m.num_layers * rows * t * (h * e + 2 * k * e + 2 * d + 2 * f) * b  # projection outputs
+  chunk = pc.loss.logprob_chunk * _split(m.vocab_size, mesh_shape, "tensor") * 4
+  layers = {
+    "none": m.num_layers * (internals + attention),
+    "full": inputs + internals + attention,
+    "dots": dots + internals + attention,
+    "offload": inputs + internals + attention,
+  }[m.remat]
+  items = [
+    ("layer inputs kept for the backward, all layers", inputs if m.remat != "none" else 0),
+    ("projection outputs kept (remat dots)", dots if m.remat == "dots" else 0),
+    ("one layer's internals", internals),
+    (
+      f"one attention block: f32 scores [rows, H, {q_block}, T] + probs, and their gradients",
+      attention,
+    ),
+    (f"log-prob chunk: f32 logits [C={pc.loss.logprob_chunk}, V]", chunk),
+  ]
+  if m.remat == "offload":
+    items.append(("(projection outputs parked in host memory, not counted)", dots))
+  return Estimate(rows, t, tuple(i for i in items if i[1]), layers + chunk)
+
+
+def rollout_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> Estimate:
+  """The JAX sampler's buffers on one device, or (vLLM) the π_old rescoring forward's one layer;
+  both assume the R rows are split over data x fsdp."""
+  rows = -(-pc.num_rollouts // (mesh_shape["data"] * mesh_shape["fsdp"]))
+  p = prompt_len(pc)
+  s = p + pc.rollout.max_new_tokens
+  h, k = _split(m.num_heads, mesh_shape, "tensor"), _split(m.num_kv_heads, mesh_shape, "tensor")
+  if pc.rollout.engine != "jax":  # rescoring: one micro-batch chunk at a time
+    rows = -(-rows // pc.loss.micro_batches)
+    q_block = min(s, m.attention_block)
+    scores = rows * h * q_block * s * 4
+    internals = _layer_internals(rows, s, m, mesh_shape)
+    chunk = pc.loss.logprob_chunk * _split(m.vocab_size, mesh_shape, "tensor") * 4
+    items = (
+      ("one layer's internals", internals),
+      (f"one attention block's f32 scores [R, H, {q_block}, T]", scores),
+      (f"log-prob chunk: f32 logits [C={pc.loss.logprob_chunk}, V]", chunk),
+    )
+    return Estimate(rows, s, items, internals + scores + chunk)
+  cache = 2 * m.num_layers * rows * k * s * m.head_dim * jnp.dtype(m.dtype).itemsize
+  prefill = rows * h * min(p, m.attention_block) * p * 4  # a prefill sees only its P slots
+  logits = rows * _split(m.vocab_size, mesh_shape, "tensor") * 4
+  items = (
+    ("KV cache: k and v [L, R, K, P+N, E]", cache),
+    (f"prefill: one attention block's f32 scores [R, H, {min(p, m.attention_block)}, P]", prefill),
+    ("decode: f32 logits [R, V]", logits),
+  )
+  return Estimate(rows, s, items, cache + prefill + logits)
+
+
+# -- compiled programs ------------------------------------------------------------------------------
+
+
+def _shaped(tree, shardings):
+  """ShapeDtypeStructs carrying shardings: what ``jit(...).lower`` takes for real arrays."""
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+  )
+
+
+def abstract_batch(pc: Config, rows_sharding=None) -> Rollouts:
+  """A step's rollouts with rewards as the loop hands them to the update (``shard_batch``'s
+  shardings, or none = host arrays)."""
+  r, p, n = pc.num_rollouts, prompt_len(pc), pc.rollout.max_new_tokens
+
+  def sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=rows_sharding)
+
+  return Rollouts(
+    prompt_ids_RxP=sds((r, p), jnp.int32),
+    prompt_mask_RxP=sds((r, p), jnp.bool_),
+    tokens_RxN=sds((r, n), jnp.int32),
+    mask_RxN=sds((r, n), jnp.bool_),
+    logp_RxN=sds((r, n), jnp.float32),
+    entropy_RxN=sds((r, n), jnp.float32),
+    lengths_R=sds((r,), jnp.int32),
+    group_ids_R=sds((r,), jnp.int32),
+    finished_R=sds((r,), jnp.bool_),
+    rewards_R=sds((r,), jnp.float32),
+  )
+
+
+def _analyse(name: str, lower) -> Compiled:
+  t0 = time.perf_counter()
+  mem = lower().compile().memory_analysis()
+  return Compiled(
+    name,
+    time.perf_counter() - t0,
+    int(mem.argument_size_in_bytes),
+    int(mem.output_size_in_bytes),
+    int(mem.alias_size_in_bytes),
+    int(mem.temp_size_in_bytes),
+    int(mem.generated_code_size_in_bytes),
+  )
+
+
+def compile_train_step(pc: Config, programs: Programs, params) -> Compiled:
+  """The phase's GRPO update, the very program ``Trainer`` runs (``Programs.update``)."""
+  update = programs.update(rl_step_config(pc))
+  state_sh = programs.state_shardings
+  state = _shaped(
+    jax.eval_shape(functools.partial(step.init_state, tx=programs.tx), params), state_sh
+  )
+  hp = jax.eval_shape(lambda: step_hparams(pc, pc.rollout.temperature, pc.loss.eps_high))
+  ref = _shaped(params, state_sh.params) if pc.loss.kl_coef > 0 else None
+  batch = abstract_batch(pc, sharding.batch_sharding(programs.mesh))
+  return _analyse("train step (rl_update)", lambda: update.lower(state, batch, hp, ref))
+
+
+def compile_sampler(pc: Config, graphdef, mcfg, params, param_sh) -> Compiled:
+  """The JAX sampler's jitted body with host prompts, as ``JaxEngine.generate`` calls it."""
+  from jaxrl.rollout import sampler
+
+  p, b = prompt_len(pc), pc.batch_questions
+  sds = jax.ShapeDtypeStruct
+  args = (
+    graphdef,
+    _shaped(params, param_sh),
+    sds((b, p), jnp.int32),
+    sds((b, p), jnp.bool_),
+    sds((b,), jnp.int32),
+    jax.eval_shape(lambda: jax.random.PRNGKey(0)),
+    sds((), jnp.float32),
+    sds((), jnp.float32),
+  )
+  static = dict(
+    num_rollouts=pc.num_rollouts,
+    max_new_tokens=pc.rollout.max_new_tokens,
+    eos_id=(1,),
+    pad_id=0,
+    model_cfg=mcfg,
+    greedy=False,
+  )
+  return _analyse("JAX sampler (generate)", lambda: sampler.sample_program.lower(*args, **static))
+
+
+def compile_rescoring(pc: Config, programs: Programs, params) -> Compiled:
+  """vLLM's π_old rescoring as the loop runs it (``Programs.score``): R rows sharded over the
+  data axes, in ``step.sequential_chunks`` sequential chunks."""
+  batch = abstract_batch(pc, sharding.batch_sharding(programs.mesh))
+  score = programs.logp(pc.loss.logprob_chunk)
+  tau = jax.ShapeDtypeStruct((), jnp.float32)
+  rows = (
+    batch.prompt_ids_RxP,
+    batch.prompt_mask_RxP,
+    batch.tokens_RxN,
+    batch.mask_RxN,
+  )
+  micro = step.sequential_chunks(pc.num_rollouts, pc.loss.micro_batches)
+  return _analyse(
+    "pi_old rescoring (logp_responses_chunked)",
+    lambda: score.lower(_shaped(params, programs.param_shardings), *rows, tau, micro=micro),
+  )
+
+
+def compile_forget(pc: Config, programs: Programs, params) -> Compiled:
+  """EEPO's forgetting step θ' = θ + η∇L over the stage-1 rows (R/2), in as many strided chunks
+  as the loop uses (``step.sequential_chunks``), the very program it runs (``Programs.forget``)."""
+  batch = abstract_batch(pc, sharding.batch_sharding(programs.mesh))
+  half = pc.num_rollouts // 2
+
+  def rows(x):
+    return jax.ShapeDtypeStruct((half, *x.shape[1:]), x.dtype, sharding=x.sharding)
+
+  forget = programs.forget(ForgetConfig.from_config(pc))
+  tau = jax.ShapeDtypeStruct((), jnp.float32)
+  stage1 = (
+    batch.prompt_ids_RxP,
+    batch.prompt_mask_RxP,
+    batch.tokens_RxN,
+    batch.mask_RxN,
+  )
+  micro = step.sequential_chunks(half, pc.loss.micro_batches)
+  return _analyse(
+    "EEPO forgetting step (eepo_forget)",
+    lambda: forget.lower(
+      _shaped(params, programs.param_shardings), *map(rows, stage1), tau, micro=micro
+    ),
+  )
+
+
+def _device_memory() -> int | None:
+  stats = jax.devices()[0].memory_stats()
+  return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def build(cfg: Config, *, compile_steps: bool = True, rollout_side: bool = True) -> Plan:
+  """Every number of the plan; ``render`` formats it. ``compile_steps=False`` skips XLA."""
+  registry.check(cfg)
+  mcfg, source = architecture(cfg)
+  mesh, skipped = plan_mesh(cfg)
+  if not compile_steps and not skipped:
+    skipped = "compilation was not asked for"
+  graphdef, params = model.abstract(mcfg)
+  programs = Programs.for_run(cfg, graphdef, params, mesh)
+  param_sh, opt_sh = programs.param_shardings, programs.state_shardings.opt_state
+  opt = jax.eval_shape(programs.tx.init, params)
+  mesh_shape = dict(mesh.shape)
+  phases = []
+  for phase in run_phases(cfg):
+    pc = phase.cfg
+    compiled = []
+    if not skipped:
+      compiled.append(compile_train_step(pc, programs, params))
+      if rollout_side and pc.rollout.engine == "jax":
+        compiled.append(compile_sampler(pc, graphdef, mcfg, params, param_sh))
+      elif rollout_side:
+        compiled.append(compile_rescoring(pc, programs, params))
+      if rollout_side and pc.eepo.enabled:
+        compiled.append(compile_forget(pc, programs, params))
+    phases.append(
+      PhasePlan(
+        phase.name,
+        pc,
+        activation_estimate(pc, mcfg, mesh_shape),
+        rollout_estimate(pc, mcfg, mesh_shape),
+        tuple(compiled),
+      )
+    )
+  devices = jax.devices()
+  p_bytes = bytes_per_device(params, param_sh)
+  return Plan(
+    source=source,
+    model_cfg=mcfg,
+    mesh_shape=mesh_shape,
+    devices=f"{len(devices)} x {devices[0].platform}",
+    device_memory=_device_memory(),
+    weights=weight_rows(params, param_sh),
+    params=p_bytes,
+    opt_state=bytes_per_device(opt, opt_sh),
+    ref_params=p_bytes if cfg.loss.kl_coef > 0 else 0,
+    phases=tuple(phases),
+    skipped=skipped,
+  )

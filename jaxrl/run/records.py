@@ -1,0 +1,82 @@
+"""The per-step metrics row, built in one place from what the step measured and decided."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def group_outcomes(rewards_R: np.ndarray, group_ids_R: np.ndarray, num_groups: int) -> dict:
+  """Fractions of groups whose rollouts are all correct / all wrong (zero-advantage groups)."""
+  counts = np.bincount(group_ids_R, minlength=num_groups)
+  correct = np.bincount(group_ids_R, weights=rewards_R > 0, minlength=num_groups)
+  present = counts > 0
+  return dict(
+    frac_all_correct=float(np.mean((correct == counts)[present])),
+    frac_all_wrong=float(np.mean((correct == 0)[present])),
+  )
+
+
+def allocation_metrics(counts_B) -> dict:
+  """How the step's rollout budget was spread over its questions."""
+  counts = np.asarray(counts_B)
+  return dict(
+    alloc_min=float(counts.min()),
+    alloc_max=float(counts.max()),
+    alloc_std=float(counts.std()),
+    alloc_hist=np.bincount(counts, minlength=counts.max() + 1).tolist(),
+  )
+
+
+def decision_metrics(methods, policies, tau, hp) -> dict:
+  """τ, ε and the controllers' targets: every decision of the step, after its updates."""
+  temp = policies.temperature
+  return dict(
+    tau=float(tau),
+    tau_next=float(temp.tau),
+    tau_clamped=float(temp.clamped),
+    entropy_target=float(methods.temperature.target(temp)),
+    eps_low=float(hp.loss.eps_low),
+    eps_high=float(hp.loss.eps_high),
+    clip_target=float(methods.clip.target(policies.clip)),
+  )
+
+
+def step_record(
+  *,
+  update,
+  rollouts,
+  rewards_R,
+  entropy,
+  num_groups,
+  decisions,
+  counts_B,
+  times,
+  context,
+  verified,
+  eepo,
+) -> dict:
+  """The step's metrics row, keys in a fixed order.
+
+  ``update``: the train step's metrics on the host; ``decisions``: ``decision_metrics``;
+  ``times``: wall-clock (start, rollouts verified, update start, update done); ``context``: epoch,
+  phase, shapes and compile counts; ``eepo``: EEPO's metrics (or the vLLM log-prob gap)."""
+  mask = np.asarray(rollouts.mask_RxN)
+  tokens = float(mask.sum())
+  prompt_tokens = mask.shape[0] * rollouts.prompt_ids_RxP.shape[1]
+  t0, t1, t2, t3 = times
+  return dict(
+    update,
+    reward=float(rewards_R.mean()),
+    pass_rate=float((rewards_R > 0).mean()),
+    entropy_rollout=entropy,
+    response_len=tokens / len(rewards_R),
+    **decisions,
+    **allocation_metrics(counts_B),
+    rollout_tok_s=tokens / max(t1 - t0, 1e-9),
+    train_tok_s=(tokens + prompt_tokens) / max(t3 - t2, 1e-9),
+    step_time=t3 - t0,
+    **context,
+    **verified.metrics(),
+    **eepo,
+    **group_outcomes(rewards_R, np.asarray(rollouts.group_ids_R), num_groups),
+  )

@@ -1,0 +1,82 @@
+"""Supervised warm start: teach the tiny model the task format and part of the skill, then stop.
+
+The result is cached in ``WORKDIR/sft`` (orbax), so a resumed or repeated run reuses it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+
+from jaxrl.parallel import distributed, sharding
+from jaxrl.rl import optim
+from jaxrl.rl.programs import Programs
+from jaxrl.run.checkpoint import Checkpointer
+
+log = logging.getLogger(__name__)
+
+
+def warm_start(
+  graphdef,
+  params,
+  mesh,
+  *,
+  prompt_ids_NxP,
+  prompt_mask_NxP,
+  target_ids_NxT,
+  target_mask_NxT,
+  steps: int,
+  batch_size: int,
+  learning_rate: float,
+  warmup_steps: int,
+  weight_decay: float,
+  chunk: int,
+  workdir: str,
+  target_loss: float = 0.0,
+  progress=None,
+):
+  """Params after SFT (loaded from ``workdir/sft`` if a previous run finished it).
+
+  Runs ``steps`` steps, or with ``target_loss`` > 0 stops as soon as the running mean of the loss
+  (EMA, 0.1) falls below it: "partly capable" is then a property of the model, not of a step count
+  that would land differently for every seed. The learning rate is then constant after warmup.
+  """
+  ckpt = Checkpointer(os.path.join(workdir, "sft"), keep=1, async_save=False)
+  if ckpt.latest_step() is not None:
+    tree, meta = ckpt.restore(ckpt.latest_step(), {"params": params})
+    ckpt.close()
+    log.info("SFT warm start loaded from %s (%d steps)", ckpt.directory, ckpt.latest_step())
+    return tree["params"], meta
+  decay = 0 if target_loss > 0 else max(steps - warmup_steps, 1)
+  tx = optim.adamw(learning_rate, warmup_steps, decay_steps=decay, weight_decay=weight_decay)
+  programs = Programs(graphdef, params, mesh, tx)
+  state = programs.init_state(params)
+  update = programs.sft_update(chunk)
+  num = prompt_ids_NxP.shape[0]
+  ema, done = None, 0
+  t0 = time.time()
+  for i in range(steps):
+    idx = np.arange(i * batch_size, (i + 1) * batch_size) % num  # the corpus is already shuffled
+    batch = sharding.shard_batch(
+      (prompt_ids_NxP[idx], prompt_mask_NxP[idx], target_ids_NxT[idx], target_mask_NxT[idx]), mesh
+    )
+    state, metrics = update(state, *batch)
+    loss = float(distributed.to_host(metrics["loss"]))
+    ema = loss if ema is None else 0.9 * ema + 0.1 * loss
+    done = i + 1
+    if i % 50 == 0:
+      log.info(
+        "sft step %d/%d loss %.4f (ema %.4f, %.1fs)", done, steps, loss, ema, time.time() - t0
+      )
+    if progress is not None:
+      progress(done, steps)
+    if target_loss > 0 and i >= warmup_steps and ema < target_loss:
+      break
+  meta = {"steps": done, "final_loss_ema": ema, "seconds": time.time() - t0}
+  log.info("SFT warm start done: %d steps, loss (ema) %.4f, %.0fs", done, ema, meta["seconds"])
+  ckpt.save(done, {"params": state.params}, meta)
+  ckpt.close()
+  return state.params, meta

@@ -1,0 +1,328 @@
+"""The trainer: setup, the SFT warm start, held-out evaluations, the RL loop around ``rl_step``,
+checkpoints, metrics and stops. The only stateful code of a run; every file it writes lives in
+``workdir``.
+
+Before RL: the task, its tokenizer, the SFT warm start and a held-out evaluation; after RL: the same
+evaluation and a before/after table (and, from a checkpoint, the trained policy in HF layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl import rng
+from jaxrl.config import Config, to_dict
+from jaxrl.methods import registry
+from jaxrl.methods.phases import run_phases
+from jaxrl.nn import arch, hf, model
+from jaxrl.parallel import distributed, sharding
+from jaxrl.rl.programs import Programs
+from jaxrl.rollout.build import build_engine
+from jaxrl.rollout.collect import Collector
+from jaxrl.run import sft
+from jaxrl.run.checkpoint import Checkpointer
+from jaxrl.run.compiles import CompileCounter
+from jaxrl.run.eval import EvalResult, comparison_table, engine_sampler, evaluate
+from jaxrl.run.loop import StepContext, initial_loop, restore_loop, rl_step, save_loop
+from jaxrl.run.metrics import MetricsWriter, plot_run
+from jaxrl.run.progress import Progress
+from jaxrl.run.stops import NonFiniteGuard, StopFlag, check_saved, stop_after_checkpoint
+from jaxrl.tasks.task import TaskData, load_task
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RLResult:
+  """The RL loop's outcome: the final policy's params and the question statistics."""
+
+  params: object
+  stats: object
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+  """A whole run: held-out results before and after RL, their table, and the final RL state."""
+
+  before: EvalResult
+  after: EvalResult
+  table: str
+  rl: RLResult
+
+
+@dataclasses.dataclass
+class Trainer:
+  """Holds what setup built; ``run`` drives SFT → eval → RL → eval."""
+
+  cfg: Config
+  workdir: str
+
+  def __post_init__(self):
+    registry.check(self.cfg)
+    os.makedirs(self.workdir, exist_ok=True)
+    if distributed.is_main():
+      with open(os.path.join(self.workdir, "config.json"), "w") as f:
+        json.dump(to_dict(self.cfg), f, indent=1)
+    # Process 0 builds the tokenizer cache in the shared workdir; the others then read it.
+    self.task: TaskData = distributed.main_first(
+      lambda: load_task(self.cfg, os.path.join(self.workdir, "tokenizer"))
+    )
+    self.model_cfg = arch.model_config(self.cfg, self.task.vocab_size)
+    self.mesh = sharding.make_mesh(self.cfg.mesh.data, self.cfg.mesh.fsdp, self.cfg.mesh.tensor)
+    self.graphdef, abstract_params = model.abstract(self.model_cfg)
+    self.programs = Programs.for_run(self.cfg, self.graphdef, abstract_params, self.mesh)
+    self.param_shardings = self.programs.param_shardings
+    t = self.task
+    self.engine = build_engine(
+      self.cfg,
+      self.graphdef,
+      self.model_cfg,
+      tokenizer=t.tokenizer,
+      eos_id=t.eos_id,
+      pad_id=t.pad_id,
+      prompt_len=t.train_prompt_ids.shape[1],
+      workdir=self.workdir,
+    )
+    c = self.cfg
+    self.collector = Collector(
+      self.engine, self.programs, c.loss.logprob_chunk, c.loss.micro_batches
+    )
+    self.progress = Progress(enabled=self.cfg.log.progress)
+    # Compiled versions of the train step and the JAX sampler, counted from here (evals included).
+    self.compiles = CompileCounter(
+      compiles_update="rl_update", compiles_sampler="sample_program"
+    ).start()
+    for phase in run_phases(self.cfg):  # a bad mixture fails here, before anything compiles
+      self.task.mixture(phase.mixture, "anneal_phase.mixture")
+
+  # -- phases -------------------------------------------------------------------------------------
+
+  def init_params(self):
+    """The checkpoint's weights streamed onto their shardings, or a seeded random init."""
+    m = self.cfg.model
+    if m.checkpoint:
+      log.info("loading %s (params %s, compute %s)", m.checkpoint, m.param_dtype, m.dtype)
+      _, _, params = hf.load_hf_checkpoint(
+        m.checkpoint,
+        dtype=jnp.dtype(m.param_dtype),
+        shardings=self.param_shardings,
+        scan_layers=m.scan_layers,
+        remat=m.remat,
+        compute_dtype=m.dtype,
+      )
+      return params
+
+    def init():
+      return model.create(self.model_cfg, rng.numpy_seed(self.cfg.seed, rng.INIT))[1]
+
+    return jax.jit(init, out_shardings=self.param_shardings)()
+
+  def warm_start(self, params):
+    c, t = self.cfg, self.task
+    if c.sft.steps == 0:
+      return params
+    with self.progress.task("SFT warm start", c.sft.steps) as advance:
+      params, _ = sft.warm_start(
+        self.graphdef,
+        params,
+        self.mesh,
+        prompt_ids_NxP=t.sft_prompt_ids,
+        prompt_mask_NxP=t.sft_prompt_mask,
+        target_ids_NxT=t.sft_target_ids,
+        target_mask_NxT=t.sft_target_mask,
+        steps=c.sft.steps,
+        batch_size=c.sft.batch_size,
+        learning_rate=c.sft.learning_rate,
+        warmup_steps=c.sft.warmup_steps,
+        weight_decay=c.sft.weight_decay,
+        chunk=c.loss.logprob_chunk,
+        workdir=self.workdir,
+        target_loss=c.sft.target_loss,
+        progress=advance,
+      )
+    return params
+
+  def evaluate(self, params, name: str) -> EvalResult:
+    """Held-out evaluation, cached as ``eval_{name}.json`` (a resumed run does not redo it)."""
+    path = os.path.join(self.workdir, f"eval_{name}.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        return EvalResult.from_json(json.load(f))
+    c, t = self.cfg, self.task
+    self.engine.set_weights(params, -1)
+    per_call = max(1, c.num_rollouts // c.eval.num_samples)
+    calls = -(-len(t.heldout_levels) // per_call)
+
+    with self.progress.task(f"eval ({name})", calls) as advance:
+      done = [0]
+
+      def on_call():
+        done[0] += 1
+        advance(done[0], calls)
+
+      sample_fn = engine_sampler(self.engine, t.decode, c.eval.temperature, on_call)
+      result = evaluate(
+        sample_fn,
+        t.heldout_prompt_ids,
+        t.heldout_prompt_mask,
+        t.heldout_levels,
+        lambda responses, q: t.score(responses, t.heldout_answers[q]),
+        num_samples=c.eval.num_samples,
+        ks=c.eval_ks,
+        questions_per_call=per_call,
+        key=rng.key(c.seed, rng.EVAL),
+      )
+    if distributed.is_main():
+      with open(path + ".tmp", "w") as f:
+        json.dump(result.to_json(), f)
+      os.replace(path + ".tmp", path)
+    return result
+
+  def rl(self, sft_params) -> RLResult:
+    """GRPO steps from the warm start; resumes from the latest checkpoint in ``workdir``."""
+    c = self.cfg
+    ctx = self.step_context(sft_params)
+    ckpt = Checkpointer(
+      os.path.join(self.workdir, "checkpoints"),
+      keep=c.checkpoint.keep,
+      async_save=c.checkpoint.async_save,
+      settle_timeout=c.checkpoint.settle_timeout,
+    )
+    loop = initial_loop(ctx, self.programs.init_state(sft_params))
+    log.info("methods: %s", ctx.runtime(0).methods.describe())
+    start = ckpt.latest_step() or 0
+    if start:
+      loop = restore_loop(ckpt, start, loop, self.programs.state_shardings, self.mesh)
+      log.info(
+        "resumed from step %d, %s phase (%s)", start, ctx.phases[loop.phase].name, ckpt.directory
+      )
+    writer, stop, nonfinite = (
+      self._writer(start),
+      StopFlag(),
+      NonFiniteGuard(c.optim.max_nonfinite_steps),
+    )
+    try:
+      with self.progress.task("GRPO", c.steps, start) as advance:
+        for i in range(start, c.steps):
+          loop, row = rl_step(ctx, loop, i)
+          nonfinite.check(row, i + 1)
+          if c.eval.every and (i + 1) % c.eval.every == 0 and i + 1 < c.steps:
+            row.update(self._validate(loop.train.params, i + 1))
+          writer.write(i + 1, row)
+          advance(
+            i + 1,
+            c.steps,
+            f"reward {row['reward']:.3f} H {row['entropy_rollout']:.3f} τ {row['tau']:.2f}",
+          )
+          if (i + 1) % c.checkpoint.every == 0 or i + 1 == c.steps or stop.requested:
+            save_loop(ckpt, i + 1, loop, self.mesh)
+          if stop.requested:
+            stop_after_checkpoint(ckpt, i + 1, stop.signal_name)
+    finally:
+      stop.restore()
+      ckpt.close()
+      writer.close()
+    check_saved(ckpt, c.steps)
+    return RLResult(loop.train.params, loop.stats)
+
+  def step_context(self, sft_params) -> StepContext:
+    """What the RL steps read: the task, the programs, the rollout collector, the KL reference."""
+    c = self.cfg
+    return StepContext(
+      cfg=c,
+      task=self.task,
+      programs=self.programs,
+      collector=self.collector,
+      phases=run_phases(c),
+      vocab_size=self.model_cfg.vocab_size,
+      ref_params=jax.tree.map(jnp.copy, sft_params) if c.loss.kl_coef > 0 else None,
+      compiles=self.compiles,
+    )
+
+  def _writer(self, start: int):
+    c = self.cfg
+    if not distributed.is_main():
+      return _NoWriter()
+    return MetricsWriter(
+      self.workdir,
+      tensorboard=c.log.tensorboard,
+      wandb_project=c.log.wandb_project if c.log.wandb else None,
+      config=to_dict(c),
+      resume_step=start,
+    )
+
+  def export_hf(self, params) -> str:
+    """The trained policy as an HF checkpoint in ``WORKDIR/hf`` (model.dtype, tokenizer,
+    generation config): what transformers, vLLM and ``python -m jaxrl.eval`` load."""
+    out = os.path.join(self.workdir, "hf")
+    dtype = jnp.dtype(self.cfg.model.dtype)
+    params = jax.tree.map(lambda x: x.astype(dtype), params)
+    if jax.process_count() > 1:
+      params = distributed.to_host(params)  # a collective: every process gathers, process 0 writes
+      if not distributed.is_main():
+        return out
+    hf.save_hf_checkpoint(self.model_cfg, params, out, tokenizer=self.task.tokenizer)
+    generation = os.path.join(self.cfg.model.checkpoint, "generation_config.json")
+    if os.path.exists(generation):
+      shutil.copy(generation, out)
+    log.info("trained policy exported to %s (%s)", out, dtype.name)
+    return out
+
+  def _validate(self, params, step_number: int) -> dict:
+    """The periodic held-out evaluation (``eval.every``), as ``val/…`` metrics of the step."""
+    result = self.evaluate(params, f"step{step_number}")
+    row = {f"val/pass@{k}": v["all"] for k, v in result.pass_at.items()}
+    row["val/greedy"] = result.greedy["all"]
+    log.info(
+      "step %d held-out: %s", step_number, ", ".join(f"{k} {100 * v:.1f}" for k, v in row.items())
+    )
+    return row
+
+  # -- whole run ----------------------------------------------------------------------------------
+
+  def run(self) -> RunResult:
+    """SFT → eval → RL → eval; the rollout engine (a sidecar server) stops however this ends."""
+    try:
+      params = self.warm_start(self.init_params())
+      before = self.evaluate(params, "sft")
+      result = self.rl(params)
+      after = self.evaluate(result.params, f"step{self.cfg.steps}")
+      if self.cfg.model.checkpoint:
+        self.export_hf(result.params)
+    finally:
+      self.compiles.stop()
+      self.engine.close()
+      self.task.close()
+    table = comparison_table(before, after, self.cfg.eval_ks, self.task.level_names)
+    if distributed.is_main():
+      self._write_results(table)
+    return RunResult(before, after, table, result)
+
+  def _write_results(self, table: str) -> None:
+    with open(os.path.join(self.workdir, "results.md"), "w") as f:
+      f.write(
+        f"# Held-out evaluation (seed {self.cfg.seed}, {self.cfg.steps} RL steps)\n\n{table}\n"
+      )
+    if self.cfg.log.plot and os.path.exists(os.path.join(self.workdir, "metrics.jsonl")):
+      plot_run(os.path.join(self.workdir, "metrics.jsonl"), os.path.join(self.workdir, "run.png"))
+
+
+class _NoWriter:
+  """Processes other than 0 write no metrics."""
+
+  def write(self, step, row):
+    return row
+
+  def close(self):
+    pass
+
+
+def train(cfg: Config, workdir: str) -> RunResult:
+  return Trainer(cfg, workdir).run()

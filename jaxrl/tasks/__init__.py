@@ -1,0 +1,2 @@
+"""Tasks: datasets and prompts (``data/``), verifiers and the reward pool (``rewards/``), the task as
+arrays."""

@@ -1,0 +1,139 @@
+"""The task as arrays: tokenised prompts and answers of both splits, the SFT corpus, and the
+host-side decode + score used by the loop and by evaluation.
+
+Two tasks fill it: the built-in arithmetic task (its own tokenizer, exact-match rewards in process)
+and the math task (``jaxrl.tasks.math_task``: a checkpoint's tokenizer, datasets, math-verify in a pool).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxrl import rng
+from jaxrl.config import Config, ConfigError, parse_mixture
+from jaxrl.tasks.data import arithmetic
+from jaxrl.tasks.data.cursor import Mixture
+from jaxrl.tasks.data.prompts import decode_responses, encode_completions, encode_prompts
+from jaxrl.tasks.data.tokenizer import build_tokenizer
+from jaxrl.tasks.rewards.arithmetic import score_batch
+from jaxrl.tasks.rewards.pool import VerifyResult
+
+
+@dataclasses.dataclass
+class TaskData:
+  tokenizer: object
+  vocab_size: int
+  pad_id: int
+  eos_id: int
+  level_names: tuple[str, ...]
+  train_prompt_ids: np.ndarray  # i32[Q, P], left-padded
+  train_prompt_mask: np.ndarray  # bool[Q, P]
+  train_answers: np.ndarray  # object[Q] of str
+  train_levels: np.ndarray  # i32[Q]
+  heldout_prompt_ids: np.ndarray
+  heldout_prompt_mask: np.ndarray
+  heldout_answers: np.ndarray
+  heldout_levels: np.ndarray
+  sft_prompt_ids: np.ndarray  # i32[M, P]
+  sft_prompt_mask: np.ndarray
+  sft_target_ids: np.ndarray  # i32[M, N]: answer + EOS, right-padded
+  sft_target_mask: np.ndarray
+  # (responses, answers) -> VerifyResult; None = the arithmetic task's exact match, in process
+  scorer: object = None
+  base_mixture: Mixture | None = None  # the training mixture ("" spec); None = all questions
+
+  def decode(self, out) -> list[str]:
+    """Response texts of a ``SampleOutput`` (cut at EOS)."""
+    return decode_responses(self.tokenizer, np.asarray(out.tokens_RxN), np.asarray(out.lengths_R))
+
+  def verify(self, responses, answers) -> VerifyResult:
+    """Rewards with the verifier's failure counts (timeouts, errors, ...) for the metrics."""
+    if self.scorer is None:
+      return VerifyResult(score_batch(responses, list(answers)), 0, 0, 0, 0)
+    return self.scorer(responses, answers)
+
+  def score(self, responses, answers) -> np.ndarray:
+    return self.verify(responses, answers).rewards_R
+
+  def close(self) -> None:
+    if self.scorer is not None:
+      self.scorer.close()
+
+  def level_index(self, name: str) -> int | None:
+    """Index of a level given by its name ("2+1") or its config spec ("2x1+")."""
+    if name in self.level_names:
+      return self.level_names.index(name)
+    try:
+      (spec,) = arithmetic.parse_levels(name)
+    except ValueError:
+      return None
+    return self.level_names.index(spec.name) if spec.name in self.level_names else None
+
+  def mixture(self, spec: str, field: str, stream: int = 0) -> Mixture:
+    """Training questions as a weighted mixture of levels (``"4x4+:1,5x5+:2"``); "" = all of them."""
+    parts = parse_mixture(spec, field)
+    if not parts:
+      whole = self.base_mixture or Mixture.whole(len(self.train_answers))
+      return dataclasses.replace(whole, stream=stream)
+    pools = []
+    for name, _ in parts:
+      level = self.level_index(name)
+      if level is None:
+        raise ConfigError(field, f"unknown level {name!r} (levels: {', '.join(self.level_names)})")
+      pools.append(np.flatnonzero(self.train_levels == level).astype(np.int32))
+    return Mixture(tuple(pools), tuple(w for _, w in parts), stream)
+
+
+def task_config(cfg: Config) -> arithmetic.TaskConfig:
+  return arithmetic.TaskConfig(
+    levels=arithmetic.parse_levels(cfg.task.levels),
+    num_train_per_level=cfg.task.num_train_per_level,
+    num_heldout_per_level=cfg.task.num_heldout_per_level,
+    seed=cfg.seed,
+    reverse_answer=cfg.task.reverse_answer,
+    digit_width=cfg.task.digit_width,
+  )
+
+
+def load_task(cfg: Config, tokenizer_dir: str) -> TaskData:
+  if cfg.task.name == "math":
+    from jaxrl.tasks import math_task
+
+    return TaskData(**math_task.load(cfg))
+  tcfg = task_config(cfg)
+  tok = build_tokenizer(tokenizer_dir)
+  train, heldout = arithmetic.build_task(tcfg)
+  # Prompts are padded to the task's longest (+1 for BOS) so no step computes on dead columns.
+  p = cfg.task.max_prompt_len or arithmetic.max_lengths(tcfg.levels, tcfg.digit_width)[0] + 1
+  n = cfg.rollout.max_new_tokens
+
+  def split(problems):
+    ids, mask = encode_prompts(tok, [q.prompt for q in problems], p)
+    return (
+      ids,
+      mask,
+      np.asarray([q.answer for q in problems], dtype=object),
+      np.asarray([q.level for q in problems], np.int32),
+    )
+
+  # Fresh examples for every SFT step (drawing is cheap): the warm start never repeats an example.
+  sft = arithmetic.sft_corpus(
+    tcfg, max(cfg.sft.steps, 1) * cfg.sft.batch_size, seed=rng.numpy_seed(cfg.seed, rng.SFT)
+  )
+  sft_ids, sft_mask = encode_prompts(tok, [a for a, _ in sft], p)
+  tgt_ids, tgt_mask = encode_completions(tok, [b for _, b in sft], n)
+  return TaskData(
+    tok,
+    len(tok),
+    tok.pad_token_id,
+    tok.eos_token_id,
+    tuple(s.name for s in tcfg.levels),
+    *split(train),
+    *split(heldout),
+    sft_ids,
+    sft_mask,
+    tgt_ids,
+    tgt_mask,
+  )
