@@ -14,7 +14,7 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 
 VLLM_VENV := .venv-vllm
 
-.PHONY: run test bench vllm-env clean-venv
+.PHONY: run test lint bench vllm-env clean-venv
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,7 +54,13 @@ TEST_ENVS := $(VENV)/.dev
 TEST_MARKS := -m "not slow"
 endif
 
-test: $(TEST_ENVS)
+# Style is enforced: the formatter's output, pyflakes/pycodestyle, import order and a complexity
+# limit (pyproject.toml). `make test` runs it first.
+lint: $(VENV)/.dev
+	$(VENV)/bin/ruff format --check --quiet .
+	$(VENV)/bin/ruff check --quiet .
+
+test: $(TEST_ENVS) lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(TEST_MARKS) $(PYTEST_ARGS)
 
 bench: $(VENV)/.dev

@@ -9,7 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any
+from typing import Any, Literal
+
+# Allowed values, declared once: the converter enforces them and the code that branches on them
+# (losses, model, engines) reads them from here (``typing.get_args``).
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+Remat = Literal["none", "full", "dots", "offload"]
+Dtype = Literal["float32", "bfloat16"]
+Engine = Literal["jax", "vllm"]
+WeightTransfer = Literal["files", "nccl"]
+VllmDtype = Literal["", "float32", "bfloat16", "float16"]
+TaskName = Literal["arithmetic", "math"]
+Overlength = Literal["drop", "truncate", "error"]
+OldLogpFrom = Literal["rollout", "policy"]
 
 
 class ConfigError(ValueError):
@@ -18,6 +31,11 @@ class ConfigError(ValueError):
   def __init__(self, field: str, message: str):
     super().__init__(f"config.{field}: {message}")
     self.field = field
+
+
+def _need(ok: bool, field: str, message: str) -> None:
+  if not ok:
+    raise ConfigError(field, message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,12 +52,12 @@ class ModelSection:
   qkv_bias: bool = True
   qk_norm: bool = False
   tie_embeddings: bool = True
-  dtype: str = "float32"  # compute dtype of activations and matmuls
-  param_dtype: str = "float32"  # storage dtype of the params (and so of their gradients)
+  dtype: Dtype = "float32"  # compute dtype of activations and matmuls
+  param_dtype: Dtype = "float32"  # storage dtype of the params (and so of their gradients)
   scan_layers: bool = (
     False  # layers stacked on one axis and lax.scan'ed: compile time flat in depth
   )
-  remat: str = "none"  # per-layer rematerialisation: none | full | dots | offload
+  remat: Remat = "none"  # per-layer rematerialisation: none | full | dots | offload
   attention_block: int = 512  # queries per attention block: memory O(block x T), not O(T^2)
   # HF-layout directory to start from ("" = random init + SFT). Its config.json then defines the
   # architecture (the fields above up to tie_embeddings only describe a model built from scratch,
@@ -47,10 +65,18 @@ class ModelSection:
   checkpoint: str = ""
   hub_id: str = ""  # where to download ``checkpoint`` from, for the error message
 
+  def check(self) -> None:
+    _need(
+      self.num_heads % max(self.num_kv_heads, 1) == 0 and self.num_kv_heads > 0,
+      "model.num_kv_heads",
+      f"num_heads={self.num_heads} must be a positive multiple of num_kv_heads={self.num_kv_heads}",
+    )
+    _need(self.head_dim % 2 == 0, "model.head_dim", "must be even (RoPE)")
+
 
 @dataclasses.dataclass(frozen=True)
 class TaskSection:
-  name: str = "arithmetic"
+  name: TaskName = "arithmetic"
   levels: str = ""  # "" = the task's default grid; else "da x db op, ..." e.g. "1x1+,2x2+"
   num_train_per_level: int = 400
   num_heldout_per_level: int = 48
@@ -76,8 +102,13 @@ class DataSection:
   template: str = "boxed"  # boxed (asks for \boxed{}) | plain | a string with {question}
   system_prompt: str = ""
   chat_template: bool = True  # wrap in the tokenizer's chat template when it has one
-  overlength: str = "drop"  # prompts longer than task.max_prompt_len: drop | truncate | error
+  overlength: Overlength = (
+    "drop"  # prompts longer than task.max_prompt_len: drop | truncate | error
+  )
   max_heldout: int = 0  # 0 = every held-out question
+
+  def check(self) -> None:
+    _need(self.max_heldout >= 0, "data.max_heldout", "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +119,10 @@ class RewardSection:
   workers: int = 0  # 0 = min(8, CPUs)
   time_limit: float = 5.0  # seconds per answer; over it the answer scores 0 (counted)
   memory_limit_mb: int = 4096
+
+  def check(self) -> None:
+    _need(self.workers >= 0, "reward.workers", "must be >= 0 (0 = min(8, CPUs))")
+    _need(self.time_limit > 0, "reward.time_limit", "must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,11 +137,17 @@ class SFTSection:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSection:
-  engine: str = "jax"
+  engine: Engine = "jax"
   group_size: int = 8  # G: rollouts per question (uniform allocation)
   max_new_tokens: int = 8
   temperature: float = 1.0
   top_p: float = 1.0
+
+  def check(self) -> None:
+    _need(self.group_size >= 1, "rollout.group_size", "must be >= 1")
+    _need(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+    _need(self.temperature > 0, "rollout.temperature", "must be > 0")
+    _need(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +160,7 @@ class VllmSection:
   urls: str = ""
   host: str = "127.0.0.1"  # the dev endpoints have no authentication: never 0.0.0.0 by default
   port: int = 0  # 0 = a free port
-  dtype: str = ""  # "" = model.dtype
+  dtype: VllmDtype = ""  # "" = model.dtype
   max_model_len: int = 0  # 0 = prompt length + the longest response of any phase
   max_num_seqs: int = 64
   startup_timeout: float = 300.0  # seconds until /health answers
@@ -127,9 +168,29 @@ class VllmSection:
   retries: int = 2  # per request, before the rollout counts as failed
   max_restarts: int = 2  # sidecar restarts per rollout before the run stops
   sync_every: int = 1  # push the weights every k steps (k > 1: rollouts up to k-1 stale)
-  weight_transfer: str = "files"  # files (HF safetensors + reload_weights) | nccl (GPU only)
+  weight_transfer: WeightTransfer = (
+    "files"  # files (HF safetensors + reload_weights) | nccl (GPU only)
+  )
   weights_dir: str = ""  # "" = tmpfs (/dev/shm) when it has room, else WORKDIR/sidecar
   extra_args: str = ""  # appended to the server's command line
+
+  def check(self) -> None:
+    _need(self.sync_every >= 1, "vllm.sync_every", "must be >= 1")
+    _need(
+      self.retries >= 0 and self.max_restarts >= 0,
+      "vllm.retries",
+      "retries and max_restarts must be >= 0",
+    )
+    _need(
+      self.startup_timeout > 0 and self.request_timeout > 0,
+      "vllm.request_timeout",
+      "timeouts must be > 0",
+    )
+    _need(
+      0 <= self.port < 65536,
+      "vllm.port",
+      f"must be a port number (0 = any free port), got {self.port}",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,18 +204,21 @@ class OptimSection:
   grad_clip: float = 1.0
   b1: float = 0.9
   b2: float = 0.99
-  state_dtype: str = "float32"  # AdamW moments (float32 even for bfloat16 params)
+  state_dtype: Dtype = "float32"  # AdamW moments (float32 even for bfloat16 params)
   max_nonfinite_steps: int = 5  # consecutive steps with a skipped non-finite update → stop
+
+  def check(self) -> None:
+    _need(self.max_nonfinite_steps >= 1, "optim.max_nonfinite_steps", "must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
 class LossSection:
-  aggregation: str = "token-mean"
+  aggregation: Aggregation = "token-mean"
   eps_low: float = 0.2
   eps_high: float = 0.28
   dual_clip: float = 0.0  # 0 = off; else c > 1
   kl_coef: float = 0.0  # > 0 turns on KL to the frozen reference (the SFT policy)
-  kl_estimator: str = "k3"
+  kl_estimator: KLEstimator = "k3"
   entropy_coef: float = 0.0
   informative_only: bool = True
   scale_by_std: bool = True
@@ -162,12 +226,22 @@ class LossSection:
   micro_batches: int = 1  # gradient accumulation within each mini-batch
   logprob_chunk: int = 128  # tokens per chunk of the fused log-prob (bench/fused_logprob.py)
 
+  def check(self) -> None:
+    _need(self.eps_low >= 0 and self.eps_high >= 0, "loss.eps_low", "clip ranges must be >= 0")
+    _need(self.dual_clip == 0 or self.dual_clip > 1, "loss.dual_clip", "must be 0 (off) or > 1")
+    _need(self.mini_batches >= 1, "loss.mini_batches", "must be >= 1")
+    _need(self.micro_batches >= 1, "loss.micro_batches", "must be >= 1")
+
 
 @dataclasses.dataclass(frozen=True)
 class MeshSection:
   data: int = 1
   fsdp: int = 1
   tensor: int = 1
+
+  def check(self) -> None:
+    for name in ("data", "fsdp", "tensor"):
+      _need(getattr(self, name) >= 1, f"mesh.{name}", "must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +270,11 @@ class CheckpointSection:
   # counts as failed: the previous checkpoint stays the latest, and the run can still exit.
   settle_timeout: float = 600.0
 
+  def check(self) -> None:
+    _need(self.every >= 1, "checkpoint.every", "must be >= 1")
+    _need(self.settle_timeout > 0, "checkpoint.settle_timeout", "must be > 0 (seconds)")
+    _need(self.keep >= 1, "checkpoint.keep", "must be >= 1")
+
 
 @dataclasses.dataclass(frozen=True)
 class AllocationSection:
@@ -212,6 +291,13 @@ class AllocationSection:
   dynamo_floor: float = 0.01
   dynamo_mastered: float = 0.85
 
+  def check(self) -> None:
+    _need(
+      1 <= self.g_min <= self.g_max,
+      "allocation.g_min",
+      f"need 1 <= g_min <= g_max, got g_min={self.g_min} g_max={self.g_max}",
+    )
+
 
 @dataclasses.dataclass(frozen=True)
 class TemperatureSection:
@@ -221,6 +307,9 @@ class TemperatureSection:
   eta: float = 0.9
   tau_min: float = 0.1
   tau_max: float = 3.0
+
+  def check(self) -> None:
+    _need(0 < self.tau_min <= self.tau_max, "temperature.tau_min", "need 0 < tau_min <= tau_max")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +326,14 @@ class ClipSection:
   window: int = 4
   warmup: int = 5
 
+  def check(self) -> None:
+    _need(
+      self.c_min <= self.c0 <= self.c_max,
+      "clip.c0",
+      f"need c_min <= c0 <= c_max, got {self.c_min}, {self.c0}, {self.c_max}",
+    )
+    _need(self.window >= 1, "clip.window", "must be >= 1")
+
 
 @dataclasses.dataclass(frozen=True)
 class EEPOSection:
@@ -246,7 +343,10 @@ class EEPOSection:
   lr: float = 3e-3  # eta of the plain SGD ascent step on the rollout copy
   eps_l: float = 1e-3
   eps_r: float = 1e-2
-  old_logp_from: str = "rollout"  # rollout (θ', the paper) | policy (recompute under θ)
+  old_logp_from: OldLogpFrom = "rollout"  # rollout (θ', the paper) | policy (recompute under θ)
+
+  def check(self) -> None:
+    _need(self.m >= 1, "eepo.m", "must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,24 +433,13 @@ class Config:
     return tuple(int(k) for k in self.eval.ks.split(","))
 
 
-# Method names (allocation, temperature, clip, schedule) are checked by ``methods.registry.check``.
-_CHOICES = {
-  "loss.aggregation": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-  "loss.kl_estimator": ("k1", "k2", "k3"),
-  "rollout.engine": ("jax", "vllm"),
-  "vllm.weight_transfer": ("files", "nccl"),
-  "model.dtype": ("float32", "bfloat16"),
-  "model.param_dtype": ("float32", "bfloat16"),
-  "model.remat": ("none", "full", "dots", "offload"),
-  "optim.state_dtype": ("float32", "bfloat16"),
-  "task.name": ("arithmetic", "math"),
-  "data.overlength": ("drop", "truncate", "error"),
-  "eepo.old_logp_from": ("rollout", "policy"),
-}
-
-
 def _check_type(path: str, value: Any, annotation: Any) -> Any:
   hint = annotation
+  if typing.get_origin(hint) is Literal:
+    allowed = typing.get_args(hint)
+    if value not in allowed:
+      raise ConfigError(path, f"{value!r} is not one of {allowed}")
+    return value
   if hint is float and isinstance(value, int) and not isinstance(value, bool):
     return float(value)
   if hint in (int, float, str, bool) and not (
@@ -382,146 +471,109 @@ def _build(cls, data: Any, prefix: str):
 
 
 def _validate(cfg: Config) -> None:
-  def need(ok: bool, field: str, message: str):
-    if not ok:
-      raise ConfigError(field, message)
+  """Each section's own checks (``Section.check``), then the checks that span sections."""
+  _need(cfg.steps >= 0, "steps", f"must be >= 0, got {cfg.steps}")
+  _need(cfg.batch_questions > 0, "batch_questions", "must be > 0")
+  for f in dataclasses.fields(cfg):
+    section = getattr(cfg, f.name)
+    if hasattr(section, "check"):
+      section.check()
+  _check_batch_shapes(cfg)
+  _check_math_task(cfg)
+  _check_eval(cfg)
+  _check_methods(cfg)
+  if cfg.anneal_phase.enabled:
+    _validate_anneal_phase(cfg)
 
-  for field, allowed in _CHOICES.items():
-    section, name = field.split(".")
-    value = getattr(getattr(cfg, section), name)
-    need(value in allowed, field, f"{value!r} is not one of {allowed}")
-  need(cfg.steps >= 0, "steps", f"must be >= 0, got {cfg.steps}")
-  need(cfg.batch_questions > 0, "batch_questions", "must be > 0")
-  need(cfg.rollout.group_size >= 1, "rollout.group_size", "must be >= 1")
-  need(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
-  need(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0")
-  need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
-  need(cfg.loss.eps_low >= 0 and cfg.loss.eps_high >= 0, "loss.eps_low", "clip ranges must be >= 0")
-  need(
-    cfg.loss.dual_clip == 0 or cfg.loss.dual_clip > 1, "loss.dual_clip", "must be 0 (off) or > 1"
-  )
-  need(cfg.loss.mini_batches >= 1, "loss.mini_batches", "must be >= 1")
-  need(cfg.loss.micro_batches >= 1, "loss.micro_batches", "must be >= 1")
+
+def _check_batch_shapes(cfg: Config) -> None:
+  """R rollouts split into mini- and micro-batches, each split over the data axes."""
   chunks = cfg.loss.mini_batches * cfg.loss.micro_batches
-  need(
+  _need(
     cfg.num_rollouts % chunks == 0,
     "loss.micro_batches",
     f"R = batch_questions*group_size = {cfg.num_rollouts} is not divisible by "
     f"mini_batches*micro_batches = {chunks}",
   )
-  m = cfg.model
-  need(
-    m.num_heads % max(m.num_kv_heads, 1) == 0 and m.num_kv_heads > 0,
-    "model.num_kv_heads",
-    f"num_heads={m.num_heads} must be a positive multiple of num_kv_heads={m.num_kv_heads}",
-  )
-  need(m.head_dim % 2 == 0, "model.head_dim", "must be even (RoPE)")
-  need(
-    cfg.task.name != "math" or bool(m.checkpoint),
-    "model.checkpoint",
-    "the math task starts from a pretrained HF checkpoint: set model.checkpoint",
-  )
-  need(
-    cfg.task.name != "math" or bool(cfg.data.train),
-    "data.train",
-    "the math task needs a training set: data.train = PATH[:WEIGHT],...",
-  )
-  need(
-    cfg.task.name != "math" or cfg.sft.steps == 0,
-    "sft.steps",
-    "the math task has no SFT corpus (it starts from a pretrained checkpoint): set sft.steps=0",
-  )
-  need(cfg.optim.max_nonfinite_steps >= 1, "optim.max_nonfinite_steps", "must be >= 1")
-  need(cfg.reward.workers >= 0, "reward.workers", "must be >= 0 (0 = min(8, CPUs))")
-  need(cfg.reward.time_limit > 0, "reward.time_limit", "must be > 0")
-  need(cfg.data.max_heldout >= 0, "data.max_heldout", "must be >= 0")
-  for name in ("data", "fsdp", "tensor"):
-    need(getattr(cfg.mesh, name) >= 1, f"mesh.{name}", "must be >= 1")
   rows = cfg.mesh.data * cfg.mesh.fsdp
-  need(
+  _need(
     (cfg.num_rollouts // chunks) % rows == 0,
     "batch_questions",
     f"a micro-batch of {cfg.num_rollouts // chunks} rollouts is not divisible "
     f"over the data axes (data*fsdp = {rows})",
   )
-  need(
+  _need(
     cfg.sft.batch_size % rows == 0,
     "sft.batch_size",
     f"{cfg.sft.batch_size} is not divisible over the data axes (data*fsdp = {rows})",
   )
+  _need(
+    not cfg.eepo.enabled or cfg.num_rollouts % 2 == 0,
+    "eepo.enabled",
+    f"EEPO splits the step's R = {cfg.num_rollouts} rollouts into two equal stages: R must be even",
+  )
+  _need(
+    not cfg.eepo.enabled or (cfg.num_rollouts // 2) % rows == 0,
+    "eepo.enabled",
+    f"an EEPO stage of R/2 = {cfg.num_rollouts // 2} rollouts is not divisible over the data "
+    f"axes (data*fsdp = {rows})",
+  )
+
+
+def _check_math_task(cfg: Config) -> None:
+  if cfg.task.name != "math":
+    return
+  _need(
+    bool(cfg.model.checkpoint),
+    "model.checkpoint",
+    "the math task starts from a pretrained HF checkpoint: set model.checkpoint",
+  )
+  _need(
+    bool(cfg.data.train),
+    "data.train",
+    "the math task needs a training set: data.train = PATH[:WEIGHT],...",
+  )
+  _need(
+    cfg.sft.steps == 0,
+    "sft.steps",
+    "the math task has no SFT corpus (it starts from a pretrained checkpoint): set sft.steps=0",
+  )
+
+
+def _check_eval(cfg: Config) -> None:
   try:
     ks = cfg.eval_ks
   except ValueError:
     raise ConfigError(
       "eval.ks", f"expected comma-separated integers, got {cfg.eval.ks!r}"
     ) from None
-  need(
+  _need(
     all(1 <= k <= cfg.eval.num_samples for k in ks),
     "eval.ks",
     f"every k must be in [1, eval.num_samples={cfg.eval.num_samples}], got {ks}",
   )
-  a = cfg.allocation
-  need(
-    1 <= a.g_min <= a.g_max,
-    "allocation.g_min",
-    f"need 1 <= g_min <= g_max, got g_min={a.g_min} g_max={a.g_max}",
-  )
-  need(
-    a.g_min <= cfg.rollout.group_size <= a.g_max,
+
+
+def _check_methods(cfg: Config) -> None:
+  """The methods' bounds must contain the rollout section's group size and temperature."""
+  a, g = cfg.allocation, cfg.rollout.group_size
+  _need(
+    a.g_min <= g <= a.g_max,
     "allocation.g_max",
-    f"the mean group size rollout.group_size={cfg.rollout.group_size} must lie in "
+    f"the mean group size rollout.group_size={g} must lie in "
     f"[g_min, g_max] = [{a.g_min}, {a.g_max}]",
   )
-  need(
-    a.e3_g_min_floor <= cfg.rollout.group_size <= a.e3_g_max_cap,
+  _need(
+    a.e3_g_min_floor <= g <= a.e3_g_max_cap,
     "allocation.e3_g_min_floor",
     "need e3_g_min_floor <= rollout.group_size <= e3_g_max_cap",
   )
   t = cfg.temperature
-  need(0 < t.tau_min <= t.tau_max, "temperature.tau_min", "need 0 < tau_min <= tau_max")
-  need(
+  _need(
     t.tau_min <= cfg.rollout.temperature <= t.tau_max,
     "rollout.temperature",
     f"must lie in [temperature.tau_min, temperature.tau_max] = [{t.tau_min}, {t.tau_max}]",
   )
-  c = cfg.clip
-  need(
-    c.c_min <= c.c0 <= c.c_max,
-    "clip.c0",
-    f"need c_min <= c0 <= c_max, got {c.c_min}, {c.c0}, {c.c_max}",
-  )
-  need(c.window >= 1, "clip.window", "must be >= 1")
-  need(cfg.eepo.m >= 1, "eepo.m", "must be >= 1")
-  need(
-    not cfg.eepo.enabled or cfg.num_rollouts % 2 == 0,
-    "eepo.enabled",
-    f"EEPO splits the step's R = {cfg.num_rollouts} rollouts into two equal stages: R must be even",
-  )
-  need(
-    not cfg.eepo.enabled or (cfg.num_rollouts // 2) % rows == 0,
-    "eepo.enabled",
-    f"an EEPO stage of R/2 = {cfg.num_rollouts // 2} rollouts is not divisible over the data "
-    f"axes (data*fsdp = {rows})",
-  )
-  need(cfg.checkpoint.every >= 1, "checkpoint.every", "must be >= 1")
-  need(cfg.checkpoint.settle_timeout > 0, "checkpoint.settle_timeout", "must be > 0 (seconds)")
-  v = cfg.vllm
-  need(v.sync_every >= 1, "vllm.sync_every", "must be >= 1")
-  need(
-    v.retries >= 0 and v.max_restarts >= 0, "vllm.retries", "retries and max_restarts must be >= 0"
-  )
-  need(
-    v.startup_timeout > 0 and v.request_timeout > 0, "vllm.request_timeout", "timeouts must be > 0"
-  )
-  need(0 <= v.port < 65536, "vllm.port", f"must be a port number (0 = any free port), got {v.port}")
-  need(
-    v.dtype in ("", "float32", "bfloat16", "float16"),
-    "vllm.dtype",
-    f"{v.dtype!r} is not one of '', float32, bfloat16, float16",
-  )
-  if cfg.anneal_phase.enabled:
-    _validate_anneal_phase(cfg)
-  need(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
 
 
 def parse_mixture(spec: str, field: str) -> tuple[tuple[str, float], ...]:

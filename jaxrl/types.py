@@ -11,7 +11,8 @@ Shape letters (suffixes such as ``logp_RxN``), each with one meaning:
   A  query heads per key/value head (H / K)                 E  head_dim
   V  vocabulary
   U  tokens flattened over rows (B·T)   C  tokens in one fused log-prob chunk   J  chunks (U / C)
-  M  sequential row chunks (micro-batches)                  W  rows in one such chunk (R / M)
+  M  sequential row chunks (micro-batches)                  X  rows in one such chunk (R / M)
+  W  a controller's window (ring buffer of the last W values)
   Z  queries in one attention block                         Y  attention blocks (T / Z)
 
 Every pytree here is a frozen dataclass registered with ``jax.tree_util.register_dataclass``;

@@ -26,6 +26,19 @@ else:
   _SESSION_CACHE = None
 
 
+def pytest_configure(config):
+  """One matmul precision for every test module: full float32, so the float64 oracles' tolerances
+  hold on backends whose default matmul uses bfloat16 or TF32 passes (on CPU it is the same either
+  way). Runs in the controller and in every pytest-xdist worker (each loads this file), before
+  collection; imported here, after the cache variables above, which JAX reads when it is imported.
+  Subprocesses (``python -m jaxrl.main``, ``python -c`` scripts) do not load this file and keep
+  their own setting (tests/sharded_step_check.py and test_logprobs' script set it themselves)."""
+  del config
+  import jax
+
+  jax.config.update("jax_default_matmul_precision", "highest")
+
+
 def pytest_unconfigure(config):
   if _SESSION_CACHE and not hasattr(config, "workerinput"):
     shutil.rmtree(_SESSION_CACHE, ignore_errors=True)

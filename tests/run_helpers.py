@@ -32,7 +32,9 @@ def read_metrics(workdir):
   return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
 
-def rollouts(prompt_ids_RxP, prompt_mask_RxP, tokens_RxN, mask_RxN, logp_RxN, rewards_R, group_ids_R):
+def rollouts(
+  prompt_ids_RxP, prompt_mask_RxP, tokens_RxN, mask_RxN, logp_RxN, rewards_R, group_ids_R
+):
   """A ``Rollouts`` for the update from the fields it reads (entropies, lengths and finished flags
   derived: the update ignores them)."""
   import numpy as np

@@ -21,8 +21,6 @@ from jaxrl.nn import model
 from jaxrl.rl import losses, step
 from jaxrl.rollout import sampler
 
-jax.config.update("jax_default_matmul_precision", "highest")
-
 B, K, REP, E = 3, 2, 3, 8  # GQA: 2 kv heads, 3 query heads each
 _rng = np.random.default_rng(0)
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from jaxrl.config import ConfigError, default_configdict, from_configdict
+from jaxrl.config import Config, ConfigError, default_configdict, from_configdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,5 +60,9 @@ def test_from_configdict_rejects_bad_values():
 
 def test_default_config_is_valid_and_typed():
   cfg = from_configdict(default_configdict())
+  assert cfg == Config()  # the ConfigDict round-trips to the defaults, field by field
   assert cfg.num_rollouts == cfg.batch_questions * cfg.rollout.group_size
-  assert isinstance(cfg.optim.learning_rate, float)
+  # An int given for a float field becomes that float (repr tells 1.0 from 1).
+  cd = default_configdict()
+  cd.optim.learning_rate = 1
+  assert repr(from_configdict(cd).optim.learning_rate) == "1.0"

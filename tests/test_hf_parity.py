@@ -31,8 +31,6 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from jaxrl.parallel import sharding  # noqa: E402
 from jaxrl.nn import hf, hf_config, model
 
-jax.config.update("jax_default_matmul_precision", "highest")
-
 KINDS = [(k, t) for k in hf_fixtures.KINDS for t in (False, True)]
 LAYOUTS = ("loop", "scan")
 TOL = 1e-4

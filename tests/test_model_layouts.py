@@ -27,8 +27,6 @@ from jaxrl.nn import model
 from jaxrl.rl import losses, step
 from jaxrl.rollout import sampler
 
-jax.config.update("jax_default_matmul_precision", "highest")
-
 # Qwen2-like (q/k/v biases), GQA, 3 layers so a wrong layer order or index shows.
 LOOP = model.ModelConfig(
   vocab_size=64,

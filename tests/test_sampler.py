@@ -18,8 +18,7 @@ import pytest  # noqa: E402
 
 from jaxrl.nn import model  # noqa: E402
 from jaxrl.rollout import sampler  # noqa: E402
-
-jax.config.update("jax_default_matmul_precision", "highest")
+from jaxrl.run.compiles import CompileCounter  # noqa: E402
 
 PAD, EOS = 0, 1
 # A small vocabulary so that EOS is sampled often (per-row stops happen within N tokens).
@@ -150,13 +149,21 @@ def test_per_row_eos_stop(tiny):
 
 
 def test_no_recompilation_when_counts_temperature_or_top_p_change(tiny):
-  for greedy in (False, True):
-    _gen(tiny, [2, 1, 3], greedy=greedy)
-    compiled = sampler.generate._cache_size()
-    _gen(tiny, [1, 4, 1], key=5, tau=0.6, top_p=0.9, greedy=greedy)
-    _gen(tiny, [0, 0, 6], key=6, tau=np.float32(1.4), top_p=jnp.float32(1.0), greedy=greedy)
-    _gen(tiny, np.array([3, 3, 0], np.int64), tau=jnp.array(2.0), top_p=0.5, greedy=greedy)
-    assert sampler.generate._cache_size() == compiled
+  # Traces of the jitted sampler (sampler.sample_program), from JAX's public monitoring events.
+  # n = N - 1 is a length no other test samples: the first call of each mode must trace, which
+  # shows the counter sees the sampler's traces; the value-only changes after it must not.
+  n = N - 1
+  counter = CompileCounter(compiles="sample_program").start()
+  try:
+    for traced, greedy in enumerate((False, True), start=1):
+      _gen(tiny, [2, 1, 3], n=n, greedy=greedy)
+      assert counter.counts()["compiles"] == traced
+      _gen(tiny, [1, 4, 1], key=5, tau=0.6, top_p=0.9, n=n, greedy=greedy)
+      _gen(tiny, [0, 0, 6], key=6, tau=np.float32(1.4), top_p=jnp.float32(1.0), n=n, greedy=greedy)
+      _gen(tiny, np.array([3, 3, 0], np.int64), tau=jnp.array(2.0), top_p=0.5, n=n, greedy=greedy)
+      assert counter.counts()["compiles"] == traced
+  finally:
+    counter.stop()
 
 
 def test_rows_follow_each_questions_own_count(tiny):

@@ -12,8 +12,6 @@ from run_helpers import rollouts
 from jaxrl.nn import model
 from jaxrl.rl import losses, step
 
-jax.config.update("jax_default_matmul_precision", "highest")
-
 MCFG = model.ModelConfig(
   vocab_size=32,
   hidden_size=32,

@@ -38,7 +38,7 @@ def logprobs_entropy_from_logits(logits_UxV, tokens_U, tau):
   return logp_U, entropy_U
 
 
-def _logits(hidden_UxD, lm_head_DxV):
+def logits_f32(hidden_UxD, lm_head_DxV):
   """Float32 logits; bf16 inputs stay bf16 in the matmul but accumulate in float32."""
   return jnp.matmul(hidden_UxD, lm_head_DxV, preferred_element_type=jnp.float32)
 
@@ -46,7 +46,7 @@ def _logits(hidden_UxD, lm_head_DxV):
 def naive_logprobs_entropy(hidden_BxTxD, lm_head_DxV, tokens_BxT, tau):
   """Reference version that materialises the full [B,T,V] logits (tests and benchmarks only)."""
   B, T, D = hidden_BxTxD.shape
-  logits_UxV = _logits(hidden_BxTxD.reshape(B * T, D), lm_head_DxV)
+  logits_UxV = logits_f32(hidden_BxTxD.reshape(B * T, D), lm_head_DxV)
   logp_U, entropy_U = logprobs_entropy_from_logits(logits_UxV, tokens_BxT.reshape(B * T), tau)
   return logp_U.reshape(B, T), entropy_U.reshape(B, T)
 
@@ -70,7 +70,7 @@ def _map_token_chunks(row_fn, hidden_BxTxD, lm_head_DxV, tokens_BxT, tau, chunk_
 
   @jax.checkpoint
   def one_chunk(lm_head, tau, hidden_CxD, tokens_C):
-    return row_fn(_logits(hidden_CxD, lm_head), tokens_C, tau)
+    return row_fn(logits_f32(hidden_CxD, lm_head), tokens_C, tau)
 
   outs_JxC = jax.lax.map(lambda xs: one_chunk(lm_head_DxV, tau, *xs), (hidden_JxCxD, tokens_JxC))
   return tuple(o.reshape(J * C)[:U].reshape(B, T) for o in outs_JxC)

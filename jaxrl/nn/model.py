@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.config import Remat
 from jaxrl.parallel.sharding import activation_mesh, constrain
 from jaxrl.types import Array, pytree_dataclass
 
@@ -47,7 +49,7 @@ def _remat_policy(name: str):
   raise ValueError(name)
 
 
-REMAT_POLICIES = ("none", "full", "dots", "offload")
+REMAT_POLICIES = typing.get_args(Remat)  # the values config.model.remat accepts
 
 
 @dataclasses.dataclass(frozen=True)

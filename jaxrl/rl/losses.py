@@ -15,14 +15,16 @@ feeds `grpo_loss(..., adv_RxT=...)`, and EEPO's unlearning loss (§5) for the ro
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
 
+from jaxrl.config import Aggregation, KLEstimator
 from jaxrl.nn.logprobs import logp_log1m_p_from_logits
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+AGGREGATIONS = typing.get_args(Aggregation)  # the values config.loss.aggregation accepts
+KL_ESTIMATORS = typing.get_args(KLEstimator)
 
 
 def _valid_or_all(valid_R, n):

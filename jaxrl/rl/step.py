@@ -82,16 +82,16 @@ def logp_responses_chunked(
   rows = (prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN, response_mask_RxN)
   if micro == 1:
     return logp_responses(graphdef, params, *rows, tau, chunk_size)
-  logp_MxWxN, ent_MxWxN = jax.lax.map(
+  logp_MxXxN, ent_MxXxN = jax.lax.map(
     lambda chunk: logp_responses(graphdef, params, *chunk, tau, chunk_size),
     _split_micro(rows, micro),
   )
-  return _merge_micro(logp_MxWxN), _merge_micro(ent_MxWxN)
+  return _merge_micro(logp_MxXxN), _merge_micro(ent_MxXxN)
 
 
-def _merge_micro(x_MxWx):
+def _merge_micro(x_MxXx):
   """Inverse of ``_split_micro`` for one array: [micro, R/micro, ...] → [R, ...]."""
-  return jnp.swapaxes(x_MxWx, 0, 1).reshape(-1, *x_MxWx.shape[2:])
+  return jnp.swapaxes(x_MxXx, 0, 1).reshape(-1, *x_MxXx.shape[2:])
 
 
 def sequential_chunks(rows: int, micro_batches: int) -> int:

@@ -119,19 +119,37 @@ def evaluate_checkpoint(
   ks: tuple[int, ...] = (),
 ) -> dict:
   """Evaluate ``checkpoint`` on each benchmark; write and return the results."""
-  from jaxrl import rng
-  from jaxrl.nn import arch, model
-  from jaxrl.parallel import sharding
-  from jaxrl.rollout.build import build_engine
-  from jaxrl.run.eval import engine_sampler, evaluate
   from jaxrl.tasks import math_task
-  from jaxrl.tasks.data import datasets, math_prompts
-  from jaxrl.tasks.data.prompts import decode_responses
 
   num_samples = num_samples or cfg.eval.num_samples
   ks = ks or cfg.eval_ks
   if _run_checkpoint(checkpoint) is None:  # an HF directory: its own architecture and tokenizer
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, checkpoint=checkpoint))
+  engine, tokenizer, params = _engine_and_params(cfg, checkpoint, out_dir)
+  scorer = math_task.MathScorer(cfg)
+  results = {}
+  try:
+    engine.set_weights(params, "eval")
+    for name, path in benchmarks:
+      row = _evaluate_benchmark(cfg, engine, tokenizer, scorer, name, path, num_samples, ks)
+      results[name] = row
+      log.info("%s: %s", name, {k: v for k, v in row.items() if k.startswith("avg@")})
+  finally:
+    engine.close()
+    scorer.close()
+  table = markdown(results, ks, num_samples)
+  _write_results(cfg, checkpoint, out_dir, results, table, num_samples, ks)
+  return {"results": results, "table": table}
+
+
+def _engine_and_params(cfg, checkpoint: str, out_dir: str):
+  """The rollout engine for the checkpoint's architecture, its tokenizer, and its params on the
+  mesh."""
+  from jaxrl.nn import arch, model
+  from jaxrl.parallel import sharding
+  from jaxrl.rollout.build import build_engine
+  from jaxrl.tasks.data import math_prompts
+
   model_cfg = arch.model_config(cfg)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   graphdef, abstract_params = model.abstract(model_cfg)
@@ -139,7 +157,6 @@ def evaluate_checkpoint(
   tokenizer = math_prompts.load_tokenizer(cfg.model.checkpoint)
   stops = math_prompts.stop_token_ids(cfg.model.checkpoint, tokenizer)
   params = load_params(cfg, checkpoint, (abstract_params, shardings))
-  scorer = math_task.MathScorer(cfg)
   engine = build_engine(
     cfg,
     graphdef,
@@ -150,40 +167,43 @@ def evaluate_checkpoint(
     prompt_len=cfg.task.max_prompt_len,
     workdir=out_dir,
   )
+  return engine, tokenizer, params
+
+
+def _evaluate_benchmark(cfg, engine, tokenizer, scorer, name, path, num_samples, ks) -> dict:
+  """One benchmark file: avg@n, pass@k and greedy accuracy, with what was dropped or cut."""
+  from jaxrl import rng
+  from jaxrl.run.eval import engine_sampler, evaluate
+  from jaxrl.tasks import math_task
+  from jaxrl.tasks.data import datasets
+  from jaxrl.tasks.data.prompts import decode_responses
 
   def decode(out):
     return decode_responses(tokenizer, np.asarray(out.tokens_RxN), np.asarray(out.lengths_R))
 
-  results = {}
-  try:
-    engine.set_weights(params, "eval")
-    per_call = max(1, cfg.num_rollouts // num_samples)
-    for name, path in benchmarks:
-      questions, report = datasets.load_questions(
-        path, math_task.fields(cfg), split=cfg.data.split, strict=cfg.data.strict
-      )
-      enc = math_task.encode(cfg, tokenizer, questions.questions, name)
-      answers = np.asarray(questions.answers, dtype=object)[enc.kept_Q]
+  questions, report = datasets.load_questions(
+    path, math_task.fields(cfg), split=cfg.data.split, strict=cfg.data.strict
+  )
+  enc = math_task.encode(cfg, tokenizer, questions.questions, name)
+  answers = np.asarray(questions.answers, dtype=object)[enc.kept_Q]
+  result = evaluate(
+    engine_sampler(engine, decode, cfg.eval.temperature),
+    enc.ids_QxP,
+    enc.mask_QxP,
+    np.zeros(len(enc.kept_Q), np.int32),
+    lambda responses, q: scorer(responses, answers[q]).rewards_R,
+    num_samples=num_samples,
+    ks=sorted({1, *ks}),
+    questions_per_call=max(1, cfg.num_rollouts // num_samples),
+    key=rng.key(cfg.seed, rng.EVAL),
+  )
+  row = result.to_json()
+  row[f"avg@{num_samples}"] = result.pass_at[1]["all"]  # pass@1 of n samples = mean accuracy
+  row.update(path=path, dropped=enc.dropped, truncated=enc.truncated, rows=str(report))
+  return row
 
-      result = evaluate(
-        engine_sampler(engine, decode, cfg.eval.temperature),
-        enc.ids_QxP,
-        enc.mask_QxP,
-        np.zeros(len(enc.kept_Q), np.int32),
-        lambda responses, q: scorer(responses, answers[q]).rewards_R,
-        num_samples=num_samples,
-        ks=sorted({1, *ks}),
-        questions_per_call=per_call,
-        key=rng.key(cfg.seed, rng.EVAL),
-      )
-      row = result.to_json()
-      row[f"avg@{num_samples}"] = result.pass_at[1]["all"]  # pass@1 of n samples = mean accuracy
-      row.update(path=path, dropped=enc.dropped, truncated=enc.truncated, rows=str(report))
-      results[name] = row
-      log.info("%s: %s", name, {k: v for k, v in row.items() if k.startswith("avg@")})
-  finally:
-    engine.close()
-    scorer.close()
+
+def _write_results(cfg, checkpoint, out_dir, results, table, num_samples, ks) -> None:
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, "eval_results.json"), "w") as f:
     json.dump(
@@ -197,13 +217,11 @@ def evaluate_checkpoint(
       f,
       indent=1,
     )
-  table = markdown(results, ks, num_samples)
   with open(os.path.join(out_dir, "eval_results.md"), "w") as f:
     f.write(
       f"# {checkpoint}\n\nn = {num_samples} samples per question at τ = "
       f"{cfg.eval.temperature} (avg@n = mean accuracy), unbiased pass@k, greedy.\n\n{table}\n"
     )
-  return {"results": results, "table": table}
 
 
 def main(argv):

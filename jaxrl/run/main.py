@@ -91,54 +91,43 @@ def _parse_flags(argv):
     _usage_error(e)
 
 
-def main(argv):
-  del argv
-  # Past a file-size limit, writes fail with EFBIG (handled: a failed checkpoint is logged, the
-  # previous one kept) instead of the default SIGXFSZ killing the run.
-  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+def _fail(message) -> None:
+  print(f"jaxrl: error: {message}", file=sys.stderr)
+  sys.exit(USAGE_ERROR)
+
+
+def _config():
+  """The converted, checked config; a bad one exits 2 with one line."""
   from jaxrl.config import ConfigError, from_configdict
   from jaxrl.methods import registry
 
   if _CONFIG.value is None or not (_WORKDIR.value or _PLAN.value):
-    print("jaxrl: error: --config and --workdir are required", file=sys.stderr)
-    sys.exit(USAGE_ERROR)
+    _fail("--config and --workdir are required")
   try:
     cfg = from_configdict(_CONFIG.value)  # the config file is loaded lazily, here
     registry.check(cfg)  # method names: whatever the registry holds
   except ConfigError as e:
-    print(f"jaxrl: error: {e}", file=sys.stderr)
-    sys.exit(USAGE_ERROR)
+    _fail(e)
   except _BAD_FLAG_ERRORS as e:
     _usage_error(e)
-  if _PLAN.value:
-    from jaxrl.parallel import distributed
-    from jaxrl.run import plan, plan_report
+  return cfg
 
-    distributed.initialize(cpu_devices=_CPU_DEVICES.value)
-    try:
-      print(plan_report.render(plan.build(cfg)))
-    except ConfigError as e:
-      print(f"jaxrl: error: {e}", file=sys.stderr)
-      sys.exit(USAGE_ERROR)
-    return
-  from jaxrl.nn.arch import checkpoint_error
 
-  if (error := checkpoint_error(cfg)) is not None:  # before the run directory is written
-    print(f"jaxrl: error: {error}", file=sys.stderr)
-    sys.exit(USAGE_ERROR)
+def _plan(cfg) -> None:
+  from jaxrl.config import ConfigError
   from jaxrl.parallel import distributed
+  from jaxrl.run import plan, plan_report
 
+  distributed.initialize(cpu_devices=_CPU_DEVICES.value)
   try:
-    distributed.initialize(
-      _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _CPU_DEVICES.value
-    )
-  except ValueError as e:
-    print(f"jaxrl: error: {e}", file=sys.stderr)
-    sys.exit(USAGE_ERROR)
+    print(plan_report.render(plan.build(cfg)))
+  except ConfigError as e:
+    _fail(e)
+
+
+def _setup_logging(workdir: str) -> None:
   import jax
 
-  workdir = os.path.abspath(_WORKDIR.value)
-  os.makedirs(workdir, exist_ok=True)
   log_name = "log.txt" if jax.process_index() == 0 else f"log.process{jax.process_index()}.txt"
   logging.basicConfig(
     level=logging.INFO,
@@ -149,6 +138,31 @@ def main(argv):
   # orbax and absl log every checkpoint phase at INFO; keep the run's own log readable.
   for name in ("absl", "jax", "orbax"):
     logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def main(argv):
+  del argv
+  # Past a file-size limit, writes fail with EFBIG (handled: a failed checkpoint is logged, the
+  # previous one kept) instead of the default SIGXFSZ killing the run.
+  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  cfg = _config()
+  if _PLAN.value:
+    return _plan(cfg)
+  from jaxrl.nn.arch import checkpoint_error
+
+  if (error := checkpoint_error(cfg)) is not None:  # before the run directory is written
+    _fail(error)
+  from jaxrl.parallel import distributed
+
+  try:
+    distributed.initialize(
+      _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _CPU_DEVICES.value
+    )
+  except ValueError as e:
+    _fail(e)
+  workdir = os.path.abspath(_WORKDIR.value)
+  os.makedirs(workdir, exist_ok=True)
+  _setup_logging(workdir)
   from jaxrl.run import compile_cache
 
   compile_cache.enable(cfg.compile_cache, workdir)

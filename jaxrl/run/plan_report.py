@@ -93,57 +93,50 @@ def _phase_section(plan: Plan, ph: PhasePlan) -> list[str]:
   ]
   out += [_table(["train step", "per device"], rows), ""]
   if ph.compiled:
-    out += [
-      "XLA's `memory_analysis()` of the compiled programs, per device, on "
-      f"{plan.devices} (the CPU backend keeps some bf16 intermediates in f32 and fuses "
-      "less than a GPU's, so a GPU needs at most about this):",
-      "",
-    ]
-    rows = [
-      [
-        c.name,
-        size(c.argument),
-        size(c.output),
-        size(c.alias),
-        size(c.temp),
-        size(c.code),
-        f"**{size(c.peak)}**",
-        f"{c.seconds:.1f}",
-      ]
-      for c in ph.compiled
-    ]
-    out += [
-      _table(
-        [
-          "program",
-          "arguments",
-          "outputs",
-          "aliased (donated)",
-          "temp",
-          "generated code",
-          "peak = arg + out − alias + temp",
-          "compile s",
-        ],
-        rows,
-      ),
-      "",
-    ]
-    out += [_verdict(plan, max(c.peak for c in ph.compiled)), ""]
-    # The forgetting step has a backward too: at most the train step's (half the rows per chunk).
-    expected = [
-      grads + act.total if c.name.startswith(("train step", "EEPO")) else ph.rollout.total
-      for c in ph.compiled
-    ]
-    for c, e in zip(ph.compiled, expected):
-      if c.temp > 2 * e and c.temp - e > _WARN_BYTES:
-        out += [
-          f"**Warning**: {c.name}: XLA's temp ({size(c.temp)}) is {c.temp / e:.1f}x the "
-          f"estimate ({size(e)}), which assumes each device holds only its share of the rows "
-          "(and one layer at a time): the compiled program keeps more (look for "
-          "all-gathered or replicated activations in `compiled.as_text()`).",
-          "",
-        ]
+    out += _compiled_section(plan, ph, expected_train=grads + act.total)
   return out + _rollout_section(pc, ph.rollout)
+
+
+_COMPILED_COLUMNS = [
+  "program",
+  "arguments",
+  "outputs",
+  "aliased (donated)",
+  "temp",
+  "generated code",
+  "peak = arg + out − alias + temp",
+  "compile s",
+]
+
+
+def _compiled_section(plan: Plan, ph: PhasePlan, expected_train: int) -> list[str]:
+  """XLA's memory analysis of the phase's compiled programs, the fit verdict, and a warning for
+  each program whose temp is far above the analytic estimate."""
+  out = [
+    "XLA's `memory_analysis()` of the compiled programs, per device, on "
+    f"{plan.devices} (the CPU backend keeps some bf16 intermediates in f32 and fuses "
+    "less than a GPU's, so a GPU needs at most about this):",
+    "",
+  ]
+  rows = [
+    [c.name, size(c.argument), size(c.output), size(c.alias), size(c.temp), size(c.code),
+     f"**{size(c.peak)}**", f"{c.seconds:.1f}"]
+    for c in ph.compiled
+  ]  # fmt: skip
+  out += [_table(_COMPILED_COLUMNS, rows), ""]
+  out += [_verdict(plan, max(c.peak for c in ph.compiled)), ""]
+  for c in ph.compiled:
+    # The forgetting step has a backward too: at most the train step's (half the rows per chunk).
+    e = expected_train if c.name.startswith(("train step", "EEPO")) else ph.rollout.total
+    if c.temp > 2 * e and c.temp - e > _WARN_BYTES:
+      out += [
+        f"**Warning**: {c.name}: XLA's temp ({size(c.temp)}) is {c.temp / e:.1f}x the "
+        f"estimate ({size(e)}), which assumes each device holds only its share of the rows "
+        "(and one layer at a time): the compiled program keeps more (look for "
+        "all-gathered or replicated activations in `compiled.as_text()`).",
+        "",
+      ]
+  return out
 
 
 def _rollout_section(pc: Config, est: Estimate) -> list[str]:

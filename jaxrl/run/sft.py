@@ -24,10 +24,10 @@ def warm_start(
   params,
   mesh,
   *,
-  prompt_ids_NxP,
-  prompt_mask_NxP,
-  target_ids_NxT,
-  target_mask_NxT,
+  prompt_ids_QxP,
+  prompt_mask_QxP,
+  target_ids_QxT,
+  target_mask_QxT,
   steps: int,
   batch_size: int,
   learning_rate: float,
@@ -53,17 +53,33 @@ def warm_start(
   decay = 0 if target_loss > 0 else max(steps - warmup_steps, 1)
   tx = optim.adamw(learning_rate, warmup_steps, decay_steps=decay, weight_decay=weight_decay)
   programs = Programs(graphdef, params, mesh, tx)
-  state = programs.init_state(params)
+  corpus = (prompt_ids_QxP, prompt_mask_QxP, target_ids_QxT, target_mask_QxT)
+  t0 = time.time()
+  state, done, ema = _train(
+    programs, programs.init_state(params), corpus, chunk, steps, batch_size, warmup_steps,
+    target_loss, progress,
+  )  # fmt: skip
+  meta = {"steps": done, "final_loss_ema": ema, "seconds": time.time() - t0}
+  log.info("SFT warm start done: %d steps, loss (ema) %.4f, %.0fs", done, ema, meta["seconds"])
+  ckpt.save(done, {"params": state.params}, meta)
+  ckpt.close()
+  return state.params, meta
+
+
+def _train(
+  programs, state, corpus_Q, chunk, steps, batch_size, warmup_steps, target_loss, progress
+):
+  """The SFT steps over the (already shuffled) corpus, cycling through it in order; stops early
+  at ``target_loss``. Returns (state, steps done, final loss EMA)."""
   update = programs.sft_update(chunk)
-  num = prompt_ids_NxP.shape[0]
+  num = corpus_Q[0].shape[0]
   ema, done = None, 0
   t0 = time.time()
   for i in range(steps):
-    idx = np.arange(i * batch_size, (i + 1) * batch_size) % num  # the corpus is already shuffled
-    batch = sharding.shard_batch(
-      (prompt_ids_NxP[idx], prompt_mask_NxP[idx], target_ids_NxT[idx], target_mask_NxT[idx]), mesh
+    idx = np.arange(i * batch_size, (i + 1) * batch_size) % num
+    state, metrics = update(
+      state, *sharding.shard_batch(tuple(x[idx] for x in corpus_Q), programs.mesh)
     )
-    state, metrics = update(state, *batch)
     loss = float(distributed.to_host(metrics["loss"]))
     ema = loss if ema is None else 0.9 * ema + 0.1 * loss
     done = i + 1
@@ -75,8 +91,4 @@ def warm_start(
       progress(done, steps)
     if target_loss > 0 and i >= warmup_steps and ema < target_loss:
       break
-  meta = {"steps": done, "final_loss_ema": ema, "seconds": time.time() - t0}
-  log.info("SFT warm start done: %d steps, loss (ema) %.4f, %.0fs", done, ema, meta["seconds"])
-  ckpt.save(done, {"params": state.params}, meta)
-  ckpt.close()
-  return state.params, meta
+  return state, done, ema

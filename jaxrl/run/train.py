@@ -30,7 +30,14 @@ from jaxrl.run import sft
 from jaxrl.run.checkpoint import Checkpointer
 from jaxrl.run.compiles import CompileCounter
 from jaxrl.run.eval import EvalResult, comparison_table, engine_sampler, evaluate
-from jaxrl.run.loop import StepContext, initial_loop, restore_loop, rl_step, save_loop
+from jaxrl.run.loop import (
+  LoopState,
+  StepContext,
+  initial_loop,
+  restore_loop,
+  rl_step,
+  save_loop,
+)
 from jaxrl.run.metrics import MetricsWriter, plot_run
 from jaxrl.run.progress import Progress
 from jaxrl.run.stops import NonFiniteGuard, StopFlag, check_saved, stop_after_checkpoint
@@ -133,10 +140,10 @@ class Trainer:
         self.graphdef,
         params,
         self.mesh,
-        prompt_ids_NxP=t.sft_prompt_ids,
-        prompt_mask_NxP=t.sft_prompt_mask,
-        target_ids_NxT=t.sft_target_ids,
-        target_mask_NxT=t.sft_target_mask,
+        prompt_ids_QxP=t.sft_prompt_ids,
+        prompt_mask_QxP=t.sft_prompt_mask,
+        target_ids_QxT=t.sft_target_ids,
+        target_mask_QxT=t.sft_target_mask,
         steps=c.sft.steps,
         batch_size=c.sft.batch_size,
         learning_rate=c.sft.learning_rate,
@@ -189,25 +196,10 @@ class Trainer:
     """GRPO steps from the warm start; resumes from the latest checkpoint in ``workdir``."""
     c = self.cfg
     ctx = self.step_context(sft_params)
-    ckpt = Checkpointer(
-      os.path.join(self.workdir, "checkpoints"),
-      keep=c.checkpoint.keep,
-      async_save=c.checkpoint.async_save,
-      settle_timeout=c.checkpoint.settle_timeout,
-    )
-    loop = initial_loop(ctx, self.programs.init_state(sft_params))
-    log.info("methods: %s", ctx.runtime(0).methods.describe())
-    start = ckpt.latest_step() or 0
-    if start:
-      loop = restore_loop(ckpt, start, loop, self.programs.state_shardings, self.mesh)
-      log.info(
-        "resumed from step %d, %s phase (%s)", start, ctx.phases[loop.phase].name, ckpt.directory
-      )
-    writer, stop, nonfinite = (
-      self._writer(start),
-      StopFlag(),
-      NonFiniteGuard(c.optim.max_nonfinite_steps),
-    )
+    ckpt = self._checkpointer()
+    start, loop = self._start(ctx, ckpt, sft_params)
+    writer, stop = self._writer(start), StopFlag()
+    nonfinite = NonFiniteGuard(c.optim.max_nonfinite_steps)
     try:
       with self.progress.task("GRPO", c.steps, start) as advance:
         for i in range(start, c.steps):
@@ -216,11 +208,7 @@ class Trainer:
           if c.eval.every and (i + 1) % c.eval.every == 0 and i + 1 < c.steps:
             row.update(self._validate(loop.train.params, i + 1))
           writer.write(i + 1, row)
-          advance(
-            i + 1,
-            c.steps,
-            f"reward {row['reward']:.3f} H {row['entropy_rollout']:.3f} τ {row['tau']:.2f}",
-          )
+          advance(i + 1, c.steps, _progress_line(row))
           if (i + 1) % c.checkpoint.every == 0 or i + 1 == c.steps or stop.requested:
             save_loop(ckpt, i + 1, loop, self.mesh)
           if stop.requested:
@@ -231,6 +219,26 @@ class Trainer:
       writer.close()
     check_saved(ckpt, c.steps)
     return RLResult(loop.train.params, loop.stats)
+
+  def _checkpointer(self) -> Checkpointer:
+    k = self.cfg.checkpoint
+    return Checkpointer(
+      os.path.join(self.workdir, "checkpoints"),
+      keep=k.keep,
+      async_save=k.async_save,
+      settle_timeout=k.settle_timeout,
+    )
+
+  def _start(self, ctx: StepContext, ckpt: Checkpointer, sft_params) -> tuple[int, LoopState]:
+    """(first step, loop state): the latest checkpoint's, or step 0 from the warm start."""
+    loop = initial_loop(ctx, self.programs.init_state(sft_params))
+    log.info("methods: %s", ctx.runtime(0).methods.describe())
+    start = ckpt.latest_step() or 0
+    if start:
+      loop = restore_loop(ckpt, start, loop, self.programs.state_shardings, self.mesh)
+      phase = ctx.phases[loop.phase].name
+      log.info("resumed from step %d, %s phase (%s)", start, phase, ckpt.directory)
+    return start, loop
 
   def step_context(self, sft_params) -> StepContext:
     """What the RL steps read: the task, the programs, the rollout collector, the KL reference."""
@@ -312,6 +320,10 @@ class Trainer:
       )
     if self.cfg.log.plot and os.path.exists(os.path.join(self.workdir, "metrics.jsonl")):
       plot_run(os.path.join(self.workdir, "metrics.jsonl"), os.path.join(self.workdir, "run.png"))
+
+
+def _progress_line(row: dict) -> str:
+  return f"reward {row['reward']:.3f} H {row['entropy_rollout']:.3f} τ {row['tau']:.2f}"
 
 
 class _NoWriter:
