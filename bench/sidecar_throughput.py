@@ -25,8 +25,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from jaxrl.rl import step  # noqa: E402
 from jaxrl.nn import model
+from jaxrl.rl import step  # noqa: E402
 from jaxrl.rollout.engine import JaxEngine  # noqa: E402
 from jaxrl.rollout.sidecar import LaunchConfig  # noqa: E402
 from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine  # noqa: E402

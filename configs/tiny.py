@@ -74,7 +74,7 @@ def _apply_size(c, name: str) -> None:
     c.log.progress = False
     c.allocation.g_min = 2  # DynaMO bounds around G = 4
     c.allocation.g_max = 8
-    c.allocation.e3_g_min_floor = 2
+    c.allocation.e3.g_min_floor = 2
     c.clip.warmup = 1
     c.clip.window = 2
     c.eepo.alpha = 100.0  # the gate always fires, so the forgetting step runs in tests

@@ -277,19 +277,33 @@ class CheckpointSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class E3AllocationSection:
+  """E3's bounds curriculum (``allocation.method = "e3"``)."""
+
+  step: int = 2  # G_min/G_max widen by this per epoch
+  g_min_floor: int = 4
+  g_max_cap: int = 12
+  curriculum: bool = True  # False: bounds stay (allocation.g_min, allocation.g_max)
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamoAllocationSection:
+  """DynaMO's priorities (``allocation.method = "dynamo"``)."""
+
+  min_history: int = 4
+  floor: float = 0.01
+  mastered: float = 0.85
+
+
+@dataclasses.dataclass(frozen=True)
 class AllocationSection:
   """How the step's fixed budget R = batch_questions * rollout.group_size is split over questions."""
 
-  method: str = "uniform"  # uniform | e3 | dynamo
-  e3_step: int = 2  # E3 bounds curriculum: G_min/G_max widen by this per epoch
-  e3_g_min_floor: int = 4
-  e3_g_max_cap: int = 12
-  e3_curriculum: bool = True  # False: bounds stay (g_min, g_max) below
+  method: str = "uniform"  # a name of methods.registry.ALLOCATORS: uniform | e3 | dynamo | ...
   g_min: int = 4  # DynaMO bounds (and E3 bounds without the curriculum)
   g_max: int = 12
-  dynamo_min_history: int = 4
-  dynamo_floor: float = 0.01
-  dynamo_mastered: float = 0.85
+  e3: E3AllocationSection = E3AllocationSection()
+  dynamo: DynamoAllocationSection = DynamoAllocationSection()
 
   def check(self) -> None:
     _need(
@@ -423,8 +437,9 @@ class Config:
         a,
         g_min=lo(a.g_min),
         g_max=hi(a.g_max),
-        e3_g_min_floor=lo(a.e3_g_min_floor),
-        e3_g_max_cap=hi(a.e3_g_max_cap),
+        e3=dataclasses.replace(
+          a.e3, g_min_floor=lo(a.e3.g_min_floor), g_max_cap=hi(a.e3.g_max_cap)
+        ),
       ),
     )
 
@@ -564,9 +579,9 @@ def _check_methods(cfg: Config) -> None:
     f"[g_min, g_max] = [{a.g_min}, {a.g_max}]",
   )
   _need(
-    a.e3_g_min_floor <= g <= a.e3_g_max_cap,
-    "allocation.e3_g_min_floor",
-    "need e3_g_min_floor <= rollout.group_size <= e3_g_max_cap",
+    a.e3.g_min_floor <= g <= a.e3.g_max_cap,
+    "allocation.e3.g_min_floor",
+    "need e3.g_min_floor <= rollout.group_size <= e3.g_max_cap",
   )
   t = cfg.temperature
   _need(

@@ -118,7 +118,7 @@ def _base(size: str):
 def _apply_method(c, method: str) -> None:
   if method == "e3":
     c.allocation.method = "e3"
-    c.allocation.e3_step = 2  # G_max + 2, G_min - 2 per epoch
+    c.allocation.e3.step = 2  # G_max + 2, G_min - 2 per epoch
     c.temperature.method = "e3"
     c.temperature.anneal = True
     c.temperature.eta = 0.9  # annealing from floor(0.6 T) (the default start)
@@ -157,8 +157,8 @@ def _apply_test(c) -> None:
   c.data.max_heldout = 4
   c.checkpoint.every = 1
   c.reward.workers = 1
-  c.allocation.e3_g_min_floor = 2
-  c.allocation.e3_g_max_cap = 6
+  c.allocation.e3.g_min_floor = 2
+  c.allocation.e3.g_max_cap = 6
   c.allocation.g_min = 2
   c.allocation.g_max = 6
   c.anneal_phase.group_size = 0

@@ -34,8 +34,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
-from jaxrl.parallel import sharding  # noqa: E402
 from jaxrl.nn import hf, hf_config, model
+from jaxrl.parallel import sharding  # noqa: E402
 
 # 66.6 M params (266 MB in float32): the embedding and LM head are 13% of it each, an MLP kernel 5%.
 CFG = model.ModelConfig(

@@ -19,10 +19,12 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 from run_helpers import rollouts  # noqa: E402
 
-from jaxrl.rl import step  # noqa: E402
 from jaxrl.nn import model
 from jaxrl.parallel import sharding
-from jaxrl.rl import losses
+from jaxrl.rl import (
+  losses,
+  step,  # noqa: E402
+)
 
 
 def run_on(mesh, params_host, batch_host, tx, cfg, graphdef, hp, steps=1):

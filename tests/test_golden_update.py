@@ -21,7 +21,7 @@ from run_helpers import rollouts, tiny_config
 
 from jaxrl.nn import model
 from jaxrl.parallel import sharding
-from jaxrl.rl import losses, optim
+from jaxrl.rl import optim
 from jaxrl.rl.programs import Programs, rl_step_config, step_hparams
 
 # Not measured across CPUs (only AVX2 machines were at hand when this was recorded): the bound

@@ -28,8 +28,8 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
-from jaxrl.parallel import sharding  # noqa: E402
 from jaxrl.nn import hf, hf_config, model
+from jaxrl.parallel import sharding  # noqa: E402
 
 KINDS = [(k, t) for k in hf_fixtures.KINDS for t in (False, True)]
 LAYOUTS = ("loop", "scan")

@@ -11,7 +11,6 @@ import logging
 import os
 import struct
 import threading
-import time
 
 import pytest
 

@@ -20,7 +20,6 @@ import optax
 import pytest
 from flax import nnx
 from jaxpr_helpers import contains_primitive
-
 from run_helpers import rollouts
 
 from jaxrl.nn import model

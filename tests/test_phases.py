@@ -81,7 +81,7 @@ def test_annealing_config_scales_group_size_length_and_bounds():
   assert a.num_rollouts == 4 * cfg.num_rollouts
   # Bounds keep their shape around the new G (×4): DynaMO [2, 8] → [8, 32], E3 floor/cap 2/12 → 8/48.
   assert (a.allocation.g_min, a.allocation.g_max) == (8, 32)
-  assert (a.allocation.e3_g_min_floor, a.allocation.e3_g_max_cap) == (8, 48)
+  assert (a.allocation.e3.g_min_floor, a.allocation.e3.g_max_cap) == (8, 48)
   assert not a.anneal_phase.enabled
 
 

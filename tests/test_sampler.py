@@ -157,11 +157,12 @@ def test_no_recompilation_when_counts_temperature_or_top_p_change(tiny):
   try:
     for traced, greedy in enumerate((False, True), start=1):
       _gen(tiny, [2, 1, 3], n=n, greedy=greedy)
-      assert counter.counts()["compiles"] == traced
+      # 0 here: the counter misses sample_program (renamed?) or another test sampled this length.
+      assert counter.counts()["compiles"] == traced, counter.counts()
       _gen(tiny, [1, 4, 1], key=5, tau=0.6, top_p=0.9, n=n, greedy=greedy)
       _gen(tiny, [0, 0, 6], key=6, tau=np.float32(1.4), top_p=jnp.float32(1.0), n=n, greedy=greedy)
       _gen(tiny, np.array([3, 3, 0], np.int64), tau=jnp.array(2.0), top_p=0.5, n=n, greedy=greedy)
-      assert counter.counts()["compiles"] == traced
+      assert counter.counts()["compiles"] == traced, counter.counts()  # values only: no retrace
   finally:
     counter.stop()
 

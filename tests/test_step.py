@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
 from run_helpers import rollouts
 
 from jaxrl.nn import model

@@ -22,10 +22,10 @@ def e3_allocator(cfg: Config) -> allocation.Allocator:
   a = cfg.allocation
   return allocation.e3_allocator(
     cfg.rollout.group_size,
-    step=a.e3_step,
-    g_min_floor=a.e3_g_min_floor,
-    g_max_cap=a.e3_g_max_cap,
-    curriculum=a.e3_curriculum,
+    step=a.e3.step,
+    g_min_floor=a.e3.g_min_floor,
+    g_max_cap=a.e3.g_max_cap,
+    curriculum=a.e3.curriculum,
   )
 
 
@@ -35,9 +35,9 @@ def dynamo_allocator(cfg: Config) -> allocation.Allocator:
     cfg.rollout.group_size,
     a.g_min,
     a.g_max,
-    min_history=a.dynamo_min_history,
-    floor=a.dynamo_floor,
-    mastered=a.dynamo_mastered,
+    min_history=a.dynamo.min_history,
+    floor=a.dynamo.floor,
+    mastered=a.dynamo.mastered,
   )
 
 

@@ -211,6 +211,89 @@ def _assemble(shape, sharding, read_block) -> jax.Array:
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
+def _open_tensor_files(path: pathlib.Path, stack: contextlib.ExitStack) -> dict:
+  """HF tensor name -> the open ``_SafetensorsFile`` holding it, every file closed by ``stack``."""
+  handles = {}
+  for f in _tensor_files(path):
+    handle = _SafetensorsFile(f)
+    stack.callback(handle.close)
+    handles.update((name, handle) for name in handle.tensors)
+  return handles
+
+
+def _placement(shardings) -> dict | None:
+  """jaxrl param key -> its sharding, from a pytree of shardings (None: the default device)."""
+  if shardings is None:
+    return None
+  return {_key(p): s for p, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+
+
+class _ParamLoader:
+  """Builds each param (a ``tree_map_with_path`` leaf function) from a checkpoint's open tensors,
+  recording in ``expected`` the HF names it needed."""
+
+  def __init__(self, path, cfg: ModelConfig, handles: dict, placement: dict | None, np_dtype):
+    self.path, self.cfg, self.handles = path, cfg, handles
+    self.placement, self.np_dtype = placement, np_dtype
+    self.expected = set()
+
+  def _check(self, name, key, want):
+    self.expected.add(name)
+    if name not in self.handles:
+      raise ValueError(f"{self.path}: tensor {name!r} (jaxrl {'/'.join(map(str, key))}) is missing")
+    shape = self.handles[name].tensors[name][1]
+    if shape != want:
+      raise ValueError(
+        f"{self.path}: tensor {name!r} has shape {shape}, config.json implies {want}"
+      )
+
+  def _block_reader(self, names, transposed, stacked):
+    """``read_block(index)`` for ``_assemble``: one block of the param, layer by layer when
+    stacked (``names``: the HF tensor of each layer, else the param's one tensor)."""
+    handles, np_dtype = self.handles, self.np_dtype
+
+    def read_block(index):
+      out = np.empty(tuple(s.stop - s.start for s in index), np_dtype)
+      if stacked:
+        for j, layer in enumerate(range(index[0].start, index[0].stop)):
+          _read_into(handles[names[layer]], names[layer], index[1:], transposed, out[j])
+      else:
+        _read_into(handles[names[0]], names[0], index, transposed, out)
+      return out
+
+    return read_block
+
+  def __call__(self, key_path, var):
+    key = _key(key_path)
+    stacked = _is_stacked(key)
+    per_layer = [("layers", i, *key[1:]) for i in range(self.cfg.num_layers)] if stacked else [key]
+    names = [hf_name(k)[0] for k in per_layer]
+    transposed = hf_name(per_layer[0])[1]
+    inner = var.shape[1:] if stacked else var.shape
+    for name in names:
+      self._check(name, key, tuple(inner[::-1] if transposed else inner))
+    if self.placement is not None and key not in self.placement:
+      raise ValueError(f"shardings has no entry for {'/'.join(map(str, key))}")
+    sharding = None if self.placement is None else self.placement[key]
+    read_block = self._block_reader(names, transposed, stacked)
+    return var.replace(_assemble(var.shape, sharding, read_block))
+
+
+def _unexpected_tensors(path, cfg: ModelConfig, handles: dict, expected: set) -> list[str]:
+  """The checkpoint's tensors no param was read from (a tied model's head must equal the
+  embedding, which it then replaces; RoPE ``inv_freq`` buffers are ignored)."""
+  unexpected = sorted(n for n in set(handles) - expected if not n.endswith("rotary_emb.inv_freq"))
+  if cfg.tie_embeddings and "lm_head.weight" in unexpected:
+    head, embed = ("lm_head.weight", "model.embed_tokens.weight")
+    if not _same_tensor(handles[head], head, handles[embed], embed):
+      raise ValueError(
+        f"{path}: tie_word_embeddings is true but lm_head.weight differs from "
+        "model.embed_tokens.weight"
+      )
+    unexpected.remove("lm_head.weight")
+  return unexpected
+
+
 def load_hf_checkpoint(
   path,
   dtype=jnp.float32,
@@ -236,62 +319,14 @@ def load_hf_checkpoint(
     dtype=compute_dtype,
   )
   graphdef, abstract = jaxrl_model.abstract(cfg)
-  placement = None
-  if shardings is not None:
-    placement = {_key(p): s for p, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+  placement = _placement(shardings)
   np_dtype = np.dtype(dtype)
-  expected = set()
 
   with contextlib.ExitStack() as stack:
-    handles = {}
-    for f in _tensor_files(path):
-      handle = _SafetensorsFile(f)
-      stack.callback(handle.close)
-      handles.update((name, handle) for name in handle.tensors)
-
-    def check(name, key, want):
-      expected.add(name)
-      if name not in handles:
-        raise ValueError(f"{path}: tensor {name!r} (jaxrl {'/'.join(map(str, key))}) is missing")
-      shape = handles[name].tensors[name][1]
-      if shape != want:
-        raise ValueError(f"{path}: tensor {name!r} has shape {shape}, config.json implies {want}")
-
-    def load_one(key_path, var):
-      key = _key(key_path)
-      stacked = _is_stacked(key)
-      per_layer = [("layers", i, *key[1:]) for i in range(cfg.num_layers)] if stacked else [key]
-      names = [hf_name(k)[0] for k in per_layer]
-      transposed = hf_name(per_layer[0])[1]
-      inner = var.shape[1:] if stacked else var.shape
-      for name in names:
-        check(name, key, tuple(inner[::-1] if transposed else inner))
-
-      def read_block(index):
-        out = np.empty(tuple(s.stop - s.start for s in index), np_dtype)
-        if stacked:
-          for j, layer in enumerate(range(index[0].start, index[0].stop)):
-            _read_into(handles[names[layer]], names[layer], index[1:], transposed, out[j])
-        else:
-          _read_into(handles[names[0]], names[0], index, transposed, out)
-        return out
-
-      if placement is not None and key not in placement:
-        raise ValueError(f"shardings has no entry for {'/'.join(map(str, key))}")
-      sharding = None if placement is None else placement[key]
-      return var.replace(_assemble(var.shape, sharding, read_block))
-
-    params = jax.tree_util.tree_map_with_path(load_one, abstract, is_leaf=_is_var)
-
-    unexpected = sorted(n for n in set(handles) - expected if not n.endswith("rotary_emb.inv_freq"))
-    if cfg.tie_embeddings and "lm_head.weight" in unexpected:
-      head, embed = ("lm_head.weight", "model.embed_tokens.weight")
-      if not _same_tensor(handles[head], head, handles[embed], embed):
-        raise ValueError(
-          f"{path}: tie_word_embeddings is true but lm_head.weight differs from "
-          "model.embed_tokens.weight"
-        )
-      unexpected.remove("lm_head.weight")
+    handles = _open_tensor_files(path, stack)
+    loader = _ParamLoader(path, cfg, handles, placement, np_dtype)
+    params = jax.tree_util.tree_map_with_path(loader, abstract, is_leaf=_is_var)
+    unexpected = _unexpected_tensors(path, cfg, handles, loader.expected)
   if unexpected:
     raise ValueError(
       f"{path}: unexpected tensors {unexpected[:8]}"
@@ -336,6 +371,37 @@ def to_hf_tensors(params) -> Iterator[tuple[str, np.ndarray]]:
     yield name, _host(leaf, layer, transposed)
 
 
+def _shard_bounds(sizes: list[int], max_shard_bytes: int) -> list[tuple[int, int]]:
+  """[lo, hi) entry ranges of consecutive shards, each at most ``max_shard_bytes`` unless one
+  tensor alone is over it."""
+  bounds, start, acc = [], 0, 0
+  for i, size in enumerate(sizes):
+    if acc and acc + size > max_shard_bytes:
+      bounds.append((start, i))
+      start, acc = i, 0
+    acc += size
+  bounds.append((start, len(sizes)))
+  return bounds
+
+
+def _write_shards(out: pathlib.Path, entries: list, bounds: list[tuple[int, int]]) -> dict:
+  """Write each shard's tensors (on host one shard at a time); HF name -> its file name."""
+  weight_map = {}
+  for shard, (lo, hi) in enumerate(bounds):
+    fname = (
+      "model.safetensors"
+      if len(bounds) == 1
+      else f"model-{shard + 1:05d}-of-{len(bounds):05d}.safetensors"
+    )
+    chunk = {
+      name: _host(leaf, layer, transposed) for name, transposed, leaf, layer in entries[lo:hi]
+    }
+    save_file(chunk, out / fname, metadata={"format": "pt"})
+    weight_map.update((name, fname) for name in chunk)
+    del chunk
+  return weight_map
+
+
 def save_hf_checkpoint(
   cfg: ModelConfig,
   params,
@@ -373,27 +439,8 @@ def save_hf_checkpoint(
     math.prod(leaf.shape[layer is not None :]) * leaf.dtype.itemsize
     for _, _, leaf, layer in entries
   ]
-  bounds, start, acc = [], 0, 0
-  for i, size in enumerate(sizes):
-    if acc and acc + size > max_shard_bytes:
-      bounds.append((start, i))
-      start, acc = i, 0
-    acc += size
-  bounds.append((start, len(sizes)))
-
-  weight_map = {}
-  for shard, (lo, hi) in enumerate(bounds):
-    fname = (
-      "model.safetensors"
-      if len(bounds) == 1
-      else f"model-{shard + 1:05d}-of-{len(bounds):05d}.safetensors"
-    )
-    chunk = {
-      name: _host(leaf, layer, transposed) for name, transposed, leaf, layer in entries[lo:hi]
-    }
-    save_file(chunk, out / fname, metadata={"format": "pt"})
-    weight_map.update((name, fname) for name in chunk)
-    del chunk
+  bounds = _shard_bounds(sizes, max_shard_bytes)
+  weight_map = _write_shards(out, entries, bounds)
   if len(bounds) > 1:
     index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

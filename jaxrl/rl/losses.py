@@ -195,6 +195,78 @@ def _kl(logp_RxT, ref_logp_RxT, estimator):
   return jnp.exp(d_RxT) - d_RxT - 1.0
 
 
+def _f32(x):
+  return jnp.asarray(x, jnp.float32)
+
+
+def _policy_inputs(logp_RxT, old_logp_RxT, adv_R, adv_RxT, on_RxT):
+  """(logp, old logp, advantage) per token, f32, 0 on masked positions; no gradient into the
+  old log-probs or the advantages."""
+  # Padded positions may hold -inf log-probs; select them away before exp so neither the value
+  # nor the gradient sees a NaN.
+  logp_RxT = jnp.where(on_RxT, _f32(logp_RxT), 0.0)
+  old_RxT = jnp.where(on_RxT, jax.lax.stop_gradient(_f32(old_logp_RxT)), 0.0)
+  if adv_RxT is None:
+    adv_RxT = jnp.broadcast_to(_f32(adv_R)[:, None], on_RxT.shape)
+  else:
+    # Masked positions may hold anything; zero them so no NaN reaches the (zero-weighted) sum.
+    adv_RxT = jnp.where(on_RxT, _f32(adv_RxT), 0.0)
+  return logp_RxT, old_RxT, jax.lax.stop_gradient(adv_RxT)
+
+
+def _clipped_objective(logp_RxT, old_RxT, adv_RxT, hp: LossHparams, cfg: LossConfig):
+  """Per-token min(r·A, clip(r)·A), floored at c·A for A < 0 with a dual clip; also the ratio r
+  and where the clip and the dual clip bind."""
+  ratio_RxT = jnp.exp(logp_RxT - old_RxT)
+  unclipped_RxT = ratio_RxT * adv_RxT
+  clipped_RxT = jnp.clip(ratio_RxT, 1.0 - hp.eps_low, 1.0 + hp.eps_high) * adv_RxT
+  obj_RxT = jnp.minimum(unclipped_RxT, clipped_RxT)
+  is_clipped_RxT = clipped_RxT < unclipped_RxT
+  is_dual_RxT = jnp.zeros_like(is_clipped_RxT)
+  if cfg.dual_clip is not None:
+    floor_RxT = cfg.dual_clip * adv_RxT
+    is_dual_RxT = (adv_RxT < 0) & (floor_RxT > obj_RxT)
+    obj_RxT = jnp.where(is_dual_RxT, floor_RxT, obj_RxT)
+  return obj_RxT, ratio_RxT, is_clipped_RxT, is_dual_RxT
+
+
+def _kl_per_token(logp_RxT, ref_logp_RxT, on_RxT, cfg: LossConfig):
+  """Per-token KL estimate against the reference policy (0 everywhere unless ``use_kl``)."""
+  kl_RxT = jnp.zeros_like(logp_RxT)
+  if cfg.use_kl:
+    if ref_logp_RxT is None:
+      raise ValueError("use_kl needs ref_logp_RxT")
+    ref_RxT = jnp.where(on_RxT, jax.lax.stop_gradient(_f32(ref_logp_RxT)), 0.0)
+    kl_RxT = _kl(logp_RxT, ref_RxT, cfg.kl_estimator)
+  return kl_RxT
+
+
+def _entropy_per_token(entropy_RxT, logp_RxT, on_RxT):
+  """Per-token entropy, 0 on masked positions (0 everywhere when none is given)."""
+  ent_RxT = jnp.zeros_like(logp_RxT)
+  if entropy_RxT is not None:
+    ent_RxT = jnp.where(on_RxT, _f32(entropy_RxT), 0.0)
+  return ent_RxT
+
+
+def _loss_metrics(
+  w_RxT, pg_loss, kl_loss, entropy_loss, ratio_RxT, is_clipped_RxT, is_dual_RxT, kl_RxT, ent_RxT
+) -> LossMetrics:
+  """The additive metrics of one `grpo_loss` call, counted over the tokens that enter the loss."""
+  tok = lambda x_RxT: jnp.sum(jnp.where(w_RxT > 0, _f32(x_RxT), 0.0))
+  return LossMetrics(
+    pg_loss=jax.lax.stop_gradient(pg_loss),
+    kl_loss=jax.lax.stop_gradient(kl_loss),
+    entropy_loss=jax.lax.stop_gradient(entropy_loss),
+    token_count=tok(jnp.ones_like(w_RxT)),
+    clipped_count=tok(is_clipped_RxT),
+    dual_clipped_count=tok(is_dual_RxT),
+    ratio_sum=jax.lax.stop_gradient(tok(ratio_RxT)),
+    kl_sum=jax.lax.stop_gradient(tok(kl_RxT)),
+    entropy_sum=jax.lax.stop_gradient(tok(ent_RxT)),
+  )
+
+
 def grpo_loss(
   logp_RxT,
   old_logp_RxT,
@@ -214,60 +286,32 @@ def grpo_loss(
   `adv_RxT`, if given, is a per-token advantage (e.g. `dynamo_modulate`'s) used in the surrogate
   and the dual clip instead of `adv_R` broadcast over tokens; `adv_R` is then ignored.
   """
-  f32 = lambda x: jnp.asarray(x, jnp.float32)
-  mask_RxT = f32(mask_RxT)
+  mask_RxT = _f32(mask_RxT)
   on_RxT = mask_RxT > 0
   w_RxT = _rollout_weights(mask_RxT, informative_R, cfg)
-  # Padded positions may hold -inf log-probs; select them away before exp so neither the value
-  # nor the gradient sees a NaN.
-  logp_RxT = jnp.where(on_RxT, f32(logp_RxT), 0.0)
-  old_RxT = jnp.where(on_RxT, jax.lax.stop_gradient(f32(old_logp_RxT)), 0.0)
-  if adv_RxT is None:
-    adv_RxT = jnp.broadcast_to(f32(adv_R)[:, None], mask_RxT.shape)
-  else:
-    # Masked positions may hold anything; zero them so no NaN reaches the (zero-weighted) sum.
-    adv_RxT = jnp.where(on_RxT, f32(adv_RxT), 0.0)
-  adv_RxT = jax.lax.stop_gradient(adv_RxT)
-
-  ratio_RxT = jnp.exp(logp_RxT - old_RxT)
-  unclipped_RxT = ratio_RxT * adv_RxT
-  clipped_RxT = jnp.clip(ratio_RxT, 1.0 - hp.eps_low, 1.0 + hp.eps_high) * adv_RxT
-  obj_RxT = jnp.minimum(unclipped_RxT, clipped_RxT)
-  is_clipped_RxT = clipped_RxT < unclipped_RxT
-  is_dual_RxT = jnp.zeros_like(is_clipped_RxT)
-  if cfg.dual_clip is not None:
-    floor_RxT = cfg.dual_clip * adv_RxT
-    is_dual_RxT = (adv_RxT < 0) & (floor_RxT > obj_RxT)
-    obj_RxT = jnp.where(is_dual_RxT, floor_RxT, obj_RxT)
+  logp_RxT, old_RxT, adv_RxT = _policy_inputs(logp_RxT, old_logp_RxT, adv_R, adv_RxT, on_RxT)
+  obj_RxT, ratio_RxT, is_clipped_RxT, is_dual_RxT = _clipped_objective(
+    logp_RxT, old_RxT, adv_RxT, hp, cfg
+  )
 
   safe_denom = jnp.where(denom > 0, denom, 1.0)  # empty batch: every numerator is 0 too
   pg_loss = -_aggregate(obj_RxT, w_RxT, mask_RxT, cfg) / safe_denom
-
-  kl_RxT = jnp.zeros_like(logp_RxT)
-  if cfg.use_kl:
-    if ref_logp_RxT is None:
-      raise ValueError("use_kl needs ref_logp_RxT")
-    ref_RxT = jnp.where(on_RxT, jax.lax.stop_gradient(f32(ref_logp_RxT)), 0.0)
-    kl_RxT = _kl(logp_RxT, ref_RxT, cfg.kl_estimator)
+  kl_RxT = _kl_per_token(logp_RxT, ref_logp_RxT, on_RxT, cfg)
   kl_loss = hp.kl_coef * _aggregate(kl_RxT, w_RxT, mask_RxT, cfg) / safe_denom
-
-  ent_RxT = jnp.zeros_like(logp_RxT)
-  if entropy_RxT is not None:
-    ent_RxT = jnp.where(on_RxT, f32(entropy_RxT), 0.0)
+  ent_RxT = _entropy_per_token(entropy_RxT, logp_RxT, on_RxT)
   entropy_loss = -hp.entropy_coef * _aggregate(ent_RxT, w_RxT, mask_RxT, cfg) / safe_denom
 
   loss = pg_loss + kl_loss + entropy_loss
-  tok = lambda x_RxT: jnp.sum(jnp.where(w_RxT > 0, f32(x_RxT), 0.0))
-  metrics = LossMetrics(
-    pg_loss=jax.lax.stop_gradient(pg_loss),
-    kl_loss=jax.lax.stop_gradient(kl_loss),
-    entropy_loss=jax.lax.stop_gradient(entropy_loss),
-    token_count=tok(jnp.ones_like(w_RxT)),
-    clipped_count=tok(is_clipped_RxT),
-    dual_clipped_count=tok(is_dual_RxT),
-    ratio_sum=jax.lax.stop_gradient(tok(ratio_RxT)),
-    kl_sum=jax.lax.stop_gradient(tok(kl_RxT)),
-    entropy_sum=jax.lax.stop_gradient(tok(ent_RxT)),
+  metrics = _loss_metrics(
+    w_RxT,
+    pg_loss,
+    kl_loss,
+    entropy_loss,
+    ratio_RxT=ratio_RxT,
+    is_clipped_RxT=is_clipped_RxT,
+    is_dual_RxT=is_dual_RxT,
+    kl_RxT=kl_RxT,
+    ent_RxT=ent_RxT,
   )
   return loss, metrics
 

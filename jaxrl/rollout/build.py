@@ -27,15 +27,19 @@ def build_engine(
   prompt_len: int,
   workdir: str,
 ):
+  """The rollout engine ``cfg.rollout.engine`` names: the JAX sampler, or vLLM sidecar(s)."""
   common = dict(
     max_new_tokens=cfg.rollout.max_new_tokens, eos_id=eos_id, pad_id=pad_id, top_p=cfg.rollout.top_p
   )
   if cfg.rollout.engine == "jax":
     return JaxEngine(graphdef, model_cfg, **common)
-  from jaxrl.rollout import vllm_engine
-  from jaxrl.rollout.sidecar import LaunchConfig
+  return _vllm_engine(
+    cfg, model_cfg, tokenizer=tokenizer, prompt_len=prompt_len, workdir=workdir, common=common
+  )
 
-  v = cfg.vllm
+
+def _check_vllm(v, m) -> None:
+  """Refuse, before any server starts, a vLLM config (``v``) or model (``m``) vLLM cannot serve."""
   if v.weight_transfer == "nccl":
     # vLLM's NCCL path (/init_weight_transfer_engine with a torch-free nccl_unique_id handshake,
     # /start_weight_update, /update_weights {names, dtypes, shapes} while the trainer broadcasts
@@ -45,7 +49,6 @@ def build_engine(
       "'nccl' needs GPUs and is not implemented in this "
       "build; use 'files' (HF safetensors in tmpfs + reload_weights, CPU and GPU)",
     )
-  m = model_cfg
   if not m.qk_norm and m.head_dim * m.num_heads != m.hidden_size:
     raise ConfigError(
       "model.head_dim",
@@ -54,31 +57,20 @@ def build_engine(
     )
   if m.head_dim < 32:
     raise ConfigError("model.head_dim", f"{m.head_dim}: vLLM's CPU attention needs head_dim >= 32")
+
+
+def _vllm_engine(cfg: Config, model_cfg, *, tokenizer, prompt_len: int, workdir: str, common: dict):
+  """The vLLM engine of this process: attached to ``vllm.urls``, or launching its own sidecar."""
+  # Kept lazy: a run on the JAX engine does not import the vLLM engine, its HTTP client and sidecar.
+  from jaxrl.rollout import vllm_engine
+
+  v = cfg.vllm
+  _check_vllm(v, model_cfg)
   p = jax.process_index()
   suffix = f".process{p}" if p else ""  # processes sharing a host keep their files apart
   urls = process_urls(v.urls, p, jax.process_count())
-  launch = None
-  if not urls:
-    python = v.python if os.path.isabs(v.python) else os.path.abspath(v.python)
-    need = prompt_len + _max_response(cfg)
-    max_len = v.max_model_len or -(-need // 16) * 16
-    if max_len < need:
-      raise ConfigError(
-        "vllm.max_model_len",
-        f"{max_len} < prompt length {prompt_len} + longest response {_max_response(cfg)}",
-      )
-    launch = LaunchConfig(
-      python=python,
-      log_dir=workdir,
-      log_name=f"vllm{suffix}.log",
-      host=v.host,
-      port=v.port,
-      dtype=v.dtype or cfg.model.dtype,
-      max_model_len=max_len,
-      max_num_seqs=v.max_num_seqs,
-      startup_timeout=v.startup_timeout,
-      extra_args=tuple(v.extra_args.split()),
-    )
+  # No URLs to attach to: this process launches (and restarts) a server of its own.
+  launch = None if urls else _launch_config(cfg, prompt_len, workdir, f"vllm{suffix}.log")
   engine_cfg = vllm_engine.EngineConfig(
     launch=launch,
     urls=urls,
@@ -95,6 +87,34 @@ def build_engine(
   # Several processes: one sidecar per process (launched on its host, or its group of URLs), each
   # sampling its slice of the questions; the rollouts are gathered to every process.
   return PerHostEngine(engine) if jax.process_count() > 1 else engine
+
+
+def _launch_config(cfg: Config, prompt_len: int, workdir: str, log_name: str):
+  """How to start this process's own sidecar; its context must hold prompt + longest response."""
+  from jaxrl.rollout.sidecar import LaunchConfig  # lazy for the same reason as in _vllm_engine
+
+  v = cfg.vllm
+  python = v.python if os.path.isabs(v.python) else os.path.abspath(v.python)
+  need = prompt_len + _max_response(cfg)
+  # Unset: the prompt plus the longest response, rounded up to a multiple of 16.
+  max_len = v.max_model_len or -(-need // 16) * 16
+  if max_len < need:
+    raise ConfigError(
+      "vllm.max_model_len",
+      f"{max_len} < prompt length {prompt_len} + longest response {_max_response(cfg)}",
+    )
+  return LaunchConfig(
+    python=python,
+    log_dir=workdir,
+    log_name=log_name,
+    host=v.host,
+    port=v.port,
+    dtype=v.dtype or cfg.model.dtype,
+    max_model_len=max_len,
+    max_num_seqs=v.max_num_seqs,
+    startup_timeout=v.startup_timeout,
+    extra_args=tuple(v.extra_args.split()),
+  )
 
 
 def process_urls(spec: str, process: int, processes: int) -> tuple[str, ...]:

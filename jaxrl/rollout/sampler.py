@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.nn import model
-from jaxrl.nn.logprobs import logprobs_entropy_from_logits
+from jaxrl.nn.logprobs import logits_f32, logprobs_entropy_from_logits
 from jaxrl.types import Array, Rollouts, pytree_dataclass
 
 
@@ -40,11 +40,6 @@ class _DecodeState:
   logp_RxN: Array
   entropy_RxN: Array
   finished_R: Array
-
-
-def _logits(hidden_RxD: Array, lm_head_DxV: Array) -> Array:
-  """Float32 logits (bf16 inputs accumulate in float32)."""
-  return jnp.matmul(hidden_RxD, lm_head_DxV, preferred_element_type=jnp.float32)
 
 
 def _nucleus_sample(key: Array, z_RxV: Array, top_p: Array) -> Array:
@@ -74,6 +69,134 @@ def _choose(key: Array, logits_RxV: Array, tau: Array, top_p: Array, greedy: boo
   )
 
 
+def _put(x_RxN: Array, col_R: Array, n: Array) -> Array:
+  """``x_RxN`` with column ``n`` replaced by ``col_R`` (cast to the buffer's dtype)."""
+  return jax.lax.dynamic_update_slice_in_dim(x_RxN, col_R[:, None].astype(x_RxN.dtype), n, 1)
+
+
+def _expand(prompt_ids_BxP: Array, prompt_mask_BxP: Array, counts_B: Array, num_rollouts: int):
+  """Repeat question i's prompt counts_B[i] times: the R prompt rows, their masks and group ids.
+
+  The static ``total_repeat_length`` keeps R fixed, so new counts (same R) reuse the compilation.
+  """
+
+  def expand(x_B):
+    return jnp.repeat(x_B, counts_B, axis=0, total_repeat_length=num_rollouts)
+
+  prompt_ids_RxP = expand(prompt_ids_BxP).astype(jnp.int32)
+  prompt_mask_RxP = expand(prompt_mask_BxP).astype(bool)
+  group_ids_R = expand(jnp.arange(prompt_ids_BxP.shape[0], dtype=jnp.int32))
+  return prompt_ids_RxP, prompt_mask_RxP, group_ids_R
+
+
+def _prefill(graphdef, params, prompt_ids_RxP, prompt_mask_RxP, *, max_new_tokens, model_cfg):
+  """Run the prompts through the model into a fresh cache of P + N slots (prompt in 0..P-1).
+
+  Returns the cache, ``kv_valid_RxS`` (the real prompt slots; none of the N response slots yet)
+  and the logits that predict token 0.
+  """
+  (R, P), N = prompt_ids_RxP.shape, max_new_tokens
+  kv_valid_RxS = jnp.concatenate([prompt_mask_RxP, jnp.zeros((R, N), bool)], axis=1)
+  cache = model.init_cache(model_cfg, R, P + N, jnp.dtype(model_cfg.dtype))
+  hidden_RxPxD, lm_head_DxV, cache = model.forward(
+    graphdef,
+    params,
+    prompt_ids_RxP,
+    model.positions_from_mask(prompt_mask_RxP),
+    kv_valid_RxS,
+    cache,
+    0,
+  )
+  # Token 0 comes from the prefill's last slot (P-1 holds every row's last prompt token).
+  return cache, kv_valid_RxS, logits_f32(hidden_RxPxD[:, -1], lm_head_DxV)
+
+
+def _initial_state(cache, kv_valid_RxS, logits_RxV, *, max_new_tokens, pad_id) -> _DecodeState:
+  """The decode carry before token 0: empty (pad, masked) response buffers, no row finished."""
+  R, N = logits_RxV.shape[0], max_new_tokens
+  return _DecodeState(
+    n=jnp.int32(0),
+    cache=cache,
+    kv_valid_RxS=kv_valid_RxS,
+    logits_RxV=logits_RxV,
+    tokens_RxN=jnp.full((R, N), pad_id, jnp.int32),
+    mask_RxN=jnp.zeros((R, N), bool),
+    logp_RxN=jnp.zeros((R, N), jnp.float32),
+    entropy_RxN=jnp.zeros((R, N), jnp.float32),
+    finished_R=jnp.zeros((R,), bool),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decoder:
+  """The loop-invariant inputs of a decode step (traced arrays and static settings alike), so
+  ``emit``/``step``/``running`` can be the ``while_loop``'s functions without a closure."""
+
+  graphdef: object
+  params: object
+  key: Array
+  tau: Array  # f32[]
+  top_p: Array  # f32[]
+  prompt_len_R: Array  # i32, real prompt tokens per row: the RoPE position of token 0
+  prompt_width: int  # P: the response's token n sits in cache slot P + n
+  max_new_tokens: int  # N
+  eos_id: tuple[int, ...]
+  pad_id: int
+  greedy: bool
+
+  def emit(self, st: _DecodeState) -> _DecodeState:
+    """Choose token n from ``st.logits_RxV`` and record it (pad and masked once a row finished)."""
+    tok_R = _choose(
+      jax.random.fold_in(self.key, st.n), st.logits_RxV, self.tau, self.top_p, self.greedy
+    )
+    logp_R, entropy_R = logprobs_entropy_from_logits(st.logits_RxV, tok_R, self.tau)
+    live_R = ~st.finished_R
+    tok_R = jnp.where(live_R, tok_R, self.pad_id)
+    return _DecodeState(
+      n=st.n + 1,
+      cache=st.cache,
+      kv_valid_RxS=jax.lax.dynamic_update_slice_in_dim(
+        st.kv_valid_RxS, live_R[:, None], self.prompt_width + st.n, 1
+      ),
+      logits_RxV=st.logits_RxV,
+      tokens_RxN=_put(st.tokens_RxN, tok_R, st.n),
+      mask_RxN=_put(st.mask_RxN, live_R, st.n),
+      logp_RxN=_put(st.logp_RxN, jnp.where(live_R, logp_R, 0.0), st.n),
+      entropy_RxN=_put(st.entropy_RxN, jnp.where(live_R, entropy_R, 0.0), st.n),
+      finished_R=st.finished_R | (live_R & jnp.isin(tok_R, jnp.asarray(stop_ids(self.eos_id)))),
+    )
+
+  def step(self, st: _DecodeState) -> _DecodeState:
+    """The loop body: feed token n-1 (slot P+n-1) through the model, then emit token n."""
+    prev, P = st.n - 1, self.prompt_width
+    tok_Rx1 = jax.lax.dynamic_slice_in_dim(st.tokens_RxN, prev, 1, axis=1)
+    pos_Rx1 = (self.prompt_len_R + prev)[:, None]
+    hidden_Rx1xD, lm_head, cache = model.forward(
+      self.graphdef, self.params, tok_Rx1, pos_Rx1, st.kv_valid_RxS, st.cache, P + prev
+    )
+    logits_RxV = logits_f32(hidden_Rx1xD[:, 0], lm_head)
+    return self.emit(dataclasses.replace(st, cache=cache, logits_RxV=logits_RxV))
+
+  def running(self, st: _DecodeState) -> Array:
+    """The loop condition: a token slot is left and some row has not finished."""
+    return (st.n < self.max_new_tokens) & ~jnp.all(st.finished_R)
+
+
+def _assemble(prompt_ids_RxP, prompt_mask_RxP, group_ids_R, st: _DecodeState) -> Rollouts:
+  """The rollouts from the final decode carry (lengths count the masked-in response tokens)."""
+  return Rollouts(
+    prompt_ids_RxP=prompt_ids_RxP,
+    prompt_mask_RxP=prompt_mask_RxP,
+    tokens_RxN=st.tokens_RxN,
+    mask_RxN=st.mask_RxN,
+    logp_RxN=st.logp_RxN,
+    entropy_RxN=st.entropy_RxN,
+    lengths_R=jnp.sum(st.mask_RxN, axis=-1, dtype=jnp.int32),
+    group_ids_R=group_ids_R,
+    finished_R=st.finished_R,
+  )
+
+
 @functools.partial(
   jax.jit,
   static_argnames=("num_rollouts", "max_new_tokens", "eos_id", "pad_id", "model_cfg", "greedy"),
@@ -95,96 +218,40 @@ def sample_program(
   model_cfg,
   greedy,
 ):
-  """Jitted body of ``generate`` (no host-side checks)."""
+  """Jitted body of ``generate`` (no host-side checks): expand, prefill, decode, assemble.
+
+  The name is load-bearing: compile counting matches ``sample_program`` and ``--plan`` lowers it.
+  """
   R, N = num_rollouts, max_new_tokens
-  B, P = prompt_ids_BxP.shape
   tau = jnp.asarray(temperature, jnp.float32)
   top_p = jnp.asarray(top_p, jnp.float32)
-
-  def expand(x_B):
-    return jnp.repeat(x_B, counts_B, axis=0, total_repeat_length=R)
-
-  prompt_ids_RxP = expand(prompt_ids_BxP).astype(jnp.int32)
-  prompt_mask_RxP = expand(prompt_mask_BxP).astype(bool)
-  group_ids_R = expand(jnp.arange(B, dtype=jnp.int32))
+  prompt_ids_RxP, prompt_mask_RxP, group_ids_R = _expand(
+    prompt_ids_BxP, prompt_mask_BxP, counts_B, R
+  )
+  # Response token n sits at RoPE position prompt_len + n (no gap after a left-padded prompt).
   prompt_len_R = jnp.sum(prompt_mask_RxP, axis=-1, dtype=jnp.int32)
-
-  kv_valid_RxS = jnp.concatenate([prompt_mask_RxP, jnp.zeros((R, N), bool)], axis=1)
-  cache = model.init_cache(model_cfg, R, P + N, jnp.dtype(model_cfg.dtype))
-  hidden_RxPxD, lm_head_DxV, cache = model.forward(
-    graphdef,
-    params,
-    prompt_ids_RxP,
-    model.positions_from_mask(prompt_mask_RxP),
-    kv_valid_RxS,
-    cache,
-    0,
+  cache, kv_valid_RxS, logits_RxV = _prefill(
+    graphdef, params, prompt_ids_RxP, prompt_mask_RxP, max_new_tokens=N, model_cfg=model_cfg
   )
-
-  def emit(st: _DecodeState) -> _DecodeState:
-    """Choose token n from ``st.logits_RxV`` and record it (pad and masked once a row finished)."""
-    tok_R = _choose(jax.random.fold_in(key, st.n), st.logits_RxV, tau, top_p, greedy)
-    logp_R, entropy_R = logprobs_entropy_from_logits(st.logits_RxV, tok_R, tau)
-    live_R = ~st.finished_R
-    tok_R = jnp.where(live_R, tok_R, pad_id)
-
-    def put(x_RxN, col_R):
-      return jax.lax.dynamic_update_slice_in_dim(x_RxN, col_R[:, None].astype(x_RxN.dtype), st.n, 1)
-
-    return _DecodeState(
-      n=st.n + 1,
-      cache=st.cache,
-      kv_valid_RxS=jax.lax.dynamic_update_slice_in_dim(
-        st.kv_valid_RxS, live_R[:, None], P + st.n, 1
-      ),
-      logits_RxV=st.logits_RxV,
-      tokens_RxN=put(st.tokens_RxN, tok_R),
-      mask_RxN=put(st.mask_RxN, live_R),
-      logp_RxN=put(st.logp_RxN, jnp.where(live_R, logp_R, 0.0)),
-      entropy_RxN=put(st.entropy_RxN, jnp.where(live_R, entropy_R, 0.0)),
-      finished_R=st.finished_R | (live_R & jnp.isin(tok_R, jnp.asarray(stop_ids(eos_id)))),
-    )
-
-  def decode(st: _DecodeState) -> _DecodeState:
-    """Feed token n-1 (slot P+n-1) through the model, then emit token n."""
-    prev = st.n - 1
-    tok_Rx1 = jax.lax.dynamic_slice_in_dim(st.tokens_RxN, prev, 1, axis=1)
-    pos_Rx1 = (prompt_len_R + prev)[:, None]
-    hidden_Rx1xD, lm_head, cache = model.forward(
-      graphdef, params, tok_Rx1, pos_Rx1, st.kv_valid_RxS, st.cache, P + prev
-    )
-    logits_RxV = _logits(hidden_Rx1xD[:, 0], lm_head)
-    return emit(dataclasses.replace(st, cache=cache, logits_RxV=logits_RxV))
-
-  def running(st: _DecodeState) -> Array:
-    return (st.n < N) & ~jnp.all(st.finished_R)
-
-  # Token 0 comes from the prefill's last slot (P-1 holds every row's last prompt token).
-  st = emit(
-    _DecodeState(
-      n=jnp.int32(0),
-      cache=cache,
-      kv_valid_RxS=kv_valid_RxS,
-      logits_RxV=_logits(hidden_RxPxD[:, -1], lm_head_DxV),
-      tokens_RxN=jnp.full((R, N), pad_id, jnp.int32),
-      mask_RxN=jnp.zeros((R, N), bool),
-      logp_RxN=jnp.zeros((R, N), jnp.float32),
-      entropy_RxN=jnp.zeros((R, N), jnp.float32),
-      finished_R=jnp.zeros((R,), bool),
-    )
+  decoder = _Decoder(
+    graphdef=graphdef,
+    params=params,
+    key=key,
+    tau=tau,
+    top_p=top_p,
+    prompt_len_R=prompt_len_R,
+    prompt_width=prompt_ids_BxP.shape[1],
+    max_new_tokens=N,
+    eos_id=eos_id,
+    pad_id=pad_id,
+    greedy=greedy,
   )
-  st = jax.lax.while_loop(running, decode, st)
-  return Rollouts(
-    prompt_ids_RxP=prompt_ids_RxP,
-    prompt_mask_RxP=prompt_mask_RxP,
-    tokens_RxN=st.tokens_RxN,
-    mask_RxN=st.mask_RxN,
-    logp_RxN=st.logp_RxN,
-    entropy_RxN=st.entropy_RxN,
-    lengths_R=jnp.sum(st.mask_RxN, axis=-1, dtype=jnp.int32),
-    group_ids_R=group_ids_R,
-    finished_R=st.finished_R,
+  # Token 0 comes straight from the prefill's logits; each loop step feeds the last token back.
+  st = decoder.emit(
+    _initial_state(cache, kv_valid_RxS, logits_RxV, max_new_tokens=N, pad_id=pad_id)
   )
+  st = jax.lax.while_loop(decoder.running, decoder.step, st)
+  return _assemble(prompt_ids_RxP, prompt_mask_RxP, group_ids_R, st)
 
 
 def generate(
@@ -210,7 +277,8 @@ def generate(
   <|eot_id|> and <|end_of_text|>); the stop token is part of the response.
 
   Compiles once per (shapes, num_rollouts, max_new_tokens, eos/pad ids, model_cfg, greedy); counts,
-  temperature, top_p and key are traced. ``generate._cache_size()`` counts the compilations.
+  temperature, top_p and key are traced. Its traces are counted by name (``sample_program``) through
+  ``jaxrl.run.compiles.CompileCounter``.
   """
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")

@@ -80,6 +80,35 @@ def _post(url: str, payload: dict | None, timeout: float, sent: Callable[[], Non
   return json.loads(body) if body.strip() else None
 
 
+def _completion_payload(
+  prompt: list[int],
+  n: int,
+  temperature: float,
+  top_p: float,
+  max_tokens: int,
+  stop_token_ids: list[int],
+  seed: int,
+  model: str | None,
+) -> dict:
+  """The ``/v1/completions`` body of one question: token ids in and out, the log-prob of each
+  sampled token (``logprobs: 0``: no alternatives), special tokens not stripped."""
+  payload = {
+    "prompt": prompt,
+    "n": n,
+    "temperature": float(temperature),
+    "top_p": float(top_p),
+    "max_tokens": int(max_tokens),
+    "stop_token_ids": list(stop_token_ids),
+    "seed": seed,
+    "logprobs": 0,
+    "return_token_ids": True,
+    "skip_special_tokens": False,
+  }
+  if model:
+    payload["model"] = model
+  return payload
+
+
 class _Countdown:
   """``done`` is set once every key has been marked (repeated marks count once)."""
 
@@ -171,38 +200,41 @@ class VllmClient:
     """
     greedy = float(temperature) == 0.0
 
+    # Runs on a pool thread: the request is built there too, so a bad argument fails that question's
+    # future (and is raised by ``_gather`` in question order) like a failed request.
     def one(i: int, sent: Callable[[], None] | None = None) -> list[Completion]:
       n = 1 if greedy else int(counts[i])
-      payload = {
-        "prompt": prompts[i],
-        "n": n,
-        "temperature": float(temperature),
-        "top_p": float(top_p),
-        "max_tokens": int(max_tokens),
-        "stop_token_ids": list(stop_token_ids),
-        "seed": int(seed) + i,
-        "logprobs": 0,
-        "return_token_ids": True,
-        "skip_special_tokens": False,
-      }
-      if model:
-        payload["model"] = model
-      url = self.urls[i % len(self.urls)]
-      body = self.post(url, "/v1/completions", payload, sent=sent)
-      choices = sorted(body["choices"], key=lambda c: c["index"])
-      if len(choices) != n:
-        raise ServerError(f"{url}: asked for n={n} completions, got {len(choices)}")
-      done = [
-        Completion(
-          list(c["token_ids"]),
-          [float(x) for x in c["logprobs"]["token_logprobs"]],
-          c.get("finish_reason") or "length",
-        )
-        for c in choices
-      ]
+      payload = _completion_payload(
+        prompts[i], n, temperature, top_p, max_tokens, stop_token_ids, int(seed) + i, model
+      )
+      done = self._send(self.urls[i % len(self.urls)], payload, sent)
       return done * int(counts[i]) if greedy else done
 
     wanted = [i for i in range(len(prompts)) if counts[i] > 0]
+    return self._gather(one, wanted, len(prompts))
+
+  def _send(self, url: str, payload: dict, sent: Callable[[], None] | None) -> list[Completion]:
+    """POST one completion request; its ``payload["n"]`` choices, in vLLM's index order."""
+    n = payload["n"]
+    body = self.post(url, "/v1/completions", payload, sent=sent)
+    choices = sorted(body["choices"], key=lambda c: c["index"])
+    if len(choices) != n:
+      raise ServerError(f"{url}: asked for n={n} completions, got {len(choices)}")
+    return [
+      Completion(
+        list(c["token_ids"]),
+        [float(x) for x in c["logprobs"]["token_logprobs"]],
+        c.get("finish_reason") or "length",
+      )
+      for c in choices
+    ]
+
+  def _gather(
+    self, one: Callable[..., list[Completion]], wanted: list[int], size: int
+  ) -> list[list[Completion]]:
+    """``one(i)`` for every wanted question on the pool; the results of questions 0..size-1 in order
+    ([] for those not wanted). Fires ``on_requests_sent`` (one-shot) once every request has been
+    written or has failed; on any error, cancels the requests not yet done."""
     hook = self.on_requests_sent if wanted else None
     if hook is None:
       futures = {i: self._pool.submit(one, i) for i in wanted}
@@ -216,7 +248,7 @@ class VllmClient:
       if hook is not None:
         in_flight.done.wait()
         hook()
-      return [futures[i].result() if i in futures else [] for i in range(len(prompts))]
+      return [futures[i].result() if i in futures else [] for i in range(size)]
     except BaseException:
       for f in futures.values():  # the rollout is lost: do not keep a failing server busy
         f.cancel()

@@ -239,6 +239,75 @@ def _rows(path: str, split: str) -> tuple[Iterable[tuple[int, object]], str]:
   )
 
 
+class _RowChecker:
+  """Validates rows one at a time: counts what is dropped and why (``strict``: the first dropped
+  row is an error), keeps a few examples, and notes which mapped fields some row has."""
+
+  def __init__(self, path: str, fields: Fields, strict: bool):
+    self.path, self.strict = path, strict
+    self.mapped = {
+      name: getattr(fields, name)
+      for name in ("question", "answer", "id", "level")
+      if getattr(fields, name)
+    }
+    self.seen = dict.fromkeys(self.mapped, False)
+    self.first_row = None
+    self.counts = dict(total=0, missing_answer=0, empty_question=0, malformed=0)
+    self.examples: list[str] = []
+
+  def _bad(self, kind: str, where: str, what: str, row=None):
+    self.counts[kind] += 1
+    if self.strict:
+      keys = f" (the row has: {', '.join(sorted(map(str, row)))})" if row is not None else ""
+      raise ValueError(f"{self.path}: {where}: {what}{keys} (data.strict is on)")
+    if len(self.examples) < _EXAMPLES:
+      self.examples.append(f"{where}: {what}")
+
+  def __call__(self, row, where: str) -> tuple[str, str, dict] | None:
+    """(question, answer, every mapped field's value) of a valid row, else None (counted)."""
+    self.counts["total"] += 1
+    if not isinstance(row, dict):
+      self._bad("malformed", where, "not a JSON object")
+      return None
+    if self.first_row is None:
+      self.first_row = row
+    values = {name: _get(row, field) for name, field in self.mapped.items()}
+    for name, value in values.items():
+      if value is not _MISSING:
+        self.seen[name] = True
+    question, answer = _text(values["question"]), _text(values["answer"])
+    if question is None or answer is None:
+      name = "question" if question is None else "answer"
+      absent = values[name] is _MISSING
+      what = f"{'no' if absent else 'empty'} {name} ({self.mapped[name]!r})"
+      self._bad(
+        "empty_question" if name == "question" else "missing_answer",
+        where,
+        what,
+        row if absent else None,
+      )
+      return None
+    if question is _NOT_TEXT or answer is _NOT_TEXT:
+      name = "question" if question is _NOT_TEXT else "answer"
+      kind = type(values[name]).__name__
+      self._bad("malformed", where, f"the {name} ({self.mapped[name]!r}) is a {kind}, not text")
+      return None
+    return question, answer, values
+
+  def check_fields(self):
+    """Raise when there are rows but no row has some mapped field (a wrong field mapping)."""
+    unmapped = [name for name, hit in self.seen.items() if not hit]
+    if self.first_row is not None and unmapped:
+      name = unmapped[0]
+      raise ValueError(
+        f"{self.path}: no row has the {name} field {self.mapped[name]!r} (set "
+        f"data.{name}_field; {_describe(self.first_row, self.mapped[name])})"
+      )
+
+  def report(self, kept: int) -> RowReport:
+    return RowReport(source=self.path, kept=kept, examples=tuple(self.examples), **self.counts)
+
+
 def load_questions(
   path: str, fields: Fields, *, split: str = "train", strict: bool = False, limit: int = 0
 ) -> tuple[Questions, RowReport]:
@@ -246,69 +315,22 @@ def load_questions(
   source = os.path.basename(path.rstrip("/")) or path
   rows, unit = _rows(path, split)
   out = Questions([], [], [], [], [])
-  counts = dict(total=0, missing_answer=0, empty_question=0, malformed=0)
-  examples: list[str] = []
-  mapped = {
-    name: getattr(fields, name)
-    for name in ("question", "answer", "id", "level")
-    if getattr(fields, name)
-  }
-  seen = dict.fromkeys(mapped, False)
-  first_row = None
-
-  def bad(kind: str, where: str, what: str, row=None):
-    counts[kind] += 1
-    if strict:
-      keys = f" (the row has: {', '.join(sorted(map(str, row)))})" if row is not None else ""
-      raise ValueError(f"{path}: {where}: {what}{keys} (data.strict is on)")
-    if len(examples) < _EXAMPLES:
-      examples.append(f"{where}: {what}")
-
+  check = _RowChecker(path, fields, strict)
   for number, row in rows:
     if limit and len(out) >= limit:
       break
-    counts["total"] += 1
-    where = f"{unit} {number}"
-    if not isinstance(row, dict):
-      bad("malformed", where, "not a JSON object")
+    valid = check(row, f"{unit} {number}")
+    if valid is None:
       continue
-    if first_row is None:
-      first_row = row
-    values = {name: _get(row, field) for name, field in mapped.items()}
-    for name, value in values.items():
-      if value is not _MISSING:
-        seen[name] = True
-    question, answer = _text(values["question"]), _text(values["answer"])
-    if question is None or answer is None:
-      name = "question" if question is None else "answer"
-      absent = values[name] is _MISSING
-      what = f"{'no' if absent else 'empty'} {name} ({mapped[name]!r})"
-      bad(
-        "empty_question" if name == "question" else "missing_answer",
-        where,
-        what,
-        row if absent else None,
-      )
-      continue
-    if question is _NOT_TEXT or answer is _NOT_TEXT:
-      name = "question" if question is _NOT_TEXT else "answer"
-      kind = type(values[name]).__name__
-      bad("malformed", where, f"the {name} ({mapped[name]!r}) is a {kind}, not text")
-      continue
+    question, answer, values = valid
     row_id, level = _text(values.get("id")), _text(values.get("level"))
     out.questions.append(question)
     out.answers.append(answer)
     out.ids.append(row_id if isinstance(row_id, str) else f"{source}#{number}")
     out.levels.append(level if isinstance(level, str) else "")
     out.sources.append(path)
-  unmapped = [name for name, hit in seen.items() if not hit]
-  if first_row is not None and unmapped:
-    name = unmapped[0]
-    raise ValueError(
-      f"{path}: no row has the {name} field {mapped[name]!r} (set "
-      f"data.{name}_field; {_describe(first_row, mapped[name])})"
-    )
-  report = RowReport(source=path, kept=len(out), examples=tuple(examples), **counts)
+  check.check_fields()
+  report = check.report(kept=len(out))
   log.info("%s", report)
   if not len(out):
     raise ValueError(f"{path}: no usable row ({report})")

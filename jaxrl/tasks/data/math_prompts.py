@@ -114,6 +114,53 @@ def _left_pad(rows: list[list[int]], max_len: int, pad_id: int) -> tuple[np.ndar
   return ids_QxP, mask_QxP
 
 
+def _prompt_frame(tokenizer, render, chat_template: bool) -> tuple[str, str, list[int]]:
+  """The prompt text before and after the question, and the ids to put in front of every prompt
+  (a BOS or nothing); ``render``: question -> prompt text."""
+  frame = render(_MARK)
+  if frame.count(_MARK) != 1:
+    raise ValueError("the chat template must contain the user message exactly once")
+  head_text, tail_text = frame.split(_MARK)
+  # A chat template carries any BOS itself (as HF and vLLM tokenise chat prompts); plain text
+  # gets the tokenizer's BOS, unless the template string already starts with it.
+  bos_token = tokenizer.bos_token if tokenizer.bos_token_id is not None else None
+  used_chat = chat_template and bool(getattr(tokenizer, "chat_template", None))
+  lead = (
+    [tokenizer.bos_token_id]
+    if bos_token and not used_chat and not head_text.startswith(bos_token)
+    else []
+  )
+  return head_text, tail_text, lead
+
+
+def _fit_overlength(
+  tokenizer, rows: list[list[int]], questions: Sequence[str], max_len: int, overlength: str, frame
+) -> tuple[list[int], int]:
+  """The indices of the rows longer than ``max_len``, and how many of them were truncated in
+  place (``overlength``: error raises, truncate cuts the question, drop leaves them as they are);
+  ``frame``: ``_prompt_frame``'s (head text, tail text, lead ids)."""
+  head_text, tail_text, lead = frame
+  over = [i for i, ids in enumerate(rows) if len(ids) > max_len]
+  truncated = 0
+  if over and overlength == "error":
+    i = over[0]
+    raise ValueError(
+      f"question {i} needs {len(rows[i])} prompt tokens, more than "
+      f"task.max_prompt_len={max_len} (data.overlength=error; {len(over)} of "
+      f"{len(rows)} prompts are too long)"
+    )
+  if over and overlength == "truncate":
+    # The frame (chat header, instruction, generation prompt) stays whole; the question is cut.
+    # Tokenised apart, the seams may merge differently from the full text: only ever shorter.
+    head, tail = _ids(tokenizer, [head_text, tail_text])
+    room = max_len - len(lead) - len(head) - len(tail)
+    if room > 0:
+      for i, q_ids in zip(over, _ids(tokenizer, [questions[i] for i in over])):
+        rows[i] = lead + head + q_ids[:room] + tail
+      truncated = len(over)
+  return over, truncated
+
+
 def encode_math_prompts(
   tokenizer,
   questions: Sequence[str],
@@ -136,38 +183,10 @@ def encode_math_prompts(
     system_prompt=system_prompt,
     chat_template=chat_template,
   )
-  frame = render(_MARK)
-  if frame.count(_MARK) != 1:
-    raise ValueError("the chat template must contain the user message exactly once")
-  head_text, tail_text = frame.split(_MARK)
-  # A chat template carries any BOS itself (as HF and vLLM tokenise chat prompts); plain text
-  # gets the tokenizer's BOS, unless the template string already starts with it.
-  bos_token = tokenizer.bos_token if tokenizer.bos_token_id is not None else None
-  used_chat = chat_template and bool(getattr(tokenizer, "chat_template", None))
-  lead = (
-    [tokenizer.bos_token_id]
-    if bos_token and not used_chat and not head_text.startswith(bos_token)
-    else []
-  )
+  frame = _prompt_frame(tokenizer, render, chat_template)
+  lead = frame[2]
   rows = [lead + ids for ids in _ids(tokenizer, [render(q) for q in questions])]
-  over = [i for i, ids in enumerate(rows) if len(ids) > max_len]
-  truncated = dropped = 0
-  if over and overlength == "error":
-    i = over[0]
-    raise ValueError(
-      f"question {i} needs {len(rows[i])} prompt tokens, more than "
-      f"task.max_prompt_len={max_len} (data.overlength=error; {len(over)} of "
-      f"{len(rows)} prompts are too long)"
-    )
-  if over and overlength == "truncate":
-    # The frame (chat header, instruction, generation prompt) stays whole; the question is cut.
-    # Tokenised apart, the seams may merge differently from the full text: only ever shorter.
-    head, tail = _ids(tokenizer, [head_text, tail_text])
-    room = max_len - len(lead) - len(head) - len(tail)
-    if room > 0:
-      for i, q_ids in zip(over, _ids(tokenizer, [questions[i] for i in over])):
-        rows[i] = lead + head + q_ids[:room] + tail
-      truncated = len(over)
+  over, truncated = _fit_overlength(tokenizer, rows, questions, max_len, overlength, frame)
   kept = [i for i, ids in enumerate(rows) if len(ids) <= max_len]
   dropped = len(rows) - len(kept)
   ids_QxP, mask_QxP = _left_pad([rows[i] for i in kept], max_len, tokenizer.pad_token_id)
