@@ -316,19 +316,23 @@ def test_config_errors_for_models_vllm_cannot_serve(tmp_path):
 
 
 def test_server_killed_while_answering_is_restarted(served, caplog):
-  """SIGKILL while the rollout's requests are in flight: the client's one-shot fault-injection
-  hook fires once every request has been sent and none answered (384 rollouts take the server
-  far longer than the kill), so the kill always lands, on a loaded machine too. The engine
-  restarts the server from the current weights and retries; the rollout completes, exact."""
+  """SIGKILL while the rollout's requests are in flight: the server is stopped (SIGSTOP), the
+  client's one-shot fault-injection hook fires once every request has been sent, and kills it,
+  so the kill always lands, on a loaded machine too. The engine restarts the server from the
+  current weights and retries; the rollout completes, exact."""
   engine, graphdef, params, task = served
   starts = engine.sidecar.starts
-  killed = []
+  killed, pid = [], engine.sidecar.server_pid()
 
   def kill_server():  # called once: the retry, after the restart, is left alone
-    killed.append(engine.sidecar.server_pid())
-    os.kill(killed[-1], signal.SIGKILL)
+    killed.append(pid)
+    os.kill(pid, signal.SIGKILL)
 
   engine.client.on_requests_sent = kill_server
+  # Stopped first: the requests reach the server's socket and wait there unanswered, so the kill
+  # lands while they are in flight however fast the server is or however loaded the machine (a
+  # running server answered all 384 before the kill once, with both cores busy).
+  os.kill(pid, signal.SIGSTOP)
   ids, mask = _prompts(task)
   with caplog.at_level("WARNING", logger="jaxrl.rollout.vllm_engine"):
     out = engine.generate(ids, mask, np.array([128, 128, 128]), 1.0, jax.random.PRNGKey(11))

@@ -33,6 +33,12 @@ SETTLE_TIMEOUT_S = 600.0
 
 _abandoned: list[Future] = []  # calls into orbax given up on
 
+# Old checkpoints beyond ``keep`` leave by one atomic rename into this subdirectory, which is then
+# emptied: orbax's own deletion removes a step directory file by file in place, so a kill during it
+# left a half-deleted directory that still looked like a checkpoint (seen once in the kill/resume
+# test with both cores loaded: step 1 present, its metadata gone).
+TRASH = "deleted"
+
 
 def unsettled() -> bool:
   """True while a checkpoint write given up on is still running: its (non-daemon) orbax threads
@@ -103,8 +109,10 @@ class Checkpointer:
       create=True,
       enable_async_checkpointing=async_save,
       cleanup_tmp_directories=True,
+      todelete_subdir=TRASH,
     )
     self._mgr = ocp.CheckpointManager(self.directory, options=options)
+    self._empty_trash()  # what a killed run moved there
     self._orbax = _OrbaxThread()
     self._pending: int | None = None  # step of the write in flight
     self._stuck: tuple[int, Future] | None = None  # (step, wait) past the timeout
@@ -152,6 +160,11 @@ class Checkpointer:
       self._failed(step, error)
     else:
       self._latest = step
+      self._empty_trash()  # the write (and orbax's renames of old steps) finished: the disk answers
+
+  def _empty_trash(self) -> None:
+    if jax.process_index() == 0:
+      shutil.rmtree(os.path.join(self.directory, TRASH), ignore_errors=True)
 
   def _give_up(self, step: int, wait: Future) -> None:
     self._stuck = (step, wait)
