@@ -52,7 +52,7 @@ def logp_gap(graphdef, params, out, tau) -> float:
     jnp.float32(tau),
     chunk_size=128,
   )
-  return float(np.abs(np.asarray(logp) - np.asarray(out.logp_RxN)).max())
+  return float(np.abs(np.asarray(logp) - np.asarray(out.behaviour_logp_RxN)).max())
 
 
 def main():

@@ -15,6 +15,8 @@ from typing import Any, Literal
 # (losses, model, engines) reads them from here (``typing.get_args``).
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
+# ALGORITHMS.md §9; auto = tis for rollout.engine=vllm, none for the JAX sampler
+BehaviourCorrection = Literal["auto", "none", "tis", "mis", "seq-mis"]
 Remat = Literal["none", "full", "dots", "offload"]
 Dtype = Literal["float32", "bfloat16"]
 Engine = Literal["jax", "vllm"]
@@ -142,10 +144,19 @@ class RolloutSection:
   max_new_tokens: int = 8
   temperature: float = 1.0
   top_p: float = 1.0
+  # k: a step trains on rollouts sampled by params at most k updates older than its own; k >= 1
+  # generates the next steps' rollouts while the current update runs (ALGORITHMS.md §9)
+  max_staleness: int = 0
+  # DAPO's dynamic sampling (§10): draw rounds of batch_questions until that many groups have a
+  # learning signal (rewards not all equal), at most max_rounds rounds per step
+  dynamic_sampling: bool = False
+  max_rounds: int = 4
 
   def check(self) -> None:
     _need(self.group_size >= 1, "rollout.group_size", "must be >= 1")
     _need(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+    _need(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
+    _need(self.max_rounds >= 1, "rollout.max_rounds", "must be >= 1")
     _need(self.temperature > 0, "rollout.temperature", "must be > 0")
     _need(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
 
@@ -225,9 +236,20 @@ class LossSection:
   mini_batches: int = 1  # optimizer updates per step; > 1 makes later updates off-policy
   micro_batches: int = 1  # gradient accumulation within each mini-batch
   logprob_chunk: int = 128  # tokens per chunk of the fused log-prob (bench/fused_logprob.py)
+  # Weights on the per-token objective for rollouts sampled by another policy μ (ALGORITHMS.md §9)
+  behaviour_correction: BehaviourCorrection = "auto"
+  tis_cap: float = 2.0  # tis: weights truncated at this
+  mis_low: float = 0.5  # mis, seq-mis: weights outside [mis_low, mis_high] mask the token
+  mis_high: float = 2.0
 
   def check(self) -> None:
     _need(self.eps_low >= 0 and self.eps_high >= 0, "loss.eps_low", "clip ranges must be >= 0")
+    _need(self.tis_cap > 0, "loss.tis_cap", "must be > 0")
+    _need(
+      0 < self.mis_low <= 1 <= self.mis_high,
+      "loss.mis_low",
+      f"need 0 < mis_low <= 1 <= mis_high, got {self.mis_low}, {self.mis_high}",
+    )
     _need(self.dual_clip == 0 or self.dual_clip > 1, "loss.dual_clip", "must be 0 (off) or > 1")
     _need(self.mini_batches >= 1, "loss.mini_batches", "must be >= 1")
     _need(self.micro_batches >= 1, "loss.micro_batches", "must be >= 1")

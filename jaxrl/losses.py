@@ -3,9 +3,12 @@
 from jaxrl.rl.losses import (  # noqa: F401  (public re-exports)
   LossConfig,
   LossHparams,
+  behaviour_metrics,
+  behaviour_weights,
   dynamo_modulate,
   eepo_unlearning_loss,
   group_advantages,
   grpo_loss,
   informative_rollouts,
+  mismatch_kl,
 )

@@ -11,6 +11,7 @@ import jax
 INIT = 1  # the model's random init (numpy_seed)
 RL = 2  # rollouts of RL step i: key(seed, RL, i)
 EVAL = 3  # held-out and benchmark evaluation: key(seed, EVAL)
+ROUND = 4  # dynamic sampling's extra rounds of step i: fold_in(key(seed, ROUND, i), round)
 SFT = 7  # the SFT corpus (numpy_seed)
 
 

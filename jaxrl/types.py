@@ -1,6 +1,6 @@
 """Pytrees that cross jit boundaries, and the shape-letter legend used in names across jaxrl.
 
-Shape letters (suffixes such as ``logp_RxN``), each with one meaning:
+Shape letters (suffixes such as ``tokens_RxN``), each with one meaning:
   B  questions in a step            R  rollouts in a step (R = sum of G_i, static)
   G  rollouts of one question       Q  questions of a dataset split (|D|)
   T  tokens of a sequence (response, or prompt + response where stated)
@@ -58,18 +58,21 @@ class Rollouts:
   """One step's rollouts from the engine to the update. Row r answers question ``group_ids_R[r]``
   (an index into the step's B questions); responses are right-padded after EOS.
 
-  Engines return every field but ``rewards_R``; the loop adds the verifier's rewards with
-  ``dataclasses.replace`` before the update, which reads them."""
+  Engines return every field up to ``finished_R``; the collector adds the proximal log-probs and
+  the loop the verifier's rewards (``dataclasses.replace``) before the update, which reads both.
+  The three log-probs of ALGORITHMS.md §9 are ℓ_μ (``behaviour_logp_RxN``), ℓ_prox
+  (``prox_logp_RxN``) and ℓ (the update's own forward)."""
 
   prompt_ids_RxP: Array  # i32, left-padded
   prompt_mask_RxP: Array  # bool
   tokens_RxN: Array  # i32 response tokens, pad_id after EOS
   mask_RxN: Array  # bool, True on generated tokens up to and including EOS
-  logp_RxN: Array  # f32 π_old: log softmax(z/τ)[token] under the sampling params, 0 where masked
+  behaviour_logp_RxN: Array  # f32 ℓ_μ: log softmax(z/τ)[token] as the engine sampled it, 0 masked
   entropy_RxN: Array  # f32, entropy of the full softmax(z/τ), 0 where masked
   lengths_R: Array  # i32, generated tokens (EOS included)
   group_ids_R: Array  # i32 in [0, B)
   finished_R: Array  # bool, the row emitted EOS
+  prox_logp_RxN: Array | None = None  # f32 ℓ_prox: under the params the update starts from
   rewards_R: Array | None = None  # f32, added after verification
 
 

@@ -9,7 +9,15 @@ from jaxrl.config import from_configdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Wall-clock fields and jit-cache counters (process-wide) differ between runs; everything else
 # must be identical.
-TIMING = {"rollout_tok_s", "train_tok_s", "step_time", "compiles_update", "compiles_sampler"}
+TIMING = {
+  "rollout_tok_s",
+  "rollout_wait_s",
+  "rollout_seconds",
+  "train_tok_s",
+  "step_time",
+  "compiles_update",
+  "compiles_sampler",
+}
 
 
 def tiny_config(arg="test", **overrides):
@@ -33,10 +41,18 @@ def read_metrics(workdir):
 
 
 def rollouts(
-  prompt_ids_RxP, prompt_mask_RxP, tokens_RxN, mask_RxN, logp_RxN, rewards_R, group_ids_R
+  prompt_ids_RxP,
+  prompt_mask_RxP,
+  tokens_RxN,
+  mask_RxN,
+  behaviour_logp_RxN,
+  rewards_R,
+  group_ids_R,
+  prox_logp_RxN=None,
 ):
   """A ``Rollouts`` for the update from the fields it reads (entropies, lengths and finished flags
-  derived: the update ignores them)."""
+  derived: the update ignores them). ``prox_logp_RxN`` defaults to the behaviour log-probs (an
+  on-policy batch: the engine sampled with the params the update starts from)."""
   import numpy as np
 
   from jaxrl.types import Rollouts
@@ -47,7 +63,10 @@ def rollouts(
     prompt_mask_RxP=np.asarray(prompt_mask_RxP, bool),
     tokens_RxN=np.asarray(tokens_RxN),
     mask_RxN=mask_RxN,
-    logp_RxN=np.asarray(logp_RxN, np.float32),
+    behaviour_logp_RxN=np.asarray(behaviour_logp_RxN, np.float32),
+    prox_logp_RxN=np.asarray(
+      behaviour_logp_RxN if prox_logp_RxN is None else prox_logp_RxN, np.float32
+    ),
     entropy_RxN=np.zeros(mask_RxN.shape, np.float32),
     lengths_R=mask_RxN.sum(axis=1).astype(np.int32),
     group_ids_R=np.asarray(group_ids_R, np.int32),

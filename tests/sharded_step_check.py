@@ -72,7 +72,7 @@ def main():
     prompt_mask_RxP=np.ones((R, P), bool),
     tokens_RxN=rng.integers(0, 64, (R, N)).astype(np.int32),
     mask_RxN=np.arange(N)[None, :] < rng.integers(1, N + 1, (R, 1)),
-    logp_RxN=(-rng.random((R, N)) * 3).astype(np.float32),
+    behaviour_logp_RxN=(-rng.random((R, N)) * 3).astype(np.float32),
     rewards_R=rng.integers(0, 2, R).astype(np.float32),
     group_ids_R=np.repeat(np.arange(B), R // B).astype(np.int32),
   )

@@ -170,7 +170,7 @@ def test_sampler_equal_with_blocks(scan):
   one_pass, blocked = outs
   np.testing.assert_array_equal(np.asarray(blocked.tokens_RxN), np.asarray(one_pass.tokens_RxN))
   assert len(np.unique(np.asarray(one_pass.tokens_RxN))) > 5  # real samples
-  for name in ("logp_RxN", "entropy_RxN"):
+  for name in ("behaviour_logp_RxN", "entropy_RxN"):
     np.testing.assert_allclose(
       np.asarray(getattr(blocked, name)), np.asarray(getattr(one_pass, name)), rtol=0, atol=1e-5
     )

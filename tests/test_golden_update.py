@@ -57,7 +57,7 @@ def _batch(vocab: int):
     prompt_mask_RxP=np.arange(P)[None, :] >= rng.integers(0, 3, (R, 1)),
     tokens_RxN=rng.integers(0, vocab, (R, N)).astype(np.int32),
     mask_RxN=mask,
-    logp_RxN=np.where(mask, -rng.random((R, N)) * 4 - 0.5, 0.0).astype(np.float32),
+    behaviour_logp_RxN=np.where(mask, -rng.random((R, N)) * 4 - 0.5, 0.0).astype(np.float32),
     rewards_R=np.array([1, 0, 0, 1, 0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 0, 1], np.float32),
     group_ids_R=np.repeat(np.arange(B), R // B).astype(np.int32),
   )

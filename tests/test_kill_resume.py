@@ -1,5 +1,7 @@
 """SIGKILL at random moments, 10 times in a row, resuming each time: the run ends with exactly the
-params and question statistics of an uninterrupted run, and no checkpoint is ever unreadable.
+params and question statistics of an uninterrupted run, and no checkpoint is ever unreadable. The
+same with asynchronous rollouts (``rollout.max_staleness`` k = 1, and k = 2 with every method and
+dynamic sampling): the batches in flight are in each checkpoint, generated.
 
 Checkpoints are written every step (async), so kills land during writes too; orbax writes a step
 into a temporary directory and renames it when complete, so a kill leaves either the whole step or
@@ -33,7 +35,7 @@ VLLM = [
 VLLM_STEPS, VLLM_KILLS = 6, 3
 
 
-def _start(workdir, steps=STEPS, extra=()):
+def _start(workdir, steps=STEPS, extra=(), config="test"):
   # The test's runs share one compilation cache of their own: the uninterrupted run compiles and
   # fills it, the resumed runs load its programs (and must still end bitwise where it ends).
   cache = os.path.join(os.path.dirname(workdir), "compile_cache")
@@ -41,7 +43,7 @@ def _start(workdir, steps=STEPS, extra=()):
     sys.executable,
     "-m",
     "jaxrl.main",
-    "--config=configs/tiny.py:test",
+    f"--config=configs/tiny.py:{config}",
     f"--workdir={workdir}",
     f"--config.steps={steps}",
     "--config.checkpoint.every=1",
@@ -102,19 +104,31 @@ def _assert_same_end(straight, killed, steps):
       np.testing.assert_array_equal(a, b, err_msg=part)
 
 
-def test_ten_sigkills_then_resume_equal_an_uninterrupted_run(tmp_path):
+ASYNC_ALL = ("--config.rollout.max_staleness=2", "--config.rollout.dynamic_sampling=True")
+
+
+@pytest.mark.parametrize(
+  "kills, config, extra",
+  [
+    (KILLS, "test", ()),
+    (5, "test", ("--config.rollout.max_staleness=1",)),
+    (5, "all,test", ASYNC_ALL),
+  ],
+  ids=["k0", "k1", "k2-all-dynamic"],
+)
+def test_sigkills_then_resume_equal_an_uninterrupted_run(tmp_path, kills, config, extra):
   straight, killed = tmp_path / "straight", tmp_path / "killed"
-  proc = _start(straight)
+  proc = _start(straight, extra=extra, config=config)
   assert proc.wait(timeout=600) == 0, proc.stderr.read()[-3000:]
   assert os.listdir(tmp_path / "compile_cache"), "the run cached no compiled program"
 
   rng = np.random.default_rng(0)
-  kills, during_rl = 0, 0
-  while kills < KILLS:
-    proc = _start(killed)
+  done, during_rl = 0, 0
+  while done < kills:
+    proc = _start(killed, extra=extra, config=config)
     # Half of the kills at a random time after start (start-up, SFT, evaluation, RL), half a
     # random time after the next RL step lands (mostly inside a step or its checkpoint write).
-    if kills % 2 == 0:
+    if done % 2 == 0:
       time.sleep(rng.uniform(0.5, 6.0))
     else:
       _wait_for_next_step(proc, killed)
@@ -124,28 +138,31 @@ def test_ten_sigkills_then_resume_equal_an_uninterrupted_run(tmp_path):
     during_rl += _steps_done(killed) > 0
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
-    kills += 1
+    done += 1
     for step in _checkpoints(killed):  # every checkpoint that exists is complete and readable
       assert len(_read(killed, step, "state")) > 0
-  assert kills == KILLS and during_rl >= KILLS // 2, (kills, during_rl)
-  proc = _start(killed)  # the last resume runs to the end
+  assert done == kills and during_rl >= kills // 2, (done, during_rl)
+  proc = _start(killed, extra=extra, config=config)  # the last resume runs to the end
   assert proc.wait(timeout=600) == 0, proc.stderr.read()[-3000:]
 
   _assert_same_end(straight, killed, STEPS)
 
 
-def test_sigkills_with_the_vllm_sidecar(tmp_path):
+@pytest.mark.parametrize("staleness", [0, 1], ids=["k0", "k1"])
+def test_sigkills_with_the_vllm_sidecar(tmp_path, staleness):
   """The trainer is SIGKILLed during RL steps 3 times; its sidecar goes with it (the guard), the
-  resumed run starts a new one and ends where an uninterrupted run ends."""
+  resumed run starts a new one and ends where an uninterrupted run ends (k = 1: the batch in
+  flight on the rollout thread is in each checkpoint)."""
   from jaxrl.rollout.sidecar import owned_pids
 
+  flags = [*VLLM, f"--config.rollout.max_staleness={staleness}"]
   straight, killed = tmp_path / "straight", tmp_path / "killed"
-  proc = _start(straight, VLLM_STEPS, VLLM)
+  proc = _start(straight, VLLM_STEPS, flags)
   assert proc.wait(timeout=900) == 0, proc.stderr.read()[-3000:]
   rng = np.random.default_rng(1)
   trainers = [proc.pid]
   for _ in range(VLLM_KILLS):
-    proc = _start(killed, VLLM_STEPS, VLLM)
+    proc = _start(killed, VLLM_STEPS, flags)
     trainers.append(proc.pid)
     _wait_for_next_step(proc, killed, timeout=600)
     time.sleep(rng.uniform(0.0, 0.5))
@@ -154,7 +171,7 @@ def test_sigkills_with_the_vllm_sidecar(tmp_path):
     proc.wait(timeout=60)
     for step in _checkpoints(killed):
       assert len(_read(killed, step, "state")) > 0
-  proc = _start(killed, VLLM_STEPS, VLLM)
+  proc = _start(killed, VLLM_STEPS, flags)
   trainers.append(proc.pid)
   assert proc.wait(timeout=900) == 0, proc.stderr.read()[-3000:]
   _assert_same_end(straight, killed, VLLM_STEPS)

@@ -161,7 +161,7 @@ def test_scan_sampler_equals_loop(models):
   np.testing.assert_array_equal(np.asarray(scan.tokens_RxN), np.asarray(loop.tokens_RxN))
   np.testing.assert_array_equal(np.asarray(scan.mask_RxN), np.asarray(loop.mask_RxN))
   assert len(np.unique(np.asarray(loop.tokens_RxN))) > 5  # real samples, not one repeated token
-  for name in ("logp_RxN", "entropy_RxN"):
+  for name in ("behaviour_logp_RxN", "entropy_RxN"):
     np.testing.assert_allclose(
       np.asarray(getattr(scan, name)), np.asarray(getattr(loop, name)), rtol=0, atol=1e-5
     )
@@ -173,7 +173,7 @@ def test_scan_rl_update_equals_loop(models):
     prompt_mask_RxP=PROMPT_MASK,
     tokens_RxN=RESPONSE_IDS,
     mask_RxN=RESPONSE_MASK,
-    logp_RxN=-np.linspace(0.5, 3, R * N, dtype=np.float32).reshape(R, N),
+    behaviour_logp_RxN=-np.linspace(0.5, 3, R * N, dtype=np.float32).reshape(R, N),
     rewards_R=np.array([1, 0, 0, 1], np.float32),
     group_ids_R=np.array([0, 0, 1, 1], np.int32),
   )

@@ -80,10 +80,11 @@ def test_a_sidecar_per_process_samples_like_one(tmp_path):
   one, two = read_metrics(single), read_metrics(multi)
   # Identical rollouts (same tokens: a question's requests carry the same seed on either host)
   # give identical rewards and allocations; float metrics differ by float32 reduction order
-  # (measured 2e-7 relative). rollout_logp_gap is itself the difference of two float32
-  # computations (the server's log-probs and ours, ~1e-6): only its size is checked.
-  assert_same_metrics(one, two, rtol=1e-5, skip=("rollout_logp_gap",))
-  assert max(r["rollout_logp_gap"] for r in one + two) < 1e-4
+  # (measured 2e-7 relative). The behaviour-mismatch metrics are themselves differences of two
+  # float32 computations (the server's log-probs and ours, ~1e-6): only their size is checked.
+  mismatch = ("mismatch_kl", "behaviour_logp_diff_mean", "behaviour_logp_diff_max")
+  assert_same_metrics(one, two, rtol=1e-5, skip=mismatch)
+  assert max(r["behaviour_logp_diff_max"] for r in one + two) < 1e-4
   a, b = checkpoint_params(single, STEPS, **VLLM), checkpoint_params(multi, STEPS, **VLLM)
   start = checkpoint_params(single, sft=True, **VLLM)
   # measured: distance 6.4e-7 against 1.3e-2 travelled

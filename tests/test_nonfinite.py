@@ -22,7 +22,9 @@ def _poison(trainer: Trainer, bad_calls: set[int]):
     out = generate(*args, **kwargs)
     calls[0] += 1
     if calls[0] in bad_calls:
-      return dataclasses.replace(out, logp_RxN=jnp.full_like(out.logp_RxN, jnp.nan))
+      return dataclasses.replace(
+        out, behaviour_logp_RxN=jnp.full_like(out.behaviour_logp_RxN, jnp.nan)
+      )
     return out
 
   trainer.engine.generate = generate_with_nan

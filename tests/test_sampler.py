@@ -117,11 +117,11 @@ def test_logp_and_entropy_equal_training_forward(tiny, tau):
   mask = np.asarray(out.mask_RxN)
   want_logp = np.take_along_axis(logp_ref, tokens[..., None], -1)[..., 0]
   want_entropy = -(np.exp(logp_ref) * logp_ref).sum(-1)
-  np.testing.assert_allclose(np.asarray(out.logp_RxN)[mask], want_logp[mask], atol=1e-5, rtol=0)
+  np.testing.assert_allclose(np.asarray(out.behaviour_logp_RxN)[mask], want_logp[mask], atol=1e-5, rtol=0)
   np.testing.assert_allclose(
     np.asarray(out.entropy_RxN)[mask], want_entropy[mask], atol=1e-5, rtol=0
   )
-  assert np.all(np.asarray(out.logp_RxN)[~mask] == 0)
+  assert np.all(np.asarray(out.behaviour_logp_RxN)[~mask] == 0)
   assert np.all(np.asarray(out.entropy_RxN)[~mask] == 0)
   assert mask.sum() > 40 and not mask.all()  # early-stopped rows are in the batch too
 
@@ -209,7 +209,7 @@ def test_tiny_top_p_is_greedy(tiny):
   np.testing.assert_array_equal(nucleus.tokens_RxN, greedy.tokens_RxN)
   np.testing.assert_array_equal(nucleus.mask_RxN, greedy.mask_RxN)
   # logp stays that of the full softmax(z/τ), not of the one-token nucleus (which would be 0).
-  assert np.all(np.asarray(nucleus.logp_RxN)[np.asarray(nucleus.mask_RxN)] < -0.1)
+  assert np.all(np.asarray(nucleus.behaviour_logp_RxN)[np.asarray(nucleus.mask_RxN)] < -0.1)
 
 
 def _chi2(counts, probs, rows):

@@ -146,7 +146,7 @@ def test_server_logprobs_match_fused_logprobs(served, tau):
   assert out.mask_RxN.sum() > 8  # random weights: long responses, few early EOS
   # The rows of a question are different samples (one request with n = G_i and a seed).
   assert len({tuple(r) for r in out.tokens_RxN[:4]}) > 1
-  np.testing.assert_allclose(out.logp_RxN, _score(graphdef, params, out, tau), atol=1e-4)
+  np.testing.assert_allclose(out.behaviour_logp_RxN, _score(graphdef, params, out, tau), atol=1e-4)
 
 
 def test_weight_push_serves_new_params_and_version(served):
@@ -156,8 +156,8 @@ def test_weight_push_serves_new_params_and_version(served):
   assert engine.client.weight_version(engine.sidecar.url) == "push-test"
   ids, mask = _prompts(task)
   out = engine.generate(ids, mask, np.array([2, 2, 2]), 1.0, jax.random.PRNGKey(3))
-  np.testing.assert_allclose(out.logp_RxN, _score(graphdef, new, out, 1.0), atol=1e-4)
-  assert np.abs(out.logp_RxN - _score(graphdef, params, out, 1.0)).max() > 1e-2
+  np.testing.assert_allclose(out.behaviour_logp_RxN, _score(graphdef, new, out, 1.0), atol=1e-4)
+  assert np.abs(out.behaviour_logp_RxN - _score(graphdef, params, out, 1.0)).max() > 1e-2
   assert len(os.listdir(engine._root)) == 1  # the previous version's directory is gone
   engine.set_weights(params, 0)
 
@@ -230,18 +230,27 @@ def test_a_rejected_request_fails_at_once_without_restart(served):
   assert engine.sidecar.starts == starts
 
 
-def test_three_training_steps_through_the_sidecar(served, tmp_path):
+@pytest.mark.parametrize("staleness", [0, 1], ids=["k0", "k1"])
+def test_three_training_steps_through_the_sidecar(served, tmp_path, staleness):
+  """E3 + EEPO through the server; k = 1: each step's batch (EEPO's forgetting step included) was
+  generated on the rollout thread by the previous step's params while that step's update ran."""
   engine = served[0]
-  cfg = _vllm_config(steps=3, **{"vllm.urls": engine.sidecar.url})
+  cfg = _vllm_config(
+    steps=3, **{"vllm.urls": engine.sidecar.url, "rollout.max_staleness": staleness}
+  )
   Trainer(cfg, str(tmp_path)).run()
   rows = read_metrics(tmp_path)
   assert [r["step"] for r in rows] == [1, 2, 3]
+  assert [r["rollout_staleness"] for r in rows] == [0.0, staleness, staleness]
   assert any(max(r["alloc_hist"]) < 4 for r in rows[1:]), "E3 gave every question the same G"
   assert any(len(np.flatnonzero(r["alloc_hist"])) > 1 for r in rows)
   for r in rows:
     assert r["eepo_gate"] == 1.0 and np.isfinite(r["eepo_unlearn_loss"])
-    assert r["rollout_logp_gap"] < 1e-4  # π_old rescored by the trainer agrees with vLLM's
-    assert np.isfinite(r["loss"]) and r["entropy_stage1"] > 0 and r["entropy_stage2"] > 0
+    # ℓ_prox (the trainer's rescoring) agrees with the server's behaviour log-probs
+    assert r["behaviour_logp_diff_max"] < 1e-4 and r["mismatch_kl"] < 1e-6
+    assert np.isfinite(r["loss"]) and r["entropy_stage1"] > 0
+    # A stale batch's stage 2 is scored only later, under the update's params (no θ' entropy).
+    assert r["entropy_stage2"] > 0 or (r["rollout_staleness"] > 0 and np.isnan(r["entropy_stage2"]))
 
 
 def test_sigkilled_server_is_restarted_and_the_step_completes(sidecar_env, tmp_path):
@@ -343,7 +352,7 @@ def test_server_killed_while_answering_is_restarted(served, caplog):
   # One failure, of a request already sent (the connection died), not a refused connection.
   assert len(failures) == 1 and "Refused" not in failures[0], failures
   assert out.tokens_RxN.shape == (384, 8)
-  np.testing.assert_allclose(out.logp_RxN, _score(graphdef, params, out, 1.0), atol=1e-4)
+  np.testing.assert_allclose(out.behaviour_logp_RxN, _score(graphdef, params, out, 1.0), atol=1e-4)
   assert not any(group_members(g) for g in engine.sidecar.group_ids[:-1])
 
 
@@ -355,7 +364,7 @@ def test_hung_server_times_out_and_is_restarted(served):
   out = engine.generate(ids, mask, np.array([2, 1, 1]), 1.0, jax.random.PRNGKey(5))
   assert engine.sidecar.starts == starts + 1
   assert engine.client.weight_version(engine.sidecar.url) == "0"  # re-synced version
-  np.testing.assert_allclose(out.logp_RxN, _score(graphdef, params, out, 1.0), atol=1e-4)
+  np.testing.assert_allclose(out.behaviour_logp_RxN, _score(graphdef, params, out, 1.0), atol=1e-4)
   assert not any(group_members(g) for g in engine.sidecar.group_ids[:-1])
 
 

@@ -28,7 +28,7 @@ def make_batch(rng, R=8, P=5, N=4, groups=2):
     prompt_mask_RxP=np.ones((R, P), bool),
     tokens_RxN=rng.integers(0, 32, (R, N)).astype(np.int32),
     mask_RxN=np.arange(N)[None, :] < rng.integers(1, N + 1, (R, 1)),
-    logp_RxN=(-rng.random((R, N)) * 3 - 0.5).astype(np.float32),
+    behaviour_logp_RxN=(-rng.random((R, N)) * 3 - 0.5).astype(np.float32),
     rewards_R=np.tile([1.0, 0.0, 0.0, 1.0], R // 4).astype(np.float32),
     group_ids_R=np.repeat(np.arange(groups), R // groups).astype(np.int32),
   )

@@ -125,6 +125,9 @@ class Allocator(NamedTuple):
   init: Callable[[int], object]  # num_questions -> state
   on_epoch_end: Callable[[object, QuestionStats, object], object]  # (state, stats, epoch) -> state
   allocate: Callable[[object, QuestionStats, Array], Array]  # (state, stats, ids_B) -> G_B
+  # The largest G_i it ever gives (None: up to all R of a step): bounds the rows a step trains on
+  # when dynamic sampling keeps groups from several rounds (ALGORITHMS.md §10).
+  max_count: int | None = None
 
 
 @pytree_dataclass
@@ -172,7 +175,7 @@ def uniform_allocator(group_size: int) -> Allocator:
     del state, stats
     return jnp.full(jnp.shape(question_ids_B), group_size, jnp.int32)
 
-  return Allocator(init, on_epoch_end, allocate)
+  return Allocator(init, on_epoch_end, allocate, max_count=group_size)
 
 
 def e3_allocator(
@@ -201,7 +204,7 @@ def e3_allocator(
     del stats  # E3 uses the epoch snapshot, not the live statistics.
     return e3_allocate(state.rank_Q[question_ids_B], group_size, state.g_min, state.g_max)
 
-  return Allocator(init, on_epoch_end, allocate)
+  return Allocator(init, on_epoch_end, allocate, max_count=max(g_max_cap, group_size))
 
 
 def dynamo_allocator(
@@ -232,7 +235,7 @@ def dynamo_allocator(
     budget = priority_B.shape[0] * group_size
     return dynamo_allocate(priority_B, budget, state.g_min, state.g_max)
 
-  return Allocator(init, on_epoch_end, allocate)
+  return Allocator(init, on_epoch_end, allocate, max_count=g_max)
 
 
 def histogram(counts_B, max_count: int) -> Array:

@@ -20,11 +20,13 @@ import typing
 import jax
 import jax.numpy as jnp
 
-from jaxrl.config import Aggregation, KLEstimator
+from jaxrl.config import Aggregation, BehaviourCorrection, KLEstimator
 from jaxrl.nn.logprobs import logp_log1m_p_from_logits
 
 AGGREGATIONS = typing.get_args(Aggregation)  # the values config.loss.aggregation accepts
 KL_ESTIMATORS = typing.get_args(KLEstimator)
+# "auto" is resolved from the engine by the config (rl.programs.rl_step_config), never seen here.
+BEHAVIOUR_CORRECTIONS = tuple(m for m in typing.get_args(BehaviourCorrection) if m != "auto")
 
 
 def _valid_or_all(valid_R, n):
@@ -85,8 +87,13 @@ class LossConfig:
   use_kl: bool = False
   informative_only: bool = False
   max_response_len: int = 0  # T_max of Dr.GRPO's seq-mean-token-sum-norm
+  behaviour_correction: str = "none"  # §9: none | tis | mis | seq-mis
 
   def __post_init__(self):
+    if self.behaviour_correction not in BEHAVIOUR_CORRECTIONS:
+      raise ValueError(
+        f"behaviour_correction {self.behaviour_correction!r} not in {BEHAVIOUR_CORRECTIONS}"
+      )
     if self.aggregation not in AGGREGATIONS:
       raise ValueError(f"aggregation {self.aggregation!r} not in {AGGREGATIONS}")
     if self.kl_estimator not in KL_ESTIMATORS:
@@ -106,12 +113,27 @@ class LossHparams:
   eps_high: jax.Array
   kl_coef: jax.Array
   entropy_coef: jax.Array
+  # §9's behaviour-weight thresholds (f32 arrays by default too: a Python float would be weak-typed)
+  tis_cap: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(2.0))
+  mis_low: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(0.5))
+  mis_high: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(2.0))
 
   @classmethod
-  def create(cls, eps_low=0.2, eps_high=0.28, kl_coef=0.0, entropy_coef=0.0):
+  def create(
+    cls,
+    eps_low=0.2,
+    eps_high=0.28,
+    kl_coef=0.0,
+    entropy_coef=0.0,
+    tis_cap=2.0,
+    mis_low=0.5,
+    mis_high=2.0,
+  ):
     """Build from numbers as f32 arrays (Python floats would be weak-typed: a second trace)."""
     f = lambda x: jnp.asarray(x, jnp.float32)
-    return cls(f(eps_low), f(eps_high), f(kl_coef), f(entropy_coef))
+    return cls(
+      f(eps_low), f(eps_high), f(kl_coef), f(entropy_coef), f(tis_cap), f(mis_low), f(mis_high)
+    )
 
 
 @jax.tree_util.register_dataclass
@@ -280,11 +302,14 @@ def grpo_loss(
   cfg: LossConfig,
   *,
   adv_RxT=None,
+  behaviour_w_RxT=None,
 ):
   """Clipped GRPO surrogate + β·KL − λ·entropy, each aggregated and divided by `denom`.
 
   `adv_RxT`, if given, is a per-token advantage (e.g. `dynamo_modulate`'s) used in the surrogate
   and the dual clip instead of `adv_R` broadcast over tokens; `adv_R` is then ignored.
+  `behaviour_w_RxT`, if given, is §9's corrected behaviour weight w̃ (`behaviour_weights`): it
+  multiplies the per-token surrogate only (not the KL or entropy terms, not the denominator).
   """
   mask_RxT = _f32(mask_RxT)
   on_RxT = mask_RxT > 0
@@ -293,6 +318,8 @@ def grpo_loss(
   obj_RxT, ratio_RxT, is_clipped_RxT, is_dual_RxT = _clipped_objective(
     logp_RxT, old_RxT, adv_RxT, hp, cfg
   )
+  if behaviour_w_RxT is not None:
+    obj_RxT = obj_RxT * jnp.where(on_RxT, jax.lax.stop_gradient(_f32(behaviour_w_RxT)), 0.0)
 
   safe_denom = jnp.where(denom > 0, denom, 1.0)  # empty batch: every numerator is 0 too
   pg_loss = -_aggregate(obj_RxT, w_RxT, mask_RxT, cfg) / safe_denom
@@ -314,6 +341,74 @@ def grpo_loss(
     ent_RxT=ent_RxT,
   )
   return loss, metrics
+
+
+def _log_ratio(logp_prox, logp_behaviour, mask):
+  """(ℓ_prox − ℓ_μ, valid) per token, f32, stop-gradient, 0 where masked (padding may hold -inf)."""
+  on_RxT = jnp.asarray(mask) > 0
+  prox_RxT = jnp.where(on_RxT, _f32(logp_prox), 0.0)
+  behaviour_RxT = jnp.where(on_RxT, _f32(logp_behaviour), 0.0)
+  return jax.lax.stop_gradient(prox_RxT - behaviour_RxT), on_RxT
+
+
+def _kept_RxT(d_RxT, on_RxT, mode, cap, m_low, m_high):
+  """Where the chosen correction keeps w as it is (True) or truncates / masks it (False)."""
+  w_RxT = jnp.exp(d_RxT)
+  if mode == "tis":
+    return w_RxT <= cap
+  if mode == "mis":
+    return (w_RxT >= m_low) & (w_RxT <= m_high)
+  if mode == "seq-mis":
+    s_R = jnp.exp(jnp.sum(d_RxT, axis=1) / jnp.maximum(jnp.sum(on_RxT, axis=1), 1))
+    return jnp.broadcast_to(((s_R >= m_low) & (s_R <= m_high))[:, None], d_RxT.shape)
+  return jnp.ones_like(on_RxT)
+
+
+def behaviour_weights(
+  logp_prox, logp_behaviour, mask, mode, cap=2.0, m_low=0.5, m_high=2.0
+) -> jax.Array:
+  """§9's corrected behaviour weights w̃ f32[R,T] from w = exp(ℓ_prox − ℓ_μ), stop-gradient.
+
+  ``mode`` (static): ``none`` → 1; ``tis`` → min(w, cap); ``mis`` → w inside [m_low, m_high], else
+  0; ``seq-mis`` → 1 for every token of a response whose s = exp(mean_t(ℓ_prox − ℓ_μ)) is inside
+  [m_low, m_high], else 0. Masked positions get 0. Thresholds may be traced scalars."""
+  if mode not in BEHAVIOUR_CORRECTIONS:
+    raise ValueError(f"behaviour correction {mode!r} not in {BEHAVIOUR_CORRECTIONS}")
+  d_RxT, on_RxT = _log_ratio(logp_prox, logp_behaviour, mask)
+  kept_RxT = _kept_RxT(d_RxT, on_RxT, mode, cap, m_low, m_high)
+  if mode == "tis":
+    w_RxT = jnp.minimum(jnp.exp(d_RxT), _f32(cap))
+  elif mode == "mis":
+    w_RxT = jnp.where(kept_RxT, jnp.exp(d_RxT), 0.0)
+  else:  # none, seq-mis: the whole response counts once, or not at all
+    w_RxT = kept_RxT.astype(jnp.float32)
+  return jnp.where(on_RxT, w_RxT, 0.0)
+
+
+def _token_mean(x_RxT, on_RxT):
+  return jnp.sum(jnp.where(on_RxT, x_RxT, 0.0)) / jnp.maximum(jnp.sum(on_RxT), 1)
+
+
+def mismatch_kl(logp_prox, logp_behaviour, mask) -> jax.Array:
+  """k3 estimate of KL(μ ‖ π_prox) from tokens sampled by μ: token mean of (w − 1) − log w."""
+  d_RxT, on_RxT = _log_ratio(logp_prox, logp_behaviour, mask)
+  return _token_mean(jnp.expm1(d_RxT) - d_RxT, on_RxT)
+
+
+def behaviour_metrics(
+  logp_prox, logp_behaviour, mask, mode, cap=2.0, m_low=0.5, m_high=2.0
+) -> dict:
+  """§9's per-step metrics over the valid tokens: the mismatch and what the correction did."""
+  d_RxT, on_RxT = _log_ratio(logp_prox, logp_behaviour, mask)
+  any_on = jnp.any(on_RxT)
+  dropped_RxT = ~_kept_RxT(d_RxT, on_RxT, mode, cap, m_low, m_high)
+  return {
+    "mismatch_kl": mismatch_kl(logp_prox, logp_behaviour, mask),
+    "behaviour_logp_diff_mean": _token_mean(jnp.abs(d_RxT), on_RxT),
+    "behaviour_logp_diff_max": jnp.where(any_on, jnp.max(jnp.abs(d_RxT)), 0.0),
+    "behaviour_weight_mean": jnp.where(any_on, _token_mean(jnp.exp(d_RxT), on_RxT), 1.0),
+    "behaviour_weight_dropped_frac": _token_mean(dropped_RxT.astype(jnp.float32), on_RxT),
+  }
 
 
 def dynamo_modulate(

@@ -33,11 +33,13 @@ def rl_step_config(cfg: Config) -> step.RLStepConfig:
     use_kl=cfg.loss.kl_coef > 0,
     informative_only=cfg.loss.informative_only,
     max_response_len=cfg.rollout.max_new_tokens,
+    behaviour_correction=behaviour_correction(cfg),
   )
   mod = cfg.modulation
   return step.RLStepConfig(
     loss=loss,
-    num_groups=cfg.batch_questions,
+    # dynamic sampling pads its trained groups with rows in a group of their own (index B)
+    num_groups=cfg.batch_questions + int(cfg.rollout.dynamic_sampling),
     mini_batches=cfg.loss.mini_batches,
     micro_batches=cfg.loss.micro_batches,
     scale_by_std=cfg.loss.scale_by_std,
@@ -49,6 +51,15 @@ def rl_step_config(cfg: Config) -> step.RLStepConfig:
   )
 
 
+def behaviour_correction(cfg: Config) -> str:
+  """``loss.behaviour_correction`` with ``auto`` resolved: tis for a vLLM sidecar (other kernels
+  and dtypes than the trainer's), none for the JAX sampler (the trainer's own policy)."""
+  mode = cfg.loss.behaviour_correction
+  if mode == "auto":
+    return "tis" if cfg.rollout.engine == "vllm" else "none"
+  return mode
+
+
 def step_hparams(cfg: Config, tau, eps_high) -> step.StepHparams:
   """The step's traced knobs: changing them never recompiles."""
   f32 = jnp.float32
@@ -58,6 +69,9 @@ def step_hparams(cfg: Config, tau, eps_high) -> step.StepHparams:
       eps_high=f32(eps_high),
       kl_coef=f32(cfg.loss.kl_coef),
       entropy_coef=f32(cfg.loss.entropy_coef),
+      tis_cap=f32(cfg.loss.tis_cap),
+      mis_low=f32(cfg.loss.mis_low),
+      mis_high=f32(cfg.loss.mis_high),
     ),
     tau=f32(tau),
   )

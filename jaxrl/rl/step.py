@@ -160,7 +160,7 @@ def _row_inputs(graphdef, cfg: RLStepConfig, batch: Rollouts, hp: StepHparams, r
   adv_R = losses.group_advantages(
     batch.rewards_R, batch.group_ids_R, cfg.num_groups, scale_by_std=cfg.scale_by_std
   )
-  ref_logp = jnp.zeros_like(batch.logp_RxN)
+  ref_logp = jnp.zeros_like(batch.prox_logp_RxN)
   if cfg.loss.use_kl:
     ref_logp, _ = logp_responses(
       graphdef,
@@ -173,15 +173,27 @@ def _row_inputs(graphdef, cfg: RLStepConfig, batch: Rollouts, hp: StepHparams, r
       cfg.logprob_chunk,
     )
     ref_logp = jax.lax.stop_gradient(ref_logp)
-  return dict(
+  rows = dict(
     prompt_ids=batch.prompt_ids_RxP,
     prompt_mask=batch.prompt_mask_RxP,
     response_ids=batch.tokens_RxN,
     mask=batch.mask_RxN,
-    old_logp=batch.logp_RxN,
+    old_logp=batch.prox_logp_RxN,
     adv=adv_R,
     informative=losses.informative_rollouts(batch.rewards_R, batch.group_ids_R, cfg.num_groups),
     ref_logp=ref_logp,
+  )
+  if cfg.loss.behaviour_correction != "none":  # "none" leaves the objective exactly as it was
+    rows["behaviour_w"] = losses.behaviour_weights(
+      batch.prox_logp_RxN, batch.behaviour_logp_RxN, batch.mask_RxN, **_behaviour_args(cfg, hp)
+    )
+  return rows
+
+
+def _behaviour_args(cfg: RLStepConfig, hp: StepHparams) -> dict:
+  lh = hp.loss
+  return dict(
+    mode=cfg.loss.behaviour_correction, cap=lh.tis_cap, m_low=lh.mis_low, m_high=lh.mis_high
   )
 
 
@@ -210,7 +222,7 @@ def _micro_loss(graphdef, cfg: RLStepConfig, hp: StepHparams):
     ref_logp = mb["ref_logp"] if cfg.loss.use_kl else None
     return losses.grpo_loss(
       logp, mb["old_logp"], mb["adv"], mb["mask"], ent, ref_logp, mb["informative"], denom,
-      hp.loss, cfg.loss, adv_RxT=adv_RxT,
+      hp.loss, cfg.loss, adv_RxT=adv_RxT, behaviour_w_RxT=mb.get("behaviour_w"),
     )  # fmt: skip
 
   return loss
@@ -263,6 +275,12 @@ def rl_update(
     out = jax.tree.map(lambda x: jnp.mean(x, axis=0), outs)  # metrics averaged over the updates
     out["nonfinite_updates"] = skipped
   out["informative_frac"] = jnp.mean(per_row["informative"].astype(jnp.float32))
+  # ALGORITHMS.md §9: how far the engine's policy μ is from the update's start, every mode
+  out.update(
+    losses.behaviour_metrics(
+      batch.prox_logp_RxN, batch.behaviour_logp_RxN, batch.mask_RxN, **_behaviour_args(cfg, hp)
+    )
+  )
   return state, out
 
 

@@ -1,5 +1,5 @@
-"""A step's rollouts with π_old: the engine samples, and when it cannot return entropies (vLLM) the
-rollouts are rescored under the params that sampled them.
+"""A step's rollouts with the log-probs of ALGORITHMS.md §9: the engine's own (ℓ_μ, behaviour) and
+the trainer's (ℓ_prox, under the params the update starts from), with entropies at τ.
 
 ``Collector`` is the one place that turns host rows into device rows for the rescoring and
 forgetting programs (rows sharded over the data axes, ``step.sequential_chunks`` sequential
@@ -36,20 +36,27 @@ class Collector:
   logprob_chunk: int
   micro_batches: int  # loss.micro_batches: the rescoring's chunks are at most this many
 
-  def sample(self, params, ids_BxP, mask_BxP, counts_B, tau, key, max_new_tokens: int):
-    """Rollouts with π_old log-probs and entropies at τ under ``params``, and a metrics dict.
+  def sample(
+    self, params, ids_BxP, mask_BxP, counts_B, tau, key, max_new_tokens: int, *, score=True
+  ) -> Rollouts:
+    """Rollouts sampled from ``params`` at τ, with the engine's behaviour log-probs.
 
-    The JAX sampler returns both. A vLLM sidecar returns its own log-probs but no entropies: the
-    rollouts are scored here under the params that sampled them (one forward, as the update does),
-    those log-probs serve as π_old, and the largest gap to the server's is logged.
+    ``score``: the rollouts also get ℓ_prox and entropies under ``params`` (the update will start
+    from them: an on-policy batch). The JAX sampler's own numbers are both; a vLLM sidecar gives
+    no entropies, so the rollouts are scored here (one forward, as the update does). Without
+    ``score`` they get neither (the loop rescores a stale batch under its update's params).
     """
     out = self.engine.generate(ids_BxP, mask_BxP, counts_B, tau, key, max_new_tokens=max_new_tokens)
     if self.engine.provides_entropy:
-      return out, {}
-    logp, ent = distributed.to_host(self.logp(params, out, tau))
-    gap = float(np.max(np.abs(logp - out.logp_RxN), initial=0.0))
-    out = jax.tree.map(jnp.asarray, dataclasses.replace(out, logp_RxN=logp, entropy_RxN=ent))
-    return out, {"rollout_logp_gap": gap}
+      return dataclasses.replace(out, prox_logp_RxN=out.behaviour_logp_RxN if score else None)
+    return self.anchor(params, out, tau) if score else out
+
+  def anchor(self, params, rollouts: Rollouts, tau) -> Rollouts:
+    """``rollouts`` with ℓ_prox and entropies at τ under ``params`` (the update's start)."""
+    logp, ent = distributed.to_host(self.logp(params, rollouts, tau))
+    return jax.tree.map(
+      jnp.asarray, dataclasses.replace(rollouts, prox_logp_RxN=logp, entropy_RxN=ent)
+    )
 
   def _rows(self, rollouts: Rollouts):
     """The rows a forward reads, sharded over the data axes; and how many sequential chunks."""

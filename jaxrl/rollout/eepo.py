@@ -2,9 +2,11 @@
 
 Stage 1 samples half of each question's rollouts (``eepo_stage1_counts``: exactly R/2 rows); the
 gate reads their entropy; when it fires, one ascent step on the unlearning objective gives θ', the
-engine samples stage 2 from θ' (pushed as a temporary version: the next step's ``set_weights``
-replaces it), and the two stages are concatenated. π_old of stage 2 comes from θ', or is recomputed
-under θ (``eepo.old_logp_from = "policy"``).
+engine samples stage 2 from θ' (pushed as a temporary version: the next ``set_weights`` replaces
+it), and the two stages are concatenated. Behaviour log-probs (ℓ_μ) are θ's for stage 1 and θ''s
+for stage 2. For an on-policy batch (``score``), ℓ_prox of stage 2 is θ''s (``eepo.old_logp_from =
+"rollout"``, the paper) or recomputed under θ (``"policy"``); a stale batch gets no ℓ_prox here:
+the loop rescores both stages under the params its update starts from.
 """
 
 from __future__ import annotations
@@ -40,14 +42,16 @@ def two_stage_rollouts(
   tau,
   key,
   *,
-  version: int,
+  version,
   max_new_tokens: int,
   forget: ForgetConfig,
   old_logp_from: str,
+  score: bool = True,
 ) -> TwoStage:
   """``gate(gate_state, H_stage1) → (fire, gate_state)`` is the jitted EEPO gate controller."""
   counts1_B = eepo_stage1_counts(counts_B)
-  out1, info1 = collector.sample(
+  # Stage 1 is always scored: the gate reads its entropy under the sampling params.
+  out1 = collector.sample(
     params, ids_BxP, mask_BxP, counts1_B, tau, jax.random.fold_in(key, 1), max_new_tokens
   )
   h1 = token_mean_entropy(out1)
@@ -56,7 +60,7 @@ def two_stage_rollouts(
   if bool(fire):
     params2, unlearn = collector.forget(params, out1, tau, forget)
     collector.engine.set_weights(params2, f"{version}-forget")
-  out2, info2 = collector.sample(
+  out2 = collector.sample(
     params2,
     ids_BxP,
     mask_BxP,
@@ -64,17 +68,21 @@ def two_stage_rollouts(
     tau,
     jax.random.fold_in(key, 2),
     max_new_tokens,
+    score=score,
   )
+  if not score:
+    out1 = dataclasses.replace(out1, prox_logp_RxN=None)
   out = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out1, out2)
-  if bool(fire) and old_logp_from == "policy":
-    old_logp, _ = collector.logp(params, out, tau)
-    out = dataclasses.replace(out, logp_RxN=old_logp)
-  gaps = [d["rollout_logp_gap"] for d in (info1, info2) if d]
+  if score and bool(fire) and old_logp_from == "policy":
+    prox, _ = collector.logp(params, out, tau)
+    out = dataclasses.replace(out, prox_logp_RxN=prox)
   metrics = {
     "eepo_gate": float(bool(fire)),
     "eepo_unlearn_loss": float(unlearn),
     "entropy_stage1": h1,
-    "entropy_stage2": token_mean_entropy(out2),
-    **({"rollout_logp_gap": max(gaps)} if gaps else {}),
+    # (a stale batch from a server that gives no entropies has none to read until it is rescored)
+    "entropy_stage2": token_mean_entropy(out2)
+    if score or collector.engine.provides_entropy
+    else float("nan"),
   }
   return TwoStage(out, gate_state, metrics)

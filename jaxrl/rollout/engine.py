@@ -18,7 +18,10 @@ from jaxrl.types import Rollouts
 
 
 class RolloutEngine(Protocol):
-  provides_entropy: bool  # False: the trainer scores the rollouts for π_old and entropies
+  provides_entropy: bool  # False: the trainer scores the rollouts for ℓ_prox and entropies
+  # True: generation may run on a thread beside the trainer's programs (rollout.max_staleness
+  # >= 1 overlaps them); False: it shares their devices or collectives, so it runs inline
+  concurrent: bool
   max_new_tokens: int  # the default response length (a call may ask for another)
 
   def set_weights(self, params, version) -> None: ...
@@ -42,6 +45,7 @@ class JaxEngine:
   """Samples with ``jaxrl.rollout.sampler`` from params held in device memory (no copy on sync)."""
 
   provides_entropy = True
+  concurrent = False  # the trainer's own devices
 
   def __init__(
     self,

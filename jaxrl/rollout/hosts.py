@@ -52,6 +52,8 @@ class PerHostEngine:
   def __init__(self, local):
     self.local = local
     self.provides_entropy = local.provides_entropy
+    # Gathering every host's rows is a collective: it must not run beside the trainer's.
+    self.concurrent = False
 
   @property
   def max_new_tokens(self) -> int:

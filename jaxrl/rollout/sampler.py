@@ -189,7 +189,7 @@ def _assemble(prompt_ids_RxP, prompt_mask_RxP, group_ids_R, st: _DecodeState) ->
     prompt_mask_RxP=prompt_mask_RxP,
     tokens_RxN=st.tokens_RxN,
     mask_RxN=st.mask_RxN,
-    logp_RxN=st.logp_RxN,
+    behaviour_logp_RxN=st.logp_RxN,
     entropy_RxN=st.entropy_RxN,
     lengths_R=jnp.sum(st.mask_RxN, axis=-1, dtype=jnp.int32),
     group_ids_R=group_ids_R,

@@ -66,6 +66,7 @@ def _weights_root(configured: str, fallback: str, need_bytes: int) -> str:
 
 class VllmEngine:
   provides_entropy = False
+  concurrent = True  # HTTP to a server in another process
 
   def __init__(
     self,
@@ -252,7 +253,7 @@ class VllmEngine:
       prompt_mask_RxP=mask_BxP[group_ids_R],
       tokens_RxN=tokens_RxN,
       mask_RxN=mask_RxN,
-      logp_RxN=logp_RxN,
+      behaviour_logp_RxN=logp_RxN,
       entropy_RxN=np.zeros((r, n), np.float32),
       lengths_R=lengths_R,
       group_ids_R=group_ids_R,

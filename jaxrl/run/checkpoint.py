@@ -223,6 +223,11 @@ class Checkpointer:
     )
     return out["tree"], out["meta"]
 
+  def restore_meta(self, step: int) -> dict:
+    """Only the JSON metadata of checkpoint ``step`` (what the array tree's shapes depend on)."""
+    out = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    return out["meta"]
+
   def restore_params(self, step: int, abstract_params):
     """Only the train state's params (e.g. for evaluation), restored onto ``abstract_params``'
     shapes, dtypes and shardings; the optimizer state and statistics are not read."""

@@ -1,13 +1,16 @@
 """The RL loop as data: ``LoopState`` is what a checkpoint holds, ``rl_step`` is one step.
 
-``rl_step(ctx, loop, i) -> (loop, record)``: data cursor → question ids → allocation → rollouts at
-τ (one stage, or EEPO's two) → rewards on the host → question statistics → clip controller →
-jitted GRPO update → temperature controller → epoch-end re-ranking → the step's metrics row.
-Nothing in it touches files: the trainer saves, logs and stops around it.
+``rl_step(ctx, loop, i) -> (loop, record)``: issue the batches due (data cursor → question ids →
+allocation, τ → rollouts, one stage or EEPO's two; ``rollout.max_staleness = k`` issues step
+i + k's) → take step i's batch → rewards on the host (dynamic sampling: more rounds until B groups
+carry a signal) → ℓ_prox under the step's params when the batch is stale → question statistics →
+clip controller → jitted GRPO update → temperature controller → epoch-end re-ranking → the step's
+metrics row. Nothing in it touches files: the trainer saves, logs and stops around it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -16,21 +19,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl import rng
 from jaxrl.config import Config
 from jaxrl.methods.phases import Phase, phase_at
 from jaxrl.methods.policies import Methods, PolicyStates
 from jaxrl.parallel import distributed, sharding
-from jaxrl.rl.programs import ForgetConfig, Programs, rl_step_config, step_hparams
+from jaxrl.rl.programs import Programs, rl_step_config, step_hparams
 from jaxrl.rl.stats import init_stats, update_stats
+from jaxrl.rollout import dynamic
 from jaxrl.rollout.collect import Collector, token_mean_entropy
-from jaxrl.rollout.eepo import two_stage_rollouts
-from jaxrl.run import records
+from jaxrl.run import batches, records
 from jaxrl.run.checkpoint import Checkpointer
 from jaxrl.run.compiles import CompileCounter
 from jaxrl.tasks.data.cursor import Mixture, MixtureCursor, next_mixture_batch
 from jaxrl.tasks.task import TaskData
-from jaxrl.types import QuestionStats, TrainState, pytree_dataclass, static_field
+from jaxrl.types import QuestionStats, Rollouts, TrainState, pytree_dataclass, static_field
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +45,12 @@ class LoopState:
 
   train: TrainState
   stats: QuestionStats
-  policies: PolicyStates
-  cursor: MixtureCursor = static_field()
-  phase: int = static_field()
+  policies: PolicyStates  # the gate's state is the one after the last trained batch
+  cursor: MixtureCursor = static_field()  # after the last issued batch
+  phase: int = static_field()  # of the last issued batch
+  # Batches issued for the next steps (``batches.InFlight``, in step order): none between steps
+  # when k = 0; a checkpoint holds them generated (``save_loop``).
+  pending: tuple = static_field(default=())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +75,9 @@ class StepContext:
   vocab_size: int
   ref_params: object = None  # the KL reference (kl_coef > 0)
   compiles: CompileCounter = dataclasses.field(default_factory=CompileCounter)
+  # The rollout thread (``rollout.max_staleness`` >= 1 with an engine that runs beside the
+  # trainer's programs, a sidecar): batches generate there while the update runs.
+  rollout_pool: concurrent.futures.ThreadPoolExecutor | None = None
   _runtimes: dict = dataclasses.field(default_factory=dict)
 
   def runtime(self, index: int) -> PhaseRuntime:
@@ -119,58 +127,181 @@ def _enter_due_phase(ctx: StepContext, loop: LoopState, i: int) -> LoopState:
   )
 
 
-def _rollouts(ctx: StepContext, rt: PhaseRuntime, loop: LoopState, qids_B, counts_B, tau, i):
-  """The step's rollouts (one stage, or EEPO's two), the gate state, and EEPO's metrics."""
-  c, t, pc = ctx.cfg, ctx.task, rt.phase.cfg
-  ids, mask = t.train_prompt_ids[qids_B], t.train_prompt_mask[qids_B]
-  params, key, n = loop.train.params, rng.key(c.seed, rng.RL, i), pc.rollout.max_new_tokens
-  ctx.collector.engine.set_weights(params, i)
-  if not c.eepo.enabled:
-    out, info = ctx.collector.sample(params, ids, mask, counts_B, tau, key, n)
-    return out, loop.policies.gate, info
-  two = two_stage_rollouts(
-    ctx.collector,
-    rt.methods.gate,
-    loop.policies.gate,
-    params,
-    ids,
-    mask,
-    counts_B,
-    tau,
-    key,
+def _issue_due(ctx: StepContext, loop: LoopState, i: int) -> LoopState:
+  """Issue every batch due by step ``i``: up to step i + k (not past the run's last step), all
+  sampled by θ_i, the params step i starts from."""
+  last = max(i, min(i + ctx.cfg.rollout.max_staleness, ctx.cfg.steps - 1))
+  params = None
+  while (j := loop.pending[-1].issue.step + 1 if loop.pending else i) <= last:
+    if params is None:
+      params = loop.train.params
+      if ctx.rollout_pool is not None:  # the update donates θ_i while the rollout thread reads it
+        params = jax.tree.map(jnp.copy, params)
+    loop = _issue(ctx, loop, j, i, params)
+  return loop
+
+
+def _issue(ctx: StepContext, loop: LoopState, j: int, i: int, params) -> LoopState:
+  """Decide batch ``j``'s questions, counts and τ from what is known at step ``i``; start it."""
+  loop = _enter_due_phase(ctx, loop, j)
+  c, rt = ctx.cfg, ctx.runtime(loop.phase)
+  epoch_before = loop.cursor.epoch(rt.mixture)
+  qids_B, cursor = next_mixture_batch(loop.cursor, c.seed, rt.mixture, c.batch_questions)
+  counts_B = rt.methods.allocate(loop.policies.alloc, loop.stats, jnp.asarray(qids_B))
+  issue = batches.Issue(
+    step=j,
     version=i,
-    max_new_tokens=n,
-    forget=ForgetConfig.from_config(c),
-    old_logp_from=c.eepo.old_logp_from,
+    phase=loop.phase,
+    qids_B=np.asarray(qids_B, np.int32),
+    counts_B=np.asarray(counts_B, np.int32),
+    tau=float(loop.policies.temperature.tau),
+    epoch_ended=epoch_before if cursor.epoch(rt.mixture) != epoch_before else -1,
   )
-  return two.rollouts, two.gate_state, two.metrics
+  # EEPO's gate goes through the batches in issue order: each reads the state the last left.
+  prev, gate = (loop.pending or (None,))[-1], loop.policies.gate
+
+  def job():
+    return batches.generate(ctx, issue, params, prev.result().gate if prev else gate)
+
+  if ctx.rollout_pool is None:
+    flight = batches.InFlight.done(job())
+  else:
+    flight = batches.InFlight(issue, ctx.rollout_pool.submit(job))
+  return dataclasses.replace(loop, cursor=cursor, pending=loop.pending + (flight,))
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrival:
+  """A taken batch, verified: the rows to train on and what the step learned about its data."""
+
+  rollouts: Rollouts  # trained rows, rewards set (dynamic sampling: padded to a fixed count)
+  real_rows: int  # rows before padding
+  stats: QuestionStats  # every sampled group counted
+  verified: dict  # the verifier's counters, summed over rounds
+  epochs_ended: tuple[int, ...]
+  metrics: dict  # dynamic sampling's
+
+
+def _verify(ctx: StepContext, qids_B, rollouts: Rollouts):
+  group_ids_R = np.asarray(rollouts.group_ids_R)
+  verified = ctx.task.verify(ctx.task.decode(rollouts), ctx.task.train_answers[qids_B[group_ids_R]])
+  return verified.rewards_R, verified.metrics()
+
+
+def _arrive(ctx: StepContext, loop: LoopState, batch: batches.Batch, i: int):
+  """Rewards and statistics of step ``i``'s batch (dynamic sampling: its further rounds, which
+  advance the cursor); returns the loop with that cursor and the ``Arrival``."""
+  issue = batch.issue
+  rewards_R, verified = _verify(ctx, issue.qids_B, batch.rollouts)
+  rounds = [(issue, dataclasses.replace(batch.rollouts, rewards_R=rewards_R))]
+  ended = (issue.epoch_ended,) if issue.epoch_ended >= 0 else ()
+  if ctx.cfg.rollout.dynamic_sampling:
+    loop, rounds, more, ended = _more_rounds(ctx, loop, batch, i, rounds, ended)
+    verified = {k: verified[k] + more.get(k, 0.0) for k in verified}
+  stats = loop.stats
+  for r_issue, r_out in rounds:
+    stats = update_stats(stats, r_issue.qids_B, np.asarray(r_out.group_ids_R), r_out.rewards_R, i)
+  if not ctx.cfg.rollout.dynamic_sampling:
+    rollouts = rounds[0][1]
+    return loop, Arrival(rollouts, len(rollouts.group_ids_R), stats, verified, ended, {})
+  return loop, _dynamic_arrival(ctx, batch, rounds, stats, verified, ended)
+
+
+def _more_rounds(ctx: StepContext, loop: LoopState, batch, i: int, rounds, ended):
+  """Dynamic sampling (ALGORITHMS.md §10): draw rounds of B questions from the cursor, sampled by
+  θ_i with the step's τ, until B informative groups or ``rollout.max_rounds`` rounds. Allocation
+  reads the statistics known at the step's start; the gate's decision is the step's."""
+  c, rt = ctx.cfg, ctx.runtime(batch.issue.phase)
+  b, verified = c.batch_questions, {}
+  found = int(dynamic.informative_groups(rounds[0][1].rewards_R, rounds[0][1].group_ids_R, b).sum())
+  fire = batch.metrics.get("eepo_gate")
+  mixture = ctx.runtime(loop.phase).mixture
+  while found < b and len(rounds) < c.rollout.max_rounds:
+    epoch_before = loop.cursor.epoch(mixture)
+    qids_B, cursor = next_mixture_batch(loop.cursor, c.seed, mixture, b)
+    loop = dataclasses.replace(loop, cursor=cursor)
+    if cursor.epoch(mixture) != epoch_before:
+      ended += (epoch_before,)
+    counts_B = rt.methods.allocate(loop.policies.alloc, loop.stats, jnp.asarray(qids_B))
+    issue = dataclasses.replace(
+      batch.issue,
+      version=i,
+      qids_B=np.asarray(qids_B, np.int32),
+      counts_B=np.asarray(counts_B, np.int32),
+      epoch_ended=-1,
+    )
+
+    def job(issue=issue, r=len(rounds)):
+      return batches.generate(
+        ctx,
+        issue,
+        loop.train.params,
+        batch.gate,
+        round_index=r,
+        fire=None if fire is None else bool(fire),
+      )
+
+    # Through the rollout thread when there is one: the engine serves one caller at a time.
+    out = (job() if ctx.rollout_pool is None else ctx.rollout_pool.submit(job).result()).rollouts
+    rewards_R, v = _verify(ctx, issue.qids_B, out)
+    verified = {k: verified.get(k, 0.0) + v[k] for k in v}
+    rounds.append((issue, dataclasses.replace(out, rewards_R=rewards_R)))
+    found += int(dynamic.informative_groups(rewards_R, out.group_ids_R, b).sum())
+  return loop, rounds, verified, ended
+
+
+def _dynamic_arrival(ctx: StepContext, batch, rounds, stats, verified, ended) -> Arrival:
+  """The B groups a dynamic-sampling step trains on, padded to its fixed row count."""
+  c = ctx.cfg
+  pc, methods = ctx.runtime(batch.issue.phase).phase.cfg, ctx.runtime(batch.issue.phase).methods
+  b = c.batch_questions
+  flags = [dynamic.informative_groups(out.rewards_R, out.group_ids_R, b) for _, out in rounds]
+  picks = dynamic.select_groups(np.concatenate(flags), b)
+  outs = [out for _, out in rounds]
+  if not batch.issue.fresh:  # the whole batch is rescored under θ_i, extra rounds included
+    outs = [dataclasses.replace(o, prox_logp_RxN=None) for o in outs]
+  chosen = dynamic.gather_groups(outs, [(int(p) // b, int(p) % b) for p in picks])
+  rows = dynamic.trained_rows(
+    b,
+    methods.allocator.max_count,
+    pc.num_rollouts,
+    c.rollout.max_rounds,
+    pc.loss.mini_batches * pc.loss.micro_batches * c.mesh.data * c.mesh.fsdp,
+  )
+  informative = int(np.concatenate(flags).sum())
+  metrics = dict(
+    dynamic_rounds=float(len(rounds)),
+    dynamic_groups_drawn=float(len(rounds) * b),
+    dynamic_informative=float(informative),
+    dynamic_fill=min(informative, b) / b,
+  )
+  real = len(chosen.group_ids_R)
+  padded = jax.tree.map(jnp.asarray, dynamic.pad_rows(chosen, rows, b))
+  return Arrival(padded, real, stats, verified, ended, metrics)
 
 
 def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]:
   """RL step ``i`` (0-based): the next loop state and the step's metrics row."""
   t0 = time.time()
-  loop = _enter_due_phase(ctx, loop, i)
-  c, rt = ctx.cfg, ctx.runtime(loop.phase)
-  methods, policies = rt.methods, loop.policies
-  epoch_before = loop.cursor.epoch(rt.mixture)
-  qids_B, cursor = next_mixture_batch(loop.cursor, c.seed, rt.mixture, c.batch_questions)
-  counts_B = methods.allocate(policies.alloc, loop.stats, jnp.asarray(qids_B))
-  tau = policies.temperature.tau
-  rollouts, gate_state, eepo = _rollouts(ctx, rt, loop, qids_B, counts_B, tau, i)
+  loop = _issue_due(ctx, loop, i)
+  batch = loop.pending[0].result()
+  assert batch.issue.step == i, (batch.issue.step, i)
+  loop = dataclasses.replace(loop, pending=loop.pending[1:])
   t1 = time.time()
-  group_ids_R = np.asarray(rollouts.group_ids_R)
-  verified = ctx.task.verify(ctx.task.decode(rollouts), ctx.task.train_answers[qids_B[group_ids_R]])
-  rewards_R = verified.rewards_R
-  stats = update_stats(loop.stats, qids_B, group_ids_R, rewards_R, i)
-  # Entropy of the rollouts at τ under the params that sampled them: E3's H_t and the clip
+  c, rt = ctx.cfg, ctx.runtime(batch.issue.phase)
+  methods, policies, tau = rt.methods, loop.policies, batch.issue.tau
+  loop, got = _arrive(ctx, loop, batch, i)
+  rollouts = got.rollouts
+  if not batch.issue.fresh:  # sampled by older params: ℓ_prox and entropies under θ_i (§9)
+    rollouts = ctx.collector.anchor(loop.train.params, rollouts, tau)
+  # Entropy of the rollouts at τ under the params the update starts from: E3's H_t and the clip
   # controller's measured entropy, known before this step's update.
   h_t = token_mean_entropy(rollouts)
   clip_state = methods.update_clip(policies.clip, h_t)
   hp = step_hparams(c, tau, methods.clip.current(clip_state))
-  batch = dataclasses.replace(rollouts, rewards_R=jnp.asarray(rewards_R, jnp.float32))
   t2 = time.time()
   train, update = rt.update(
-    loop.train, sharding.shard_batch(batch, ctx.programs.mesh), hp, ctx.ref_params
+    loop.train, sharding.shard_batch(rollouts, ctx.programs.mesh), hp, ctx.ref_params
   )
   update = distributed.to_host(update)
   t3 = time.time()
@@ -178,26 +309,31 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
     policies,
     temperature=methods.update_temperature(policies.temperature, h_t),
     clip=clip_state,
-    gate=gate_state,
+    gate=batch.gate,
   )
-  if cursor.epoch(rt.mixture) != epoch_before:  # a pass over the data ended: E3 re-ranks
+  for epoch in got.epochs_ended:  # a pass over the data ended: E3 re-ranks
     policies = dataclasses.replace(
-      policies, alloc=methods.on_epoch_end(policies.alloc, stats, epoch_before)
+      policies, alloc=methods.on_epoch_end(policies.alloc, got.stats, epoch)
     )
+  real = jax.tree.map(lambda x: np.asarray(x)[: got.real_rows], rollouts)
   record = records.step_record(
     update=update,
-    rollouts=rollouts,
-    rewards_R=rewards_R,
+    rollouts=real,
+    rewards_R=real.rewards_R,
     entropy=h_t,
     num_groups=c.batch_questions,
     decisions=records.decision_metrics(methods, policies, tau, hp),
-    counts_B=counts_B,
+    counts_B=batch.issue.counts_B,
     times=(t0, t1, t2, t3),
-    context=_context(ctx, rt, cursor),
-    verified=verified,
-    eepo=eepo,
+    context=_context(ctx, ctx.runtime(loop.phase), loop.cursor),
+    verified=got.verified,
+    extra={
+      **batch.metrics,
+      **got.metrics,
+      "rollout_staleness": float(i - batch.issue.version),
+    },
   )
-  return LoopState(train, stats, policies, cursor, loop.phase), record
+  return dataclasses.replace(loop, train=train, stats=got.stats, policies=policies), record
 
 
 def _context(ctx: StepContext, rt: PhaseRuntime, cursor: MixtureCursor) -> dict:
@@ -230,14 +366,40 @@ def _replicated_global(tree, mesh):
   )
 
 
+def _pending_tree(batch: batches.Batch) -> dict:
+  """A generated batch's arrays: its rollouts' fields that are set, and its gate state."""
+  fields = {
+    f.name: np.asarray(v)
+    for f in dataclasses.fields(Rollouts)
+    if (v := getattr(batch.rollouts, f.name)) is not None
+  }
+  return {"rollouts": fields, "gate": batch.gate}
+
+
 def save_loop(ckpt: Checkpointer, step: int, loop: LoopState, mesh) -> bool:
-  """One checkpoint of the loop after ``step`` steps (asynchronous when the checkpointer is)."""
+  """One checkpoint of the loop after ``step`` steps (asynchronous when the checkpointer is).
+
+  Batches in flight are waited for and saved generated: a resumed run trains on exactly them."""
+  done = [p.result() for p in loop.pending]
   tree = {
     "state": loop.train,
     "stats": _replicated_global(loop.stats, mesh),
     "policies": _replicated_global(loop.policies, mesh),
   }
-  return ckpt.save(step, tree, {"cursor": loop.cursor.to_json(), "phase": loop.phase, "step": step})
+  meta = {"cursor": loop.cursor.to_json(), "phase": loop.phase, "step": step}
+  if done:
+    tree["pending"] = [_replicated_global(_pending_tree(b), mesh) for b in done]
+    meta["pending"] = [
+      {
+        "issue": b.issue.to_json(),
+        "metrics": b.metrics,
+        "fields": {
+          k: [list(v.shape), v.dtype.name] for k, v in _pending_tree(b)["rollouts"].items()
+        },
+      }
+      for b in done
+    ]
+  return ckpt.save(step, tree, meta)
 
 
 def restore_loop(
@@ -245,15 +407,36 @@ def restore_loop(
 ) -> LoopState:
   """The loop saved after ``step`` steps; ``like`` gives the structure (a fresh ``initial_loop``)."""
   rep = sharding.replicated(mesh)
+  tree = {"state": like.train, "stats": like.stats, "policies": like.policies}
   target = {
     "state": state_shardings,
     "stats": jax.tree.map(lambda _: rep, like.stats),
     "policies": jax.tree.map(lambda _: rep, like.policies),
   }
-  tree = {"state": like.train, "stats": like.stats, "policies": like.policies}
+  saved = ckpt.restore_meta(step).get("pending", [])
+  if saved:
+    tree["pending"] = [
+      {
+        "rollouts": {k: np.zeros(shape, dtype) for k, (shape, dtype) in p["fields"].items()},
+        "gate": like.policies.gate,
+      }
+      for p in saved
+    ]
+    target["pending"] = jax.tree.map(lambda _: rep, tree["pending"])
   abstract = jax.tree.map(
     lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, target
   )
   tree, meta = ckpt.restore(step, abstract)
+  pending = tuple(
+    batches.InFlight.done(
+      batches.Batch(
+        batches.Issue.from_json(p["issue"]),
+        Rollouts(**{k: np.asarray(v) for k, v in arrays["rollouts"].items()}),
+        arrays["gate"],
+        p["metrics"],
+      )
+    )
+    for p, arrays in zip(saved, tree.get("pending", []))
+  )
   cursor = MixtureCursor.from_json(meta["cursor"])
-  return LoopState(tree["state"], tree["stats"], tree["policies"], cursor, meta["phase"])
+  return LoopState(tree["state"], tree["stats"], tree["policies"], cursor, meta["phase"], pending)

@@ -52,14 +52,15 @@ def step_record(
   counts_B,
   times,
   context,
-  verified,
-  eepo,
+  verified: dict,
+  extra: dict,
 ) -> dict:
   """The step's metrics row, keys in a fixed order.
 
   ``update``: the train step's metrics on the host; ``decisions``: ``decision_metrics``;
-  ``times``: wall-clock (start, rollouts verified, update start, update done); ``context``: epoch,
-  phase, shapes and compile counts; ``eepo``: EEPO's metrics (or the vLLM log-prob gap)."""
+  ``times``: wall-clock (start, batch taken, update start, update done); ``context``: epoch,
+  phase, shapes and compile counts; ``verified``: the verifier's counters; ``extra``: the batch's
+  generation (its seconds, EEPO's metrics, staleness, dynamic sampling's)."""
   mask = np.asarray(rollouts.mask_RxN)
   tokens = float(mask.sum())
   prompt_tokens = mask.shape[0] * rollouts.prompt_ids_RxP.shape[1]
@@ -72,11 +73,13 @@ def step_record(
     response_len=tokens / len(rewards_R),
     **decisions,
     **allocation_metrics(counts_B),
-    rollout_tok_s=tokens / max(t1 - t0, 1e-9),
+    # the engine's rate while generating; the trainer's wait for the batch (0 when it was ready)
+    rollout_tok_s=tokens / max(extra.get("rollout_seconds", t1 - t0), 1e-9),
+    rollout_wait_s=t1 - t0,
     train_tok_s=(tokens + prompt_tokens) / max(t3 - t2, 1e-9),
     step_time=t3 - t0,
     **context,
-    **verified.metrics(),
-    **eepo,
+    **verified,
+    **extra,
     **group_outcomes(rewards_R, np.asarray(rollouts.group_ids_R), num_groups),
   )

@@ -8,6 +8,7 @@ evaluation and a before/after table (and, from a checkpoint, the trained policy 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -206,6 +207,8 @@ class Trainer:
           loop, row = rl_step(ctx, loop, i)
           nonfinite.check(row, i + 1)
           if c.eval.every and (i + 1) % c.eval.every == 0 and i + 1 < c.steps:
+            for batch in loop.pending:  # the engine serves one caller: let the thread finish
+              batch.result()
             row.update(self._validate(loop.train.params, i + 1))
           writer.write(i + 1, row)
           advance(i + 1, c.steps, _progress_line(row))
@@ -214,6 +217,8 @@ class Trainer:
           if stop.requested:
             stop_after_checkpoint(ckpt, i + 1, stop.signal_name)
     finally:
+      if ctx.rollout_pool is not None:  # on an error, a batch in flight is abandoned
+        ctx.rollout_pool.shutdown(wait=False, cancel_futures=True)
       stop.restore()
       ckpt.close()
       writer.close()
@@ -252,7 +257,22 @@ class Trainer:
       vocab_size=self.model_cfg.vocab_size,
       ref_params=jax.tree.map(jnp.copy, sft_params) if c.loss.kl_coef > 0 else None,
       compiles=self.compiles,
+      rollout_pool=self._rollout_pool(),
     )
+
+  def _rollout_pool(self) -> concurrent.futures.ThreadPoolExecutor | None:
+    """The rollout thread of an asynchronous run whose engine can run beside the trainer."""
+    if self.cfg.rollout.max_staleness < 1:
+      return None
+    if not self.engine.concurrent:
+      log.info(
+        "rollout.max_staleness=%d: batches are generated inline (the %s engine shares the "
+        "trainer's devices or collectives), so generation does not overlap the update",
+        self.cfg.rollout.max_staleness,
+        self.cfg.rollout.engine,
+      )
+      return None
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollouts")
 
   def _writer(self, start: int):
     c = self.cfg

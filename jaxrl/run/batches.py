@@ -1,0 +1,128 @@
+"""A step's batch from issue to arrival (ALGORITHMS.md §9): what is decided when its generation is
+issued, the generation itself, and the batch in flight.
+
+With ``rollout.max_staleness = k`` the batch that step j trains on is issued at step j − k (at
+the start of the step, before its update), so it is sampled by the params of that step: at most k
+updates older than those it is trained from. Its questions, their rollout counts and τ are fixed
+at issue from the statistics and controllers known then (``Issue``); the generation (one stage or
+EEPO's two) runs inline, or on the one rollout thread while the trainer updates; its rewards are
+verified and its statistics counted when step j takes it (``rl_step``), in step order.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from jaxrl import rng
+from jaxrl.rl.programs import ForgetConfig
+from jaxrl.rollout.eepo import two_stage_rollouts
+from jaxrl.types import Rollouts
+
+
+@dataclasses.dataclass(frozen=True)
+class Issue:
+  """What is decided when a batch's generation is issued."""
+
+  step: int  # the step that trains on it
+  version: int  # sampled by the params after this many updates (the issuing step's)
+  phase: int
+  qids_B: np.ndarray  # i32 questions
+  counts_B: np.ndarray  # i32 G_i from the allocator
+  tau: float  # sampling temperature (an f32 value)
+  epoch_ended: int = -1  # the data epoch that drawing these questions finished (E3 re-ranks)
+
+  @property
+  def fresh(self) -> bool:
+    """Sampled by the params its update starts from (no rescoring for ℓ_prox needed)."""
+    return self.version == self.step
+
+  def to_json(self) -> dict:
+    return dict(
+      dataclasses.asdict(self), qids_B=self.qids_B.tolist(), counts_B=self.counts_B.tolist()
+    )
+
+  @classmethod
+  def from_json(cls, data: dict) -> Issue:
+    return cls(
+      **{
+        **data,
+        "qids_B": np.asarray(data["qids_B"], np.int32),
+        "counts_B": np.asarray(data["counts_B"], np.int32),
+      }
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+  """An issued batch, generated: rollouts with behaviour log-probs (and, when fresh, ℓ_prox and
+  entropies), EEPO's gate state after it, and what its generation measured."""
+
+  issue: Issue
+  rollouts: Rollouts
+  gate: object  # EEPO's gate state after this batch's stage 1 (unchanged without EEPO)
+  metrics: dict  # EEPO's metrics, the generation's seconds
+
+
+class InFlight:
+  """A batch being generated (a future); compared by identity."""
+
+  def __init__(self, issue: Issue, future: concurrent.futures.Future):
+    self.issue, self._future = issue, future
+
+  def result(self) -> Batch:
+    return self._future.result()
+
+  @classmethod
+  def done(cls, batch: Batch) -> InFlight:
+    future = concurrent.futures.Future()
+    future.set_result(batch)
+    return cls(batch.issue, future)
+
+
+def round_key(seed: int, step: int, round_index: int):
+  """Round 0 of step i samples with the step's key; dynamic sampling's extra rounds each their own."""
+  if round_index == 0:
+    return rng.key(seed, rng.RL, step)
+  return jax.random.fold_in(rng.key(seed, rng.ROUND, step), round_index)
+
+
+def generate(ctx, issue: Issue, params, gate_state, *, round_index: int = 0, fire=None) -> Batch:
+  """Sample ``issue``'s rollouts from ``params`` (one stage, or EEPO's two).
+
+  ``fire``: a dynamic-sampling extra round reuses its step's gate decision instead of asking the
+  gate again (the gate is a per-step controller; its state does not advance)."""
+  t0 = time.time()
+  c, t, rt = ctx.cfg, ctx.task, ctx.runtime(issue.phase)
+  pc = rt.phase.cfg
+  ids, mask = t.train_prompt_ids[issue.qids_B], t.train_prompt_mask[issue.qids_B]
+  key, n = round_key(c.seed, issue.step, round_index), pc.rollout.max_new_tokens
+  collector = ctx.collector
+  collector.engine.set_weights(params, issue.version)
+  if not c.eepo.enabled:
+    out = collector.sample(params, ids, mask, issue.counts_B, issue.tau, key, n, score=issue.fresh)
+    return Batch(issue, out, gate_state, {"rollout_seconds": time.time() - t0})
+  gate = rt.methods.gate if fire is None else (lambda state, h: (fire, state))
+  two = two_stage_rollouts(
+    collector,
+    gate,
+    gate_state,
+    params,
+    ids,
+    mask,
+    issue.counts_B,
+    issue.tau,
+    key,
+    version=issue.version,
+    max_new_tokens=n,
+    forget=ForgetConfig.from_config(c),
+    old_logp_from=c.eepo.old_logp_from,
+    score=issue.fresh,
+  )
+  return Batch(
+    issue, two.rollouts, two.gate_state, {**two.metrics, "rollout_seconds": time.time() - t0}
+  )
