@@ -117,7 +117,9 @@ def test_logp_and_entropy_equal_training_forward(tiny, tau):
   mask = np.asarray(out.mask_RxN)
   want_logp = np.take_along_axis(logp_ref, tokens[..., None], -1)[..., 0]
   want_entropy = -(np.exp(logp_ref) * logp_ref).sum(-1)
-  np.testing.assert_allclose(np.asarray(out.behaviour_logp_RxN)[mask], want_logp[mask], atol=1e-5, rtol=0)
+  np.testing.assert_allclose(
+    np.asarray(out.behaviour_logp_RxN)[mask], want_logp[mask], atol=1e-5, rtol=0
+  )
   np.testing.assert_allclose(
     np.asarray(out.entropy_RxN)[mask], want_entropy[mask], atol=1e-5, rtol=0
   )
