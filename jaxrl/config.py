@@ -184,9 +184,15 @@ class VllmSection:
   )
   weights_dir: str = ""  # "" = tmpfs (/dev/shm) when it has room, else WORKDIR/sidecar
   extra_args: str = ""  # appended to the server's command line
+  cpus: str = ""  # CPU build: cores the launched server is pinned to ("1", "0,2-3"); "" = inherit
 
   def check(self) -> None:
     _need(self.sync_every >= 1, "vllm.sync_every", "must be >= 1")
+    _need(
+      all(p.replace("-", "", 1).isdigit() for p in self.cpus.split(",")) if self.cpus else True,
+      "vllm.cpus",
+      f"{self.cpus!r} is not a list of cores such as '1' or '0,2-3'",
+    )
     _need(
       self.retries >= 0 and self.max_restarts >= 0,
       "vllm.retries",

@@ -13,6 +13,8 @@ TIMING = {
   "rollout_tok_s",
   "rollout_wait_s",
   "rollout_seconds",
+  "update_seconds",
+  "wall_time",
   "train_tok_s",
   "step_time",
   "compiles_update",

@@ -114,6 +114,7 @@ def _launch_config(cfg: Config, prompt_len: int, workdir: str, log_name: str):
     max_num_seqs=v.max_num_seqs,
     startup_timeout=v.startup_timeout,
     extra_args=tuple(v.extra_args.split()),
+    cpus=v.cpus,
   )
 
 

@@ -45,6 +45,7 @@ class LaunchConfig:
   max_num_seqs: int = 64
   startup_timeout: float = 300.0
   extra_args: tuple[str, ...] = ()
+  cpus: str = ""  # cores the server is pinned to ("1", "0,2-3"); "" = the trainer's
   # CPU build: KV cache size in GiB, and no thread pinning (the trainer shares the cores).
   # TORCH_COMPILE_DISABLE: the server already runs eager (--enforce-eager); this keeps vLLM's few
   # torch.compile'd sampler helpers (token ranks, random sampling) eager too. Compiled, their first
@@ -168,6 +169,7 @@ class Sidecar:
       HF_HUB_OFFLINE="1",
       **dict(c.env),
       **{_OWNER: str(os.getpid())},
+      JAXRL_SIDECAR_CPUS=c.cpus,
     )
     env.pop("PYTHONPATH", None)  # the sidecar env must not import the trainer's packages
     env.pop("XLA_FLAGS", None)

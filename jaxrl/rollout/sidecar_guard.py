@@ -62,8 +62,20 @@ def _end_rest_of_group() -> None:
     time.sleep(0.05)
 
 
+def _pin_cpus() -> None:
+  """Pin the guard, and so the server it starts, to the cores in $JAXRL_SIDECAR_CPUS ("0,2-3")."""
+  spec = os.environ.get("JAXRL_SIDECAR_CPUS", "")
+  cpus = set()
+  for part in filter(None, spec.split(",")):
+    lo, _, hi = part.partition("-")
+    cpus.update(range(int(lo), int(hi or lo) + 1))
+  if cpus:
+    os.sched_setaffinity(0, cpus)
+
+
 def main() -> int:
   trainer_pid, cleanup_dir, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+  _pin_cpus()
   stopping = threading.Event()
   server: list[subprocess.Popen] = []  # set once started; the handlers may run before that
 

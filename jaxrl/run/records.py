@@ -77,7 +77,9 @@ def step_record(
     rollout_tok_s=tokens / max(extra.get("rollout_seconds", t1 - t0), 1e-9),
     rollout_wait_s=t1 - t0,
     train_tok_s=(tokens + prompt_tokens) / max(t3 - t2, 1e-9),
+    update_seconds=t3 - t2,
     step_time=t3 - t0,
+    wall_time=t3,  # when the update finished (steps per second across rows)
     **context,
     **verified,
     **extra,
