@@ -14,25 +14,42 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 
 VLLM_VENV := .venv-vllm
 
+# An NVIDIA GPU (`nvidia-smi -L` lists one) selects the CUDA builds: JAX's CUDA plugin and the GPU
+# vLLM. `make -n run` shows the choice without installing anything.
+GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
+ifeq ($(GPU),1)
+REQUIREMENTS := requirements-gpu.txt
+VLLM_REQUIREMENTS := requirements-vllm-gpu.txt
+PLATFORM := an NVIDIA GPU (nvidia-smi -L)
+else
+REQUIREMENTS := requirements.txt
+VLLM_REQUIREMENTS := requirements-vllm.txt
+PLATFORM := no NVIDIA GPU: CPU builds
+endif
+
 .PHONY: run test lint bench vllm-env clean-venv
 
-$(VENV)/.runtime: requirements.txt
+$(VENV)/.runtime: $(REQUIREMENTS) requirements.txt
+	@echo "jaxrl: $(PLATFORM): installing $(REQUIREMENTS) into $(VENV)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q -r $(REQUIREMENTS)
 	touch $@
 
 $(VENV)/.dev: requirements-dev.txt $(VENV)/.runtime
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $@
 
-# The vLLM sidecar's own environment (CPU build here; see ../shared/spec/SIDECAR.md). PyPI's
-# torchvision/torchaudio/torchcodec are CUDA builds that break transformers' model imports on CPU.
-$(VLLM_VENV)/.stamp: requirements-vllm.txt
+# The vLLM sidecar's own environment (see ../shared/spec/SIDECAR.md). On CPU, PyPI's
+# torchvision/torchaudio/torchcodec are CUDA builds that break transformers' model imports: removed.
+$(VLLM_VENV)/.stamp: $(VLLM_REQUIREMENTS)
+	@echo "jaxrl: $(PLATFORM): installing $(VLLM_REQUIREMENTS) into $(VLLM_VENV)"
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/python -m pip install -q -r $(VLLM_REQUIREMENTS)
+ifneq ($(GPU),1)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+endif
 	touch $@
 
 vllm-env: $(VLLM_VENV)/.stamp

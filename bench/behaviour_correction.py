@@ -41,20 +41,11 @@ SETTINGS = {  # name: (server dtype, trainer dtype, correction)
 
 def _config(**overrides):
   """configs/tiny.py (the embedded default) with dotted overrides."""
-  import importlib.util
-
   from jaxrl.config import from_configdict
+  from jaxrl.run import cli
 
-  spec = importlib.util.spec_from_file_location("tiny", os.path.join(ROOT, "configs", "tiny.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  cd = module.get_config("")
-  for key, value in overrides.items():
-    *parents, leaf = key.split(".")
-    node = cd
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
+  cd = cli.load_config(os.path.join(ROOT, "configs", "tiny.py"))
+  cd.update_from_flattened_dict(overrides)
   return from_configdict(cd)
 
 
@@ -102,8 +93,15 @@ def _measure_mismatch(server: str, trainer: str, workdir: str, sft_dir: str | No
   ), os.path.join(workdir, "sft")
 
 
-def _run_learning(name: str, seed: int, steps: int, workdir: str) -> dict:
+def _run_learning(name: str, seed: int, steps: int, workdir: str, warm: str | None) -> dict:
+  """One run; ``warm``: an earlier run of the seed whose SFT warm start (float32 trainer in every
+  setting, so the same params) this one reuses, and its SFT evaluation when its server had this
+  run's dtype (the evaluation samples through the server)."""
   server, trainer, correction = SETTINGS[name]
+  if warm and os.path.isdir(os.path.join(warm, "sft")) and not os.path.exists(workdir):
+    shutil.copytree(os.path.join(warm, "sft"), os.path.join(workdir, "sft"))
+    if json.load(open(os.path.join(warm, "config.json")))["vllm"]["dtype"] == server:
+      shutil.copy(os.path.join(warm, "eval_sft.json"), workdir)
   cmd = [
     sys.executable,
     "-m",
@@ -160,9 +158,11 @@ def main() -> None:
   ap.add_argument("--steps", type=int, default=200)
   ap.add_argument("--seeds", default="0,1,2")
   ap.add_argument("--out", required=True)
+  ap.add_argument("--workdirs", default="", help="where the runs go (default: a temp directory)")
+  ap.add_argument("--keep", action="store_true", help="keep the runs' directories")
   args = ap.parse_args()
   results = _load(args.out + ".json")
-  base = tempfile.mkdtemp(prefix="behaviour-")
+  base = args.workdirs or tempfile.mkdtemp(prefix="behaviour-")
   if args.part == "mismatch":
     sft = None
     for server, trainer in (
@@ -178,16 +178,17 @@ def main() -> None:
       _save(args.out + ".json", results)
   else:
     for seed in (int(s) for s in args.seeds.split(",")):
+      warm = None
       for name in SETTINGS:
         key = f"{name} | seed {seed}"
-        if key in results:
-          continue
-        results[key] = _run_learning(
-          name, seed, args.steps, os.path.join(base, re.sub(r"\W+", "_", key))
-        )
+        workdir = os.path.join(base, re.sub(r"\W+", "_", key))
+        if key not in results:
+          results[key] = _run_learning(name, seed, args.steps, workdir, warm)
+        warm = workdir if os.path.isdir(os.path.join(workdir, "sft")) else warm
         print(key, results[key], flush=True)
         _save(args.out + ".json", results)
-  shutil.rmtree(base, ignore_errors=True)
+  if not args.keep:
+    shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@
 Variants and paths as in ``configs/qwen7b.py``.
 """
 
-from jaxrl.paper_configs import math_config
+from jaxrl.paper_configs import METHODS, OPTIONS, math_config
+
+VARIANTS = METHODS + OPTIONS  # listed by --help; e3 is the default
 
 
 def get_config(arg: str = ""):

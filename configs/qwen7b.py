@@ -9,7 +9,9 @@ Variants: ``configs/qwen7b.py:grpo`` (baseline), ``:dynamo``, ``:eepo``, ``:es``
 ``--config.data.train=FILE[:WEIGHT],...``.
 """
 
-from jaxrl.paper_configs import math_config
+from jaxrl.paper_configs import METHODS, OPTIONS, math_config
+
+VARIANTS = METHODS + OPTIONS  # listed by --help; e3 is the default
 
 
 def get_config(arg: str = ""):

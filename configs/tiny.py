@@ -22,6 +22,7 @@ from jaxrl.config import default_configdict
 PRESETS = ("grpo", "e3", "dynamo", "eepo", "es", "all")
 SIZES = ("quick", "test")
 PHASES = ("anneal",)
+VARIANTS = PRESETS + SIZES + PHASES  # listed by --help
 
 
 def _apply_preset(c, name: str) -> None:

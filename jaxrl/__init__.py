@@ -13,6 +13,8 @@ Layers, lowest first (a module imports only from its own layer and the ones belo
   run/                                CLI, trainer and loop, SFT, eval, plan, checkpoints, metrics
 
 The reference functions of ALGORITHMS.md §0 are importable from ``jaxrl.allocation``,
-``jaxrl.schedules``, ``jaxrl.losses`` and ``jaxrl.metrics``; ``python -m jaxrl.main`` trains and
-``python -m jaxrl.eval`` evaluates a checkpoint.
+``jaxrl.schedules``, ``jaxrl.losses`` and ``jaxrl.metrics``. Commands (``run/cli.py`` holds what they
+share): ``jaxrl-train`` (``python -m jaxrl.main``) trains, ``jaxrl-eval`` (``python -m jaxrl.eval``)
+evaluates a checkpoint, ``jaxrl-export`` (``python -m jaxrl.export``) writes any checkpoint in HF
+layout. The built-in configs are the checkout's ``configs/``, installed as ``jaxrl/configs``.
 """

@@ -8,6 +8,7 @@ raises ``ConfigError`` naming the dotted field; ``jaxrl.main`` prints that one l
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import typing
 from typing import Any, Literal
 
@@ -42,6 +43,8 @@ def _need(ok: bool, field: str, message: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
+  """The policy's architecture (or ``checkpoint``, an HF directory that defines it) and its dtypes."""
+
   vocab_size: int = 0  # 0: take the tokenizer's size
   hidden_size: int = 128
   intermediate_size: int = 384
@@ -78,6 +81,8 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class TaskSection:
+  """The task: the built-in arithmetic (levels, sizes, layout) or ``math`` (datasets in ``data``)."""
+
   name: TaskName = "arithmetic"
   levels: str = ""  # "" = the task's default grid; else "da x db op, ..." e.g. "1x1+,2x2+"
   num_train_per_level: int = 400
@@ -129,6 +134,8 @@ class RewardSection:
 
 @dataclasses.dataclass(frozen=True)
 class SFTSection:
+  """The supervised warm start of a model without a checkpoint (the tiny task)."""
+
   steps: int = 600  # at most this many steps
   batch_size: int = 128
   learning_rate: float = 3e-3
@@ -139,6 +146,8 @@ class SFTSection:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSection:
+  """Sampling: the engine (``jax`` or ``vllm``), G, τ, lengths, staleness and dynamic sampling."""
+
   engine: Engine = "jax"
   group_size: int = 8  # G: rollouts per question (uniform allocation)
   max_new_tokens: int = 8
@@ -165,7 +174,9 @@ class RolloutSection:
 class VllmSection:
   """The vLLM sidecar (``rollout.engine = "vllm"``): launched from ``python``, or attached by ``urls``."""
 
-  python: str = ".venv-vllm/bin/python"  # the sidecar environment (`make vllm-env`)
+  # The sidecar's Python ("" = $JAXRL_VLLM_PYTHON, else .venv-vllm/bin/python in the working
+  # directory, else the checkout's: what `make vllm-env` builds).
+  python: str = ""
   # "" = launch a server (one per process); else comma-separated URLs to attach to, shared by every
   # process (each host's localhost) or one group per process separated by ";"
   urls: str = ""
@@ -212,6 +223,8 @@ class VllmSection:
 
 @dataclasses.dataclass(frozen=True)
 class OptimSection:
+  """AdamW for the RL updates."""
+
   # RL learning rate. On the tiny task 1e-3 collapsed the policy within 200 steps (reward 0.40 →
   # 0.01); 3e-4 and 5e-4 both rose steadily (0.54 → 0.87 in 150 steps), 3e-4 with smaller
   # gradient norms.
@@ -230,6 +243,8 @@ class OptimSection:
 
 @dataclasses.dataclass(frozen=True)
 class LossSection:
+  """The GRPO-family objective: aggregation, clipping, KL, entropy bonus, behaviour correction."""
+
   aggregation: Aggregation = "token-mean"
   eps_low: float = 0.2
   eps_high: float = 0.28
@@ -263,6 +278,8 @@ class LossSection:
 
 @dataclasses.dataclass(frozen=True)
 class MeshSection:
+  """The device mesh: data × fsdp × tensor (their product = the devices of the run)."""
+
   data: int = 1
   fsdp: int = 1
   tensor: int = 1
@@ -274,6 +291,8 @@ class MeshSection:
 
 @dataclasses.dataclass(frozen=True)
 class EvalSection:
+  """Held-out evaluation: samples per question, τ, the k of pass@k, how often."""
+
   num_samples: int = 8  # n samples per held-out question at temperature
   temperature: float = 1.0
   ks: str = "1,8"
@@ -282,15 +301,28 @@ class EvalSection:
 
 @dataclasses.dataclass(frozen=True)
 class LogSection:
+  """Where metrics go besides metrics.jsonl: TensorBoard, W&B, the plot, the progress bar."""
+
   tensorboard: bool = True
   wandb: bool = False
   wandb_project: str = "jaxrl"
   plot: bool = True
   progress: bool = True
+  samples_per_step: int = 4  # responses logged as text per step (samples.jsonl, TensorBoard)
+  # Peak TFLOP/s of one device for train_mfu; 0 = from the device kind (GPUs, TPUs: run/mfu.py),
+  # and on CPU no train_mfu.
+  peak_tflops: float = 0.0
+
+  def check(self) -> None:
+    _need(self.samples_per_step >= 0, "log.samples_per_step", "must be >= 0")
+    if self.wandb and importlib.util.find_spec("wandb") is None:
+      raise ConfigError("log.wandb", "is on but wandb is not installed: pip install wandb")
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSection:
+  """Orbax checkpoints of the whole loop state: how often, how many kept, async writes."""
+
   every: int = 25
   keep: int = 2
   async_save: bool = True
@@ -343,6 +375,8 @@ class AllocationSection:
 
 @dataclasses.dataclass(frozen=True)
 class TemperatureSection:
+  """The sampling temperature: fixed, or E3's entropy-targeting scheduler (with annealing)."""
+
   method: str = "fixed"  # fixed (rollout.temperature) | e3 (entropy targeting)
   anneal: bool = True  # E3 annealing of the entropy target (Eq. 5)
   anneal_start: int = 0  # 0: floor(0.6 * steps)
@@ -356,6 +390,8 @@ class TemperatureSection:
 
 @dataclasses.dataclass(frozen=True)
 class ClipSection:
+  """ε_high: fixed, or Entropy Scheduling's adaptive clip-higher tracking an entropy schedule."""
+
   method: str = "fixed"  # fixed (loss.eps_high) | adaptive (Entropy Scheduling)
   schedule: str = "constant"  # constant | cosine | stable_then_anneal
   h_target: float = 0.2  # constant target, and H_0 of the decaying schedules
@@ -379,6 +415,8 @@ class ClipSection:
 
 @dataclasses.dataclass(frozen=True)
 class EEPOSection:
+  """EEPO's sample-then-forget two-stage rollouts (the gate and the unlearning step)."""
+
   enabled: bool = False
   m: int = 3  # gate: mean entropy of the last m steps ...
   alpha: float = 0.3  # ... below alpha fires the unlearning step
@@ -393,6 +431,8 @@ class EEPOSection:
 
 @dataclasses.dataclass(frozen=True)
 class ModulationSection:
+  """DynaMO's token-level advantage modulation."""
+
   enabled: bool = False  # DynaMO token-level advantage modulation
   alpha: float = 0.4
   gamma: float = 50.0

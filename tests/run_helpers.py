@@ -1,10 +1,10 @@
 """Helpers shared by the end-to-end tests: build configs/tiny.py variants, read a run's metrics."""
 
-import importlib.util
 import json
 import os
 
 from jaxrl.config import from_configdict
+from jaxrl.run import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Wall-clock fields and jit-cache counters (process-wide) differ between runs; everything else
@@ -16,6 +16,7 @@ TIMING = {
   "update_seconds",
   "wall_time",
   "train_tok_s",
+  "train_mfu",
   "step_time",
   "compiles_update",
   "compiles_sampler",
@@ -23,16 +24,9 @@ TIMING = {
 
 
 def tiny_config(arg="test", **overrides):
-  spec = importlib.util.spec_from_file_location("tiny", os.path.join(ROOT, "configs", "tiny.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  cd = module.get_config(arg)
-  for key, value in overrides.items():
-    node = cd
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
+  """``configs/tiny.py:ARG`` with dotted overrides (``**{"rollout.engine": "vllm"}``)."""
+  cd = cli.load_config(f"{os.path.join(ROOT, 'configs', 'tiny.py')}:{arg}")
+  cd.update_from_flattened_dict(overrides)
   return from_configdict(cd)
 
 

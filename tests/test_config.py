@@ -35,6 +35,7 @@ def run_main(*flags, workdir):
     (["--config=configs/tiny.py", "--config.eval.ks=1,64"], "eval.ks"),
     (["--config=configs/tiny.py:nosuchvariant"], "nosuchvariant"),
     (["--config=configs/missing.py"], "missing.py"),
+    (["--config=tyni"], "no built-in config"),
   ],
 )
 def test_bad_config_exits_2_naming_the_field(tmp_path, flags, field):
@@ -66,3 +67,16 @@ def test_default_config_is_valid_and_typed():
   cd = default_configdict()
   cd.optim.learning_rate = 1
   assert repr(from_configdict(cd).optim.learning_rate) == "1.0"
+
+
+def test_wandb_requested_but_not_installed_is_a_config_error(monkeypatch):
+  import importlib.util
+
+  real = importlib.util.find_spec
+  monkeypatch.setattr(
+    importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+  )
+  cd = default_configdict()
+  cd.log.wandb = True
+  with pytest.raises(ConfigError, match="log.wandb.*pip install wandb"):
+    from_configdict(cd)

@@ -10,6 +10,7 @@ nothing that counts.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -146,6 +147,14 @@ def test_sigkills_then_resume_equal_an_uninterrupted_run(tmp_path, kills, config
   assert proc.wait(timeout=600) == 0, proc.stderr.read()[-3000:]
 
   _assert_same_end(straight, killed, STEPS)
+  # The logged samples too: each step's once, the same responses as the uninterrupted run's.
+  assert _samples(killed) == _samples(straight)
+  assert sorted({row["step"] for row in _samples(killed)}) == list(range(1, STEPS + 1))
+
+
+def _samples(workdir):
+  with open(os.path.join(workdir, "samples.jsonl")) as f:
+    return [json.loads(line) for line in f]
 
 
 @pytest.mark.parametrize("staleness", [0, 1], ids=["k0", "k1"])

@@ -25,6 +25,7 @@ LAYERS = (
   (
     "jaxrl.main",
     "jaxrl.eval",
+    "jaxrl.export",
     "jaxrl.allocation",
     "jaxrl.schedules",
     "jaxrl.losses",

@@ -78,6 +78,29 @@ def test_scalars_reach_tensorboard_and_a_resume_purges_the_steps_it_redoes(tmp_p
   assert purge.step == 3 and purge.session_log.status == purge.session_log.START
 
 
+def test_samples_go_to_their_jsonl_and_tensorboard_text_once_per_step(tmp_path):
+  sample = lambda step: {"question": step, "prompt": "1+2=", "response": "3|x", "reward": 1.0}
+  table = lambda step: {**sample(step), "group": 0, "group_size": 8, "tau": 1.0}
+  writer = MetricsWriter(str(tmp_path), tensorboard=True)
+  for step in (1, 2, 3):
+    writer.write(step, {"reward": 0.5}, [table(step)])
+  writer.close()
+  resumed = MetricsWriter(str(tmp_path), tensorboard=True, resume_step=2)  # step 3 is redone
+  resumed.write(3, {"reward": 0.5}, [table(30)])
+  resumed.close()
+  with open(tmp_path / "samples.jsonl") as f:
+    rows = [json.loads(line) for line in f]
+  assert [(r["step"], r["question"]) for r in rows] == [(1, 1), (2, 2), (3, 30)]
+  texts = [
+    (e.step, v.tensor.string_val[0].decode())
+    for e in read_events(tmp_path / "tensorboard")
+    for v in e.summary.value
+    if v.tag.startswith("samples")
+  ]
+  assert [step for step, _ in texts] == [1, 2, 3, 3]  # TensorBoard hides the purged step-3 event
+  assert "| 30 | 8 | 1.00 | 1.00 | 1+2= | 3\\|x |" in texts[-1][1]  # a cell's | escaped
+
+
 def test_tensorboard_that_cannot_be_written_is_dropped_and_the_run_goes_on(
   tmp_path, file_size_limit, caplog
 ):
@@ -142,3 +165,20 @@ def test_resume_drops_a_torn_line_and_later_steps(tmp_path, caplog):
     {"step": 3, "reward": 0.5},
   ]
   assert any("metrics.jsonl:4 is not a JSON line" in r.getMessage() for r in caplog.records)
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
+  monkeypatch.setenv("WANDB_MODE", "offline")  # no network here: the run is written locally
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  first = MetricsWriter(str(tmp_path), tensorboard=False, wandb_project="jaxrl", config={"seed": 0})
+  first.write(1, {"reward": 0.25})
+  run_id = first._wandb.id
+  first.close()
+  with open(tmp_path / "wandb_run_id") as f:
+    assert f.read() == run_id
+  resumed = MetricsWriter(str(tmp_path), tensorboard=False, wandb_project="jaxrl", resume_step=1)
+  assert resumed._wandb.id == run_id
+  resumed.write(2, {"reward": 0.5})
+  resumed.close()
+  runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
+  assert len(runs) == 2 and all(r.endswith(run_id) for r in runs)

@@ -2,7 +2,6 @@
 architecture source, XLA's memory analysis of a small compiled step, and the 7B plan on 8 fake CPU
 devices (subprocess)."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,7 +14,7 @@ from run_helpers import ROOT, tiny_config
 
 from jaxrl.config import from_configdict
 from jaxrl.nn import hf_config, model
-from jaxrl.run import plan, plan_report
+from jaxrl.run import cli, plan, plan_report
 
 GiB = 1024**3
 
@@ -40,12 +39,7 @@ def small(fsdp: int, **overrides):
 
 
 def qwen7b_config(arg: str = ""):
-  spec = importlib.util.spec_from_file_location(
-    "qwen7b", os.path.join(ROOT, "configs", "qwen7b.py")
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return from_configdict(module.get_config(arg))
+  return from_configdict(cli.load_config(f"{os.path.join(ROOT, 'configs', 'qwen7b.py')}:{arg}"))
 
 
 def test_param_bytes_are_the_exact_sum_of_shards():

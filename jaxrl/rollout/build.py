@@ -89,12 +89,24 @@ def _vllm_engine(cfg: Config, model_cfg, *, tokenizer, prompt_len: int, workdir:
   return PerHostEngine(engine) if jax.process_count() > 1 else engine
 
 
+def vllm_python(configured: str) -> str:
+  """``vllm.python``; unset: ``$JAXRL_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` in the working
+  directory, else in the checkout jaxrl runs from (an installed jaxrl has none: the first path
+  then stands in the error that says how to make it)."""
+  if configured or (configured := os.environ.get("JAXRL_VLLM_PYTHON", "")):
+    return os.path.abspath(configured)
+  venv = os.path.join(".venv-vllm", "bin", "python")
+  checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  candidates = [os.path.abspath(venv), os.path.join(checkout, venv)]
+  return next((p for p in candidates if os.path.exists(p)), candidates[0])
+
+
 def _launch_config(cfg: Config, prompt_len: int, workdir: str, log_name: str):
   """How to start this process's own sidecar; its context must hold prompt + longest response."""
   from jaxrl.rollout.sidecar import LaunchConfig  # lazy for the same reason as in _vllm_engine
 
   v = cfg.vllm
-  python = v.python if os.path.isabs(v.python) else os.path.abspath(v.python)
+  python = vllm_python(v.python)
   need = prompt_len + _max_response(cfg)
   # Unset: the prompt plus the longest response, rounded up to a multiple of 16.
   max_len = v.max_model_len or -(-need // 16) * 16

@@ -126,6 +126,10 @@ class Checkpointer:
     """The last checkpoint known complete (a write in flight counts once it has settled)."""
     return self._latest
 
+  def all_steps(self) -> list[int]:
+    """Every complete checkpoint in the directory."""
+    return list(self._mgr.all_steps())
+
   def save(self, step: int, tree, meta: dict) -> bool:
     """Start writing checkpoint ``step``. A failed write (found now or when the next save or
     ``wait`` checks the one in flight) is logged and recorded, never raised: the previous

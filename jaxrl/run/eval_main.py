@@ -1,6 +1,7 @@
-"""``python -m jaxrl.eval``: avg@n and unbiased pass@k of a checkpoint on benchmark files.
+"""``jaxrl-eval`` (``python -m jaxrl.eval``): avg@n and unbiased pass@k of a checkpoint on
+benchmark files.
 
-  python -m jaxrl.eval --config=configs/qwen7b.py --checkpoint=runs/qwen7b \\
+  jaxrl-eval --config=qwen7b --checkpoint=runs/qwen7b \\
       --benchmarks=aime24=data/aime24.jsonl,math500=data/math500.jsonl [--num_samples=16 --ks=1,16]
 
 ``--checkpoint``: an HF directory (config.json + safetensors), a run directory (its latest
@@ -18,13 +19,17 @@ import logging
 import os
 import sys
 
-import jax
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from jaxrl.run import cli, weights
+
 _CONFIG = config_flags.DEFINE_config_file(
-  "config", None, "Path to a config file (configs/*.py[:arg])."
+  "config",
+  None,
+  "The run's config: a built-in name (qwen7b), a config file or a run's config.json "
+  "(its architecture, tokenizer, prompt template, verifier and eval settings).",
 )
 _CHECKPOINT = flags.DEFINE_string(
   "checkpoint", None, "HF directory, run directory or run checkpoint."
@@ -50,49 +55,6 @@ def parse_benchmarks(spec: str, default: str) -> list[tuple[str, str]]:
   if not out:
     raise ValueError("no benchmark: pass --benchmarks=NAME=PATH,... or set data.heldout")
   return out
-
-
-def _run_checkpoint(path: str) -> tuple[str, int] | None:
-  """(checkpoints dir, step) when ``path`` is a run directory or one of its checkpoints."""
-  path = os.path.abspath(path)
-  if os.path.isdir(os.path.join(path, "checkpoints")):
-    return os.path.join(path, "checkpoints"), -1
-  parent, step = os.path.split(path)
-  if step.isdigit() and os.path.basename(parent) == "checkpoints":
-    return parent, int(step)
-  return None
-
-
-def load_params(cfg, path: str, graphdef_and_shardings):
-  """Params of an HF directory or a jaxrl run checkpoint, on the given shardings."""
-  from jaxrl.nn import hf
-  from jaxrl.run.checkpoint import Checkpointer
-
-  abstract_params, shardings = graphdef_and_shardings
-  run = _run_checkpoint(path)
-  if run is None:
-    m = cfg.model
-    return hf.load_hf_checkpoint(
-      path,
-      dtype=np.dtype(m.param_dtype),
-      shardings=shardings,
-      scan_layers=m.scan_layers,
-      remat=m.remat,
-      compute_dtype=m.dtype,
-    )[2]
-  directory, step = run
-  ckpt = Checkpointer(directory, keep=1, async_save=False)
-  try:
-    step = ckpt.latest_step() if step < 0 else step
-    if step is None:
-      raise FileNotFoundError(f"{directory}: no checkpoint")
-    target = jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params, shardings
-    )
-    log.info("restoring params of %s step %d", directory, step)
-    return ckpt.restore_params(step, target)
-  finally:
-    ckpt.close()
 
 
 def markdown(results: dict, ks, num_samples: int) -> str:
@@ -123,7 +85,9 @@ def evaluate_checkpoint(
 
   num_samples = num_samples or cfg.eval.num_samples
   ks = ks or cfg.eval_ks
-  if _run_checkpoint(checkpoint) is None:  # an HF directory: its own architecture and tokenizer
+  if (
+    weights.run_checkpoint(checkpoint) is None
+  ):  # an HF directory: its own architecture and tokenizer
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, checkpoint=checkpoint))
   engine, tokenizer, params = _engine_and_params(cfg, checkpoint, out_dir)
   scorer = math_task.MathScorer(cfg)
@@ -156,7 +120,7 @@ def _engine_and_params(cfg, checkpoint: str, out_dir: str):
   shardings = sharding.tree_shardings(abstract_params, mesh)
   tokenizer = math_prompts.load_tokenizer(cfg.model.checkpoint)
   stops = math_prompts.stop_token_ids(cfg.model.checkpoint, tokenizer)
-  params = load_params(cfg, checkpoint, (abstract_params, shardings))
+  params = weights.load_params(cfg, checkpoint, (abstract_params, shardings))
   engine = build_engine(
     cfg,
     graphdef,
@@ -232,8 +196,7 @@ def main(argv):
   for name in ("absl", "jax", "orbax"):
     logging.getLogger(name).setLevel(logging.WARNING)
   if _CONFIG.value is None or not _CHECKPOINT.value:
-    print("jaxrl.eval: error: --config and --checkpoint are required", file=sys.stderr)
-    sys.exit(2)
+    cli.fail("jaxrl.eval", "--config and --checkpoint are required")
   try:
     cfg = from_configdict(_CONFIG.value)
     benchmarks = parse_benchmarks(_BENCHMARKS.value, cfg.data.heldout)
@@ -244,17 +207,24 @@ def main(argv):
     # A training run's directory already holds its compiled programs (the sampler among them).
     from jaxrl.run import compile_cache
 
-    run = _run_checkpoint(_CHECKPOINT.value)
+    run = weights.run_checkpoint(_CHECKPOINT.value)
     compile_cache.enable(cfg.compile_cache, os.path.dirname(run[0]) if run else out)
     summary = evaluate_checkpoint(
       cfg, _CHECKPOINT.value, benchmarks, out, num_samples=_NUM_SAMPLES.value, ks=ks
     )
   except (ConfigError, ValueError, FileNotFoundError) as e:
-    print(f"jaxrl.eval: error: {e}", file=sys.stderr)
-    sys.exit(2)
+    cli.fail("jaxrl.eval", e)
   print(summary["table"])
   print(f"\nwritten: {out}/eval_results.json, eval_results.md")
 
 
 def run():
+  """``jaxrl-eval`` / ``python -m jaxrl.eval``."""
+  if cli.wants_help(sys.argv):
+    cli.print_help(__doc__, [__name__], with_configs=False)
+    return
+  try:
+    sys.argv = cli.resolve_argv(sys.argv)
+  except FileNotFoundError as e:
+    cli.fail("jaxrl.eval", e)
   app.run(main)

@@ -27,7 +27,7 @@ from jaxrl.rl.programs import Programs, rl_step_config, step_hparams
 from jaxrl.rl.stats import init_stats, update_stats
 from jaxrl.rollout import dynamic
 from jaxrl.rollout.collect import Collector, token_mean_entropy
-from jaxrl.run import batches, records
+from jaxrl.run import batches, mfu, records
 from jaxrl.run.checkpoint import Checkpointer
 from jaxrl.run.compiles import CompileCounter
 from jaxrl.tasks.data.cursor import Mixture, MixtureCursor, next_mixture_batch
@@ -78,7 +78,16 @@ class StepContext:
   # The rollout thread (``rollout.max_staleness`` >= 1 with an engine that runs beside the
   # trainer's programs, a sidecar): batches generate there while the update runs.
   rollout_pool: concurrent.futures.ThreadPoolExecutor | None = None
+  peak_flops: float | None = None  # per device (run/mfu.py): the step logs train_mfu when known
   _runtimes: dict = dataclasses.field(default_factory=dict)
+  _update_flops: dict = dataclasses.field(default_factory=dict)
+
+  def update_flops(self, index: int) -> float:
+    """XLA's FLOPs of phase ``index``'s update (counted once per phase)."""
+    if index not in self._update_flops:
+      pc = self.phases[index].cfg
+      self._update_flops[index] = mfu.update_flops(pc, self.vocab_size, self.programs.mesh)
+    return self._update_flops[index]
 
   def runtime(self, index: int) -> PhaseRuntime:
     if index not in self._runtimes:
@@ -180,6 +189,8 @@ class Arrival:
   verified: dict  # the verifier's counters, summed over rounds
   epochs_ended: tuple[int, ...]
   metrics: dict  # dynamic sampling's
+  qids_B: np.ndarray  # the trained groups' questions ...
+  counts_B: np.ndarray  # ... and their allocated G
 
 
 def _verify(ctx: StepContext, qids_B, rollouts: Rollouts):
@@ -203,7 +214,10 @@ def _arrive(ctx: StepContext, loop: LoopState, batch: batches.Batch, i: int):
     stats = update_stats(stats, r_issue.qids_B, np.asarray(r_out.group_ids_R), r_out.rewards_R, i)
   if not ctx.cfg.rollout.dynamic_sampling:
     rollouts = rounds[0][1]
-    return loop, Arrival(rollouts, len(rollouts.group_ids_R), stats, verified, ended, {})
+    real = len(rollouts.group_ids_R)
+    return loop, Arrival(
+      rollouts, real, stats, verified, ended, {}, np.asarray(issue.qids_B), issue.counts_B
+    )
   return loop, _dynamic_arrival(ctx, batch, rounds, stats, verified, ended)
 
 
@@ -277,7 +291,9 @@ def _dynamic_arrival(ctx: StepContext, batch, rounds, stats, verified, ended) ->
   )
   real = len(chosen.group_ids_R)
   padded = jax.tree.map(jnp.asarray, dynamic.pad_rows(chosen, rows, b))
-  return Arrival(padded, real, stats, verified, ended, metrics)
+  qids_B = np.concatenate([np.asarray(r.qids_B) for r, _ in rounds])[picks]
+  counts_B = np.concatenate([np.asarray(r.counts_B) for r, _ in rounds])[picks]
+  return Arrival(padded, real, stats, verified, ended, metrics, qids_B, counts_B)
 
 
 def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]:
@@ -331,9 +347,21 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
       **batch.metrics,
       **got.metrics,
       "rollout_staleness": float(i - batch.issue.version),
+      **_mfu(ctx, batch.issue.phase, t3 - t2),
     },
   )
+  # Text rows for samples.jsonl (the trainer takes them out of the metrics row).
+  record["samples"] = records.sample_rows(
+    ctx.task, real, got.qids_B, got.counts_B, tau, c.log.samples_per_step
+  )
   return dataclasses.replace(loop, train=train, stats=got.stats, policies=policies), record
+
+
+def _mfu(ctx: StepContext, phase: int, seconds: float) -> dict:
+  if ctx.peak_flops is None:  # CPU, unless log.peak_tflops says otherwise
+    return {}
+  flops = ctx.update_flops(phase)
+  return {"train_mfu": mfu.mfu(flops, seconds, ctx.peak_flops, ctx.programs.mesh.size)}
 
 
 def _context(ctx: StepContext, rt: PhaseRuntime, cursor: MixtureCursor) -> dict:

@@ -1,4 +1,5 @@
-"""Command line: ``python -m jaxrl.main --config=configs/tiny.py --workdir=DIR [--config.x=y]``.
+"""Command line: ``jaxrl-train --config=tiny --workdir=DIR [--config.x=y]`` (or
+``python -m jaxrl.main``).
 
 A thin shell over ``jaxrl.run.train``: parse flags, convert the config once, run. A broken config (or
 flag) prints one line naming the field and exits with code 2, before anything is compiled.
@@ -6,6 +7,7 @@ flag) prints one line naming the field and exits with code 2, before anything is
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -14,8 +16,27 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from jaxrl.run import cli
+
+USAGE = """Train a policy by RL (GRPO and the methods of E3, DynaMO, EEPO, Entropy Scheduling).
+
+  jaxrl-train --config=tiny --workdir=runs/tiny                  (or python -m jaxrl.main ...)
+  jaxrl-train --config=tiny:e3,anneal --workdir=DIR --config.steps=100 --config.seed=1
+  jaxrl-train --config=qwen7b --plan                              memory per device, no weights
+  jaxrl-train --config=tiny --config.rollout.max_staleness=1 --print_config
+"""
+
 _CONFIG = config_flags.DEFINE_config_file(
-  "config", None, "Path to a config file (configs/*.py[:arg])."
+  "config",
+  None,
+  "A built-in config by name (tiny, tiny:e3, qwen7b:grpo), a config file "
+  "(configs/tiny.py[:ARG]) or a JSON config (a run's config.json).",
+)
+_PRINT_CONFIG = flags.DEFINE_bool(
+  "print_config",
+  False,
+  "Print the resolved config (after every --config.* override) as JSON and exit; "
+  "--config=THAT.json gives the same config back.",
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for everything the run writes.")
 _PLAN = flags.DEFINE_bool(
@@ -36,7 +57,7 @@ _NUM_PROCESSES = flags.DEFINE_integer(
 _PROCESS_ID = flags.DEFINE_integer("process_id", -1, "This process's index ($JAXRL_PROCESS_ID).")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "CPU devices per process (0: JAX's default).")
 
-USAGE_ERROR = 2
+USAGE_ERROR = cli.USAGE_ERROR
 
 
 _BAD_FLAG_ERRORS = (flags.Error, OSError, ValueError, TypeError, AttributeError, KeyError)
@@ -92,8 +113,7 @@ def _parse_flags(argv):
 
 
 def _fail(message) -> None:
-  print(f"jaxrl: error: {message}", file=sys.stderr)
-  sys.exit(USAGE_ERROR)
+  cli.fail("jaxrl", message)
 
 
 def _config():
@@ -101,7 +121,7 @@ def _config():
   from jaxrl.config import ConfigError, from_configdict
   from jaxrl.methods import registry
 
-  if _CONFIG.value is None or not (_WORKDIR.value or _PLAN.value):
+  if _CONFIG.value is None or not (_WORKDIR.value or _PLAN.value or _PRINT_CONFIG.value):
     _fail("--config and --workdir are required")
   try:
     cfg = from_configdict(_CONFIG.value)  # the config file is loaded lazily, here
@@ -146,6 +166,11 @@ def main(argv):
   # previous one kept) instead of the default SIGXFSZ killing the run.
   signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
   cfg = _config()
+  if _PRINT_CONFIG.value:
+    from jaxrl.config import to_dict
+
+    print(json.dumps(to_dict(cfg), indent=1))
+    return
   if _PLAN.value:
     return _plan(cfg)
   from jaxrl.nn.arch import checkpoint_error
@@ -248,6 +273,13 @@ def _leave_if_unsettled(code: int, print_traceback: bool = False) -> None:
 
 
 def run_cli():
+  if cli.wants_help(sys.argv):
+    cli.print_help(USAGE, [__name__])
+    return
+  try:
+    sys.argv = cli.resolve_argv(sys.argv)
+  except FileNotFoundError as e:
+    _fail(e)
   app.run(main, flags_parser=_parse_flags)
 
 

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import socket
 import struct
 import time
@@ -71,8 +72,35 @@ class _EventFile:
     self._write(self._event(wall_time=time.time(), step=step, summary=self._summary(value=values)))
     self._file.flush()
 
+  def write_text(self, step: int, tag: str, text: str) -> None:
+    """A text summary (TensorBoard's Text tab renders it as markdown)."""
+    from tensorboardX.summary import text as text_summary
+
+    self._write(self._event(wall_time=time.time(), step=step, summary=text_summary(tag, text)))
+    self._file.flush()
+
   def close(self) -> None:
     self._file.close()
+
+
+def truncate_jsonl(path: str, step: int) -> None:
+  """Drop the lines of steps after ``step`` (and lines a kill or a full disk cut short)."""
+  if not os.path.exists(path):
+    return
+  keep = []
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      try:
+        row = json.loads(line) if line.strip() else None
+      except json.JSONDecodeError:  # torn by a kill or a full disk mid-line
+        log.warning("%s:%d is not a JSON line (a write cut short); dropped", path, number)
+        continue
+      if row is not None and row.get("step", -1) <= step:
+        keep.append(line if line.endswith("\n") else line + "\n")
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.writelines(keep)
+  os.replace(tmp, path)
 
 
 class MetricsError(RuntimeError):
@@ -80,10 +108,12 @@ class MetricsError(RuntimeError):
 
 
 class MetricsWriter:
-  """Appends one JSON line per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard/W&B.
+  """Appends one JSON line per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard/W&B;
+  a step's sample responses go to ``samples.jsonl`` (one line each) and TensorBoard's text tab.
 
-  On resume, lines from steps after the restored step are dropped first, so the file holds
-  each step once even when a run was interrupted after logging but before checkpointing.
+  On resume, lines from steps after the restored step are dropped first (from both files), so
+  each step appears once even when a run was interrupted after logging but before checkpointing.
+  The W&B run id is kept in ``wandb_run_id``: a resumed run continues the same W&B run.
 
   Failures: a line that cannot be appended to metrics.jsonl raises ``MetricsError`` (the run
   stops before that step's checkpoint, so a resume redoes the step and loses nothing). TensorBoard
@@ -102,8 +132,11 @@ class MetricsWriter:
   ):
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, "metrics.jsonl")
-    self._truncate_from(resume_step)
+    self.samples_path = os.path.join(workdir, "samples.jsonl")
+    for path in (self.path, self.samples_path):
+      truncate_jsonl(path, resume_step)
     self._file = open(self.path, "a", encoding="utf-8")
+    self._samples = open(self.samples_path, "a", encoding="utf-8")
     self._tb = None
     if tensorboard:
       try:
@@ -112,34 +145,10 @@ class MetricsWriter:
         )
       except OSError as e:
         self._drop_tensorboard(e)
-    self._wandb = None
-    if wandb_project:
-      try:
-        import wandb
-      except ImportError:
-        log.warning("log.wandb is on but wandb is not installed; logging to JSONL/TensorBoard only")
-      else:
-        self._wandb = wandb.init(project=wandb_project, config=config, dir=workdir, resume="allow")
+    self._wandb = _wandb_run(workdir, wandb_project, config) if wandb_project else None
 
-  def _truncate_from(self, step: int) -> None:
-    if not os.path.exists(self.path):
-      return
-    keep = []
-    with open(self.path, encoding="utf-8") as f:
-      for number, line in enumerate(f, 1):
-        try:
-          row = json.loads(line) if line.strip() else None
-        except json.JSONDecodeError:  # torn by a kill or a full disk mid-line
-          log.warning("%s:%d is not a JSON line (a write cut short); dropped", self.path, number)
-          continue
-        if row is not None and row.get("step", -1) <= step:
-          keep.append(line if line.endswith("\n") else line + "\n")
-    tmp = self.path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-      f.writelines(keep)
-    os.replace(tmp, self.path)
-
-  def write(self, step: int, metrics: Mapping[str, object]) -> dict:
+  def write(self, step: int, metrics: Mapping[str, object], samples=()) -> dict:
+    """The step's metrics row (as written) and its ``samples`` (dicts of text and numbers)."""
     row = {"step": int(step)}
     for key, value in metrics.items():
       if isinstance(value, (str, list)):
@@ -153,6 +162,7 @@ class MetricsWriter:
       self._file.flush()
     except OSError as e:
       raise MetricsError(f"cannot append step {step} to {self.path}: {e}") from e
+    self._write_samples(step, samples)
     numeric = {k: v for k, v in row.items() if isinstance(v, float) and k != "step"}
     if self._tb is not None:
       try:
@@ -162,6 +172,20 @@ class MetricsWriter:
     if self._wandb is not None:
       self._wandb.log(numeric, step=step)
     return row
+
+  def _write_samples(self, step: int, samples) -> None:
+    if not samples:
+      return
+    try:
+      self._samples.writelines(json.dumps({"step": int(step), **s}) + "\n" for s in samples)
+      self._samples.flush()
+    except OSError as e:
+      raise MetricsError(f"cannot append step {step} to {self.samples_path}: {e}") from e
+    if self._tb is not None:
+      try:
+        self._tb.write_text(step, "samples", _samples_markdown(samples))
+      except OSError as e:
+        self._drop_tensorboard(e)
 
   def _drop_tensorboard(self, error: OSError) -> None:
     log.warning(
@@ -175,10 +199,11 @@ class MetricsWriter:
     self._tb = None
 
   def close(self) -> None:
-    try:
-      self._file.close()
-    except OSError as e:  # the line that failed is still buffered: MetricsError said so
-      log.warning("closing %s: %s", self.path, e)
+    for f in (self._file, self._samples):
+      try:
+        f.close()
+      except OSError as e:  # the line that failed is still buffered: MetricsError said so
+        log.warning("closing %s: %s", f.name, e)
     if self._tb is not None:
       try:
         self._tb.close()
@@ -186,6 +211,34 @@ class MetricsWriter:
         self._drop_tensorboard(e)
     if self._wandb is not None:
       self._wandb.finish()
+
+
+def _samples_markdown(samples) -> str:
+  """A markdown table of a step's samples (cells escaped: a response may hold any text)."""
+  cell = lambda x: str(x).replace("|", "\\|").replace("\n", " ")[:500]
+  lines = ["| question | G | τ | reward | prompt | response |", "|---|---|---|---|---|---|"]
+  for s in samples:
+    lines.append(
+      f"| {s['question']} | {s['group_size']} | {s['tau']:.2f} | {s['reward']:.2f} | "
+      f"{cell(s['prompt'])} | {cell(s['response'])} |"
+    )
+  return "\n".join(lines)
+
+
+def _wandb_run(workdir: str, project: str, config: dict | None):
+  """A W&B run whose id lives in ``workdir/wandb_run_id``: a resumed run continues it."""
+  import wandb  # the config check made sure it is installed
+
+  id_path = os.path.join(workdir, "wandb_run_id")
+  if os.path.exists(id_path):
+    with open(id_path) as f:
+      run_id = f.read().strip()
+  else:
+    run_id = secrets.token_hex(4)  # W&B ids: lowercase letters and digits
+    with open(id_path + ".tmp", "w") as f:
+      f.write(run_id)
+    os.replace(id_path + ".tmp", id_path)
+  return wandb.init(project=project, config=config, dir=workdir, id=run_id, resume="allow")
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -343,8 +343,9 @@ def _analyse(name: str, lower) -> Compiled:
   )
 
 
-def compile_train_step(pc: Config, programs: Programs, params) -> Compiled:
-  """The phase's GRPO update, the very program ``Trainer`` runs (``Programs.update``)."""
+def lower_train_step(pc: Config, programs: Programs, params):
+  """The phase's GRPO update, the very program ``Trainer`` runs (``Programs.update``), lowered on
+  abstract inputs of the phase's shapes."""
   update = programs.update(rl_step_config(pc))
   state_sh = programs.state_shardings
   state = _shaped(
@@ -353,7 +354,11 @@ def compile_train_step(pc: Config, programs: Programs, params) -> Compiled:
   hp = jax.eval_shape(lambda: step_hparams(pc, pc.rollout.temperature, pc.loss.eps_high))
   ref = _shaped(params, state_sh.params) if pc.loss.kl_coef > 0 else None
   batch = abstract_batch(pc, sharding.batch_sharding(programs.mesh))
-  return _analyse("train step (rl_update)", lambda: update.lower(state, batch, hp, ref))
+  return update.lower(state, batch, hp, ref)
+
+
+def compile_train_step(pc: Config, programs: Programs, params) -> Compiled:
+  return _analyse("train step (rl_update)", lambda: lower_train_step(pc, programs, params))
 
 
 def compile_sampler(pc: Config, graphdef, mcfg, params, param_sh) -> Compiled:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxrl.tasks.data.prompts import decode_responses
+
 
 def group_outcomes(rewards_R: np.ndarray, group_ids_R: np.ndarray, num_groups: int) -> dict:
   """Fractions of groups whose rollouts are all correct / all wrong (zero-advantage groups)."""
@@ -85,3 +87,34 @@ def step_record(
     **extra,
     **group_outcomes(rewards_R, np.asarray(rollouts.group_ids_R), num_groups),
   )
+
+
+def sample_rows(task, rollouts, qids_B, counts_B, tau, n: int) -> list[dict]:
+  """The first response of each of the step's first ``n`` groups, as text (``samples.jsonl``):
+  its question, prompt, response, reward, group, the group's allocated G and the step's τ."""
+  if n <= 0:
+    return []
+  group_ids_R = np.asarray(rollouts.group_ids_R)
+  groups, first_R = np.unique(group_ids_R, return_index=True)
+  groups, rows = groups[:n], first_R[:n]
+  tokenizer = task.tokenizer
+  responses = decode_responses(
+    tokenizer, np.asarray(rollouts.tokens_RxN)[rows], np.asarray(rollouts.lengths_R)[rows]
+  )
+  prompt_ids, prompt_mask = (
+    np.asarray(rollouts.prompt_ids_RxP),
+    np.asarray(rollouts.prompt_mask_RxP),
+  )
+  rewards = np.asarray(rollouts.rewards_R)
+  return [
+    dict(
+      question=int(qids_B[g]),
+      prompt=tokenizer.decode(prompt_ids[r][prompt_mask[r]].tolist(), skip_special_tokens=True),
+      response=response,
+      reward=float(rewards[r]),
+      group=int(g),
+      group_size=int(counts_B[g]),
+      tau=float(tau),
+    )
+    for g, r, response in zip(groups.tolist(), rows.tolist(), responses)
+  ]

@@ -13,7 +13,6 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,7 @@ from jaxrl.parallel import distributed, sharding
 from jaxrl.rl.programs import Programs
 from jaxrl.rollout.build import build_engine
 from jaxrl.rollout.collect import Collector
-from jaxrl.run import sft
+from jaxrl.run import mfu, sft, weights
 from jaxrl.run.checkpoint import Checkpointer
 from jaxrl.run.compiles import CompileCounter
 from jaxrl.run.eval import EvalResult, comparison_table, engine_sampler, evaluate
@@ -210,7 +209,8 @@ class Trainer:
             for batch in loop.pending:  # the engine serves one caller: let the thread finish
               batch.result()
             row.update(self._validate(loop.train.params, i + 1))
-          writer.write(i + 1, row)
+          writer.write(i + 1, row, row.pop("samples", ()))
+          log.info("step %d/%d: %s", i + 1, c.steps, _step_line(row))
           advance(i + 1, c.steps, _progress_line(row))
           if (i + 1) % c.checkpoint.every == 0 or i + 1 == c.steps or stop.requested:
             save_loop(ckpt, i + 1, loop, self.mesh)
@@ -258,6 +258,7 @@ class Trainer:
       ref_params=jax.tree.map(jnp.copy, sft_params) if c.loss.kl_coef > 0 else None,
       compiles=self.compiles,
       rollout_pool=self._rollout_pool(),
+      peak_flops=mfu.peak_flops(c.log.peak_tflops, jax.devices()[0].device_kind),
     )
 
   def _rollout_pool(self) -> concurrent.futures.ThreadPoolExecutor | None:
@@ -287,21 +288,9 @@ class Trainer:
     )
 
   def export_hf(self, params) -> str:
-    """The trained policy as an HF checkpoint in ``WORKDIR/hf`` (model.dtype, tokenizer,
-    generation config): what transformers, vLLM and ``python -m jaxrl.eval`` load."""
+    """The trained policy as an HF checkpoint in ``WORKDIR/hf`` (model.dtype)."""
     out = os.path.join(self.workdir, "hf")
-    dtype = jnp.dtype(self.cfg.model.dtype)
-    params = jax.tree.map(lambda x: x.astype(dtype), params)
-    if jax.process_count() > 1:
-      params = distributed.to_host(params)  # a collective: every process gathers, process 0 writes
-      if not distributed.is_main():
-        return out
-    hf.save_hf_checkpoint(self.model_cfg, params, out, tokenizer=self.task.tokenizer)
-    generation = os.path.join(self.cfg.model.checkpoint, "generation_config.json")
-    if os.path.exists(generation):
-      shutil.copy(generation, out)
-    log.info("trained policy exported to %s (%s)", out, dtype.name)
-    return out
+    return weights.write_hf(self.cfg, self.model_cfg, params, out, self.task.tokenizer)
 
   def _validate(self, params, step_number: int) -> dict:
     """The periodic held-out evaluation (``eval.every``), as ``val/…`` metrics of the step."""
@@ -346,10 +335,18 @@ def _progress_line(row: dict) -> str:
   return f"reward {row['reward']:.3f} H {row['entropy_rollout']:.3f} τ {row['tau']:.2f}"
 
 
+def _step_line(row: dict) -> str:
+  """log.txt's line per step."""
+  return (
+    f"{_progress_line(row)}, loss {row['loss']:.4f}, {row['rollout_tok_s']:.0f} rollout tok/s, "
+    f"{row['train_tok_s']:.0f} train tok/s, step {row['step_time']:.2f} s"
+  )
+
+
 class _NoWriter:
   """Processes other than 0 write no metrics."""
 
-  def write(self, step, row):
+  def write(self, step, row, samples=()):
     return row
 
   def close(self):

@@ -1,0 +1,1 @@
+"""The built-in configs, selectable by name (``--config=tiny:e3``); installed as ``jaxrl.configs``."""

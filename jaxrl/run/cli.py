@@ -1,0 +1,142 @@
+"""What the commands (``jaxrl-train``, ``jaxrl-eval``, ``jaxrl-export``) share: ``--config`` by
+name or path, a ``--help`` that lists the built-in configs and the command's own flags, and
+one-line usage errors (exit 2).
+
+``--config`` takes a config file (``configs/tiny.py[:ARG]``), a built-in config by name
+(``tiny:e3``: the files of ``configs/``, shipped in the package as ``jaxrl/configs``), or a JSON
+config (a run's ``config.json``, or what ``--print_config`` printed), which reproduces that config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import sys
+
+USAGE_ERROR = 2
+_JAXRL = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_JSON_LOADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "json_config.py")
+
+
+def builtin_dir() -> str:
+  """``jaxrl/configs`` in an installed package (the wheel puts ``configs/`` there), else the
+  checkout's ``configs/`` beside ``jaxrl/``."""
+  for d in (os.path.join(_JAXRL, "configs"), os.path.join(os.path.dirname(_JAXRL), "configs")):
+    if os.path.isfile(os.path.join(d, "tiny.py")):
+      return d
+  raise FileNotFoundError(f"no built-in configs beside {_JAXRL}")
+
+
+def builtin_configs() -> dict[str, str]:
+  """Name → file of each built-in config."""
+  d = builtin_dir()
+  names = sorted(f[:-3] for f in os.listdir(d) if f.endswith(".py") and not f.startswith("_"))
+  return {n: os.path.join(d, f"{n}.py") for n in names}
+
+
+def resolve_config(spec: str) -> str:
+  """A ``--config`` value as ``ml_collections.config_flags`` reads it (``FILE[:ARG]``)."""
+  path, sep, arg = spec.partition(":")
+  if path.endswith(".json"):
+    return f"{_JSON_LOADER}:{os.path.abspath(path)}"
+  if os.path.isfile(path):
+    return spec
+  builtins = builtin_configs()
+  if path in builtins:
+    return builtins[path] + sep + arg
+  if not path.endswith(".py") and os.sep not in path:
+    raise FileNotFoundError(
+      f"--config={spec}: no file {path!r} and no built-in config of that name "
+      f"(built-in: {', '.join(builtins)})"
+    )
+  return spec  # config_flags names the missing file
+
+
+def resolve_argv(argv: list[str]) -> list[str]:
+  """``argv`` with its ``--config`` value (``--config=X`` or ``--config X``) resolved."""
+  out, i = list(argv), 1
+  while i < len(out):
+    arg = out[i]
+    if arg.startswith("--config="):
+      out[i] = "--config=" + resolve_config(arg[len("--config=") :])
+    elif arg == "--config" and i + 1 < len(out):
+      out[i + 1] = resolve_config(out[i + 1])
+      i += 1
+    i += 1
+  return out
+
+
+def _load(path: str):
+  spec = importlib.util.spec_from_file_location(f"_jaxrl_config_{os.path.basename(path)}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def load_config(spec: str):
+  """The ConfigDict a ``--config`` value names (no ``--config.*`` overrides)."""
+  path, _, arg = resolve_config(spec).partition(":")
+  module = _load(path)
+  return module.get_config(arg) if arg else module.get_config()
+
+
+def _first_sentence(doc: str | None) -> str:
+  text = " ".join((doc or "").split())
+  end = text.find(". ")
+  return text if end < 0 else text[: end + 1]
+
+
+def describe_configs() -> str:
+  """One line per built-in config (its docstring's first line) and its variants."""
+  lines = []
+  for name, path in builtin_configs().items():
+    module = _load(path)
+    lines.append(f"  {name:<10} {_first_sentence(module.__doc__)}")
+    if variants := getattr(module, "VARIANTS", ()):
+      lines.append(f"  {'':<10} variants ({name}:A,B): {', '.join(variants)}")
+  return "\n".join(lines)
+
+
+def describe_sections() -> str:
+  """One line per config section (its docstring's first line), after the top-level fields."""
+  from jaxrl.config import Config
+
+  fields = dataclasses.fields(Config)
+  top = [f.name for f in fields if not dataclasses.is_dataclass(f.default)]
+  lines = [f"  {'(top level)':<14} {', '.join(top)}"]
+  for field in fields:
+    if dataclasses.is_dataclass(field.default):
+      lines.append(f"  {field.name:<14} {_first_sentence(type(field.default).__doc__)}")
+  return "\n".join(lines)
+
+
+def wants_help(argv: list[str]) -> bool:
+  return any(a in ("-h", "--help", "--helpshort", "-?") for a in argv[1:])
+
+
+def print_help(usage: str, modules, with_configs: bool = True) -> None:
+  """The command's usage text, the built-in configs and sections, and its flags."""
+  from absl import flags
+
+  parts = [usage.strip(), ""]
+  if with_configs:
+    parts += [
+      "Built-in configs (--config=NAME[:VARIANT,...]; or a path: configs/tiny.py, a run's config.json):",
+      describe_configs(),
+      "",
+      "Config sections (override any field with --config.SECTION.FIELD=VALUE; --print_config shows "
+      "every field):",
+      describe_sections(),
+      "",
+    ]
+  parts.append("Flags:")
+  for module in modules:
+    parts.append(flags.FLAGS.module_help(module))
+  print("\n".join(parts))
+
+
+def fail(command: str, message) -> None:
+  """One line naming the problem, exit 2."""
+  print(f"{command}: error: {message}", file=sys.stderr)
+  sys.exit(USAGE_ERROR)

@@ -1,0 +1,120 @@
+"""The commands as users meet them: ``--config`` by name, ``--help`` of each command, the
+``--print_config`` round trip, and ``jaxrl-export`` of any checkpoint of a run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from run_helpers import ROOT, tiny_config
+from safetensors import safe_open
+
+from jaxrl.config import from_configdict
+from jaxrl.nn import hf
+from jaxrl.run import cli, export_main
+from jaxrl.run.checkpoint import Checkpointer
+from jaxrl.run.train import Trainer
+
+
+def _command(module, *flags, cwd=ROOT):
+  return subprocess.run(
+    [sys.executable, "-m", module, *flags],
+    cwd=cwd,
+    env=dict(os.environ, PYTHONPATH=ROOT),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+
+
+def test_help_lists_configs_sections_and_each_commands_flags():
+  train = _command("jaxrl.main", "--help")
+  assert train.returncode == 0, train.stderr
+  for text in ("tiny ", "qwen7b ", "qwen1_5b ", "grpo, e3, dynamo, eepo, es, all, quick"):
+    assert text in train.stdout, text
+  for section in ("rollout ", "allocation ", "temperature ", "anneal_phase "):
+    assert section in train.stdout, section
+  for flag in ("--config:", "--workdir:", "--[no]print_config:", "--[no]plan:"):
+    assert flag in train.stdout, flag
+  for module, flags in (
+    ("jaxrl.eval", ("--checkpoint:", "--benchmarks:", "--num_samples:", "--ks:", "--out:")),
+    ("jaxrl.export", ("--checkpoint:", "--out:", "--dtype:")),
+  ):
+    out = _command(module, "--help")
+    assert out.returncode == 0, out.stderr
+    assert all(flag in out.stdout for flag in flags), out.stdout
+
+
+def test_a_config_by_name_is_the_file_of_that_name():
+  assert from_configdict(cli.load_config("tiny:e3,test")) == tiny_config("e3,test")
+  assert cli.resolve_config("qwen7b:grpo") == os.path.join(ROOT, "configs", "qwen7b.py:grpo")
+  assert cli.resolve_config("configs/tiny.py:e3") == "configs/tiny.py:e3"  # paths pass through
+  with pytest.raises(FileNotFoundError, match="built-in: qwen1_5b, qwen7b, tiny"):
+    cli.resolve_config("tyni")
+
+
+def test_print_config_round_trips(tmp_path):
+  flags = ("--config.steps=7", "--config.rollout.max_staleness=1", "--print_config")
+  first = _command("jaxrl.main", "--config=tiny:e3,anneal", *flags)
+  assert first.returncode == 0, first.stderr
+  printed = json.loads(first.stdout)
+  assert printed["steps"] == 7 and printed["rollout"]["max_staleness"] == 1
+  assert printed["anneal_phase"]["enabled"] and printed["allocation"]["method"] == "e3"
+  path = tmp_path / "resolved.json"
+  path.write_text(first.stdout)
+  second = _command("jaxrl.main", f"--config={path}", "--print_config")
+  assert second.returncode == 0, second.stderr
+  assert second.stdout == first.stdout
+  expected = tiny_config("e3,anneal", steps=7, **{"rollout.max_staleness": 1})
+  assert from_configdict(cli.load_config(str(path))) == expected
+
+
+def _restored(run, step, abstract):
+  ckpt = Checkpointer(os.path.join(run, "checkpoints"), keep=1, async_save=False)
+  try:
+    return ckpt.restore_params(step, abstract)
+  finally:
+    ckpt.close()
+
+
+@pytest.mark.slow
+def test_export_writes_any_checkpoint_in_hf_layout(tmp_path):
+  import transformers
+
+  run = str(tmp_path / "run")
+  trainer = Trainer(tiny_config(steps=6), run)  # checkpoints at steps 3 and 6
+  trainer.run()
+  middle, latest = str(tmp_path / "step3"), str(tmp_path / "latest")
+  export_main.export(os.path.join(run, "checkpoints", "3"), middle)
+  export_main.export(run, latest)
+  shardings = trainer.param_shardings
+  abstract = jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+    trainer.init_params(),
+    shardings,
+  )
+  for out, step in ((middle, 3), (latest, 6)):
+    ours = hf.load_hf_checkpoint(out, shardings=shardings)[2]
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(_restored(run, step, abstract))):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    generation = transformers.GenerationConfig.from_pretrained(out)
+    assert generation.eos_token_id == tokenizer.eos_token_id == trainer.task.eos_id
+    assert transformers.AutoModelForCausalLM.from_pretrained(out).num_parameters() > 0
+  # The command: a bfloat16 export, and a wrong path is one line with exit 2.
+  half = _command(
+    "jaxrl.export",
+    f"--checkpoint={run}/checkpoints/3",
+    f"--out={tmp_path}/bf16",
+    "--dtype=bfloat16",
+  )
+  assert half.returncode == 0, half.stderr
+  with safe_open(os.path.join(tmp_path, "bf16", "model.safetensors"), "np") as f:
+    assert {f.get_slice(name).get_dtype() for name in f.keys()} == {"BF16"}
+  missing = _command("jaxrl.export", f"--checkpoint={tmp_path}/nope", f"--out={tmp_path}/x")
+  assert (
+    missing.returncode == 2 and "not a run directory" in missing.stderr.strip().splitlines()[-1]
+  )
