@@ -67,7 +67,7 @@ class ModelSection:
   # HF-layout directory to start from ("" = random init + SFT). Its config.json then defines the
   # architecture (the fields above up to tie_embeddings only describe a model built from scratch,
   # or one planned with --plan before its weights are downloaded).
-  checkpoint: str = ""
+  checkpoint: str = ""  # HF directory, or a Hub id ORG/NAME[@REVISION] (through the HF cache)
   hub_id: str = ""  # where to download ``checkpoint`` from, for the error message
 
   def check(self) -> None:
@@ -96,9 +96,10 @@ class TaskSection:
 
 @dataclasses.dataclass(frozen=True)
 class DataSection:
-  """Math datasets for ``task.name = "math"``: local jsonl / parquet / ``datasets.save_to_disk`` dirs."""
+  """Math datasets for ``task.name = "math"``: local jsonl / parquet / ``datasets.save_to_disk``
+  dirs, or Hub datasets ``hf:ORG/NAME[:CONFIG][:SPLIT]`` (their parquet files, through the HF cache)."""
 
-  train: str = ""  # "PATH[:WEIGHT],..." a weighted mixture of datasets
+  train: str = ""  # "PATH[:WEIGHT],..." a weighted mixture of datasets (PATH may be hf:ORG/NAME...)
   heldout: str = ""  # validation set, evaluated before/after and every eval.every steps
   split: str = "train"  # the split of a DatasetDict saved with save_to_disk
   question_field: str = "problem"  # dotted paths into a row, e.g. "reward_model.ground_truth"
@@ -660,7 +661,8 @@ def _check_methods(cfg: Config) -> None:
 
 
 def parse_mixture(spec: str, field: str) -> tuple[tuple[str, float], ...]:
-  """``"A:2,B"`` → ``(("A", 2.0), ("B", 1.0))``: pool names with weights (default 1)."""
+  """``"A:2,B"`` → ``(("A", 2.0), ("B", 1.0))``: pool names with weights (default 1); a Hub
+  dataset ``hf:ORG/NAME[:CONFIG][:SPLIT][:WEIGHT]`` keeps its colons."""
   out = []
   for part in filter(None, (x.strip() for x in spec.split(","))):
     name, sep, weight = part.rpartition(":") if ":" in part else (part, "", "1")
@@ -668,6 +670,8 @@ def parse_mixture(spec: str, field: str) -> tuple[tuple[str, float], ...]:
       w = float(weight)
     except ValueError:
       w = -1.0
+      if part.startswith("hf:"):  # hf:ORG/NAME[:CONFIG][:SPLIT]: colons that are not a weight
+        name, w = part, 1.0
     if not name.strip() or not w > 0:
       raise ConfigError(field, f"expected NAME or NAME:WEIGHT with WEIGHT > 0, got {part!r}")
     out.append((name.strip(), w))

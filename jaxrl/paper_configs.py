@@ -66,7 +66,10 @@ def _base(size: str):
   for key, value in arch.items():
     setattr(c.model, key, value)
   c.model.hub_id = hub_id
-  c.model.checkpoint = os.path.join(os.environ.get("JAXRL_MODELS", "models"), hub_id.split("/")[1])
+  # An absolute path: "models/NAME" would read as the Hub id of an org called "models".
+  c.model.checkpoint = os.path.abspath(
+    os.path.join(os.environ.get("JAXRL_MODELS", "models"), hub_id.split("/")[1])
+  )
   # bfloat16 compute on float32 master weights: at lr 2e-6 a bfloat16 weight (8 bits of mantissa)
   # would round most updates away. model.param_dtype = "bfloat16" halves param memory if wanted.
   c.model.dtype = "bfloat16"

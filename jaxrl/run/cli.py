@@ -140,3 +140,16 @@ def fail(command: str, message) -> None:
   """One line naming the problem, exit 2."""
   print(f"{command}: error: {message}", file=sys.stderr)
   sys.exit(USAGE_ERROR)
+
+
+def with_local_checkpoint(cfg, config_only: bool = False):
+  """``cfg`` with a Hub ``model.checkpoint`` (``ORG/NAME[@REVISION]``) replaced by its local
+  snapshot (process 0 downloads, the others wait); ``config_only``: its config files, for
+  ``--plan``. Raises ``HubError`` (one line) offline when it is not cached."""
+  from jaxrl.tasks.data import hub
+
+  if hub.model_id(cfg.model.checkpoint) is None:
+    return cfg
+  files = ("config.json", "generation_config.json") if config_only else hub.MODEL_FILES
+  local = hub.model_snapshot(cfg.model.checkpoint, files)
+  return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, checkpoint=local))

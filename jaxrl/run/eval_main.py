@@ -198,19 +198,22 @@ def main(argv):
   if _CONFIG.value is None or not _CHECKPOINT.value:
     cli.fail("jaxrl.eval", "--config and --checkpoint are required")
   try:
-    cfg = from_configdict(_CONFIG.value)
+    from jaxrl.tasks.data import hub
+
+    cfg = cli.with_local_checkpoint(from_configdict(_CONFIG.value))
     benchmarks = parse_benchmarks(_BENCHMARKS.value, cfg.data.heldout)
     ks = tuple(int(k) for k in _KS.value.split(",")) if _KS.value else ()
-    if not os.path.exists(_CHECKPOINT.value):
-      raise ValueError(f"--checkpoint {_CHECKPOINT.value!r} does not exist")
-    out = _OUT.value or os.path.join(_CHECKPOINT.value, "eval")
+    checkpoint = hub.model_snapshot(_CHECKPOINT.value)  # a Hub id: its local snapshot
+    if not os.path.exists(checkpoint):
+      raise ValueError(f"--checkpoint {checkpoint!r} does not exist")
+    out = _OUT.value or os.path.join(checkpoint, "eval")
     # A training run's directory already holds its compiled programs (the sampler among them).
     from jaxrl.run import compile_cache
 
-    run = weights.run_checkpoint(_CHECKPOINT.value)
+    run = weights.run_checkpoint(checkpoint)
     compile_cache.enable(cfg.compile_cache, os.path.dirname(run[0]) if run else out)
     summary = evaluate_checkpoint(
-      cfg, _CHECKPOINT.value, benchmarks, out, num_samples=_NUM_SAMPLES.value, ks=ks
+      cfg, checkpoint, benchmarks, out, num_samples=_NUM_SAMPLES.value, ks=ks
     )
   except (ConfigError, ValueError, FileNotFoundError) as e:
     cli.fail("jaxrl.eval", e)

@@ -134,14 +134,14 @@ def _config():
 
 
 def _plan(cfg) -> None:
-  from jaxrl.config import ConfigError
   from jaxrl.parallel import distributed
   from jaxrl.run import plan, plan_report
 
   distributed.initialize(cpu_devices=_CPU_DEVICES.value)
   try:
+    cfg = cli.with_local_checkpoint(cfg, config_only=True)
     print(plan_report.render(plan.build(cfg)))
-  except ConfigError as e:
+  except ValueError as e:  # ConfigError, HubError
     _fail(e)
 
 
@@ -174,17 +174,17 @@ def main(argv):
   if _PLAN.value:
     return _plan(cfg)
   from jaxrl.nn.arch import checkpoint_error
-
-  if (error := checkpoint_error(cfg)) is not None:  # before the run directory is written
-    _fail(error)
   from jaxrl.parallel import distributed
 
   try:
     distributed.initialize(
       _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _CPU_DEVICES.value
     )
-  except ValueError as e:
+    cfg = cli.with_local_checkpoint(cfg)  # a Hub id: process 0 downloads, the others wait
+  except ValueError as e:  # a bad cluster setting, a HubError
     _fail(e)
+  if (error := checkpoint_error(cfg)) is not None:  # before the run directory is written
+    _fail(error)
   workdir = os.path.abspath(_WORKDIR.value)
   os.makedirs(workdir, exist_ok=True)
   _setup_logging(workdir)

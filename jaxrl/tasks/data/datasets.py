@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from jaxrl.config import ConfigError, parse_mixture
+from jaxrl.tasks.data import hub
 from jaxrl.tasks.data.cursor import Mixture
 
 log = logging.getLogger(__name__)
@@ -214,6 +215,14 @@ def _hub_parquet(path: str, split: str) -> list[str]:
 
 def _rows(path: str, split: str) -> tuple[Iterable[tuple[int, object]], str]:
   """(numbered rows, "line" or "row": what the numbers count) of any supported format."""
+  if (hub_id := hub.dataset_id(path)) is not None:
+    directory, split = hub.dataset_snapshot(hub_id), hub_id.split or split
+    files = _hub_parquet(directory, "")
+    parquet = [f for f in files if os.path.basename(f).startswith(split)]
+    if not parquet:
+      found = sorted({os.path.basename(f).split("-")[0] for f in files}) or "no parquet files"
+      raise ValueError(f"{path}: no {split!r} split in its snapshot {directory} (found: {found})")
+    return _parquet_rows(parquet), "row"
   if not os.path.exists(path):
     raise ValueError(f"{path}: no such file or directory")
   if os.path.isdir(path):
