@@ -139,6 +139,37 @@ def _run_learning(name: str, seed: int, steps: int, workdir: str, warm: str | No
   )
 
 
+def _report(results: dict, steps: int) -> str:
+  """bench/results/behaviour_correction.md: per setting, the mean (min–max) over seeds."""
+  lines = [
+    "# Behaviour correction on the tiny task through the vLLM sidecar (bench/behaviour_correction.py)",
+    "",
+    f"`configs/tiny.py`, {steps} RL steps per run, k = 0 (fresh batches: the only off-policyness is",
+    "the server's dtype). Held-out pass@1 / pass@8 / greedy (percent, 384 questions, 16 samples at",
+    "τ = 1) after RL, evaluated through the run's own server; the per-step mismatch over the run.",
+    "Mean over seeds, (min–max) beside it.",
+    "",
+    "| setting | seeds | pass@1 SFT | pass@1 RL | pass@8 RL | greedy RL | mismatch_kl (median step) "
+    "| max abs Δℓ (median step) | tokens dropped/truncated |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
+  for name in SETTINGS:
+    runs = [v for k, v in results.items() if k.split(" | ")[0] == name]
+    if not runs:
+      continue
+    cell = lambda key, fmt="{:.1f}": (  # noqa: E731
+      fmt.format(np.mean([r[key] for r in runs]))
+      + f" ({fmt.format(min(r[key] for r in runs))}–{fmt.format(max(r[key] for r in runs))})"
+    )
+    lines.append(
+      f"| {name} | {len(runs)} | {cell('pass1_sft')} | {cell('pass1')} | {cell('pass8')} | "
+      f"{cell('greedy')} | {cell('mismatch_kl_median', '{:.2g}')} | "
+      f"{cell('diff_max_median', '{:.2g}')} | {cell('dropped_frac_mean', '{:.2g}')} |"
+    )
+  lines += ["", "Per run:", "", "```", json.dumps(results, indent=1), "```", ""]
+  return "\n".join(lines)
+
+
 def _load(path):
   if os.path.exists(path):
     with open(path) as f:
@@ -154,15 +185,22 @@ def _save(path, data):
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--part", choices=("mismatch", "learning"), required=True)
+  ap.add_argument("--part", choices=("mismatch", "learning", "report"), required=True)
   ap.add_argument("--steps", type=int, default=200)
   ap.add_argument("--seeds", default="0,1,2")
   ap.add_argument("--out", required=True)
   ap.add_argument("--workdirs", default="", help="where the runs go (default: a temp directory)")
   ap.add_argument("--keep", action="store_true", help="keep the runs' directories")
+  ap.add_argument("--merge", nargs="*", default=[], help="more result JSONs (--part report)")
   args = ap.parse_args()
   results = _load(args.out + ".json")
+  for extra in args.merge:
+    results.update(_load(extra))
   base = args.workdirs or tempfile.mkdtemp(prefix="behaviour-")
+  if args.part == "report":  # the .md of what --part learning wrote (several JSONs: merged)
+    with open(args.out + ".md", "w") as f:
+      f.write(_report(results, args.steps))
+    return
   if args.part == "mismatch":
     sft = None
     for server, trainer in (
