@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from jaxrl.config import from_configdict
 from jaxrl.nn import hf
-from jaxrl.run import cli, export_main
+from jaxrl.run import cli, weights
 from jaxrl.run.checkpoint import Checkpointer
 from jaxrl.run.train import Trainer
 
@@ -88,8 +88,8 @@ def test_export_writes_any_checkpoint_in_hf_layout(tmp_path):
   trainer = Trainer(tiny_config(steps=6), run)  # checkpoints at steps 3 and 6
   trainer.run()
   middle, latest = str(tmp_path / "step3"), str(tmp_path / "latest")
-  export_main.export(os.path.join(run, "checkpoints", "3"), middle)
-  export_main.export(run, latest)
+  weights.export(os.path.join(run, "checkpoints", "3"), middle)
+  weights.export(run, latest)
   shardings = trainer.param_shardings
   abstract = jax.tree.map(
     lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -118,3 +118,32 @@ def test_export_writes_any_checkpoint_in_hf_layout(tmp_path):
   assert (
     missing.returncode == 2 and "not a run directory" in missing.stderr.strip().splitlines()[-1]
   )
+
+
+# The command modules define their absl flags at import, and two of them define --config: imported
+# into one process (pytest collects every test file in each worker) they collide with a
+# DuplicateFlagError. What tests use lives in the library modules (run_log, weights, cli).
+COMMAND_MODULES = {"jaxrl.main", "jaxrl.eval", "jaxrl.export"} | {
+  f"jaxrl.run.{name}" for name in ("main", "eval_main", "export_main")
+}
+
+
+def test_no_test_imports_a_command_module():
+  import ast
+
+  here = os.path.dirname(__file__)
+  offenders = []
+  for name in sorted(os.listdir(here)):
+    if not name.endswith(".py"):
+      continue
+    with open(os.path.join(here, name)) as f:
+      tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        modules = [alias.name for alias in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.module:
+        modules = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+      else:
+        continue
+      offenders += [f"{name}: {m}" for m in modules if m in COMMAND_MODULES]
+  assert not offenders

@@ -1,4 +1,4 @@
-"""The run's log file (``jaxrl.main._RunLog``): a file that cannot be written any more (a real
+"""The run's log file (``jaxrl.run.run_log.RunLog``): a file that cannot be written any more (a real
 EFBIG, ``file_size_limit``) is said once and dropped; a bad record is not mistaken for that."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import logging
 
 import pytest
 
-from jaxrl.run.main import _RunLog
+from jaxrl.run.run_log import RunLog
 
 
 @pytest.fixture
 def run_log(tmp_path):
   path = tmp_path / "log.txt"
-  handler = _RunLog(str(path))
+  handler = RunLog(str(path))
   logger = logging.getLogger("jaxrl.test_run_log")
   logger.propagate = False
   logger.addHandler(handler)

@@ -23,7 +23,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxrl.run import cli, weights
+from jaxrl.run import cli, run_log, weights
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config",
@@ -192,9 +192,7 @@ def main(argv):
   del argv
   from jaxrl.config import ConfigError, from_configdict
 
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-  for name in ("absl", "jax", "orbax"):
-    logging.getLogger(name).setLevel(logging.WARNING)
+  run_log.setup()
   if _CONFIG.value is None or not _CHECKPOINT.value:
     cli.fail("jaxrl.eval", "--config and --checkpoint are required")
   try:

@@ -8,7 +8,6 @@ flag) prints one line naming the field and exits with code 2, before anything is
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import sys
@@ -16,7 +15,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxrl.run import cli
+from jaxrl.run import cli, run_log
 
 USAGE = """Train a policy by RL (GRPO and the methods of E3, DynaMO, EEPO, Entropy Scheduling).
 
@@ -76,35 +75,6 @@ def _usage_error(e: BaseException):
   sys.exit(USAGE_ERROR)
 
 
-class _RunLog(logging.FileHandler):
-  """The run's log file. When it cannot be written (EFBIG, a full disk) that is said once on
-  stderr and the file is dropped: logging's default prints two tracebacks for every record after
-  that, from every thread, for the rest of the run."""
-
-  _dead = False
-
-  def emit(self, record):
-    if not self._dead:
-      super().emit(record)
-
-  def handleError(self, record):
-    if self._dead:
-      return
-    if not isinstance(sys.exc_info()[1], OSError):  # a bad record (format args), not the file
-      super().handleError(record)
-      return
-    self._dead = True
-    try:
-      print(
-        f"jaxrl: cannot write the log file {self.baseFilename} ({sys.exc_info()[1]}); "
-        "logging to stderr only",
-        file=sys.stderr,
-        flush=True,
-      )
-    except OSError:
-      pass
-
-
 def _parse_flags(argv):
   try:
     return flags.FLAGS(argv)
@@ -145,21 +115,6 @@ def _plan(cfg) -> None:
     _fail(e)
 
 
-def _setup_logging(workdir: str) -> None:
-  import jax
-
-  log_name = "log.txt" if jax.process_index() == 0 else f"log.process{jax.process_index()}.txt"
-  logging.basicConfig(
-    level=logging.INFO,
-    force=True,
-    format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    handlers=[logging.StreamHandler(sys.stderr), _RunLog(os.path.join(workdir, log_name))],
-  )
-  # orbax and absl log every checkpoint phase at INFO; keep the run's own log readable.
-  for name in ("absl", "jax", "orbax"):
-    logging.getLogger(name).setLevel(logging.WARNING)
-
-
 def main(argv):
   del argv
   # Past a file-size limit, writes fail with EFBIG (handled: a failed checkpoint is logged, the
@@ -187,7 +142,7 @@ def main(argv):
     _fail(error)
   workdir = os.path.abspath(_WORKDIR.value)
   os.makedirs(workdir, exist_ok=True)
-  _setup_logging(workdir)
+  run_log.setup(workdir)
   from jaxrl.run import compile_cache
 
   compile_cache.enable(cfg.compile_cache, workdir)

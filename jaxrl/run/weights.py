@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.parallel import distributed
+from jaxrl.run import cli
 
 log = logging.getLogger(__name__)
 
@@ -91,3 +92,46 @@ def _write_generation_config(tokenizer, out: str) -> None:
     eos_token_id=tokenizer.eos_token_id,
     pad_token_id=tokenizer.pad_token_id,
   ).save_pretrained(out)
+
+
+def _run_dir(checkpoint: str) -> str:
+  run = run_checkpoint(checkpoint)
+  if run is None:
+    raise FileNotFoundError(
+      f"--checkpoint={checkpoint}: not a run directory (with checkpoints/) or RUN/checkpoints/N"
+    )
+  return os.path.dirname(run[0])
+
+
+def _config(run_dir: str, spec: str):
+  """The run's config: ``spec`` (a ``--config`` value) when given, else its ``config.json``."""
+  from jaxrl.config import from_configdict
+
+  return from_configdict(cli.load_config(spec or os.path.join(run_dir, "config.json")))
+
+
+def _tokenizer(cfg, run_dir: str):
+  if cfg.model.checkpoint:
+    from jaxrl.tasks.data import math_prompts
+
+    return math_prompts.load_tokenizer(cfg.model.checkpoint)
+  from jaxrl.tasks.data.tokenizer import build_tokenizer
+
+  return build_tokenizer(os.path.join(run_dir, "tokenizer"))
+
+
+def export(checkpoint: str, out: str, dtype: str = "", config: str = "") -> str:
+  """Write ``checkpoint`` (a run or one of its checkpoints) in HF layout into ``out``;
+  ``config``: a ``--config`` value (default: the run's own)."""
+  from jaxrl.nn import arch, model
+  from jaxrl.parallel import sharding
+
+  run_dir = _run_dir(checkpoint)
+  cfg = _config(run_dir, config)
+  tokenizer = _tokenizer(cfg, run_dir)
+  model_cfg = arch.model_config(cfg, len(tokenizer))
+  mesh = sharding.make_mesh(1, 1, 1)  # one device: the export gathers the params anyway
+  _, abstract_params = model.abstract(model_cfg)
+  shardings = sharding.tree_shardings(abstract_params, mesh)
+  params = load_params(cfg, checkpoint, (abstract_params, shardings))
+  return write_hf(cfg, model_cfg, params, out, tokenizer, dtype)

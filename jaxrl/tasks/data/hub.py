@@ -96,7 +96,8 @@ def dataset_snapshot(spec: DatasetId) -> str:
   snapshot itself."""
   root = snapshot(spec.repo, "dataset")
   default = ["data", ""]
-  for sub in ([spec.config] + (default if spec.config == "default" else [])) or default:
+  named = [spec.config] if spec.config else []
+  for sub in named + (default if spec.config in ("", "default") else []):
     if os.path.isdir(os.path.join(root, sub)):
       return os.path.join(root, sub)
   raise HubError(f"hf:{spec.repo}: no config {spec.config!r} in its snapshot {root}")
