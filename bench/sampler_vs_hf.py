@@ -1,0 +1,181 @@
+"""Benchmark: the JAX sampler (``jaxrl.rollout.sampler.generate``) against HF ``generate``.
+
+The same work on both sides: B = rows / G prompts of P tokens, G samples each (GRPO's layout),
+N new tokens per row at τ = 1 with nucleus sampling switched off (top_p = 1; HF's default top_k = 50
+switched off too, so both sample from the full softmax), float32, the same model shape. HF runs
+with its KV cache (``use_cache``) and no stop token, so every row generates N tokens; jaxrl's rows
+may emit its stop id and stop early, but the batch decodes all N steps regardless (the while loop
+runs until every row finished). jaxrl also returns each token's log-prob and the entropy of the
+full softmax, which HF ``generate`` does not compute.
+
+Each side runs in its own worker process, compiled or warmed up once, timed alternately
+(``side_by_side``). Prints new tokens/s of each, and as its last line ``ratio R`` (jaxrl / HF).
+
+    PYTHONPATH=. .venv/bin/python bench/sampler_vs_hf.py                    # 64 rows, vocab 2048
+    PYTHONPATH=. .venv/bin/python bench/sampler_vs_hf.py --vocab 151936
+    PYTHONPATH=. .venv/bin/python bench/sampler_vs_hf.py --rows 256 --side jaxrl   # one side only
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import side_by_side  # noqa: E402
+
+SIDES = ("jaxrl", "hf")
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--size", choices=sorted(side_by_side.MODEL_SIZES), default="5m")
+  parser.add_argument("--vocab", type=int, help="replace the size's vocabulary")
+  parser.add_argument("--rows", type=int, default=64)
+  parser.add_argument("--group", type=int, default=8, help="samples per prompt")
+  parser.add_argument("--prompt-len", type=int, default=32)
+  parser.add_argument("--new-tokens", type=int, default=96)
+  parser.add_argument("--top-p", type=float, default=1.0)
+  parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--warmup", type=int, default=1)
+  parser.add_argument("--side", choices=SIDES, help="time one side only (no ratio)")
+  parser.add_argument("--sequential", action="store_true", help="one worker at a time")
+  parser.add_argument("--out", help="append the result as a JSON line to this file")
+  parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.rows % args.group:
+    parser.error(f"--rows {args.rows} is not a multiple of --group {args.group}")
+  return args
+
+
+def _prompts(args, vocab):
+  import numpy as np
+
+  rng = np.random.default_rng(0)
+  return rng.integers(0, vocab, (args.rows // args.group, args.prompt_len)).astype(np.int32)
+
+
+def _jaxrl_worker(args):
+  import jax
+  import numpy as np
+
+  from jaxrl.rollout import sampler
+
+  cfg, graphdef, params = side_by_side.jaxrl_model(args.size, args.vocab)
+  prompts_BxP = _prompts(args, cfg.vocab_size)
+  B = prompts_BxP.shape[0]
+  calls = iter(range(1 << 30))
+
+  def one():
+    out = sampler.generate(
+      graphdef,
+      params,
+      prompts_BxP,
+      np.ones_like(prompts_BxP, bool),
+      np.full((B,), args.group, np.int32),
+      jax.random.key(next(calls)),
+      1.0,
+      args.top_p,
+      num_rollouts=args.rows,
+      max_new_tokens=args.new_tokens,
+      eos_id=cfg.vocab_size - 1,
+      pad_id=0,
+      model_cfg=cfg,
+    )
+    jax.block_until_ready(out)
+
+  return one
+
+
+def _hf_worker(args):
+  import torch
+
+  net = side_by_side.hf_model(args.size, args.vocab).eval()
+  prompts = torch.as_tensor(_prompts(args, net.config.vocab_size)).long()
+
+  @torch.no_grad()
+  def one():
+    net.generate(
+      input_ids=prompts,
+      attention_mask=torch.ones_like(prompts),
+      do_sample=True,
+      temperature=1.0,
+      top_p=args.top_p,
+      top_k=0,
+      num_return_sequences=args.group,
+      max_new_tokens=args.new_tokens,
+      min_new_tokens=args.new_tokens,
+      eos_token_id=None,
+      pad_token_id=0,
+      use_cache=True,
+    )
+
+  return one
+
+
+def measure(args, argv) -> dict:
+  sides = (args.side,) if args.side else SIDES
+  timed = side_by_side.alternate(
+    os.path.abspath(__file__), argv, sides, ("generate",), args.repeats, args.sequential
+  )
+  new_tokens = args.rows * args.new_tokens
+  out = {
+    "size": args.size,
+    "vocab": args.vocab or side_by_side.MODEL_SIZES[args.size][-1],
+    "rows": args.rows,
+    "group": args.group,
+    "prompt_len": args.prompt_len,
+    "new_tokens": args.new_tokens,
+    "top_p": args.top_p,
+    "repeats": args.repeats,
+    "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+  }
+  for side in sides:
+    median = statistics.median(timed[side]["generate"])
+    out[side] = {
+      "s_median": median,
+      "s_all": timed[side]["generate"],
+      "new_tokens_per_s": new_tokens / median,
+      "peak_rss_gib": timed[side]["peak_rss_gib"],
+    }
+  if len(sides) == 2:
+    out["ratio"] = out["jaxrl"]["new_tokens_per_s"] / out["hf"]["new_tokens_per_s"]
+    if not args.sequential:
+      out["ratio_pairs"] = side_by_side.pair_ratios(
+        timed["jaxrl"]["generate"], timed["hf"]["generate"]
+      )
+  return out
+
+
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else argv
+  args = parse_args(argv)
+  if args.worker:
+    one = (_jaxrl_worker if args.worker == "jaxrl" else _hf_worker)(args)
+    return side_by_side.serve({"generate": one}, {}, args.warmup)
+  result = measure(args, side_by_side.without_flag(argv, "--out"))
+  print(
+    f"{args.size} (vocab {result['vocab']}): {args.rows} rows ({args.rows // args.group} prompts × "
+    f"{args.group}), {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
+    f"top_p {args.top_p}, median of {args.repeats}"
+  )
+  for side in SIDES:
+    if side in result:
+      r = result[side]
+      print(
+        f"  {side:5s} {r['s_median']:.3f} s/batch  {r['new_tokens_per_s']:,.0f} new tokens/s  "
+        f"peak RSS {r['peak_rss_gib']:.1f} GiB"
+      )
+  if "ratio_pairs" in result:
+    pairs = result["ratio_pairs"]
+    print(f"  pairwise ratios {pairs[0]:.2f}–{pairs[-1]:.2f}")
+  side_by_side.append_jsonl(args.out, result)
+  if "ratio" in result:
+    print(f"ratio {result['ratio']:.3f}")
+
+
+if __name__ == "__main__":
+  main()

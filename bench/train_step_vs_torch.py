@@ -1,0 +1,247 @@
+"""Benchmark: one GRPO actor update, jaxrl's against the PyTorch update TRL and verl run.
+
+The workload: R rows of P prompt + N response tokens (default 64 × (32 + 96)), one optimizer
+update per step. jaxrl runs the trainer's own program (``Programs.update``: fused chunked
+log-prob/entropy, clipped objective, grad-norm clip, AdamW). The peer runs HF ``Qwen2ForCausalLM``
+(eager attention, float32) on the same architecture: logits of the response positions, log-softmax,
+the same clipped objective and entropy metric, ``backward``, global-norm clip, ``torch.optim.AdamW``.
+
+Each side runs in its own worker process (their thread pools never share a process), compiled or
+warmed up once; then the parent alternates them step for step and reports medians, tokens/s,
+the ratio jaxrl / torch, achieved GFLOP/s (6·N·tokens, N = all params as the issue counts them, so
+attention's T² FLOPs are not credited) against the machine's measured float32 matmul peak of each
+library (2048³, median), and each worker's peak resident memory. At the 0.5B shape both sides do
+not fit in 24 GiB at once: ``--sequential`` (the default there) runs one worker, then the other.
+
+    PYTHONPATH=. .venv/bin/python bench/train_step_vs_torch.py --size 5m
+    PYTHONPATH=. .venv/bin/python bench/train_step_vs_torch.py --size 0.5b --rows 8 --repeats 3
+
+The last line printed is ``ratio R`` (jaxrl tokens/s / torch tokens/s). ``--out F`` appends the
+result as one JSON line. Run it with nothing else on the cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import side_by_side  # noqa: E402
+
+SIDES = ("jaxrl", "torch")
+
+PEAK_N = 2048
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--size", choices=sorted(side_by_side.MODEL_SIZES), default="5m")
+  parser.add_argument("--rows", type=int, default=64)
+  parser.add_argument("--prompt-len", type=int, default=32)
+  parser.add_argument("--response-len", type=int, default=96)
+  parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--warmup", type=int, default=2)
+  parser.add_argument("--sequential", action="store_true", help="one worker at a time")
+  parser.add_argument("--out", help="append the result as a JSON line to this file")
+  parser.add_argument("--worker", choices=("jaxrl", "torch"), help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.size == "0.5b":
+    args.sequential = True
+  return args
+
+
+# The two workers: each builds its model and batch and returns (one update, one peak matmul).
+
+
+def _batch_arrays(args, vocab, seed=0):
+  import numpy as np
+
+  rng = np.random.default_rng(seed)
+  R, P, N = args.rows, args.prompt_len, args.response_len
+  group = min(8, R)
+  return dict(
+    prompt_ids_RxP=rng.integers(0, vocab, (R, P)).astype(np.int32),
+    tokens_RxN=rng.integers(0, vocab, (R, N)).astype(np.int32),
+    # every response runs to N tokens: the work is the same R·(P+N) tokens on both sides
+    mask_RxN=np.ones((R, N), bool),
+    old_logp_RxN=(-rng.random((R, N)) * 4 - 0.5).astype(np.float32),
+    rewards_R=rng.integers(0, 2, R).astype(np.float32),
+    group_ids_R=np.repeat(np.arange(R // group), group).astype(np.int32),
+    num_groups=R // group,
+  )
+
+
+def _jaxrl_worker(args):
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jaxrl.nn import model
+  from jaxrl.parallel import sharding
+  from jaxrl.rl import losses, optim, step
+  from jaxrl.rl.programs import Programs
+  from jaxrl.types import Rollouts
+
+  mcfg, graphdef, params = side_by_side.jaxrl_model(args.size)
+  vocab = mcfg.vocab_size
+  n_params = model.num_params(params)
+  mesh = sharding.make_mesh(1, 1, 1)
+  programs = Programs(graphdef, params, mesh, optim.adamw(1e-6, 0, grad_clip=1.0))
+  state = programs.init_state(params)
+  del params
+  b = _batch_arrays(args, vocab)
+  R, P = args.rows, args.prompt_len
+  batch = Rollouts(
+    prompt_ids_RxP=b["prompt_ids_RxP"],
+    prompt_mask_RxP=np.ones((R, P), bool),
+    tokens_RxN=b["tokens_RxN"],
+    mask_RxN=b["mask_RxN"],
+    behaviour_logp_RxN=b["old_logp_RxN"],
+    entropy_RxN=np.zeros_like(b["old_logp_RxN"]),
+    lengths_R=np.full((R,), args.response_len, np.int32),
+    group_ids_R=b["group_ids_R"],
+    finished_R=np.ones((R,), bool),
+    prox_logp_RxN=b["old_logp_RxN"],
+    rewards_R=b["rewards_R"],
+  )
+  batch = sharding.shard_batch(batch, mesh)
+  step_cfg = step.RLStepConfig(
+    loss=losses.LossConfig(max_response_len=args.response_len), num_groups=b["num_groups"]
+  )
+  hp = step.StepHparams(loss=losses.LossHparams.create(), tau=jnp.float32(1.0))
+  update = programs.update(step_cfg)
+
+  def one():
+    nonlocal state
+    state, metrics = update(state, batch, hp, None)
+    jax.block_until_ready((state, metrics))
+
+  def peak():
+    x = jnp.ones((PEAK_N, PEAK_N), jnp.float32)
+    mm = jax.jit(lambda a: a @ a)
+    jax.block_until_ready(mm(x))
+    return lambda: jax.block_until_ready(mm(x))
+
+  return one, peak(), n_params
+
+
+def _torch_worker(args):
+  import torch
+
+  net = side_by_side.hf_model(args.size).train()
+  net.config.use_cache = False
+  vocab = net.config.vocab_size
+  n_params = sum(p.numel() for p in net.parameters())
+  opt = torch.optim.AdamW(net.parameters(), lr=1e-6, betas=(0.9, 0.99), weight_decay=0.0)
+  b = {k: torch.as_tensor(v) for k, v in _batch_arrays(args, vocab).items() if k != "num_groups"}
+  P, N = args.prompt_len, args.response_len
+  input_ids = torch.cat([b["prompt_ids_RxP"], b["tokens_RxN"]], 1).long()
+  targets = b["tokens_RxN"].long()
+  mask = b["mask_RxN"].float()
+  groups = b["group_ids_R"].long()
+  eps_low, eps_high = 0.2, 0.28
+
+  def advantages():
+    # GRPO: (r - mean_group) / (std_group + 1e-6), as jaxrl's group_advantages
+    g = int(groups.max()) + 1
+    r = b["rewards_R"]
+    mean = torch.zeros(g).index_add_(0, groups, r) / torch.bincount(groups, minlength=g)
+    var = torch.zeros(g).index_add_(0, groups, (r - mean[groups]) ** 2) / torch.bincount(
+      groups, minlength=g
+    )
+    return (r - mean[groups]) / (var.sqrt()[groups] + 1e-6)
+
+  def one():
+    opt.zero_grad(set_to_none=True)
+    logits = net(input_ids=input_ids).logits[:, P - 1 : P + N - 1].float()
+    logp_all = torch.log_softmax(logits, -1)
+    logp = logp_all.gather(-1, targets[..., None])[..., 0]
+    with torch.no_grad():  # the entropy metric, as TRL/verl log it
+      entropy = -(logp_all.exp() * logp_all).sum(-1)
+      _ = (entropy * mask).sum() / mask.sum()
+    ratio = torch.exp(logp - b["old_logp_RxN"])
+    adv = advantages()[:, None]
+    obj = torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+    loss = -(obj * mask).sum() / mask.sum()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+    opt.step()
+
+  def peak():
+    x = torch.ones(PEAK_N, PEAK_N)
+    torch.mm(x, x)
+    return lambda: torch.mm(x, x)
+
+  return one, peak(), n_params
+
+
+def worker_main(args):
+  build = _jaxrl_worker if args.worker == "jaxrl" else _torch_worker
+  one, peak, n_params = build(args)
+  side_by_side.serve({"step": one, "peak": peak}, {"n_params": n_params}, args.warmup)
+
+
+def measure(args, argv) -> dict:
+  timed = side_by_side.alternate(
+    os.path.abspath(__file__), argv, SIDES, ("step", "peak"), args.repeats, args.sequential
+  )
+  tokens = args.rows * (args.prompt_len + args.response_len)
+  out = {
+    "size": args.size,
+    "rows": args.rows,
+    "prompt_len": args.prompt_len,
+    "response_len": args.response_len,
+    "repeats": args.repeats,
+    "sequential": args.sequential,
+    "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+  }
+  for side in SIDES:
+    t = timed[side]
+    median = statistics.median(t["step"])
+    n_params = t["info"]["n_params"]
+    out[side] = {
+      "n_params": n_params,
+      "step_s_median": median,
+      "step_s_all": t["step"],
+      "tokens_per_s": tokens / median,
+      "gflops": 6 * n_params * tokens / median / 1e9,
+      "matmul_peak_gflops": 2 * PEAK_N**3 / statistics.median(t["peak"]) / 1e9,
+      "peak_rss_gib": t["peak_rss_gib"],
+    }
+    out[side]["frac_of_own_peak"] = out[side]["gflops"] / out[side]["matmul_peak_gflops"]
+  out["jaxrl_frac_of_xla_peak"] = out["jaxrl"]["frac_of_own_peak"]
+  out["ratio"] = out["jaxrl"]["tokens_per_s"] / out["torch"]["tokens_per_s"]
+  if not args.sequential:
+    out["ratio_pairs"] = side_by_side.pair_ratios(timed["jaxrl"]["step"], timed["torch"]["step"])
+  return out
+
+
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else argv
+  args = parse_args(argv)
+  if args.worker:
+    return worker_main(args)
+  result = measure(args, side_by_side.without_flag(argv, "--out"))
+  j, t = result["jaxrl"], result["torch"]
+  print(
+    f"{args.size}: {args.rows} rows × ({args.prompt_len}+{args.response_len}) tokens, "
+    f"N = {j['n_params'] / 1e6:.2f}M params, median of {args.repeats}"
+  )
+  for name, r in (("jaxrl", j), ("torch", t)):
+    print(
+      f"  {name:5s} {r['step_s_median']:.3f} s/step  {r['tokens_per_s']:,.0f} tokens/s  "
+      f"{r['gflops']:.0f} GFLOP/s = {100 * r['frac_of_own_peak']:.0f}% of its library's matmul "
+      f"peak ({r['matmul_peak_gflops']:.0f})  peak RSS {r['peak_rss_gib']:.1f} GiB"
+    )
+  if "ratio_pairs" in result:
+    pairs = result["ratio_pairs"]
+    print(f"  pairwise ratios {pairs[0]:.2f}–{pairs[-1]:.2f}")
+  side_by_side.append_jsonl(args.out, result)
+  print(f"ratio {result['ratio']:.3f}")
+
+
+if __name__ == "__main__":
+  main()
