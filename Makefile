@@ -83,6 +83,9 @@ test: $(TEST_ENVS) lint
 bench: $(VENV)/.dev
 	$(PY) bench/fused_logprob.py
 	$(PY) bench/allocators.py
+	$(PY) bench/train_step_vs_torch.py --out bench/results/peers.jsonl
+	$(PY) bench/sampler_vs_hf.py --out bench/results/peers.jsonl
+	$(PY) bench/sampler_vs_hf.py --vocab 151936 --repeats 3 --out bench/results/peers.jsonl
 
 clean-venv:
 	rm -rf $(VENV) $(VLLM_VENV)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 
@@ -131,7 +130,7 @@ def measure(args, argv) -> dict:
     "new_tokens": args.new_tokens,
     "top_p": args.top_p,
     "repeats": args.repeats,
-    "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    "machine": side_by_side.machine(),
   }
   for side in sides:
     median = statistics.median(timed[side]["generate"])

@@ -30,6 +30,24 @@ MODEL_SIZES = {
 }
 
 
+def machine() -> str:
+  """The CPU model, core count and vector extension (XLA and torch both vectorise for the host:
+  AVX-512 and AVX2-only machines give different ratios)."""
+  model, flags = "unknown CPU", set()
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+          model = value.strip()
+        elif key.strip() == "flags":
+          flags = set(value.split())
+  except OSError:
+    pass
+  vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+  return f"{model}, {os.cpu_count()} cores, {vector}"
+
+
 def jaxrl_model(size: str, vocab: int | None = None):
   """(ModelConfig, graphdef, params) of a ``MODEL_SIZES`` shape, vocabulary optionally replaced."""
   from jaxrl.nn import model

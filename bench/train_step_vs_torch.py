@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 
@@ -196,7 +195,7 @@ def measure(args, argv) -> dict:
     "response_len": args.response_len,
     "repeats": args.repeats,
     "sequential": args.sequential,
-    "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    "machine": side_by_side.machine(),
   }
   for side in SIDES:
     t = timed[side]

@@ -111,7 +111,7 @@ def _teacher_forced_logits(tiny, out):
 
 @pytest.mark.parametrize("tau", [0.7, 1.3])
 def test_logp_and_entropy_equal_training_forward(tiny, tau):
-  out = _gen(tiny, [2, 1, 3], key=4, tau=tau)
+  out = _gen(tiny, [2, 1, 3], key=1, tau=tau)  # a key whose draws stop some rows early at both τ
   logp_ref = _np_log_softmax(_teacher_forced_logits(tiny, out) / tau)
   tokens = np.asarray(out.tokens_RxN)
   mask = np.asarray(out.mask_RxN)
@@ -253,6 +253,46 @@ def test_one_step_samples_follow_softmax_at_tau(tiny):
   hist = np.bincount(np.asarray(out.tokens_RxN)[:, 0], minlength=CFG.vocab_size)
   assert hist[np.setdiff1d(np.arange(CFG.vocab_size), inside)].sum() == 0
   assert 2 <= len(inside) < CFG.vocab_size // 2
+  stat, df = _chi2(hist[inside], probs[inside] / probs[inside].sum(), rows)
+  assert stat < _chi2_upper(df), (stat, df)
+
+
+def _draws(fn, z_V, rows, seed):
+  """``rows`` draws of ``fn(key, z_RxV)`` for one logit vector, as a histogram over V."""
+  z_RxV = jnp.broadcast_to(jnp.asarray(z_V, jnp.float32), (rows, z_V.shape[0]))
+  return np.bincount(np.asarray(jax.jit(fn)(jax.random.key(seed), z_RxV)), minlength=z_V.shape[0])
+
+
+def test_inverse_cdf_draws_follow_softmax_across_blocks():
+  # 300 entries: two full blocks of the two-level search and a partial one (padded with weight 0),
+  # a -inf entry in each block that must never be drawn.
+  rows, v = 40_000, 300
+  z_V = np.random.default_rng(3).normal(0.0, 1.5, v)
+  z_V[[5, 130, 299]] = -np.inf
+  hist = _draws(sampler.inverse_cdf_sample, z_V, rows, seed=0)
+  assert hist[[5, 130, 299]].sum() == 0
+  probs = np.exp(_np_log_softmax(z_V))
+  stat, df = _chi2(hist, probs, rows)
+  assert stat < _chi2_upper(df), (stat, df)
+  shifted = np.exp(_np_log_softmax(np.roll(z_V, 1)))
+  assert _chi2(hist, shifted, rows)[0] > 3 * _chi2_upper(df)  # the test has power
+
+
+@pytest.mark.parametrize(
+  "scale", [6.0, 0.1]
+)  # peaked: nucleus within the top-k candidates; flat: not
+def test_nucleus_draws_stay_inside_the_nucleus(scale):
+  rows, v, top_p = 40_000, 300, 0.9
+  z_V = np.random.default_rng(4).normal(0.0, scale, v)
+  probs = np.exp(_np_log_softmax(z_V))
+  order = np.argsort(-probs)
+  inside = order[(np.cumsum(probs[order]) - probs[order]) < top_p]
+  if scale > 1:
+    assert len(inside) < sampler._NUCLEUS_CANDIDATES
+  else:
+    assert len(inside) > sampler._NUCLEUS_CANDIDATES  # the full-sort path
+  hist = _draws(lambda k, z: sampler._nucleus_sample(k, z, jnp.float32(top_p)), z_V, rows, seed=1)
+  assert hist[np.setdiff1d(np.arange(v), inside)].sum() == 0
   stat, df = _chi2(hist[inside], probs[inside] / probs[inside].sum(), rows)
   assert stat < _chi2_upper(df), (stat, df)
 

@@ -42,18 +42,82 @@ class _DecodeState:
   finished_R: Array
 
 
-def _nucleus_sample(key: Array, z_RxV: Array, top_p: Array) -> Array:
-  """Sample from softmax(z) restricted to the smallest top set whose mass reaches top_p."""
-  v = z_RxV.shape[-1]
-  ids_RxV = jax.lax.broadcasted_iota(jnp.int32, z_RxV.shape, 1)
-  neg_z_sorted_RxV, ids_sorted_RxV = jax.lax.sort_key_val(-z_RxV, ids_RxV, dimension=-1)
-  z_sorted_RxV = -neg_z_sorted_RxV
-  p_sorted_RxV = jax.nn.softmax(z_sorted_RxV, axis=-1)
-  mass_before_RxV = jnp.cumsum(p_sorted_RxV, axis=-1) - p_sorted_RxV
+# Sampling inverts the CDF of softmax(z) with one uniform per row (``inverse_cdf_sample``), where
+# ``jax.random.categorical`` adds V Gumbel noises (a threefry pass and two logs per vocabulary entry):
+# measured at 64 rows on 2 AVX2 cores, 1.9 ms of a ~13 ms decode step at vocab 2048 and 235 ms per
+# step at 151,936, against 0.2 and 21 ms. The same key therefore draws other tokens than
+# categorical would; the distribution is the same (chi-square tests in tests/test_sampler.py).
+_CDF_BLOCK = 128  # vocabulary entries per block of the two-level search
+_NUCLEUS_CANDIDATES = 64  # top-k tokens the nucleus is looked for in before a full sort
+
+
+def _invert(cdf_RxK: Array, u_R: Array, weight_RxK: Array) -> Array:
+  """Index of the first entry whose cumulative weight exceeds u, per row: the entry whose CDF
+  interval holds u. Rounding can leave u at or past the last cumulative value; then the last entry
+  with weight is taken, so an entry of weight 0 (a -inf logit, padding) is never returned."""
+  k = cdf_RxK.shape[-1]
+  below_R = jnp.sum(cdf_RxK <= u_R[:, None], axis=-1, dtype=jnp.int32)
+  last_with_weight_R = k - 1 - jnp.argmax(weight_RxK[:, ::-1] > 0, axis=-1).astype(jnp.int32)
+  return jnp.minimum(below_R, last_with_weight_R)
+
+
+def inverse_cdf_sample(key: Array, z_RxV: Array) -> Array:
+  """One token per row from softmax(z), exactly in distribution, from one uniform per row.
+
+  Two levels keep it one pass over the vocabulary: the block of ``_CDF_BLOCK`` entries holding u
+  (a cumsum over V / 128 block masses), then the entry inside that block (a cumsum over 128).
+  Weights are exp(z - max z), unnormalised: u is drawn on [0, total weight).
+  """
+  r, v = z_RxV.shape
+  blocks = -(-v // _CDF_BLOCK)
+  w_RxV = jnp.exp(z_RxV - jnp.max(z_RxV, axis=-1, keepdims=True))  # 0 where z = -inf
+  w_RxNxC = jnp.pad(w_RxV, ((0, 0), (0, blocks * _CDF_BLOCK - v))).reshape(r, blocks, -1)
+  mass_RxN = jnp.sum(w_RxNxC, axis=-1)
+  cdf_RxN = jnp.cumsum(mass_RxN, axis=-1)
+  u_R = jax.random.uniform(key, (r,), jnp.float32) * cdf_RxN[:, -1]
+  block_R = _invert(cdf_RxN, u_R, mass_RxN)
+  before_R = jnp.where(
+    block_R > 0, jnp.take_along_axis(cdf_RxN, jnp.maximum(block_R - 1, 0)[:, None], -1)[:, 0], 0.0
+  )
+  w_RxC = jnp.take_along_axis(w_RxNxC, block_R[:, None, None], axis=1)[:, 0]
+  within_R = _invert(jnp.cumsum(w_RxC, axis=-1), u_R - before_R, w_RxC)
+  return block_R * _CDF_BLOCK + within_R
+
+
+def _sample_sorted_nucleus(key, z_sorted_RxK, ids_sorted_RxK, p_sorted_RxK, top_p) -> Array:
+  """Sample among the most likely tokens (sorted by probability, ``p_sorted`` normalised over the
+  full vocabulary) the smallest top set whose mass reaches top_p."""
+  mass_before_RxK = jnp.cumsum(p_sorted_RxK, axis=-1) - p_sorted_RxK
   # The most likely token is always kept, so top_p -> 0 degrades to greedy, never to nothing.
-  keep_RxV = (mass_before_RxV < top_p) | (jnp.arange(v) == 0)
-  rank_R = jax.random.categorical(key, jnp.where(keep_RxV, z_sorted_RxV, -jnp.inf), axis=-1)
-  return jnp.take_along_axis(ids_sorted_RxV, rank_R[:, None], axis=-1)[:, 0]
+  keep_RxK = (mass_before_RxK < top_p) | (jnp.arange(z_sorted_RxK.shape[-1]) == 0)
+  rank_R = inverse_cdf_sample(key, jnp.where(keep_RxK, z_sorted_RxK, -jnp.inf))
+  return jnp.take_along_axis(ids_sorted_RxK, rank_R[:, None], axis=-1)[:, 0]
+
+
+def _nucleus_sample(key: Array, z_RxV: Array, top_p: Array) -> Array:
+  """Sample from softmax(z) restricted to the smallest top set whose mass reaches top_p.
+
+  The nucleus is looked for among the top ``_NUCLEUS_CANDIDATES`` tokens (``lax.top_k``: 1.2 ms
+  at 64 rows x 2048, 18 ms at 151,936, where sorting the vocabulary takes 25 ms and 2.8 s); when
+  their mass falls short of top_p in some row (a flat distribution) the step sorts the whole
+  vocabulary instead. Either way the kept set is the same top set.
+  """
+  v = z_RxV.shape[-1]
+  z_top_RxC, ids_top_RxC = jax.lax.top_k(z_RxV, min(v, _NUCLEUS_CANDIDATES))
+  p_top_RxC = jnp.exp(z_top_RxC - jax.nn.logsumexp(z_RxV, axis=-1, keepdims=True))
+
+  def full_sort():
+    ids_RxV = jax.lax.broadcasted_iota(jnp.int32, z_RxV.shape, 1)
+    neg_z_sorted_RxV, ids_sorted_RxV = jax.lax.sort_key_val(-z_RxV, ids_RxV, dimension=-1)
+    z_sorted_RxV = -neg_z_sorted_RxV
+    p_sorted_RxV = jax.nn.softmax(z_sorted_RxV, axis=-1)
+    return _sample_sorted_nucleus(key, z_sorted_RxV, ids_sorted_RxV, p_sorted_RxV, top_p)
+
+  return jax.lax.cond(
+    jnp.all(jnp.sum(p_top_RxC, axis=-1) >= top_p),
+    lambda: _sample_sorted_nucleus(key, z_top_RxC, ids_top_RxC, p_top_RxC, top_p),
+    full_sort,
+  )
 
 
 def _choose(key: Array, logits_RxV: Array, tau: Array, top_p: Array, greedy: bool) -> Array:
@@ -61,11 +125,11 @@ def _choose(key: Array, logits_RxV: Array, tau: Array, top_p: Array, greedy: boo
   if greedy:
     return jnp.argmax(logits_RxV, axis=-1).astype(jnp.int32)
   z_RxV = logits_RxV / tau
-  # top_p = 1 skips the per-step sort; the cumsum can also round just past 1 and drop tail tokens.
+  # top_p = 1 skips the nucleus search; its cumsum can also round just past 1 and drop tail tokens.
   return jax.lax.cond(
     top_p < 1.0,
     lambda: _nucleus_sample(key, z_RxV, top_p),
-    lambda: jax.random.categorical(key, z_RxV, axis=-1).astype(jnp.int32),
+    lambda: inverse_cdf_sample(key, z_RxV),
   )
 
 
