@@ -278,19 +278,21 @@ def test_inverse_cdf_draws_follow_softmax_across_blocks():
   assert _chi2(hist, shifted, rows)[0] > 3 * _chi2_upper(df)  # the test has power
 
 
-@pytest.mark.parametrize(
-  "scale", [6.0, 0.1]
-)  # peaked: nucleus within the top-k candidates; flat: not
-def test_nucleus_draws_stay_inside_the_nucleus(scale):
-  rows, v, top_p = 40_000, 300, 0.9
+# (vocabulary, logit scale, the path that finds the nucleus): peaked, the first top-k tier holds
+# it; flatter, the second tier; flat, no tier does and the vocabulary is sorted.
+NUCLEUS_PATHS = [(300, 6.0, "top-64"), (2048, 2.0, "top-1024"), (300, 0.1, "sort")]
+
+
+@pytest.mark.parametrize("v, scale, path", NUCLEUS_PATHS)
+def test_nucleus_draws_stay_inside_the_nucleus(v, scale, path):
+  rows, top_p = 40_000, 0.9
   z_V = np.random.default_rng(4).normal(0.0, scale, v)
   probs = np.exp(_np_log_softmax(z_V))
   order = np.argsort(-probs)
   inside = order[(np.cumsum(probs[order]) - probs[order]) < top_p]
-  if scale > 1:
-    assert len(inside) < sampler._NUCLEUS_CANDIDATES
-  else:
-    assert len(inside) > sampler._NUCLEUS_CANDIDATES  # the full-sort path
+  tiers = [t for t in sampler._NUCLEUS_CANDIDATES if t < v]
+  holds = [f"top-{t}" for t in tiers if len(inside) <= t]
+  assert path == (holds[0] if holds else "sort"), (len(inside), tiers)
   hist = _draws(lambda k, z: sampler._nucleus_sample(k, z, jnp.float32(top_p)), z_V, rows, seed=1)
   assert hist[np.setdiff1d(np.arange(v), inside)].sum() == 0
   stat, df = _chi2(hist[inside], probs[inside] / probs[inside].sum(), rows)
