@@ -14,6 +14,8 @@ Shape letters (suffixes such as ``tokens_RxN``), each with one meaning:
   M  sequential row chunks (micro-batches)                  X  rows in one such chunk (R / M)
   W  a controller's window (ring buffer of the last W values)
   Z  queries in one attention block                         Y  attention blocks (T / Z)
+  I  entries one sampling search runs over (a CDF block, top-k candidates)
+  O  blocks of the vocabulary in the sampler's two-level CDF (V / I)
 
 Every pytree here is a frozen dataclass registered with ``jax.tree_util.register_dataclass``;
 update with ``dataclasses.replace``.

@@ -51,13 +51,13 @@ _CDF_BLOCK = 128  # vocabulary entries per block of the two-level search
 _NUCLEUS_CANDIDATES = (64, 1024)  # top-k tiers the nucleus is looked for in before a sort
 
 
-def _invert(cdf_RxK: Array, u_R: Array, weight_RxK: Array) -> Array:
+def _invert(cdf_RxI: Array, u_R: Array, weight_RxI: Array) -> Array:
   """Index of the first entry whose cumulative weight exceeds u, per row: the entry whose CDF
   interval holds u. Rounding can leave u at or past the last cumulative value; then the last entry
   with weight is taken, so an entry of weight 0 (a -inf logit, padding) is never returned."""
-  k = cdf_RxK.shape[-1]
-  below_R = jnp.sum(cdf_RxK <= u_R[:, None], axis=-1, dtype=jnp.int32)
-  last_with_weight_R = k - 1 - jnp.argmax(weight_RxK[:, ::-1] > 0, axis=-1).astype(jnp.int32)
+  i = cdf_RxI.shape[-1]
+  below_R = jnp.sum(cdf_RxI <= u_R[:, None], axis=-1, dtype=jnp.int32)
+  last_with_weight_R = i - 1 - jnp.argmax(weight_RxI[:, ::-1] > 0, axis=-1).astype(jnp.int32)
   return jnp.minimum(below_R, last_with_weight_R)
 
 
@@ -71,27 +71,27 @@ def inverse_cdf_sample(key: Array, z_RxV: Array) -> Array:
   r, v = z_RxV.shape
   blocks = -(-v // _CDF_BLOCK)
   w_RxV = jnp.exp(z_RxV - jnp.max(z_RxV, axis=-1, keepdims=True))  # 0 where z = -inf
-  w_RxNxC = jnp.pad(w_RxV, ((0, 0), (0, blocks * _CDF_BLOCK - v))).reshape(r, blocks, -1)
-  mass_RxN = jnp.sum(w_RxNxC, axis=-1)
-  cdf_RxN = jnp.cumsum(mass_RxN, axis=-1)
-  u_R = jax.random.uniform(key, (r,), jnp.float32) * cdf_RxN[:, -1]
-  block_R = _invert(cdf_RxN, u_R, mass_RxN)
+  w_RxOxI = jnp.pad(w_RxV, ((0, 0), (0, blocks * _CDF_BLOCK - v))).reshape(r, blocks, -1)
+  mass_RxO = jnp.sum(w_RxOxI, axis=-1)
+  cdf_RxO = jnp.cumsum(mass_RxO, axis=-1)
+  u_R = jax.random.uniform(key, (r,), jnp.float32) * cdf_RxO[:, -1]
+  block_R = _invert(cdf_RxO, u_R, mass_RxO)
   before_R = jnp.where(
-    block_R > 0, jnp.take_along_axis(cdf_RxN, jnp.maximum(block_R - 1, 0)[:, None], -1)[:, 0], 0.0
+    block_R > 0, jnp.take_along_axis(cdf_RxO, jnp.maximum(block_R - 1, 0)[:, None], -1)[:, 0], 0.0
   )
-  w_RxC = jnp.take_along_axis(w_RxNxC, block_R[:, None, None], axis=1)[:, 0]
-  within_R = _invert(jnp.cumsum(w_RxC, axis=-1), u_R - before_R, w_RxC)
+  w_RxI = jnp.take_along_axis(w_RxOxI, block_R[:, None, None], axis=1)[:, 0]
+  within_R = _invert(jnp.cumsum(w_RxI, axis=-1), u_R - before_R, w_RxI)
   return block_R * _CDF_BLOCK + within_R
 
 
-def _sample_sorted_nucleus(key, z_sorted_RxK, ids_sorted_RxK, p_sorted_RxK, top_p) -> Array:
+def _sample_sorted_nucleus(key, z_sorted_RxI, ids_sorted_RxI, p_sorted_RxI, top_p) -> Array:
   """Sample among the most likely tokens (sorted by probability, ``p_sorted`` normalised over the
   full vocabulary) the smallest top set whose mass reaches top_p."""
-  mass_before_RxK = jnp.cumsum(p_sorted_RxK, axis=-1) - p_sorted_RxK
+  mass_before_RxI = jnp.cumsum(p_sorted_RxI, axis=-1) - p_sorted_RxI
   # The most likely token is always kept, so top_p -> 0 degrades to greedy, never to nothing.
-  keep_RxK = (mass_before_RxK < top_p) | (jnp.arange(z_sorted_RxK.shape[-1]) == 0)
-  rank_R = inverse_cdf_sample(key, jnp.where(keep_RxK, z_sorted_RxK, -jnp.inf))
-  return jnp.take_along_axis(ids_sorted_RxK, rank_R[:, None], axis=-1)[:, 0]
+  keep_RxI = (mass_before_RxI < top_p) | (jnp.arange(z_sorted_RxI.shape[-1]) == 0)
+  rank_R = inverse_cdf_sample(key, jnp.where(keep_RxI, z_sorted_RxI, -jnp.inf))
+  return jnp.take_along_axis(ids_sorted_RxI, rank_R[:, None], axis=-1)[:, 0]
 
 
 def _nucleus_sample(key: Array, z_RxV: Array, top_p: Array) -> Array:
@@ -115,11 +115,11 @@ def _nucleus_sample(key: Array, z_RxV: Array, top_p: Array) -> Array:
   def among_top(tiers):
     if not tiers or tiers[0] >= v:
       return full_sort()
-    z_top_RxC, ids_top_RxC = jax.lax.top_k(z_RxV, tiers[0])
-    p_top_RxC = jnp.exp(z_top_RxC - log_norm_Rx1)
+    z_top_RxI, ids_top_RxI = jax.lax.top_k(z_RxV, tiers[0])
+    p_top_RxI = jnp.exp(z_top_RxI - log_norm_Rx1)
     return jax.lax.cond(
-      jnp.all(jnp.sum(p_top_RxC, axis=-1) >= top_p),
-      lambda: _sample_sorted_nucleus(key, z_top_RxC, ids_top_RxC, p_top_RxC, top_p),
+      jnp.all(jnp.sum(p_top_RxI, axis=-1) >= top_p),
+      lambda: _sample_sorted_nucleus(key, z_top_RxI, ids_top_RxI, p_top_RxI, top_p),
       lambda: among_top(tiers[1:]),
     )
 
