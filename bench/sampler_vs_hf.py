@@ -168,12 +168,7 @@ def main(argv=None):
         f"  {side:5s} {r['s_median']:.3f} s/batch  {r['new_tokens_per_s']:,.0f} new tokens/s  "
         f"peak RSS {r['peak_rss_gib']:.1f} GiB"
       )
-  if "ratio_pairs" in result:
-    pairs = result["ratio_pairs"]
-    print(f"  pairwise ratios {pairs[0]:.2f}–{pairs[-1]:.2f}")
-  side_by_side.append_jsonl(args.out, result)
-  if "ratio" in result:
-    print(f"ratio {result['ratio']:.3f}")
+  side_by_side.finish(result, args.out)
 
 
 if __name__ == "__main__":

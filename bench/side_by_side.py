@@ -170,3 +170,14 @@ def append_jsonl(path: str | None, record: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a") as f:
       f.write(json.dumps(record) + "\n")
+
+
+def finish(result: dict, out: str | None) -> None:
+  """The end of a comparison: the pairwise ratio range, the JSON line appended to ``out``, and
+  ``ratio R`` as the last line printed (when both sides ran)."""
+  if "ratio_pairs" in result:
+    pairs = result["ratio_pairs"]
+    print(f"  pairwise ratios {pairs[0]:.2f}–{pairs[-1]:.2f}")
+  append_jsonl(out, result)
+  if "ratio" in result:
+    print(f"ratio {result['ratio']:.3f}")

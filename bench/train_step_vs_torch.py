@@ -235,11 +235,7 @@ def main(argv=None):
       f"{r['gflops']:.0f} GFLOP/s = {100 * r['frac_of_own_peak']:.0f}% of its library's matmul "
       f"peak ({r['matmul_peak_gflops']:.0f})  peak RSS {r['peak_rss_gib']:.1f} GiB"
     )
-  if "ratio_pairs" in result:
-    pairs = result["ratio_pairs"]
-    print(f"  pairwise ratios {pairs[0]:.2f}–{pairs[-1]:.2f}")
-  side_by_side.append_jsonl(args.out, result)
-  print(f"ratio {result['ratio']:.3f}")
+  side_by_side.finish(result, args.out)
 
 
 if __name__ == "__main__":
