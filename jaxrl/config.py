@@ -19,6 +19,7 @@ KLEstimator = Literal["k1", "k2", "k3"]
 # ALGORITHMS.md §9; auto = tis for rollout.engine=vllm, none for the JAX sampler
 BehaviourCorrection = Literal["auto", "none", "tis", "mis", "seq-mis"]
 Remat = Literal["none", "full", "dots", "offload"]
+LoraTarget = Literal["q", "k", "v", "o", "gate", "up", "down"]  # projections an adapter sits on
 Dtype = Literal["float32", "bfloat16"]
 Engine = Literal["jax", "vllm"]
 WeightTransfer = Literal["files", "nccl"]
@@ -39,6 +40,33 @@ class ConfigError(ValueError):
 def _need(ok: bool, field: str, message: str) -> None:
   if not ok:
     raise ConfigError(field, message)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSection:
+  """LoRA adapters trained in RL instead of the whole model (``rank`` 0: full fine-tuning).
+
+  The base weights stay frozen (no gradients, no optimizer state); the KL reference is the base
+  (adapters switched off); checkpoints hold the adapters and their optimizer state; a vLLM
+  sidecar receives the adapter, or the merged weights (``vllm.lora_sync``)."""
+
+  rank: int = 0
+  alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
+  targets: str = "q,k,v,o,gate,up,down"  # comma-separated projections carrying an adapter
+
+  def target_names(self) -> tuple[str, ...]:
+    return tuple(t.strip() for t in self.targets.split(",") if t.strip())
+
+  def check(self) -> None:
+    _need(self.rank >= 0, "model.lora.rank", f"must be >= 0 (0 = off), got {self.rank}")
+    _need(self.alpha > 0, "model.lora.alpha", f"must be > 0, got {self.alpha}")
+    names = self.target_names()
+    unknown = sorted(set(names) - set(typing.get_args(LoraTarget)))
+    _need(
+      bool(names) and not unknown,
+      "model.lora.targets",
+      f"{self.targets!r}: each target must be one of {', '.join(typing.get_args(LoraTarget))}",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +97,10 @@ class ModelSection:
   # or one planned with --plan before its weights are downloaded).
   checkpoint: str = ""  # HF directory, or a Hub id ORG/NAME[@REVISION] (through the HF cache)
   hub_id: str = ""  # where to download ``checkpoint`` from, for the error message
+  lora: LoraSection = LoraSection()
 
   def check(self) -> None:
+    self.lora.check()
     _need(
       self.num_heads % max(self.num_kv_heads, 1) == 0 and self.num_kv_heads > 0,
       "model.num_kv_heads",

@@ -8,11 +8,18 @@ not downloaded yet, so the big configs carry their checkpoint's architecture too
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from jaxrl.config import Config, ConfigError
 from jaxrl.nn import hf_config
 from jaxrl.nn.model import ModelConfig
+
+
+def lora_fields(cfg: Config) -> dict:
+  """The LoRA adapters the run trains (``model.lora``; rank 0: none)."""
+  lo = cfg.model.lora
+  return dict(lora_rank=lo.rank, lora_alpha=lo.alpha, lora_targets=lo.target_names())
 
 
 def execution_fields(cfg: Config) -> dict:
@@ -44,6 +51,7 @@ def from_section(cfg: Config, vocab_size: int = 0) -> ModelConfig:
     qk_norm=m.qk_norm,
     tie_embeddings=m.tie_embeddings,
     **execution_fields(cfg),
+    **lora_fields(cfg),
   )
 
 
@@ -72,6 +80,7 @@ def model_config(cfg: Config, vocab_size: int = 0) -> ModelConfig:
   if error is not None:
     raise error
   try:
-    return hf_config.load_model_config(cfg.model.checkpoint, **execution_fields(cfg))
+    base = hf_config.load_model_config(cfg.model.checkpoint, **execution_fields(cfg))
   except ValueError as e:
     raise ConfigError("model.checkpoint", str(e)) from None
+  return dataclasses.replace(base, **lora_fields(cfg))

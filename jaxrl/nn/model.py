@@ -31,12 +31,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.config import Remat
+from jaxrl.config import LoraTarget, Remat
 from jaxrl.parallel.sharding import activation_mesh, constrain
 from jaxrl.types import Array, pytree_dataclass
 
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16")
+LORA_TARGETS = typing.get_args(LoraTarget)  # ``ModelConfig.lora_targets``: projections' short names
 
 
 def _remat_policy(name: str):
@@ -90,6 +91,13 @@ class ModelConfig:
   # Architecture: the longest context the checkpoint declares (HF max_position_embeddings); only
   # carried through to the exported config.json, never used in the computation.
   max_position_embeddings: int = 32768
+  # LoRA (Hu et al., 2021): rank r > 0 adds y += (alpha / r) · x A B on each target projection,
+  # A [in, r] and B [r, out] float32 params named ``<proj>_lora_a`` / ``<proj>_lora_b`` beside the
+  # kernel; B starts at zero, so a fresh adapter computes the base model exactly (``jaxrl.nn.lora``
+  # splits them from the base for training, checkpoints and export).
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] = LORA_TARGETS
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -105,6 +113,12 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.attention_block={self.attention_block} must be >= 1")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"ModelConfig.remat={self.remat!r} is not one of {REMAT_POLICIES}")
+    unknown = set(self.lora_targets) - set(LORA_TARGETS)
+    if self.lora_rank < 0 or unknown:
+      raise ValueError(
+        f"LoRA rank {self.lora_rank} must be >= 0 and targets {self.lora_targets} among "
+        f"{LORA_TARGETS}"
+      )
     if self.rope_type not in ROPE_TYPES:
       raise ValueError(f"ModelConfig.rope_type={self.rope_type!r} is not one of {ROPE_TYPES}")
     if self.rope_type != "default" and self.rope_factor <= 0:
@@ -173,6 +187,29 @@ def _const(cfg: ModelConfig, value: float, shape, axes) -> nnx.Param:
   return nnx.Param(jnp.full(shape, value, cfg.param_dtype), logical_axes=axes)
 
 
+def _add_adapter(module: nnx.Module, cfg: ModelConfig, rngs: nnx.Rngs, proj: str, axes) -> None:
+  """``<proj>_lora_a`` [in, r] and ``<proj>_lora_b`` [r, out] on ``module`` when ``proj`` (e.g.
+  "q_proj") is a LoRA target. A is uniform(±1/sqrt(in)) as in PEFT, drawn from the ``lora``
+  stream (so the base weights of a seed do not depend on the rank); B is zero. Both float32
+  whatever ``param_dtype`` (their AdamW moments too: the updates are small next to the base)."""
+  if not cfg.lora_rank or proj.removesuffix("_proj") not in cfg.lora_targets:
+    return
+  d_in, d_out = getattr(module, proj).shape
+  bound = d_in**-0.5
+  a = jax.random.uniform(rngs.lora(), (d_in, cfg.lora_rank), jnp.float32, -bound, bound)
+  setattr(module, f"{proj}_lora_a", nnx.Param(a, logical_axes=(axes[0], "lora")))
+  b = jnp.zeros((cfg.lora_rank, d_out), jnp.float32)
+  setattr(module, f"{proj}_lora_b", nnx.Param(b, logical_axes=("lora", axes[1])))
+
+
+def _adapter(module: nnx.Module, cfg: ModelConfig, proj: str):
+  """(A, B, alpha / r) of ``proj``'s adapter, or None without one."""
+  a = getattr(module, f"{proj}_lora_a", None)
+  if a is None:
+    return None
+  return a[...], getattr(module, f"{proj}_lora_b")[...], cfg.lora_alpha / cfg.lora_rank
+
+
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
   """HF-style RMSNorm: normalise in float32, scale, cast back."""
   x32 = x.astype(jnp.float32)
@@ -180,8 +217,9 @@ def rms_norm(x: Array, weight: Array, eps: float) -> Array:
   return (weight.astype(jnp.float32) * x32).astype(x.dtype)
 
 
-def dense(x_BxTxD: Array, kernel_DxF: Array) -> Array:
-  """``x @ kernel`` as one 2-D matmul over the flattened rows: [B·T, D] @ [D, F] -> [B, T, F].
+def dense(x_BxTxD: Array, kernel_DxF: Array, adapter=None) -> Array:
+  """``x @ kernel`` as one 2-D matmul over the flattened rows: [B·T, D] @ [D, F] -> [B, T, F];
+  with ``adapter`` = (A [D, r], B [r, F], scale), plus scale · (x A) B in the compute dtype.
 
   Why 2-D: with [B, T, D] activations XLA CPU differentiates the kernel as a dot contracting two
   dims (B and T) and first copies the [B, T, F] cotangent and the activations into transposed
@@ -191,6 +229,10 @@ def dense(x_BxTxD: Array, kernel_DxF: Array) -> Array:
   """
   rows_UxD = x_BxTxD.reshape(-1, x_BxTxD.shape[-1])
   y_UxF = rows_UxD @ kernel_DxF.astype(x_BxTxD.dtype)
+  if adapter is not None:
+    a_DxR, b_RxF, scale = adapter
+    low_UxR = rows_UxD @ a_DxR.astype(x_BxTxD.dtype)
+    y_UxF = y_UxF + (low_UxR @ b_RxF.astype(x_BxTxD.dtype)) * jnp.asarray(scale, y_UxF.dtype)
   return y_UxF.reshape(*x_BxTxD.shape[:-1], kernel_DxF.shape[-1])
 
 
@@ -317,6 +359,13 @@ class Attention(nnx.Module):
     self.k_proj = _param(cfg, rngs, (d, k * e), ("embed", "kv_heads"))
     self.v_proj = _param(cfg, rngs, (d, k * e), ("embed", "kv_heads"))
     self.o_proj = _param(cfg, rngs, (h * e, d), ("heads", "embed"))
+    for proj, axes in (
+      ("q_proj", ("embed", "heads")),
+      ("k_proj", ("embed", "kv_heads")),
+      ("v_proj", ("embed", "kv_heads")),
+      ("o_proj", ("heads", "embed")),
+    ):
+      _add_adapter(self, cfg, rngs, proj, axes)
     if cfg.qkv_bias:
       self.q_bias = _const(cfg, 0.0, (h * e,), ("heads",))
       self.k_bias = _const(cfg, 0.0, (k * e,), ("kv_heads",))
@@ -325,9 +374,9 @@ class Attention(nnx.Module):
       self.q_norm = _const(cfg, 1.0, (e,), ("norm",))
       self.k_norm = _const(cfg, 1.0, (e,), ("norm",))
 
-  def _project(self, x, kernel, bias_name, heads):
+  def _project(self, x, proj, bias_name, heads):
     cfg = self.cfg
-    y = dense(x, kernel[...])
+    y = dense(x, getattr(self, proj)[...], _adapter(self, cfg, proj))
     if cfg.qkv_bias:
       y = y + getattr(self, bias_name)[...].astype(x.dtype)
     y = y.reshape(*x.shape[:2], heads, cfg.head_dim)
@@ -337,9 +386,9 @@ class Attention(nnx.Module):
     """Attend from T new tokens (slots start..start+T-1) to all S cache slots (or the T tokens)."""
     cfg = self.cfg
     b, t, _ = x_BxTxD.shape
-    q = self._project(x_BxTxD, self.q_proj, "q_bias", cfg.num_heads)
-    k = self._project(x_BxTxD, self.k_proj, "k_bias", cfg.num_kv_heads)
-    v = self._project(x_BxTxD, self.v_proj, "v_bias", cfg.num_kv_heads)
+    q = self._project(x_BxTxD, "q_proj", "q_bias", cfg.num_heads)
+    k = self._project(x_BxTxD, "k_proj", "k_bias", cfg.num_kv_heads)
+    v = self._project(x_BxTxD, "v_proj", "v_bias", cfg.num_kv_heads)
     if cfg.qk_norm:
       q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
       k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
@@ -362,7 +411,7 @@ class Attention(nnx.Module):
     out = constrain(
       out.reshape(b, t, cfg.num_heads * cfg.head_dim), "batch", "act_seq", "act_heads"
     )
-    out = dense(out, self.o_proj[...])
+    out = dense(out, self.o_proj[...], _adapter(self, cfg, "o_proj"))
     return constrain(out, "batch", "act_seq", "act_embed"), cache
 
 
@@ -370,15 +419,25 @@ class MLP(nnx.Module):
   """SwiGLU feed-forward block."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
     d, f = cfg.hidden_size, cfg.intermediate_size
     self.gate_proj = _param(cfg, rngs, (d, f), ("embed", "mlp"))
     self.up_proj = _param(cfg, rngs, (d, f), ("embed", "mlp"))
     self.down_proj = _param(cfg, rngs, (f, d), ("mlp", "embed"))
+    for proj, axes in (
+      ("gate_proj", ("embed", "mlp")),
+      ("up_proj", ("embed", "mlp")),
+      ("down_proj", ("mlp", "embed")),
+    ):
+      _add_adapter(self, cfg, rngs, proj, axes)
+
+  def _dense(self, x, proj):
+    return dense(x, getattr(self, proj)[...], _adapter(self, self.cfg, proj))
 
   def __call__(self, x_BxTxD):
-    gate_BxTxF = constrain(dense(x_BxTxD, self.gate_proj[...]), "batch", "act_seq", "act_mlp")
-    up_BxTxF = constrain(dense(x_BxTxD, self.up_proj[...]), "batch", "act_seq", "act_mlp")
-    out = dense(jax.nn.silu(gate_BxTxF) * up_BxTxF, self.down_proj[...])
+    gate_BxTxF = constrain(self._dense(x_BxTxD, "gate_proj"), "batch", "act_seq", "act_mlp")
+    up_BxTxF = constrain(self._dense(x_BxTxD, "up_proj"), "batch", "act_seq", "act_mlp")
+    out = self._dense(jax.nn.silu(gate_BxTxF) * up_BxTxF, "down_proj")
     return constrain(out, "batch", "act_seq", "act_embed")
 
 
@@ -485,14 +544,15 @@ class Decoder(nnx.Module):
 
 def create(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
   """Randomly initialised model, split into (graphdef, params)."""
-  model = Decoder(cfg, nnx.Rngs(params=seed))
+  # LoRA's A draws from its own stream: a seed's base weights are the same at every rank.
+  model = Decoder(cfg, nnx.Rngs(params=seed, lora=jax.random.fold_in(jax.random.key(seed), 1)))
   graphdef, params = nnx.split(model, nnx.Param)
   return graphdef, params
 
 
 def abstract(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
   """(graphdef, params of ShapeDtypeStructs): a model plan without allocating weights."""
-  model = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(params=0)))
+  model = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(params=0, lora=0)))
   return nnx.split(model, nnx.Param)
 
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxrl.config import Config
+from jaxrl.nn import lora
 from jaxrl.parallel import sharding
 from jaxrl.rl import losses, optim, step
 from jaxrl.types import TrainState
@@ -92,30 +93,47 @@ class ForgetConfig:
     return cls(cfg.loss.logprob_chunk, e.lr, e.eps_l, e.eps_r)
 
 
-def train_state_shardings(tx: optax.GradientTransformation, abstract_params, mesh):
-  """Shardings of a ``TrainState``: params by logical axes, optimizer moments like their params."""
+def train_state_shardings(
+  tx: optax.GradientTransformation, abstract_params, mesh, trainable: lora.Trainable = "all"
+):
+  """Shardings of a ``TrainState``: params by logical axes, optimizer moments like their params
+  (moments exist for the ``trainable`` part only)."""
+  trained = lora.partition(abstract_params, trainable)[0]
   return TrainState(
     step=sharding.replicated(mesh),
     params=sharding.tree_shardings(abstract_params, mesh),
-    opt_state=sharding.tree_shardings(jax.eval_shape(tx.init, abstract_params), mesh),
+    opt_state=sharding.tree_shardings(jax.eval_shape(tx.init, trained), mesh),
   )
 
 
 class Programs:
-  """The jitted programs of one run (or one SFT warm start) on one mesh."""
+  """The jitted programs of one run (or one SFT warm start) on one mesh.
 
-  def __init__(self, graphdef, abstract_params, mesh, tx: optax.GradientTransformation):
+  ``trainable`` (``lora.Trainable``) is what every update and EEPO's forgetting step move: the
+  RL run's is ``lora.policy_trainable`` (the adapters of a LoRA model, else everything); a LoRA
+  run's SFT warm start trains the base ("base")."""
+
+  def __init__(
+    self,
+    graphdef,
+    abstract_params,
+    mesh,
+    tx: optax.GradientTransformation,
+    trainable: lora.Trainable = "all",
+  ):
     self.graphdef = graphdef
     self.mesh = mesh
     self.tx = tx
-    self.state_shardings = train_state_shardings(tx, abstract_params, mesh)
+    self.trainable = trainable
+    self.state_shardings = train_state_shardings(tx, abstract_params, mesh, trainable)
     self.param_shardings = self.state_shardings.params
     self._built: dict[tuple, object] = {}
 
   @classmethod
   def for_run(cls, cfg: Config, graphdef, abstract_params, mesh) -> Programs:
     """The RL run's programs: its optimizer is ``optim`` of the config."""
-    return cls(graphdef, abstract_params, mesh, optim.from_config(cfg.optim))
+    trainable = lora.policy_trainable(abstract_params)
+    return cls(graphdef, abstract_params, mesh, optim.from_config(cfg.optim), trainable)
 
   def _once(self, key: tuple, build):
     if key not in self._built:
@@ -128,7 +146,8 @@ class Programs:
     return self._once(
       ("init_state",),
       lambda: jax.jit(
-        functools.partial(step.init_state, tx=self.tx), out_shardings=self.state_shardings
+        functools.partial(step.init_state, tx=self.tx, trainable=self.trainable),
+        out_shardings=self.state_shardings,
       ),
     )
 
@@ -138,7 +157,9 @@ class Programs:
     return self._once(
       ("update", step_cfg),
       lambda: jax.jit(
-        functools.partial(step.rl_update, self.graphdef, self.tx, step_cfg),
+        functools.partial(
+          step.rl_update, self.graphdef, self.tx, step_cfg, trainable=self.trainable
+        ),
         donate_argnums=(0,),
         out_shardings=(self.state_shardings, None),
       ),
@@ -149,7 +170,7 @@ class Programs:
     return self._once(
       ("sft_update", chunk),
       lambda: jax.jit(
-        functools.partial(step.sft_update, self.graphdef, self.tx, chunk),
+        functools.partial(step.sft_update, self.graphdef, self.tx, chunk, trainable=self.trainable),
         donate_argnums=(0,),
         out_shardings=(self.state_shardings, None),
       ),
@@ -178,6 +199,7 @@ class Programs:
           lr=fc.lr,
           eps_l=fc.eps_l,
           eps_r=fc.eps_r,
+          trainable=self.trainable,
         ),
         out_shardings=(self.param_shardings, None),
         static_argnames=("micro",),

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrl.nn import model
+from jaxrl.nn import lora, model
 from jaxrl.nn.logprobs import fused_log1m_p, fused_logprobs_entropy
 from jaxrl.rl import losses
 from jaxrl.types import Array, Rollouts, TrainState, pytree_dataclass
@@ -131,11 +131,32 @@ def accumulate(value_and_grad, rows, micro: int):
   return total
 
 
-def apply_update(tx: optax.GradientTransformation, state: TrainState, grads) -> TrainState:
-  """One optimizer step: the transformed gradients applied to the params, the step counted."""
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
+def apply_update(
+  tx: optax.GradientTransformation, state: TrainState, grads, trainable: lora.Trainable = "all"
+) -> TrainState:
+  """One optimizer step: the transformed gradients (of the ``trainable`` part of the params, as
+  ``lora.partition`` splits them) applied to that part, the step counted."""
+  trained, frozen = lora.partition(state.params, trainable)
+  updates, opt_state = tx.update(grads, state.opt_state, trained)
+  params = lora.combine(optax.apply_updates(trained, updates), frozen)
   return dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state)
+
+
+def _grad_of_part(fn, trainable: lora.Trainable):
+  """``value_and_grad`` of ``fn(params, *args)`` with respect to the ``trainable`` part of
+  params only: ``(params, *args) → (value, grads of that part)``. The frozen part gets no
+  gradient at all (nothing is computed or stored for it)."""
+
+  def of_part(trained, frozen, *args):
+    return fn(lora.combine(trained, frozen), *args)
+
+  grad_fn = jax.value_and_grad(of_part, has_aux=True)
+
+  def value_and_grad(params, *args):
+    trained, frozen = lora.partition(params, trainable)
+    return grad_fn(trained, frozen, *args)
+
+  return value_and_grad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,17 +257,24 @@ def rl_update(
   batch: Rollouts,
   hp: StepHparams,
   ref_params=None,
+  *,
+  trainable: lora.Trainable = "all",
 ):
   """GRPO on one step's rollouts: ``cfg.mini_batches`` optimizer updates, each over one strided
   mini-batch of rows, each accumulating gradients over ``cfg.micro_batches`` micro-batches.
+
+  ``trainable`` (``lora.Trainable``) says which params move; the KL reference is ``ref_params``,
+  or with LoRA and none given, the policy with its adapters switched off.
 
   Each mini-batch has its own loss denominator, computed before its micro-batches, so a
   micro-batch loss is a partial sum of the mini-batch loss and the accumulated gradient equals the
   mini-batch gradient. With one mini-batch the update is on-policy (ρ = 1, the clip never binds);
   later mini-batches see ρ ≠ 1, where ε_low/ε_high act.
   """
+  if cfg.loss.use_kl and ref_params is None:
+    ref_params = lora.without_adapters(state.params)
   per_row = _row_inputs(graphdef, cfg, batch, hp, ref_params)
-  grad_fn = jax.value_and_grad(_micro_loss(graphdef, cfg, hp), has_aux=True)
+  grad_fn = _grad_of_part(_micro_loss(graphdef, cfg, hp), trainable)
 
   def one_update(state, rows):
     denom = losses.loss_denominator(rows["mask"], rows["informative"], cfg.loss)
@@ -258,7 +286,9 @@ def rl_update(
     # skipped (state unchanged, so never checkpointed) and counted; the loop decides when to stop.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     new_state = jax.tree.map(
-      lambda new, old: jnp.where(finite, new, old), apply_update(tx, state, grads), state
+      lambda new, old: jnp.where(finite, new, old),
+      apply_update(tx, state, grads, trainable),
+      state,
     )
     return new_state, dict(
       losses.finalize_metrics(metrics),
@@ -293,6 +323,8 @@ def sft_update(
   prompt_mask_BxP,
   target_ids_BxN,
   target_mask_BxN,
+  *,
+  trainable: lora.Trainable = "all",
 ):
   """One supervised step: mean negative log-likelihood of the target (completion) tokens at τ=1."""
   one = jnp.ones((), jnp.float32)
@@ -302,10 +334,11 @@ def sft_update(
       graphdef, params, prompt_ids_BxP, prompt_mask_BxP, target_ids_BxN, target_mask_BxN, one, chunk
     )
     count = jnp.maximum(jnp.sum(target_mask_BxN), 1)
-    return -jnp.sum(logp) / count
+    return -jnp.sum(logp) / count, None
 
-  loss, grads = jax.value_and_grad(nll)(state.params)
-  return apply_update(tx, state, grads), dict(loss=loss, grad_norm=optax.global_norm(grads))
+  (loss, _), grads = _grad_of_part(nll, trainable)(state.params)
+  new_state = apply_update(tx, state, grads, trainable)
+  return new_state, dict(loss=loss, grad_norm=optax.global_norm(grads))
 
 
 def eepo_forget(
@@ -322,8 +355,10 @@ def eepo_forget(
   eps_l: float,
   eps_r: float,
   micro: int = 1,
+  trainable: lora.Trainable = "all",
 ):
-  """EEPO's forgetting step on the rollout copy: θ' = θ + η·∇L, one plain SGD ascent step.
+  """EEPO's forgetting step on the rollout copy: θ' = θ + η·∇L, one plain SGD ascent step (over
+  the ``trainable`` part of θ: with LoRA, the adapters).
 
   L is the unlearning objective of ALGORITHMS.md §5 over the stage-1 responses at τ (log(1-p)
   computed stably by the fused path); no optimizer state. ``micro`` > 1 accumulates L and ∇L over
@@ -338,11 +373,15 @@ def eepo_forget(
       graphdef, p, prompt_ids, prompt_mask, response_ids, response_mask
     )
     logp, log1m_p = fused_log1m_p(hidden_RxNxD, lm_head, response_ids, tau, chunk_size=chunk)
-    return weight * losses.eepo_unlearning_loss_from_logp(
-      logp, log1m_p, response_mask, eps_l, eps_r
-    )
+    loss = losses.eepo_unlearning_loss_from_logp(logp, log1m_p, response_mask, eps_l, eps_r)
+    return weight * loss, None
 
-  grad_fn = jax.value_and_grad(objective)
+  part_grad = _grad_of_part(objective, trainable)
+
+  def grad_fn(p, rows, weight):
+    (value, _), grads = part_grad(p, rows, weight)
+    return value, grads
+
   if micro == 1:
     value, grads = grad_fn(params, rows, jnp.float32(1))
   else:
@@ -354,8 +393,11 @@ def eepo_forget(
     total = jnp.maximum(responses(response_mask_RxN), 1.0)
 
     value, grads = accumulate(lambda mb: grad_fn(params, mb, responses(mb[3]) / total), rows, micro)
-  return jax.tree.map(lambda p, g: p + lr * g, params, grads), value
+  trained, frozen = lora.partition(params, trainable)
+  return lora.combine(jax.tree.map(lambda p, g: p + lr * g, trained, grads), frozen), value
 
 
-def init_state(params, tx) -> TrainState:
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+def init_state(params, tx, trainable: lora.Trainable = "all") -> TrainState:
+  """Step 0: AdamW moments for the ``trainable`` part of the params only."""
+  moments = tx.init(lora.partition(params, trainable)[0])
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=moments)

@@ -22,6 +22,7 @@ import numpy as np
 from jaxrl.config import Config
 from jaxrl.methods.phases import Phase, phase_at
 from jaxrl.methods.policies import Methods, PolicyStates
+from jaxrl.nn import lora
 from jaxrl.parallel import distributed, sharding
 from jaxrl.rl.programs import Programs, rl_step_config, step_hparams
 from jaxrl.rl.stats import init_stats, update_stats
@@ -404,17 +405,27 @@ def _pending_tree(batch: batches.Batch) -> dict:
   return {"rollouts": fields, "gate": batch.gate}
 
 
+def _kept(train: TrainState) -> TrainState:
+  """The train state as a checkpoint keeps it (also a ``TrainState`` of shardings): a LoRA run's
+  adapters and their moments, not the frozen base, which the resumed run rebuilds as the first
+  one did (warm start or HF checkpoint); a full fine-tuning run's whole state."""
+  kept, _ = lora.partition(train.params, lora.policy_trainable(train.params))
+  return dataclasses.replace(train, params=kept)
+
+
 def save_loop(ckpt: Checkpointer, step: int, loop: LoopState, mesh) -> bool:
   """One checkpoint of the loop after ``step`` steps (asynchronous when the checkpointer is).
 
   Batches in flight are waited for and saved generated: a resumed run trains on exactly them."""
   done = [p.result() for p in loop.pending]
   tree = {
-    "state": loop.train,
+    "state": _kept(loop.train),
     "stats": _replicated_global(loop.stats, mesh),
     "policies": _replicated_global(loop.policies, mesh),
   }
   meta = {"cursor": loop.cursor.to_json(), "phase": loop.phase, "step": step}
+  if lora.has_adapters(loop.train.params):
+    meta["lora_base_fingerprint"] = lora.fingerprint(loop.train.params)
   if done:
     tree["pending"] = [_replicated_global(_pending_tree(b), mesh) for b in done]
     meta["pending"] = [
@@ -435,9 +446,9 @@ def restore_loop(
 ) -> LoopState:
   """The loop saved after ``step`` steps; ``like`` gives the structure (a fresh ``initial_loop``)."""
   rep = sharding.replicated(mesh)
-  tree = {"state": like.train, "stats": like.stats, "policies": like.policies}
+  tree = {"state": _kept(like.train), "stats": like.stats, "policies": like.policies}
   target = {
-    "state": state_shardings,
+    "state": _kept(state_shardings),
     "stats": jax.tree.map(lambda _: rep, like.stats),
     "policies": jax.tree.map(lambda _: rep, like.policies),
   }
@@ -467,4 +478,22 @@ def restore_loop(
     for p, arrays in zip(saved, tree.get("pending", []))
   )
   cursor = MixtureCursor.from_json(meta["cursor"])
-  return LoopState(tree["state"], tree["stats"], tree["policies"], cursor, meta["phase"], pending)
+  train = _with_base(tree["state"], like.train, meta, ckpt.directory)
+  return LoopState(train, tree["stats"], tree["policies"], cursor, meta["phase"], pending)
+
+
+def _with_base(restored: TrainState, like: TrainState, meta: dict, where: str) -> TrainState:
+  """A LoRA run's restored adapters on the base this run rebuilt, after checking it is the one
+  they were trained on; a full fine-tuning state as restored."""
+  if not lora.has_adapters(like.params):
+    return restored
+  saved = meta.get("lora_base_fingerprint")
+  if saved is None or not lora.same_fingerprint(saved, lora.fingerprint(like.params)):
+    raise ValueError(
+      f"{where}: the LoRA checkpoint's adapters were trained on another base model than this "
+      "run's (warm start or model.checkpoint changed?)"
+      if saved is not None
+      else f"{where}: the checkpoint has no LoRA adapters (it was written with model.lora.rank=0)"
+    )
+  _, base = lora.partition(like.params, "adapters")
+  return dataclasses.replace(restored, params=lora.combine(restored.params, base))

@@ -52,7 +52,9 @@ def warm_start(
     return tree["params"], meta
   decay = 0 if target_loss > 0 else max(steps - warmup_steps, 1)
   tx = optim.adamw(learning_rate, warmup_steps, decay_steps=decay, weight_decay=weight_decay)
-  programs = Programs(graphdef, params, mesh, tx)
+  # A LoRA model's adapters are added for RL: the warm start trains the base (B = 0 keeps the
+  # adapters out of its function).
+  programs = Programs(graphdef, params, mesh, tx, trainable="base")
   corpus = (prompt_ids_QxP, prompt_mask_QxP, target_ids_QxT, target_mask_QxT)
   t0 = time.time()
   state, done, ema = _train(

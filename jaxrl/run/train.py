@@ -21,7 +21,7 @@ from jaxrl import rng
 from jaxrl.config import Config, to_dict
 from jaxrl.methods import registry
 from jaxrl.methods.phases import run_phases
-from jaxrl.nn import arch, hf, model
+from jaxrl.nn import arch, hf, lora, model
 from jaxrl.parallel import distributed, sharding
 from jaxrl.rl.programs import Programs
 from jaxrl.rollout.build import build_engine
@@ -114,6 +114,7 @@ class Trainer:
   def init_params(self):
     """The checkpoint's weights streamed onto their shardings, or a seeded random init."""
     m = self.cfg.model
+    seed = rng.numpy_seed(self.cfg.seed, rng.INIT)
     if m.checkpoint:
       log.info("loading %s (params %s, compute %s)", m.checkpoint, m.param_dtype, m.dtype)
       _, _, params = hf.load_hf_checkpoint(
@@ -124,10 +125,13 @@ class Trainer:
         remat=m.remat,
         compute_dtype=m.dtype,
       )
+      if m.lora.rank:  # the checkpoint is the base; the adapters start fresh (B = 0)
+        adapters = lora.fresh_adapters(self.model_cfg, seed, self.param_shardings)
+        params = lora.combine(adapters, params)
       return params
 
     def init():
-      return model.create(self.model_cfg, rng.numpy_seed(self.cfg.seed, rng.INIT))[1]
+      return model.create(self.model_cfg, seed)[1]
 
     return jax.jit(init, out_shardings=self.param_shardings)()
 
@@ -255,7 +259,10 @@ class Trainer:
       collector=self.collector,
       phases=run_phases(c),
       vocab_size=self.model_cfg.vocab_size,
-      ref_params=jax.tree.map(jnp.copy, sft_params) if c.loss.kl_coef > 0 else None,
+      # With LoRA the reference is the base, i.e. the policy with its adapters off (rl_update).
+      ref_params=jax.tree.map(jnp.copy, sft_params)
+      if c.loss.kl_coef > 0 and not c.model.lora.rank
+      else None,
       compiles=self.compiles,
       rollout_pool=self._rollout_pool(),
       peak_flops=mfu.peak_flops(c.log.peak_tflops, jax.devices()[0].device_kind),

@@ -1,0 +1,247 @@
+"""LoRA: a fresh adapter computes the base model exactly; an update moves the adapters only (no
+gradient, no optimizer state, no change for any base leaf); the KL reference is the base; EEPO's
+θ' moves the adapters; merged weights compute the adapted model; scanned layers and bfloat16 base
+params work; a checkpoint keeps the adapters and refuses another base."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from test_step import hparams, make_batch
+
+from jaxrl.nn import lora, model
+from jaxrl.rl import losses, optim, step
+
+MCFG = model.ModelConfig(
+  vocab_size=32,
+  hidden_size=32,
+  intermediate_size=64,
+  num_layers=2,
+  num_heads=2,
+  num_kv_heads=1,
+  head_dim=16,
+)
+LORA = dataclasses.replace(MCFG, lora_rank=4, lora_alpha=8.0)
+
+
+def _paths(tree) -> set[tuple]:
+  return {path for path, _ in nnx.to_flat_state(tree)}
+
+
+def _hidden(graphdef, params, seed=0):
+  tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 32, (3, 7)), jnp.int32)
+  valid = jnp.ones_like(tokens)
+  return model.forward(graphdef, params, tokens, model.positions_from_mask(valid), valid)[0]
+
+
+def _with_random_b(params, seed=1):
+  """The adapters with non-zero B (as after training), so the adapter path is exercised."""
+  keys = iter(jax.random.split(jax.random.key(seed), 64))
+
+  def fill(path, v):
+    if str(path[-1]).endswith(lora.ADAPTER_B):
+      return v.replace(0.3 * jax.random.normal(next(keys), v.shape, v.dtype))
+    return v
+
+  flat = [(path, fill(path, v)) for path, v in nnx.to_flat_state(params)]
+  return nnx.from_flat_state(flat)
+
+
+def test_a_fresh_adapter_computes_the_base_model_exactly():
+  g0, base = model.create(MCFG, 3)
+  g1, adapted = model.create(LORA, 3)
+  # The base weights of a seed do not depend on the rank (A draws from its own stream).
+  _, base_part = lora.partition(adapted, "adapters")
+  for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(base_part)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(_hidden(g0, base), _hidden(g1, adapted))
+  names = {str(p[-1]) for p in _paths(lora.partition(adapted, "adapters")[0])}
+  assert names == {f"{t}_proj_lora_{x}" for t in model.LORA_TARGETS for x in "ab"}
+
+
+def test_targets_choose_the_projections():
+  cfg = dataclasses.replace(LORA, lora_targets=("q", "down"))
+  _, params = model.create(cfg, 0)
+  adapters = lora.partition(params, "adapters")[0]
+  assert {str(p[-1]) for p in _paths(adapters)} == {
+    "q_proj_lora_a",
+    "q_proj_lora_b",
+    "down_proj_lora_a",
+    "down_proj_lora_b",
+  }
+  leaf = adapters["layers"][0]["self_attn"]["q_proj_lora_a"]
+  assert leaf.shape == (32, 4) and leaf.get_metadata()["logical_axes"] == ("embed", "lora")
+
+
+def test_without_adapters_is_the_base_and_merged_is_the_adapted_model():
+  g0, base = model.create(MCFG, 5)
+  g1, adapted = model.create(LORA, 5)
+  trained = _with_random_b(adapted)
+  h_trained = _hidden(g1, trained)
+  assert float(jnp.max(jnp.abs(h_trained - _hidden(g0, base)))) > 1e-2  # the adapter acts
+  np.testing.assert_array_equal(_hidden(g1, lora.without_adapters(trained)), _hidden(g0, base))
+  merged = lora.merged(trained, LORA.lora_alpha, LORA.lora_rank)
+  assert _paths(merged) == _paths(base)
+  np.testing.assert_allclose(_hidden(g0, merged), h_trained, atol=1e-5, rtol=1e-5)
+
+
+def _update(cfg: model.ModelConfig, kl_coef=0.0, trainable=None, seed=0):
+  graphdef, params = model.create(cfg, seed)
+  tx = optim.adamw(1e-2, 0)
+  trainable = trainable or lora.policy_trainable(params)
+  loss_cfg = losses.LossConfig(aggregation="token-mean", use_kl=kl_coef > 0)
+  step_cfg = step.RLStepConfig(loss=loss_cfg, num_groups=2, mini_batches=2)
+  hp = hparams()
+  hp = dataclasses.replace(hp, loss=dataclasses.replace(hp.loss, kl_coef=jnp.float32(kl_coef)))
+  state = step.init_state(params, tx, trainable)
+  update = jax.jit(
+    functools.partial(step.rl_update, graphdef, tx, step_cfg, trainable=trainable)
+  )
+  batch = make_batch(np.random.default_rng(seed))
+  new, metrics = update(state, batch, hp)
+  return graphdef, params, state, new, metrics
+
+
+def test_an_update_moves_the_adapters_only():
+  _, params, state, new, metrics = _update(LORA)
+  assert int(new.step) == 2 and int(metrics["nonfinite_updates"]) == 0
+  adapter_paths = _paths(lora.partition(params, "adapters")[0])
+  before, after = dict(nnx.to_flat_state(params)), dict(nnx.to_flat_state(new.params))
+  assert before.keys() == after.keys()
+  for path in before:  # over the whole tree
+    same = np.array_equal(np.asarray(before[path][...]), np.asarray(after[path][...]))
+    if path in adapter_paths and str(path[-1]).endswith(lora.ADAPTER_B):
+      assert not same, path  # B moves first (A's gradient is 0 while B = 0)
+    elif path not in adapter_paths:
+      assert same, path
+  # Optimizer moments exist for the adapters only.
+  moments = [s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, nnx.State))]
+  adam = [s for s in moments if isinstance(s, nnx.State)]
+  assert adam and all(_paths(s) == adapter_paths for s in adam)
+  n_adapter = sum(x.size for x in jax.tree.leaves(lora.partition(params, "adapters")[0]))
+  n_state = sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim)
+  assert n_state == 2 * n_adapter  # AdamW's mu and nu, nothing for the base
+
+
+def test_gradients_exist_for_the_trained_part_only():
+  graphdef, params = model.create(LORA, 0)
+  params = _with_random_b(params)
+  batch = make_batch(np.random.default_rng(0))
+
+  def nll(p):
+    logp, _ = step.logp_responses(
+      graphdef, p, batch.prompt_ids_RxP, batch.prompt_mask_RxP, batch.tokens_RxN,
+      batch.mask_RxN, jnp.float32(1), 128,
+    )  # fmt: skip
+    return -jnp.sum(logp), None
+
+  for trainable in ("adapters", "base", "all"):
+    (_, _), grads = step._grad_of_part(nll, trainable)(params)
+    assert _paths(grads) == _paths(lora.partition(params, trainable)[0]), trainable
+    assert all(float(jnp.max(jnp.abs(g))) > 0 for g in jax.tree.leaves(grads)), trainable
+
+
+def test_rank_zero_trains_everything():
+  _, params, state, new, _ = _update(MCFG)
+  assert lora.policy_trainable(params) == "all"
+  changed = [
+    not np.array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(new.params))
+  ]
+  assert all(changed)
+
+
+def test_the_kl_reference_is_the_base_model():
+  """At step 0 the policy is the base: its first mini-batch's KL is 0; the second (after an
+  update of the adapters) is not. Same as passing the base model's params as the reference."""
+  graphdef, params, state, new, m = _update(LORA, kl_coef=0.1)
+  g0, base = model.create(MCFG, 0)
+  tx = optim.adamw(1e-2, 0)
+  loss_cfg = losses.LossConfig(aggregation="token-mean", use_kl=True)
+  step_cfg = step.RLStepConfig(loss=loss_cfg, num_groups=2, mini_batches=2)
+  hp = hparams()
+  hp = dataclasses.replace(hp, loss=dataclasses.replace(hp.loss, kl_coef=jnp.float32(0.1)))
+  # The same update with the reference given as a separate copy of the base (rank-0 tree of the
+  # same weights, merged with zero adapters so it fits the graph): identical metrics.
+  ref = lora.combine(jax.tree.map(jnp.zeros_like, lora.partition(params, "adapters")[0]), base)
+  state2 = step.init_state(params, tx, "adapters")
+  new2, m2 = jax.jit(
+    functools.partial(step.rl_update, graphdef, tx, step_cfg, trainable="adapters")
+  )(state2, make_batch(np.random.default_rng(0)), hp, ref)
+  assert float(m["kl"]) > 0
+  np.testing.assert_array_equal(np.asarray(m["kl"]), np.asarray(m2["kl"]))
+  for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(new2.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_eepo_forgetting_moves_the_adapters_only():
+  graphdef, params = model.create(LORA, 2)
+  params = _with_random_b(params)
+  batch = make_batch(np.random.default_rng(2))
+  forget = jax.jit(
+    functools.partial(
+      step.eepo_forget, graphdef, 128, lr=0.5, eps_l=0.02, eps_r=0.02, trainable="adapters"
+    )
+  )
+  theta2, value = forget(
+    params, batch.prompt_ids_RxP, batch.prompt_mask_RxP, batch.tokens_RxN, batch.mask_RxN,
+    jnp.float32(1),
+  )  # fmt: skip
+  adapters = _paths(lora.partition(params, "adapters")[0])
+  moved = set()
+  for path, v in nnx.to_flat_state(params):
+    if not np.array_equal(np.asarray(v[...]), np.asarray(dict(nnx.to_flat_state(theta2))[path][...])):
+      moved.add(path)
+  assert moved and moved <= adapters
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_scanned_layers_and_bfloat16_bases(param_dtype):
+  """Scan mode stacks the adapters on the layer axis and computes what loop mode computes; with a
+  bfloat16 base the adapters (and so their moments) stay float32."""
+  loop_cfg = dataclasses.replace(LORA, param_dtype=param_dtype)
+  scan_cfg = dataclasses.replace(loop_cfg, scan_layers=True)
+  g_loop, p_loop = model.create(loop_cfg, 4)
+  g_scan, p_scan = model.create(scan_cfg, 4)
+  p_loop, p_scan = _with_random_b(p_loop), _with_random_b(p_scan)
+  a = p_scan["layers"]["mlp"]["up_proj_lora_a"]
+  assert a.shape == (2, 32, 4) and a.get_metadata()["logical_axes"] == ("layers", "embed", "lora")
+  assert a.dtype == jnp.float32
+  assert p_scan["layers"]["mlp"]["up_proj"].dtype == jnp.dtype(param_dtype)
+  _, _, state, new, metrics = _update(scan_cfg, seed=4)
+  assert int(metrics["nonfinite_updates"]) == 0
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.opt_state) if x.ndim)
+  # loop and scan: same function (B filled with the same draws in both layouts' order)
+  if param_dtype == "float32":
+    _, base_loop = lora.partition(p_loop, "adapters")
+    merged_loop = lora.merged(p_loop, LORA.lora_alpha, LORA.lora_rank)
+    merged_scan = lora.merged(p_scan, LORA.lora_alpha, LORA.lora_rank)
+    g0, _ = model.create(dataclasses.replace(MCFG, scan_layers=True), 0)
+    np.testing.assert_allclose(_hidden(g0, merged_scan), _hidden(g_scan, p_scan), atol=1e-5)
+    g1, _ = model.create(MCFG, 0)
+    np.testing.assert_allclose(_hidden(g1, merged_loop), _hidden(g_loop, p_loop), atol=1e-5)
+
+
+def test_fingerprint_tells_bases_apart():
+  _, a = model.create(LORA, 0)
+  _, b = model.create(LORA, 1)
+  fa = lora.fingerprint(a)
+  assert lora.same_fingerprint(fa, lora.fingerprint(_with_random_b(a)))  # adapters do not count
+  assert not lora.same_fingerprint(fa, lora.fingerprint(b))
+
+
+def test_adamw_moments_match_the_adapter_tree():
+  _, params = model.create(LORA, 0)
+  tx = optim.adamw(1e-3, 0)
+  state = step.init_state(params, tx, "adapters")
+  grads = jax.tree.map(jnp.ones_like, lora.partition(params, "adapters")[0])
+  new = step.apply_update(tx, state, grads, "adapters")
+  assert int(new.step) == 1
+  assert optax.global_norm(lora.partition(new.params, "adapters")[0]) != optax.global_norm(
+    lora.partition(params, "adapters")[0]
+  )
