@@ -29,6 +29,7 @@ from jaxrl.parallel import distributed
 
 Trainable = Literal["all", "adapters", "base"]
 ADAPTER_A, ADAPTER_B = "_lora_a", "_lora_b"
+FINGERPRINT = "lora_base_fingerprint"  # the checkpoint metadata key of ``fingerprint``
 
 
 def _is_adapter(path, _value=None) -> bool:
@@ -123,6 +124,17 @@ def fingerprint(params) -> list[list[float]]:
     ]
 
   return [[float(v) for v in s] for s in distributed.to_host(sums(base))]
+
+
+def check_base(saved: list | None, params, where: str) -> None:
+  """Raise unless ``params``' base has the ``saved`` fingerprint (a LoRA checkpoint's)."""
+  if saved is None:
+    raise ValueError(f"{where}: the checkpoint has no LoRA adapters (written with rank 0?)")
+  if not same_fingerprint(saved, fingerprint(params)):
+    raise ValueError(
+      f"{where}: the checkpoint's LoRA adapters were trained on another base model than the one "
+      "rebuilt here (did the warm start or model.checkpoint change?)"
+    )
 
 
 def same_fingerprint(a: list, b: list, rtol: float = 1e-4) -> bool:

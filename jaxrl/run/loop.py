@@ -425,7 +425,7 @@ def save_loop(ckpt: Checkpointer, step: int, loop: LoopState, mesh) -> bool:
   }
   meta = {"cursor": loop.cursor.to_json(), "phase": loop.phase, "step": step}
   if lora.has_adapters(loop.train.params):
-    meta["lora_base_fingerprint"] = lora.fingerprint(loop.train.params)
+    meta[lora.FINGERPRINT] = lora.fingerprint(loop.train.params)
   if done:
     tree["pending"] = [_replicated_global(_pending_tree(b), mesh) for b in done]
     meta["pending"] = [
@@ -487,13 +487,6 @@ def _with_base(restored: TrainState, like: TrainState, meta: dict, where: str) -
   they were trained on; a full fine-tuning state as restored."""
   if not lora.has_adapters(like.params):
     return restored
-  saved = meta.get("lora_base_fingerprint")
-  if saved is None or not lora.same_fingerprint(saved, lora.fingerprint(like.params)):
-    raise ValueError(
-      f"{where}: the LoRA checkpoint's adapters were trained on another base model than this "
-      "run's (warm start or model.checkpoint changed?)"
-      if saved is not None
-      else f"{where}: the checkpoint has no LoRA adapters (it was written with model.lora.rank=0)"
-    )
+  lora.check_base(meta.get(lora.FINGERPRINT), like.params, where)
   _, base = lora.partition(like.params, "adapters")
   return dataclasses.replace(restored, params=lora.combine(restored.params, base))

@@ -17,6 +17,7 @@ from jaxrl.rl.programs import Programs
 from jaxrl.run.checkpoint import Checkpointer
 
 log = logging.getLogger(__name__)
+CACHE = "sft"  # the warm start's checkpoint directory in the run's workdir
 
 
 def warm_start(
@@ -44,12 +45,9 @@ def warm_start(
   (EMA, 0.1) falls below it: "partly capable" is then a property of the model, not of a step count
   that would land differently for every seed. The learning rate is then constant after warmup.
   """
-  ckpt = Checkpointer(os.path.join(workdir, "sft"), keep=1, async_save=False)
-  if ckpt.latest_step() is not None:
-    tree, meta = ckpt.restore(ckpt.latest_step(), {"params": params})
-    ckpt.close()
-    log.info("SFT warm start loaded from %s (%d steps)", ckpt.directory, ckpt.latest_step())
-    return tree["params"], meta
+  cached = load_cached(workdir, params)
+  if cached is not None:
+    return cached
   decay = 0 if target_loss > 0 else max(steps - warmup_steps, 1)
   tx = optim.adamw(learning_rate, warmup_steps, decay_steps=decay, weight_decay=weight_decay)
   # A LoRA model's adapters are added for RL: the warm start trains the base (B = 0 keeps the
@@ -63,9 +61,25 @@ def warm_start(
   )  # fmt: skip
   meta = {"steps": done, "final_loss_ema": ema, "seconds": time.time() - t0}
   log.info("SFT warm start done: %d steps, loss (ema) %.4f, %.0fs", done, ema, meta["seconds"])
+  ckpt = Checkpointer(os.path.join(workdir, CACHE), keep=1, async_save=False)
   ckpt.save(done, {"params": state.params}, meta)
   ckpt.close()
   return state.params, meta
+
+
+def load_cached(workdir: str, like):
+  """(params, meta) of the warm start cached in ``workdir/sft`` onto ``like``'s structure and
+  shardings, or None when there is none."""
+  ckpt = Checkpointer(os.path.join(workdir, CACHE), keep=1, async_save=False)
+  try:
+    step = ckpt.latest_step()
+    if step is None:
+      return None
+    tree, meta = ckpt.restore(step, {"params": like})
+  finally:
+    ckpt.close()
+  log.info("SFT warm start loaded from %s (%d steps)", ckpt.directory, step)
+  return tree["params"], meta
 
 
 def _train(

@@ -21,7 +21,7 @@ from jaxrl import rng
 from jaxrl.config import Config, to_dict
 from jaxrl.methods import registry
 from jaxrl.methods.phases import run_phases
-from jaxrl.nn import arch, hf, lora, model
+from jaxrl.nn import arch, model
 from jaxrl.parallel import distributed, sharding
 from jaxrl.rl.programs import Programs
 from jaxrl.rollout.build import build_engine
@@ -113,27 +113,7 @@ class Trainer:
 
   def init_params(self):
     """The checkpoint's weights streamed onto their shardings, or a seeded random init."""
-    m = self.cfg.model
-    seed = rng.numpy_seed(self.cfg.seed, rng.INIT)
-    if m.checkpoint:
-      log.info("loading %s (params %s, compute %s)", m.checkpoint, m.param_dtype, m.dtype)
-      _, _, params = hf.load_hf_checkpoint(
-        m.checkpoint,
-        dtype=jnp.dtype(m.param_dtype),
-        shardings=self.param_shardings,
-        scan_layers=m.scan_layers,
-        remat=m.remat,
-        compute_dtype=m.dtype,
-      )
-      if m.lora.rank:  # the checkpoint is the base; the adapters start fresh (B = 0)
-        adapters = lora.fresh_adapters(self.model_cfg, seed, self.param_shardings)
-        params = lora.combine(adapters, params)
-      return params
-
-    def init():
-      return model.create(self.model_cfg, seed)[1]
-
-    return jax.jit(init, out_shardings=self.param_shardings)()
+    return weights.initial_params(self.cfg, self.model_cfg, self.param_shardings)
 
   def warm_start(self, params):
     c, t = self.cfg, self.task

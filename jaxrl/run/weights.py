@@ -4,6 +4,7 @@ any checkpoint by ``jaxrl-export``."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -30,23 +31,62 @@ def run_checkpoint(path: str) -> tuple[str, int] | None:
   return None
 
 
-def load_params(cfg, path: str, graphdef_and_shardings):
-  """Params of an HF directory or a jaxrl run checkpoint, on the given shardings."""
-  from jaxrl.nn import hf
+def _hf_params(cfg, model_cfg, path: str, shardings):
+  """An HF directory's weights on ``shardings``; a LoRA model's adapters start fresh (B = 0)."""
+  from jaxrl import rng
+  from jaxrl.nn import hf, lora
+
+  m = cfg.model
+  params = hf.load_hf_checkpoint(
+    path,
+    dtype=np.dtype(m.param_dtype),
+    shardings=shardings,
+    scan_layers=m.scan_layers,
+    remat=m.remat,
+    compute_dtype=m.dtype,
+  )[2]
+  if model_cfg.lora_rank:
+    seed = rng.numpy_seed(cfg.seed, rng.INIT)
+    params = lora.combine(lora.fresh_adapters(model_cfg, seed, shardings), params)
+  return params
+
+
+def initial_params(cfg, model_cfg, shardings):
+  """A run's params before any training: ``model.checkpoint``'s weights streamed onto their
+  shardings, or the seeded random init (a LoRA model's adapters: fresh, B = 0, the same for a
+  seed either way)."""
+  from jaxrl import rng
+  from jaxrl.nn import model
+
+  m = cfg.model
+  if m.checkpoint:
+    log.info("loading %s (params %s, compute %s)", m.checkpoint, m.param_dtype, m.dtype)
+    return _hf_params(cfg, model_cfg, m.checkpoint, shardings)
+  seed = rng.numpy_seed(cfg.seed, rng.INIT)
+  return jax.jit(lambda: model.create(model_cfg, seed)[1], out_shardings=shardings)()
+
+
+def run_base(cfg, model_cfg, run_dir: str, shardings):
+  """The params a run's RL started from, rebuilt as its trainer built them: the initial params,
+  or its cached SFT warm start (``run_dir/sft``). A LoRA checkpoint's adapters go on its base."""
+  from jaxrl.run import sft
+
+  params = initial_params(cfg, model_cfg, shardings)
+  cached = sft.load_cached(run_dir, params)
+  return params if cached is None else cached[0]
+
+
+def load_params(cfg, path: str, graphdef_and_shardings, model_cfg=None):
+  """Params of an HF directory or a jaxrl run checkpoint, on the given shardings (a LoRA run's:
+  its adapters on its rebuilt base, ``run_base``)."""
+  from jaxrl.nn import arch, lora
   from jaxrl.run.checkpoint import Checkpointer
 
   abstract_params, shardings = graphdef_and_shardings
+  model_cfg = model_cfg or arch.model_config(cfg)
   run = run_checkpoint(path)
   if run is None:
-    m = cfg.model
-    return hf.load_hf_checkpoint(
-      path,
-      dtype=np.dtype(m.param_dtype),
-      shardings=shardings,
-      scan_layers=m.scan_layers,
-      remat=m.remat,
-      compute_dtype=m.dtype,
-    )[2]
+    return _hf_params(cfg, model_cfg, path, shardings)
   directory, step = run
   ckpt = Checkpointer(directory, keep=1, async_save=False)
   try:
@@ -57,14 +97,48 @@ def load_params(cfg, path: str, graphdef_and_shardings):
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params, shardings
     )
     log.info("restoring params of %s step %d", directory, step)
-    return ckpt.restore_params(step, target)
+    if not lora.has_adapters(abstract_params):
+      return ckpt.restore_params(step, target)
+    base = run_base(cfg, model_cfg, os.path.dirname(directory), shardings)
+    lora.check_base(ckpt.restore_meta(step).get(lora.FINGERPRINT), base, directory)
+    adapters = ckpt.restore_params(step, lora.partition(target, "adapters")[0])
+    return lora.combine(adapters, lora.partition(base, "adapters")[1])
   finally:
     ckpt.close()
 
 
 def write_hf(cfg, model_cfg, params, out: str, tokenizer, dtype: str = "") -> str:
   """``params`` in HF layout in ``out``, cast to ``dtype`` (default ``model.dtype``), with the
-  tokenizer and a generation config (the checkpoint's, else the tokenizer's bos/eos/pad ids)."""
+  tokenizer and a generation config (the checkpoint's, else the tokenizer's bos/eos/pad ids).
+
+  A LoRA model is written merged (W + (alpha / r) A B: a plain HF model) and its adapters also in
+  PEFT layout in ``out/lora`` (float32), for ``PeftModel.from_pretrained`` on the base: the
+  ``model.checkpoint`` it was trained on, or (a model built from scratch) the base written in HF
+  layout in ``out/lora/base``."""
+  from jaxrl.nn import lora
+
+  if lora.has_adapters(params):
+    _write_peft(cfg, model_cfg, params, os.path.join(out, "lora"), tokenizer, dtype)
+    params = lora.merged(params, model_cfg.lora_alpha, model_cfg.lora_rank)
+    model_cfg = dataclasses.replace(model_cfg, lora_rank=0)
+  return _write_plain_hf(cfg, model_cfg, params, out, tokenizer, dtype)
+
+
+def _write_peft(cfg, model_cfg, params, out: str, tokenizer, dtype: str) -> None:
+  from jaxrl.nn import lora, peft
+
+  base_model = cfg.model.checkpoint
+  if not base_model:
+    base_model = os.path.join(out, "base")
+    base = lora.partition(params, "adapters")[1]
+    _write_plain_hf(
+      cfg, dataclasses.replace(model_cfg, lora_rank=0), base, base_model, tokenizer, dtype
+    )
+  peft.save_adapter(model_cfg, params, out, base_model)
+  log.info("LoRA adapter (PEFT layout) written to %s, base %s", out, base_model)
+
+
+def _write_plain_hf(cfg, model_cfg, params, out: str, tokenizer, dtype: str) -> str:
   from jaxrl.nn import hf
 
   dtype = jnp.dtype(dtype or cfg.model.dtype)
@@ -133,5 +207,5 @@ def export(checkpoint: str, out: str, dtype: str = "", config: str = "") -> str:
   mesh = sharding.make_mesh(1, 1, 1)  # one device: the export gathers the params anyway
   _, abstract_params = model.abstract(model_cfg)
   shardings = sharding.tree_shardings(abstract_params, mesh)
-  params = load_params(cfg, checkpoint, (abstract_params, shardings))
+  params = load_params(cfg, checkpoint, (abstract_params, shardings), model_cfg)
   return write_hf(cfg, model_cfg, params, out, tokenizer, dtype)

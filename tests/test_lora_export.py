@@ -1,0 +1,112 @@
+"""LoRA exports: merged weights in HF layout compute the adapted model; the PEFT-layout adapter
+loads with transformers + peft onto the base and gives the same logits; a run checkpoint's
+adapters are exported on the base the run rebuilt (``jaxrl-export``)."""
+
+from __future__ import annotations
+
+import json
+
+import hf_fixtures
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+from flax import nnx
+from run_helpers import tiny_config
+from safetensors import safe_open
+from test_hf_parity import TOL, _hf_logits, _hf_model, _left_padded_batch, _our_logits
+
+from jaxrl.nn import arch, hf, lora, model
+from jaxrl.nn import peft as jaxrl_peft
+from jaxrl.parallel import sharding
+from jaxrl.run import weights
+
+RANK, ALPHA = 4, 8.0
+
+
+def _trained(params, seed=0):
+  """The adapters as after training: B (and A) moved away from their init."""
+  keys = iter(jax.random.split(jax.random.key(seed), 256))
+
+  def move(path, v):
+    if lora._is_adapter(path):
+      return v.replace(v[...] + 0.2 * jax.random.normal(next(keys), v.shape, v.dtype))
+    return v
+
+  return nnx.from_flat_state([(p, move(p, v)) for p, v in nnx.to_flat_state(params)])
+
+
+@pytest.mark.parametrize("layout", ["loop", "scan"])
+def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path, layout):
+  base_dir = hf_fixtures.make_tiny_hf("qwen2", False, tmp_path / "base")
+  cfg = tiny_config(
+    "test",
+    **{
+      "model.checkpoint": str(base_dir),
+      "model.lora.rank": RANK,
+      "model.lora.alpha": ALPHA,
+      "model.scan_layers": layout == "scan",
+    },
+  )
+  model_cfg = arch.model_config(cfg)
+  assert (model_cfg.lora_rank, model_cfg.lora_alpha) == (RANK, ALPHA)
+  graphdef, abstract = model.abstract(model_cfg)
+  shardings = sharding.tree_shardings(abstract, sharding.make_mesh(1, 1, 1))
+  fresh = weights.load_params(cfg, str(base_dir), (abstract, shardings))
+  tokens, mask = _left_padded_batch(model_cfg.vocab_size)
+  base_logits = _hf_logits(_hf_model(base_dir), tokens, mask)
+  # Fresh adapters: the base's function (HF's logits within the parity tolerance).
+  np.testing.assert_allclose(
+    _our_logits(graphdef, fresh, tokens, mask)[mask], base_logits[mask], atol=TOL, rtol=0
+  )
+  params = _trained(fresh)
+  ours = _our_logits(graphdef, params, tokens, mask)
+  assert np.max(np.abs(ours - base_logits)[mask]) > 0.1  # the adapters change the model
+
+  out = weights.write_hf(cfg, model_cfg, params, str(tmp_path / "export"), None, "float32")
+  # Merged: a plain HF model, read back by our loader and by transformers.
+  _, g_merged, merged = hf.load_hf_checkpoint(out, scan_layers=layout == "scan")
+  assert not lora.has_adapters(merged)
+  np.testing.assert_allclose(_our_logits(g_merged, merged, tokens, mask), ours, atol=1e-5, rtol=0)
+  hf_merged = _hf_logits(_hf_model(out), tokens, mask)
+
+  # PEFT: adapter_config.json + adapter_model.safetensors onto the base, with peft.
+  adapter_dir = tmp_path / "export" / "lora"
+  config = json.loads((adapter_dir / "adapter_config.json").read_text())
+  assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (
+    RANK,
+    ALPHA,
+    str(base_dir),
+  )
+  with safe_open(adapter_dir / "adapter_model.safetensors", "np") as f:
+    names = set(f.keys())
+    a = f.get_tensor("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")
+  assert len(names) == 2 * 7 * model_cfg.num_layers and a.shape == (RANK, model_cfg.hidden_size)
+  with torch.no_grad():
+    adapted = peft.PeftModel.from_pretrained(_hf_model(base_dir), adapter_dir).eval()
+  peft_logits = _hf_logits(adapted, tokens, mask)
+  np.testing.assert_allclose(peft_logits[mask], hf_merged[mask], atol=1e-5, rtol=0)
+  np.testing.assert_allclose(peft_logits[mask], ours[mask], atol=TOL, rtol=0)
+
+
+def test_adapter_names_follow_the_hf_modules():
+  cfg = model.ModelConfig(
+    vocab_size=16, hidden_size=8, intermediate_size=12, num_layers=2, num_heads=2,
+    num_kv_heads=1, head_dim=4, lora_rank=2, lora_targets=("v", "up"), scan_layers=True,
+  )  # fmt: skip
+  _, params = model.create(cfg, 0)
+  tensors = dict(jaxrl_peft.adapter_tensors(params))
+  assert sorted(tensors) == sorted(
+    f"base_model.model.model.layers.{i}.{m}.lora_{x}.weight"
+    for i in range(2)
+    for m in ("self_attn.v_proj", "mlp.up_proj")
+    for x in "AB"
+  )
+  assert tensors["base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"].shape == (12, 2)
+  a = params["layers"]["self_attn"]["v_proj_lora_a"][...]
+  np.testing.assert_array_equal(
+    tensors["base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"], np.asarray(a[1]).T
+  )
+  assert jnp.all(tensors["base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"] == 0)
