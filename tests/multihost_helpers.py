@@ -13,7 +13,9 @@ import numpy as np
 from run_helpers import ROOT, tiny_config
 
 from jaxrl.nn import arch, model
-from jaxrl.run.checkpoint import Checkpointer
+from jaxrl.parallel import sharding
+from jaxrl.run import weights
+from jaxrl.run.sft import load_cached
 from jaxrl.tasks.data.tokenizer import VOCAB
 
 
@@ -70,22 +72,21 @@ def run_ranks(flags, workdir, steps: int, processes: int, devices: int, timeout=
 
 
 def checkpoint_params(workdir, step=None, sft=False, **overrides) -> np.ndarray:
-  """All params of checkpoint ``step`` (or the SFT warm start) as one flat vector."""
+  """All params of checkpoint ``step`` (or the SFT warm start) as one flat vector (a LoRA run's:
+  its adapters on the base it rebuilds, as ``jaxrl-export`` loads them)."""
   cfg = tiny_config("test", **overrides)
-  graphdef, abstract = model.abstract(arch.model_config(cfg, len(VOCAB)))
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
-  ckpt = Checkpointer(
-    os.path.join(workdir, "sft" if sft else "checkpoints"), keep=5, async_save=False
-  )
-  try:
-    if sft:
-      params = ckpt.restore_part(ckpt.latest_step(), {"params": target})["params"]
-    else:
-      params = ckpt.restore_params(step, target)
-    return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(params)])
-  finally:
-    ckpt.close()
+  model_cfg = arch.model_config(cfg, len(VOCAB))
+  _, abstract = model.abstract(model_cfg)
+  shardings = sharding.tree_shardings(abstract, sharding.make_mesh(1, 1, 1))
+  if sft:
+    like = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+    )
+    params = load_cached(str(workdir), like)[0]
+  else:
+    path = os.path.join(workdir, "checkpoints", str(step))
+    params = weights.load_params(cfg, path, (abstract, shardings), model_cfg)
+  return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(params)])
 
 
 def assert_same_metrics(one: list[dict], two: list[dict], rtol: float, skip=()) -> None:

@@ -114,8 +114,10 @@ ASYNC_ALL = ("--config.rollout.max_staleness=2", "--config.rollout.dynamic_sampl
     (KILLS, "test", ()),
     (5, "test", ("--config.rollout.max_staleness=1",)),
     (5, "all,test", ASYNC_ALL),
+    # LoRA: a checkpoint holds the adapters and their moments; the base comes from the warm start
+    (3, "test", ("--config.model.lora.rank=4", "--config.loss.kl_coef=0.05")),
   ],
-  ids=["k0", "k1", "k2-all-dynamic"],
+  ids=["k0", "k1", "k2-all-dynamic", "lora"],
 )
 def test_sigkills_then_resume_equal_an_uninterrupted_run(tmp_path, kills, config, extra):
   straight, killed = tmp_path / "straight", tmp_path / "killed"

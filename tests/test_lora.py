@@ -99,9 +99,7 @@ def _update(cfg: model.ModelConfig, kl_coef=0.0, trainable=None, seed=0):
   hp = hparams()
   hp = dataclasses.replace(hp, loss=dataclasses.replace(hp.loss, kl_coef=jnp.float32(kl_coef)))
   state = step.init_state(params, tx, trainable)
-  update = jax.jit(
-    functools.partial(step.rl_update, graphdef, tx, step_cfg, trainable=trainable)
-  )
+  update = jax.jit(functools.partial(step.rl_update, graphdef, tx, step_cfg, trainable=trainable))
   batch = make_batch(np.random.default_rng(seed))
   new, metrics = update(state, batch, hp)
   return graphdef, params, state, new, metrics
@@ -120,7 +118,9 @@ def test_an_update_moves_the_adapters_only():
     elif path not in adapter_paths:
       assert same, path
   # Optimizer moments exist for the adapters only.
-  moments = [s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, nnx.State))]
+  moments = [
+    s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, nnx.State))
+  ]
   adam = [s for s in moments if isinstance(s, nnx.State)]
   assert adam and all(_paths(s) == adapter_paths for s in adam)
   n_adapter = sum(x.size for x in jax.tree.leaves(lora.partition(params, "adapters")[0]))
@@ -195,7 +195,9 @@ def test_eepo_forgetting_moves_the_adapters_only():
   adapters = _paths(lora.partition(params, "adapters")[0])
   moved = set()
   for path, v in nnx.to_flat_state(params):
-    if not np.array_equal(np.asarray(v[...]), np.asarray(dict(nnx.to_flat_state(theta2))[path][...])):
+    if not np.array_equal(
+      np.asarray(v[...]), np.asarray(dict(nnx.to_flat_state(theta2))[path][...])
+    ):
       moved.add(path)
   assert moved and moved <= adapters
 

@@ -31,11 +31,23 @@ FLAGS = [
 ]
 
 
-def test_two_processes_train_like_one_and_resume(tmp_path):
+# LoRA: the adapters (and their moments) are what the processes update and checkpoint; the base
+# is rebuilt by each process from the shared warm start. The KL reference is the base.
+LORA = {
+  "model.lora.rank": 8,
+  "model.lora.alpha": 16.0,
+  "loss.kl_coef": 0.05,
+  "optim.learning_rate": 1e-3,
+}
+
+
+@pytest.mark.parametrize("overrides", [{}, LORA], ids=["full", "lora"])
+def test_two_processes_train_like_one_and_resume(tmp_path, overrides):
   single, multi = tmp_path / "one_process", tmp_path / "two_processes"
-  run_ranks(FLAGS, single, steps=5, processes=1, devices=4)
-  run_ranks(FLAGS, multi, steps=3, processes=2, devices=2)  # checkpoints at steps 2 and 3
-  errs = run_ranks(FLAGS, multi, steps=5, processes=2, devices=2)  # a new 2-process run resumes
+  flags = FLAGS + [f"--config.{k}={v}" for k, v in overrides.items()]
+  run_ranks(flags, single, steps=5, processes=1, devices=4)
+  run_ranks(flags, multi, steps=3, processes=2, devices=2)  # checkpoints at steps 2 and 3
+  errs = run_ranks(flags, multi, steps=5, processes=2, devices=2)  # a new 2-process run resumes
   assert all("resumed from step 3" in e for e in errs)
   one, two = read_metrics(single), read_metrics(multi)
   assert [r["step"] for r in two] == [1, 2, 3, 4, 5]
@@ -44,8 +56,8 @@ def test_two_processes_train_like_one_and_resume(tmp_path):
   # Adam's normalisation magnifies those last-bit differences for near-zero gradients (measured max
   # |diff| 2.3e-7 and 1.4e-5 in two runs), so the params are compared as trajectories: the two runs'
   # distance must be tiny next to the distance both travelled from the warm start (measured 1.1e-3).
-  one, two = checkpoint_params(single, 5), checkpoint_params(multi, 5)
-  start = checkpoint_params(single, sft=True)
+  one, two = checkpoint_params(single, 5, **overrides), checkpoint_params(multi, 5, **overrides)
+  start = checkpoint_params(single, sft=True, **overrides)
   assert np.linalg.norm(two - one) < 1e-2 * np.linalg.norm(one - start)
   # Files are written once: metrics by process 0 only, a log per process.
   assert (multi / "log.txt").exists() and (multi / "log.process1.txt").exists()

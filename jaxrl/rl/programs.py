@@ -52,6 +52,12 @@ def rl_step_config(cfg: Config) -> step.RLStepConfig:
   )
 
 
+def reference_copy(cfg: Config) -> bool:
+  """Whether the update gets a frozen copy of the warm-start params as its KL reference: with KL,
+  unless the model has LoRA adapters (then the reference is the policy with them switched off)."""
+  return cfg.loss.kl_coef > 0 and not cfg.model.lora.rank
+
+
 def behaviour_correction(cfg: Config) -> str:
   """``loss.behaviour_correction`` with ``auto`` resolved: tis for a vLLM sidecar (other kernels
   and dtypes than the trainer's), none for the JAX sampler (the trainer's own policy)."""

@@ -25,10 +25,16 @@ from jax.sharding import AbstractMesh, AxisType
 from jaxrl.config import Config, ConfigError
 from jaxrl.methods import registry
 from jaxrl.methods.phases import run_phases
-from jaxrl.nn import arch, model
+from jaxrl.nn import arch, lora, model
 from jaxrl.parallel import sharding
 from jaxrl.rl import step
-from jaxrl.rl.programs import ForgetConfig, Programs, rl_step_config, step_hparams
+from jaxrl.rl.programs import (
+  ForgetConfig,
+  Programs,
+  reference_copy,
+  rl_step_config,
+  step_hparams,
+)
 from jaxrl.types import Rollouts
 
 GiB = 1024**3
@@ -116,13 +122,19 @@ class Plan:
   weights: tuple[WeightRow, ...]
   params: int  # bytes per device
   opt_state: int
-  ref_params: int  # 0 without KL
+  ref_params: int  # 0 without KL, and with LoRA (the reference is the base: adapters off)
+  adapters: int  # bytes per device of the LoRA adapters (part of params); 0 without LoRA
   phases: tuple[PhasePlan, ...]
   skipped: str  # why nothing was compiled ("" = compiled)
 
   @property
   def state(self) -> int:
     return self.params + self.opt_state + self.ref_params
+
+  @property
+  def trained(self) -> int:
+    """Bytes per device of what the update differentiates: the adapters, or every param."""
+    return self.adapters or self.params
 
 
 # -- shapes and shardings ---------------------------------------------------------------------------
@@ -349,10 +361,13 @@ def lower_train_step(pc: Config, programs: Programs, params):
   update = programs.update(rl_step_config(pc))
   state_sh = programs.state_shardings
   state = _shaped(
-    jax.eval_shape(functools.partial(step.init_state, tx=programs.tx), params), state_sh
+    jax.eval_shape(
+      functools.partial(step.init_state, tx=programs.tx, trainable=programs.trainable), params
+    ),
+    state_sh,
   )
   hp = jax.eval_shape(lambda: step_hparams(pc, pc.rollout.temperature, pc.loss.eps_high))
-  ref = _shaped(params, state_sh.params) if pc.loss.kl_coef > 0 else None
+  ref = _shaped(params, state_sh.params) if reference_copy(pc) else None
   batch = abstract_batch(pc, sharding.batch_sharding(programs.mesh))
   return update.lower(state, batch, hp, ref)
 
@@ -448,7 +463,8 @@ def build(cfg: Config, *, compile_steps: bool = True, rollout_side: bool = True)
   graphdef, params = model.abstract(mcfg)
   programs = Programs.for_run(cfg, graphdef, params, mesh)
   param_sh, opt_sh = programs.param_shardings, programs.state_shardings.opt_state
-  opt = jax.eval_shape(programs.tx.init, params)
+  trained = lora.partition(params, programs.trainable)[0]
+  opt = jax.eval_shape(programs.tx.init, trained)
   mesh_shape = dict(mesh.shape)
   phases = []
   for phase in run_phases(cfg):
@@ -482,7 +498,10 @@ def build(cfg: Config, *, compile_steps: bool = True, rollout_side: bool = True)
     weights=weight_rows(params, param_sh),
     params=p_bytes,
     opt_state=bytes_per_device(opt, opt_sh),
-    ref_params=p_bytes if cfg.loss.kl_coef > 0 else 0,
+    ref_params=p_bytes if reference_copy(cfg) else 0,
+    adapters=bytes_per_device(*(lora.partition(t, "adapters")[0] for t in (params, param_sh)))
+    if lora.has_adapters(params)
+    else 0,
     phases=tuple(phases),
     skipped=skipped,
   )

@@ -38,17 +38,37 @@ def _state_section(plan: Plan, cfg: Config) -> list[str]:
   m = plan.model_cfg
   rows = [
     ["parameters", size(plan.params), f"{m.param_dtype}; exact: Σ shard shapes × itemsize"],
+  ]
+  if plan.adapters:
+    rows += [
+      [
+        "of which LoRA adapters",
+        size(plan.adapters),
+        f"rank {m.lora_rank} on {', '.join(m.lora_targets)}; float32; the base is frozen",
+      ],
+      ["gradients", size(plan.trained), "the adapters' only; inside the step (XLA's temp below)"],
+    ]
+  else:
+    rows.append(
+      [
+        "gradients",
+        size(plan.params),
+        "the params' shapes, dtype and shardings; inside the step only (XLA's temp below)",
+      ]
+    )
+  if plan.ref_params:
+    ref_note = "a frozen copy of the params"
+  elif plan.adapters and cfg.loss.kl_coef > 0:
+    ref_note = "the base with the adapters switched off: no copy"
+  else:
+    ref_note = "loss.kl_coef = 0: none"
+  rows += [
     [
-      "gradients",
-      size(plan.params),
-      "the params' shapes, dtype and shardings; inside the step only (XLA's temp below)",
+      "optimizer state",
+      size(plan.opt_state),
+      f"AdamW mu + nu in {cfg.optim.state_dtype}" + (" (adapters only)" if plan.adapters else ""),
     ],
-    ["optimizer state", size(plan.opt_state), f"AdamW mu + nu in {cfg.optim.state_dtype}"],
-    [
-      "KL reference params",
-      size(plan.ref_params) if plan.ref_params else "0",
-      "a frozen copy of the params" if plan.ref_params else "loss.kl_coef = 0: none",
-    ],
+    ["KL reference params", size(plan.ref_params) if plan.ref_params else "0", ref_note],
     ["**resident: params + optimizer + reference**", f"**{size(plan.state)}**", "between steps"],
   ]
   return ["## Train state per device", "", _table(["memory per device", "bytes", "note"], rows), ""]
@@ -81,7 +101,7 @@ def _phase_section(plan: Plan, ph: PhasePlan) -> list[str]:
     f"({pc.loss.logprob_chunk} tokens per chunk): no [B, T, V] logits buffer exists.",
     "",
   ]
-  grads = _grad_copies(pc) * plan.params
+  grads = _grad_copies(pc) * plan.trained
   rows = [[name, size(v)] for name, v in act.items]
   rows += [
     ["**activations**", f"**{size(act.total)}**"],

@@ -23,7 +23,7 @@ from jaxrl.methods import registry
 from jaxrl.methods.phases import run_phases
 from jaxrl.nn import arch, model
 from jaxrl.parallel import distributed, sharding
-from jaxrl.rl.programs import Programs
+from jaxrl.rl.programs import Programs, reference_copy
 from jaxrl.rollout.build import build_engine
 from jaxrl.rollout.collect import Collector
 from jaxrl.run import mfu, sft, weights
@@ -239,10 +239,7 @@ class Trainer:
       collector=self.collector,
       phases=run_phases(c),
       vocab_size=self.model_cfg.vocab_size,
-      # With LoRA the reference is the base, i.e. the policy with its adapters off (rl_update).
-      ref_params=jax.tree.map(jnp.copy, sft_params)
-      if c.loss.kl_coef > 0 and not c.model.lora.rank
-      else None,
+      ref_params=jax.tree.map(jnp.copy, sft_params) if reference_copy(c) else None,
       compiles=self.compiles,
       rollout_pool=self._rollout_pool(),
       peak_flops=mfu.peak_flops(c.log.peak_tflops, jax.devices()[0].device_kind),
