@@ -23,6 +23,7 @@ LoraTarget = Literal["q", "k", "v", "o", "gate", "up", "down"]  # projections an
 Dtype = Literal["float32", "bfloat16"]
 Engine = Literal["jax", "vllm"]
 WeightTransfer = Literal["files", "nccl"]
+LoraSync = Literal["adapter", "merged"]
 VllmDtype = Literal["", "float32", "bfloat16", "float16"]
 TaskName = Literal["arithmetic", "math"]
 Overlength = Literal["drop", "truncate", "error"]
@@ -227,6 +228,10 @@ class VllmSection:
   weights_dir: str = ""  # "" = tmpfs (/dev/shm) when it has room, else WORKDIR/sidecar
   extra_args: str = ""  # appended to the server's command line
   cpus: str = ""  # CPU build: cores the launched server is pinned to ("1", "0,2-3"); "" = inherit
+  # With model.lora: "adapter" = the server holds the base and each push loads the PEFT adapter
+  # (megabytes) through vLLM's runtime LoRA loading; "merged" = W + (alpha/r) A B pushed as full
+  # weights, as a full fine-tuning run pushes.
+  lora_sync: LoraSync = "adapter"
 
   def check(self) -> None:
     _need(self.sync_every >= 1, "vllm.sync_every", "must be >= 1")

@@ -194,7 +194,8 @@ def _apply_lora(c) -> None:
   their moments float32), the KL reference = the base with adapters off (no copy). One row per
   micro-batch keeps the 8k-token activations small. The learning rate is 10x the full
   fine-tuning one, as "LoRA Without Regret" (Thinking Machines, 2025) found optimal for LoRA.
-  Two devices: ``--config.mesh.fsdp=2``."""
+  Two devices: ``--config.mesh.fsdp=2 --config.loss.micro_batches=256`` (a micro-batch must
+  split over the devices)."""
   c.model.lora.rank = 64
   c.model.lora.alpha = 64.0
   c.model.param_dtype = "bfloat16"

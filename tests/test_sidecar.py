@@ -25,7 +25,7 @@ import pytest
 from run_helpers import ROOT, read_metrics, tiny_config
 
 from jaxrl.config import ConfigError
-from jaxrl.nn import model
+from jaxrl.nn import lora, model
 from jaxrl.nn.arch import model_config
 from jaxrl.rl import losses, step
 from jaxrl.rollout.build import build_engine
@@ -265,6 +265,57 @@ def test_three_training_steps_through_the_sidecar(served, tmp_path, staleness):
     assert h2 > 0 or (r["rollout_staleness"] > 0 and np.isnan(h2))
 
 
+# rank 4: the server rounds --max-lora-rank up to vLLM's 8
+LORA = {"model.lora.rank": 4, "optim.learning_rate": 3e-3, "loss.kl_coef": 0.05}
+
+
+def _adapter_bytes(params) -> int:
+  return sum(x.size * 4 for x in jax.tree.leaves(lora.partition(params, "adapters")[0]))
+
+
+def _assert_on_policy(rows):
+  for r in rows:  # the server's ℓ_μ = the trainer's ℓ_prox after each push (E3 + EEPO's θ')
+    assert r["behaviour_logp_diff_max"] < 1e-4 and r["mismatch_kl"] < 1e-6, r
+    assert r["eepo_gate"] == 1.0 and np.isfinite(r["eepo_unlearn_loss"])
+
+
+def test_lora_steps_push_only_the_adapter(sidecar_env, tmp_path, caplog):
+  """LoRA through a server launched with runtime LoRA: it holds the base, each push (every step's
+  params and EEPO's θ') loads a PEFT adapter of a few kB under a new name, every request names
+  it; the server's log-probs match the trainer's after each push."""
+  trainer = Trainer(_vllm_config(steps=3, **LORA), str(tmp_path))
+  with caplog.at_level("INFO", logger="jaxrl.rollout.vllm_engine"):
+    trainer.run()
+  rows = read_metrics(tmp_path)
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  _assert_on_policy(rows)
+  engine = trainer.engine
+  _, params = model.create(trainer.model_cfg, 0)
+  model_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
+  adapter = _adapter_bytes(params)
+  # sft eval, 3 steps with θ' each, final eval: every push is the adapter's two files alone
+  assert len(engine.push_bytes) >= 7
+  assert all(adapter <= b <= adapter + 8192 for b in engine.push_bytes), engine.push_bytes
+  assert adapter < model_bytes / 5
+  assert caplog.text.count("MB, LoRA adapter)") == len(engine.push_bytes)  # each push's size
+  assert "the vLLM server holds the base" in caplog.text
+
+
+def test_lora_merged_sync_pushes_the_adapted_weights(served, tmp_path):
+  """``vllm.lora_sync=merged`` (a server without LoRA support): W + (alpha/r) A B pushed as full
+  weights; the server samples the adapted policy (log-probs match the trainer's)."""
+  engine = served[0]
+  cfg = _vllm_config(
+    steps=2, **LORA, **{"vllm.urls": engine.sidecar.url, "vllm.lora_sync": "merged"}
+  )
+  trainer = Trainer(cfg, str(tmp_path))
+  trainer.run()
+  rows = read_metrics(tmp_path)
+  _assert_on_policy(rows)
+  _, params = model.create(trainer.model_cfg, 0)
+  assert min(trainer.engine.push_bytes) > 5 * _adapter_bytes(params)
+
+
 def test_sigkilled_server_is_restarted_and_the_step_completes(sidecar_env, tmp_path):
   cfg = _vllm_config(steps=2)
   trainer = Trainer(cfg, str(tmp_path))
@@ -382,7 +433,7 @@ def test_hung_server_times_out_and_is_restarted(served):
 
 _KILLED_TRAINER = """
 import os, signal, sys, threading, time
-from jaxrl.nn import model
+from jaxrl.nn import lora, model
 from jaxrl.tasks.data.tokenizer import build_tokenizer
 from jaxrl.rollout.sidecar import LaunchConfig, group_members
 from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine

@@ -79,6 +79,7 @@ def _vllm_engine(cfg: Config, model_cfg, *, tokenizer, prompt_len: int, workdir:
     max_restarts=v.max_restarts,
     sync_every=v.sync_every,
     fallback_dir=f"sidecar{suffix}",
+    lora_adapters=_lora_adapters(cfg),
     weights_root=os.path.join(v.weights_dir, f"process{p}")
     if v.weights_dir and jax.process_count() > 1
     else v.weights_dir,
@@ -127,7 +128,13 @@ def _launch_config(cfg: Config, prompt_len: int, workdir: str, log_name: str):
     startup_timeout=v.startup_timeout,
     extra_args=tuple(v.extra_args.split()),
     cpus=v.cpus,
+    lora_rank=cfg.model.lora.rank if _lora_adapters(cfg) else 0,
   )
+
+
+def _lora_adapters(cfg: Config) -> bool:
+  """Whether the sidecar receives LoRA adapters (else merged weights, or a model without any)."""
+  return cfg.model.lora.rank > 0 and cfg.vllm.lora_sync == "adapter"
 
 
 def process_urls(spec: str, process: int, processes: int) -> tuple[str, ...]:

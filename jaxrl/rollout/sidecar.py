@@ -46,6 +46,7 @@ class LaunchConfig:
   startup_timeout: float = 300.0
   extra_args: tuple[str, ...] = ()
   cpus: str = ""  # cores the server is pinned to ("1", "0,2-3"); "" = the trainer's
+  lora_rank: int = 0  # > 0: serve LoRA adapters of this rank, loaded at run time
   # CPU build: KV cache size in GiB, and no thread pinning (the trainer shares the cores).
   # TORCH_COMPILE_DISABLE: the server already runs eager (--enforce-eager); this keeps vLLM's few
   # torch.compile'd sampler helpers (token ranks, random sampling) eager too. Compiled, their first
@@ -58,6 +59,29 @@ class LaunchConfig:
     ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
     ("TORCH_COMPILE_DISABLE", "1"),
   )
+
+
+# The ranks vLLM's --max-lora-rank accepts.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_args(rank: int) -> list[str]:
+  """Server flags for runtime LoRA of ``rank`` (none for 0): one adapter serves at a time (the
+  current policy; every request names it), two held on the CPU side while a push swaps them."""
+  if not rank:
+    return []
+  fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+  if not fits:
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest ({VLLM_LORA_RANKS[-1]})")
+  return [
+    "--enable-lora",
+    "--max-lora-rank",
+    str(fits[0]),
+    "--max-loras",
+    "1",
+    "--max-cpu-loras",
+    "2",
+  ]
 
 
 _OWNER = "JAXRL_SIDECAR_OWNER"
@@ -132,6 +156,7 @@ class Sidecar:
     return f"http://{self.cfg.host}:{self.port}"
 
   def command(self, model_dir: str) -> list[str]:
+    """The server's command line on ``model_dir`` (with LoRA: the base model)."""
     c = self.cfg
     return [
       c.python,
@@ -152,6 +177,7 @@ class Sidecar:
       "--enforce-eager",
       "--logprobs-mode",
       "processed_logprobs",
+      *lora_args(c.lora_rank),
       *c.extra_args,
     ]
 
@@ -168,6 +194,8 @@ class Sidecar:
       VLLM_SERVER_DEV_MODE="1",
       HF_HUB_OFFLINE="1",
       **dict(c.env),
+      # the /v1/load_lora_adapter and /v1/unload_lora_adapter endpoints
+      **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if c.lora_rank else {}),
       **{_OWNER: str(os.getpid())},
       JAXRL_SIDECAR_CPUS=c.cpus,
     )

@@ -67,8 +67,15 @@ def _then(data: bytes, sent: Callable[[], None]) -> Iterable[bytes]:
   sent()
 
 
-def _post(url: str, payload: dict | None, timeout: float, sent: Callable[[], None] | None = None):
-  """``sent``: called once the request has been written, before its answer is awaited."""
+def _post(
+  url: str,
+  payload: dict | None,
+  timeout: float,
+  sent: Callable[[], None] | None = None,
+  parse: bool = True,
+):
+  """``sent``: called once the request has been written, before its answer is awaited;
+  ``parse``: the answer is JSON (else it is returned as text)."""
   data = None if payload is None else json.dumps(payload).encode()
   headers = {"Content-Type": "application/json"}
   if sent is not None and data is not None:
@@ -77,6 +84,8 @@ def _post(url: str, payload: dict | None, timeout: float, sent: Callable[[], Non
   req = urllib.request.Request(url, data=data, method="POST", headers=headers)
   with urllib.request.urlopen(req, timeout=timeout) as r:
     body = r.read()
+  if not parse:  # the LoRA endpoints answer "Success: ..." as plain text
+    return body.decode(errors="replace")
   return json.loads(body) if body.strip() else None
 
 
@@ -157,13 +166,16 @@ class VllmClient:
     timeout: float | None = None,
     *,
     sent: Callable[[], None] | None = None,
+    parse: bool = True,
   ):
-    """POST with bounded retries; the error names the endpoint and the last failure. ``sent``: see
-    ``_post`` (called at each attempt that gets its request written)."""
+    """POST with bounded retries; the error names the endpoint and the last failure. ``sent``,
+    ``parse``: see ``_post`` (``sent`` is called at each attempt that gets its request written)."""
     last = None
     for attempt in range(self.retries + 1):
       try:
-        return _post(f"{url}{path}", payload, self.timeout if timeout is None else timeout, sent)
+        return _post(
+          f"{url}{path}", payload, self.timeout if timeout is None else timeout, sent, parse
+        )
       except urllib.error.HTTPError as e:
         detail = e.read()[:500].decode(errors="replace")
         if e.code < 500:
@@ -281,6 +293,29 @@ class VllmClient:
     def one(url: str) -> None:
       self.post(url, "/update_weight_version", {"new_version": version})
       self._verify(url, version)
+
+    list(self._pool.map(one, self.urls))
+
+  def load_adapter(self, name: str, adapter_dir: str, version: str, drop: str | None) -> None:
+    """Every server: pause → load the PEFT adapter ``adapter_dir`` as ``name`` → reset the
+    prefix cache → set version → resume → unload ``drop`` (the previous adapter, if any).
+
+    Paused, so no request runs across the swap (its tokens would mix two policies); the prefix
+    cache is reset and every version has a new directory and name, since vLLM keys cached blocks
+    by (name, path) and a reload in place would serve stale blocks."""
+
+    def one(url: str) -> None:
+      self.post(url, "/pause?mode=wait", None)
+      try:
+        adapter = {"lora_name": name, "lora_path": adapter_dir}
+        self.post(url, "/v1/load_lora_adapter", adapter, parse=False)
+        self.post(url, "/reset_prefix_cache", None)
+        self.post(url, "/update_weight_version", {"new_version": version})
+      finally:
+        self.post(url, "/resume", None)
+      self._verify(url, version)
+      if drop is not None and drop in self.models(url):
+        self.post(url, "/v1/unload_lora_adapter", {"lora_name": drop}, parse=False)
 
     list(self._pool.map(one, self.urls))
 

