@@ -58,6 +58,21 @@ def test_param_bytes_are_the_exact_sum_of_shards():
   assert kl.ref_params == kl.params
 
 
+def test_lora_plan_counts_adapters_their_moments_and_no_reference_copy():
+  p = plan.build(small(1, **{"model.lora.rank": 4, "loss.kl_coef": 0.1}), compile_steps=False)
+  m, r = p.model_cfg, 4
+  d, f = m.hidden_size, m.intermediate_size
+  he, ke = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+  per_layer = r * (2 * (d + he) + 2 * (d + ke) + 3 * (d + f))
+  assert p.adapters == m.num_layers * per_layer * 4  # float32 A and B of every projection
+  base = plan.build(small(1), compile_steps=False)
+  assert p.params == base.params + p.adapters
+  assert 0 < p.opt_state - 2 * p.adapters <= 16  # AdamW moments of the adapters only
+  assert p.ref_params == 0  # the reference is the base with the adapters off
+  text = plan_report.render(p)
+  assert "| of which LoRA adapters |" in text and "the base with the adapters switched off" in text
+
+
 def test_per_device_numbers_shrink_with_fsdp():
   plans = [plan.build(small(n), compile_steps=False) for n in (1, 2, 4)]
   for a, b in zip(plans, plans[1:]):
@@ -169,6 +184,39 @@ def test_qwen7b_plan_on_8_fake_devices(tmp_path):
   }
   assert peaks["train step (rl_update)"] < 56, peaks
   assert peaks["pi_old rescoring (logp_responses_chunked)"] < 16, peaks
+
+
+@pytest.mark.slow
+def test_qwen7b_lora_plan_fits_one_80gb_device(tmp_path):
+  """configs/qwen7b.py:lora on one device: a bfloat16 base, rank-64 adapters on every projection
+  and their moments (1.8 GiB), one row per micro-batch. XLA CPU's compiled peak (which includes
+  float32 copies of the bfloat16 weights a GPU does not make) fits 80 GiB."""
+  env = dict(
+    os.environ,
+    PYTHONPATH=ROOT,
+    JAXRL_MODELS=str(tmp_path),
+    HF_HUB_OFFLINE="1",
+    XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    JAX_PLATFORMS="cpu",
+  )
+  out = subprocess.run(
+    [sys.executable, "-m", "jaxrl.main", "--config=configs/qwen7b.py:lora", "--plan"],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  text = out.stdout
+  assert "mesh: data=1 x fsdp=1 x tensor=1 = 1 device(s)" in text
+  assert "| of which LoRA adapters | 616.00 MiB |" in text
+  assert "| optimizer state | 1.20 GiB |" in text and "| KL reference params | 0 |" in text
+  row = next(line for line in text.splitlines() if line.startswith("| train step (rl_update) |"))
+  peak = float(row.split("**")[1].split()[0])
+  assert peak < 80, row
+  assert "Against an 80 GiB accelerator (A100 / H100 80GB) the compiled peak" in text
+  assert "does NOT fit" not in text
 
 
 def test_plan_compiles_the_very_programs_the_trainer_runs(tmp_path, monkeypatch):

@@ -74,11 +74,19 @@ def _state_section(plan: Plan, cfg: Config) -> list[str]:
   return ["## Train state per device", "", _table(["memory per device", "bytes", "note"], rows), ""]
 
 
+GPU_80GB = 80 * GiB  # an A100 / H100 80GB: what the verdict assumes when the backend is a CPU
+
+
 def _verdict(plan: Plan, peak: int) -> str:
   if plan.device_memory is None:
+    fits = (
+      f"fits (headroom {size(GPU_80GB - peak)})"
+      if peak <= GPU_80GB
+      else f"does NOT fit (over by {size(peak - GPU_80GB)})"
+    )
     return (
-      f"Device memory is not reported by this backend ({plan.devices}): compare the peaks "
-      "with the accelerator's (e.g. 80 GiB on an A100 / H100 80GB)."
+      f"Device memory is not reported by this backend ({plan.devices}). Against an 80 GiB "
+      f"accelerator (A100 / H100 80GB) the compiled peak {size(peak)} {fits}."
     )
   fits = "fits" if peak <= plan.device_memory else "does NOT fit"
   return (
