@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from jaxrl.nn import lora
 from jaxrl.parallel import distributed, sharding
 from jaxrl.rl import optim
 from jaxrl.rl.programs import Programs
@@ -62,24 +63,27 @@ def warm_start(
   meta = {"steps": done, "final_loss_ema": ema, "seconds": time.time() - t0}
   log.info("SFT warm start done: %d steps, loss (ema) %.4f, %.0fs", done, ema, meta["seconds"])
   ckpt = Checkpointer(os.path.join(workdir, CACHE), keep=1, async_save=False)
-  ckpt.save(done, {"params": state.params}, meta)
+  # The base alone (a LoRA model's fresh adapters are not the warm start's): the cache of a full
+  # fine-tuning run and of a LoRA run of the same seed are the same files, interchangeable.
+  ckpt.save(done, {"params": lora.partition(state.params, "base")[0]}, meta)
   ckpt.close()
   return state.params, meta
 
 
 def load_cached(workdir: str, like):
   """(params, meta) of the warm start cached in ``workdir/sft`` onto ``like``'s structure and
-  shardings, or None when there is none."""
+  shardings (a LoRA model's adapters: ``like``'s), or None when there is none."""
+  base, adapters = lora.partition(like, "base")
   ckpt = Checkpointer(os.path.join(workdir, CACHE), keep=1, async_save=False)
   try:
     step = ckpt.latest_step()
     if step is None:
       return None
-    tree, meta = ckpt.restore(step, {"params": like})
+    tree, meta = ckpt.restore(step, {"params": base})
   finally:
     ckpt.close()
   log.info("SFT warm start loaded from %s (%d steps)", ckpt.directory, step)
-  return tree["params"], meta
+  return lora.combine(tree["params"], adapters), meta
 
 
 def _train(
