@@ -12,20 +12,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_step import hparams, make_batch
+from test_step import MCFG, hparams, make_batch
 
 from jaxrl.nn import lora, model
 from jaxrl.rl import losses, optim, step
 
-MCFG = model.ModelConfig(
-  vocab_size=32,
-  hidden_size=32,
-  intermediate_size=64,
-  num_layers=2,
-  num_heads=2,
-  num_kv_heads=1,
-  head_dim=16,
-)
 LORA = dataclasses.replace(MCFG, lora_rank=4, lora_alpha=8.0)
 
 

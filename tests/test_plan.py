@@ -140,26 +140,32 @@ def test_qwen7b_without_enough_devices_gives_the_table_and_says_how(tmp_path, mo
   assert "| parameters | 3.55 GiB |" in text and "| optimizer state | 7.09 GiB |" in text
 
 
-@pytest.mark.slow  # 10 s on an idle 2-core machine (the 7B step compiles in ~6 s), 20 s under load
-def test_qwen7b_plan_on_8_fake_devices(tmp_path):
+def _plan_on_fake_devices(config: str, devices: int, tmp_path) -> str:
+  """``--plan`` of ``config`` in a subprocess with ``devices`` fake CPU devices (the checkpoint
+  not downloaded: the config's model section); its report."""
   env = dict(
     os.environ,
     PYTHONPATH=ROOT,
     JAXRL_MODELS=str(tmp_path),
     HF_HUB_OFFLINE="1",
-    XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
     JAX_PLATFORMS="cpu",
   )
   out = subprocess.run(
-    [sys.executable, "-m", "jaxrl.main", "--config=configs/qwen7b.py", "--plan"],
+    [sys.executable, "-m", "jaxrl.main", f"--config={config}", "--plan"],
     cwd=ROOT,
     env=env,
     capture_output=True,
     text=True,
-    timeout=600,
+    timeout=900,
   )
   assert out.returncode == 0, out.stderr[-3000:]
-  text = out.stdout
+  return out.stdout
+
+
+@pytest.mark.slow  # 10 s on an idle 2-core machine (the 7B step compiles in ~6 s), 20 s under load
+def test_qwen7b_plan_on_8_fake_devices(tmp_path):
+  text = _plan_on_fake_devices("configs/qwen7b.py", 8, tmp_path)
   assert "mesh: data=1 x fsdp=8 x tensor=1 = 8 device(s); this process has 8 x cpu" in text
   assert "7.616 B params, L=28, D=3584" in text
   assert (
@@ -191,24 +197,7 @@ def test_qwen7b_lora_plan_fits_one_80gb_device(tmp_path):
   """configs/qwen7b.py:lora on one device: a bfloat16 base, rank-64 adapters on every projection
   and their moments (1.8 GiB), one row per micro-batch. XLA CPU's compiled peak (which includes
   float32 copies of the bfloat16 weights a GPU does not make) fits 80 GiB."""
-  env = dict(
-    os.environ,
-    PYTHONPATH=ROOT,
-    JAXRL_MODELS=str(tmp_path),
-    HF_HUB_OFFLINE="1",
-    XLA_FLAGS="--xla_force_host_platform_device_count=1",
-    JAX_PLATFORMS="cpu",
-  )
-  out = subprocess.run(
-    [sys.executable, "-m", "jaxrl.main", "--config=configs/qwen7b.py:lora", "--plan"],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=900,
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  text = out.stdout
+  text = _plan_on_fake_devices("configs/qwen7b.py:lora", 1, tmp_path)
   assert "mesh: data=1 x fsdp=1 x tensor=1 = 1 device(s)" in text
   assert "| of which LoRA adapters | 616.00 MiB |" in text
   assert "| optimizer state | 1.20 GiB |" in text and "| KL reference params | 0 |" in text
