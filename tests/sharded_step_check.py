@@ -1,5 +1,7 @@
 """Run as a script with 8 fake CPU devices: one GRPO step on a (data 1, fsdp 4, tensor 2) mesh must
-equal the same step on one device. Prints the max relative differences as JSON (the test asserts)."""
+equal the same step on one device. Prints the max relative differences as JSON (the test asserts).
+``--lora``: the model has rank-4 adapters (B moved off zero, so A gets gradients too); the update
+trains them alone and the KL reference is the base (adapters off)."""
 
 import os
 
@@ -9,6 +11,7 @@ os.environ["XLA_FLAGS"] = (
 
 import functools  # noqa: E402
 import json  # noqa: E402
+import sys  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -19,7 +22,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 from run_helpers import rollouts  # noqa: E402
 
-from jaxrl.nn import model
+from jaxrl.nn import lora, model
 from jaxrl.parallel import sharding
 from jaxrl.rl import (
   losses,
@@ -28,18 +31,23 @@ from jaxrl.rl import (
 
 
 def run_on(mesh, params_host, batch_host, tx, cfg, graphdef, hp, steps=1):
+  trainable = lora.policy_trainable(params_host)
   p_sh = sharding.tree_shardings(params_host, mesh)
+  trained = lora.partition(params_host, trainable)[0]
   state_sh = step.TrainState(
     step=sharding.replicated(mesh),
     params=p_sh,
-    opt_state=sharding.tree_shardings(jax.eval_shape(tx.init, params_host), mesh),
+    opt_state=sharding.tree_shardings(jax.eval_shape(tx.init, trained), mesh),
   )
   params = jax.device_put(params_host, p_sh)
-  # The frozen KL reference: a perturbed copy, so the KL term is non-zero.
-  ref = jax.device_put(jax.tree.map(lambda x: x * 0.98, params_host), p_sh)
-  state = jax.jit(functools.partial(step.init_state, tx=tx), out_shardings=state_sh)(params)
+  # The frozen KL reference: a perturbed copy, so the KL term is non-zero (LoRA: the base).
+  ref = None
+  if trainable == "all":
+    ref = jax.device_put(jax.tree.map(lambda x: x * 0.98, params_host), p_sh)
+  init = functools.partial(step.init_state, tx=tx, trainable=trainable)
+  state = jax.jit(init, out_shardings=state_sh)(params)
   update = jax.jit(
-    functools.partial(step.rl_update, graphdef, tx, cfg),
+    functools.partial(step.rl_update, graphdef, tx, cfg, trainable=trainable),
     donate_argnums=(0,),
     out_shardings=(state_sh, None),
   )
@@ -62,9 +70,20 @@ def main():
     num_heads=4,
     num_kv_heads=2,
     head_dim=16,
+    lora_rank=4 if "--lora" in sys.argv else 0,
   )
   graphdef, params = model.create(mcfg, 0)
   params = jax.device_get(params)
+  if mcfg.lora_rank:  # trained adapters: B off zero
+    keys = iter(jax.random.split(jax.random.key(1), 64))
+    params = jax.tree_util.tree_map_with_path(
+      lambda path, x: (
+        0.1 * jax.random.normal(next(keys), x.shape)
+        if "_lora_b" in jax.tree_util.keystr(path)
+        else x
+      ),
+      params,
+    )
   rng = np.random.default_rng(0)
   R, P, N, B = 16, 6, 5, 4
   batch = rollouts(

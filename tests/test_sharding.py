@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.parallel import sharding
@@ -21,11 +22,12 @@ def test_logical_rules_map_axes_and_replicate_indivisible_dims():
   assert sharding.logical_to_spec(("norm",), (64,), FakeMesh) == P(None)
 
 
-def test_sharded_step_equals_single_device():
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_sharded_step_equals_single_device(lora):
   env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
   env.pop("XLA_FLAGS", None)
   out = subprocess.run(
-    [sys.executable, os.path.join(HERE, "sharded_step_check.py")],
+    [sys.executable, os.path.join(HERE, "sharded_step_check.py"), *(["--lora"] if lora else [])],
     env=env,
     capture_output=True,
     text=True,
@@ -36,6 +38,9 @@ def test_sharded_step_equals_single_device():
   # The mesh really shards: MLP kernels split over fsdp and tensor.
   specs = result["specs"]
   assert any("'fsdp', 'tensor'" in s for s in specs.values()), specs
+  if lora:  # adapters shard with their kernels: B of q over tensor, A of up over fsdp
+    assert specs["['layers'][0]['self_attn']['q_proj_lora_b'].value"] == "P(None, 'tensor')"
+    assert specs["['layers'][0]['mlp']['up_proj_lora_a'].value"] == "P('fsdp', None)"
   assert result["sgd_leaf_rel_diff"] <= 1e-5, result
   assert result["adam_tree_rel_diff"] <= 1e-5, result
   assert result["kl"] > 0, result  # the reference path is exercised
