@@ -15,7 +15,6 @@ from run_helpers import ROOT, tiny_config
 from jaxrl.nn import arch, model
 from jaxrl.parallel import sharding
 from jaxrl.run import weights
-from jaxrl.run.sft import load_cached
 from jaxrl.tasks.data.tokenizer import VOCAB
 
 
@@ -78,11 +77,8 @@ def checkpoint_params(workdir, step=None, sft=False, **overrides) -> np.ndarray:
   model_cfg = arch.model_config(cfg, len(VOCAB))
   _, abstract = model.abstract(model_cfg)
   shardings = sharding.tree_shardings(abstract, sharding.make_mesh(1, 1, 1))
-  if sft:
-    like = jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
-    )
-    params = load_cached(str(workdir), like)[0]
+  if sft:  # the warm start, and a LoRA model's fresh adapters (of the config's seed)
+    params = weights.run_base(cfg, model_cfg, str(workdir), shardings)
   else:
     path = os.path.join(workdir, "checkpoints", str(step))
     params = weights.load_params(cfg, path, (abstract, shardings), model_cfg)

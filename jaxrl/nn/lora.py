@@ -111,19 +111,19 @@ def merged(params, alpha: float, rank: int):
   return nnx.from_flat_state(base)
 
 
+@jax.jit
+def _sums(tree) -> list:
+  return [
+    jnp.stack([jnp.sum(x.astype(jnp.float32)), jnp.sum(jnp.abs(x.astype(jnp.float32)))])
+    for x in jax.tree.leaves(tree)
+  ]
+
+
 def fingerprint(params) -> list[list[float]]:
   """[sum, sum of |x|] of every base (non-adapter) leaf in float32: what a LoRA checkpoint
   records of the base its adapters were trained on, so a resume onto another base fails."""
   _, base = partition(params, "adapters")
-
-  @jax.jit
-  def sums(tree):
-    return [
-      jnp.stack([jnp.sum(x.astype(jnp.float32)), jnp.sum(jnp.abs(x.astype(jnp.float32)))])
-      for x in jax.tree.leaves(tree)
-    ]
-
-  return [[float(v) for v in s] for s in distributed.to_host(sums(base))]
+  return [[float(v) for v in s] for s in distributed.to_host(_sums(base))]
 
 
 def check_base(saved: list | None, params, where: str) -> None:
