@@ -150,7 +150,7 @@ def main():
   ap.add_argument("--steps", type=int, default=300)
   ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   ap.add_argument("--root", default="runs/lora_evidence")
-  ap.add_argument("--out", default="bench/results/lora_evidence.md")
+  ap.add_argument("--out", default="bench/results/lora.md")
   ap.add_argument("--summarize-only", action="store_true")
   args = ap.parse_args()
   os.makedirs(args.root, exist_ok=True)

@@ -132,7 +132,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--repeats", type=int, default=7)
   ap.add_argument("--push-rank", type=int, default=8)
-  ap.add_argument("--out", default="bench/results/lora_evidence.md")
+  ap.add_argument("--out", default="bench/results/lora.md")
   args = ap.parse_args()
   med = statistics.median
   with tempfile.TemporaryDirectory() as workdir:
