@@ -16,7 +16,7 @@ import torch
 from flax import nnx
 from run_helpers import tiny_config
 from safetensors import safe_open
-from test_hf_parity import TOL, _hf_logits, _hf_model, _left_padded_batch, _our_logits
+from test_hf_parity import _hf_logits, _hf_model, _left_padded_batch, _our_logits
 
 from jaxrl.nn import arch, hf, lora, model
 from jaxrl.nn import peft as jaxrl_peft
@@ -27,12 +27,13 @@ RANK, ALPHA = 4, 8.0
 
 
 def _trained(params, seed=0):
-  """The adapters as after training: B (and A) moved away from their init."""
+  """The adapters as after training: B (and A) moved away from their init (by 0.1 per entry,
+  which moves the logits by ~3; float32 round-off between the frameworks stays ~2e-6)."""
   keys = iter(jax.random.split(jax.random.key(seed), 256))
 
   def move(path, v):
     if lora._is_adapter(path):
-      return v.replace(v[...] + 0.2 * jax.random.normal(next(keys), v.shape, v.dtype))
+      return v.replace(v[...] + 0.1 * jax.random.normal(next(keys), v.shape, v.dtype))
     return v
 
   return nnx.from_flat_state([(p, move(p, v)) for p, v in nnx.to_flat_state(params)])
@@ -57,9 +58,9 @@ def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path, layout):
   fresh = weights.load_params(cfg, str(base_dir), (abstract, shardings))
   tokens, mask = _left_padded_batch(model_cfg.vocab_size)
   base_logits = _hf_logits(_hf_model(base_dir), tokens, mask)
-  # Fresh adapters: the base's function (HF's logits within the parity tolerance).
+  # Fresh adapters: the base's function (HF's logits; measured differences ~2e-6).
   np.testing.assert_allclose(
-    _our_logits(graphdef, fresh, tokens, mask)[mask], base_logits[mask], atol=TOL, rtol=0
+    _our_logits(graphdef, fresh, tokens, mask)[mask], base_logits[mask], atol=1e-5, rtol=0
   )
   params = _trained(fresh)
   ours = _our_logits(graphdef, params, tokens, mask)
@@ -88,7 +89,7 @@ def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path, layout):
     adapted = peft.PeftModel.from_pretrained(_hf_model(base_dir), adapter_dir).eval()
   peft_logits = _hf_logits(adapted, tokens, mask)
   np.testing.assert_allclose(peft_logits[mask], hf_merged[mask], atol=1e-5, rtol=0)
-  np.testing.assert_allclose(peft_logits[mask], ours[mask], atol=TOL, rtol=0)
+  np.testing.assert_allclose(peft_logits[mask], ours[mask], atol=1e-5, rtol=0)
 
 
 def test_adapter_names_follow_the_hf_modules():
