@@ -17,13 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench import tiny_runs  # noqa: E402
+
 # setting -> (LoRA rank, learning-rate grid): full fine-tuning's default (3e-4) and 3x it; for
 # LoRA about 10x and 30x that, as its best rate is about 10x full fine-tuning's ("LoRA Without
 # Regret", Thinking Machines, 2025). Two points each: what this 2-core machine affords.
@@ -42,31 +44,10 @@ def _name(setting: str, lr: float, seed: int) -> str:
 
 def run(setting: str, lr: float, seed: int, steps: int, root: str) -> str:
   workdir = os.path.join(root, _name(setting, lr, seed))
-  if os.path.exists(os.path.join(workdir, f"eval_step{steps}.json")):
-    return workdir  # finished earlier
-  shared = os.path.join(root, _name(*SHARED_SFT, seed))
-  if workdir != shared and not os.path.exists(os.path.join(workdir, "sft")):
-    os.makedirs(workdir, exist_ok=True)
-    for name in ("sft", "tokenizer"):
-      shutil.copytree(os.path.join(shared, name), os.path.join(workdir, name))
-    shutil.copy(os.path.join(shared, "eval_sft.json"), workdir)
-  rank = SETTINGS[setting][0]
-  cmd = [
-    sys.executable,
-    "-m",
-    "jaxrl.main",
-    "--config=configs/tiny.py",
-    f"--workdir={workdir}",
-    f"--config.seed={seed}",
-    f"--config.steps={steps}",
-    f"--config.optim.learning_rate={lr}",
-    f"--config.model.lora.rank={rank}",
-    "--config.log.progress=False",
-  ]
-  with open(workdir + ".log", "w") as log:
-    subprocess.run(
-      cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=log, stderr=log, check=True
-    )
+  if not tiny_runs.finished(workdir, steps):
+    tiny_runs.share_warm_start(os.path.join(root, _name(*SHARED_SFT, seed)), workdir)
+    overrides = (f"optim.learning_rate={lr}", f"model.lora.rank={SETTINGS[setting][0]}")
+    tiny_runs.train("configs/tiny.py", workdir, seed, steps, workdir + ".log", *overrides)
   return workdir
 
 

@@ -14,8 +14,6 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
-import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -24,32 +22,17 @@ PRESETS = ("grpo", "e3", "dynamo", "eepo", "es", "all")
 # Not the same budget: the annealing phase doubles G for the last 40% of the steps (section f).
 ANNEAL = "e3,anneal"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench import tiny_runs  # noqa: E402
 
 
 def run(preset: str, seed: int, steps: int, root: str) -> str:
   workdir = os.path.join(root, f"{preset}_s{seed}")
-  if os.path.exists(os.path.join(workdir, f"eval_step{steps}.json")):
-    return workdir  # finished earlier
-  shared = os.path.join(root, f"grpo_s{seed}")
-  if preset != "grpo" and not os.path.exists(os.path.join(workdir, "sft")):
-    os.makedirs(workdir, exist_ok=True)
-    for name in ("sft", "tokenizer"):
-      shutil.copytree(os.path.join(shared, name), os.path.join(workdir, name))
-    shutil.copy(os.path.join(shared, "eval_sft.json"), workdir)
-  cmd = [
-    sys.executable,
-    "-m",
-    "jaxrl.main",
-    f"--config=configs/tiny.py:{preset}",
-    f"--workdir={workdir}",
-    f"--config.seed={seed}",
-    f"--config.steps={steps}",
-    "--config.log.progress=False",
-  ]
-  with open(os.path.join(root, f"{preset}_s{seed}.log"), "w") as log:
-    subprocess.run(
-      cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=log, stderr=log, check=True
-    )
+  if not tiny_runs.finished(workdir, steps):
+    tiny_runs.share_warm_start(os.path.join(root, f"grpo_s{seed}"), workdir)
+    log = os.path.join(root, f"{preset}_s{seed}.log")
+    tiny_runs.train(f"configs/tiny.py:{preset}", workdir, seed, steps, log)
   return workdir
 
 
