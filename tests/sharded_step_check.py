@@ -125,9 +125,13 @@ def main():
   adam_tree_diff = max(float(np.max(np.abs(a - b))) for a, b in zip(leaves1, leaves8)) / max(
     float(np.max(np.abs(a))) for a in leaves1
   )
+  # The base's fingerprint (what a LoRA checkpoint records) does not depend on the mesh.
+  on_eight = jax.device_put(params, sharding.tree_shardings(params, eight))
+  same_fingerprint = lora.fingerprint(on_eight) == lora.fingerprint(params)
   print(
     json.dumps(
       {
+        "same_fingerprint": same_fingerprint,
         "sgd_leaf_rel_diff": sgd_leaf_diff,
         "adam_tree_rel_diff": adam_tree_diff,
         "metric_rel_diff": metric_diff,

@@ -195,8 +195,8 @@ def test_eepo_forgetting_moves_the_adapters_only():
 
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
 def test_scanned_layers_and_bfloat16_bases(param_dtype):
-  """Scan mode stacks the adapters on the layer axis and computes what loop mode computes; with a
-  bfloat16 base the adapters (and so their moments) stay float32."""
+  """Scan mode stacks the adapters on the layer axis; with a bfloat16 base the adapters (and so
+  their moments) stay float32; merged weights compute the adapted model in both layouts."""
   loop_cfg = dataclasses.replace(LORA, param_dtype=param_dtype)
   scan_cfg = dataclasses.replace(loop_cfg, scan_layers=True)
   g_loop, p_loop = model.create(loop_cfg, 4)
@@ -209,23 +209,63 @@ def test_scanned_layers_and_bfloat16_bases(param_dtype):
   _, _, state, new, metrics = _update(scan_cfg, seed=4)
   assert int(metrics["nonfinite_updates"]) == 0
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.opt_state) if x.ndim)
-  # loop and scan: same function (B filled with the same draws in both layouts' order)
-  if param_dtype == "float32":
-    _, base_loop = lora.partition(p_loop, "adapters")
-    merged_loop = lora.merged(p_loop, LORA.lora_alpha, LORA.lora_rank)
-    merged_scan = lora.merged(p_scan, LORA.lora_alpha, LORA.lora_rank)
-    g0, _ = model.create(dataclasses.replace(MCFG, scan_layers=True), 0)
-    np.testing.assert_allclose(_hidden(g0, merged_scan), _hidden(g_scan, p_scan), atol=1e-5)
-    g1, _ = model.create(MCFG, 0)
-    np.testing.assert_allclose(_hidden(g1, merged_loop), _hidden(g_loop, p_loop), atol=1e-5)
+  # Each layout's merged weights (float32 kernels; the rest keeps its dtype) compute its model.
+  for cfg, g, p in ((loop_cfg, g_loop, p_loop), (scan_cfg, g_scan, p_scan)):
+    merged = lora.merged(p, LORA.lora_alpha, LORA.lora_rank)
+    g_plain, _ = model.create(dataclasses.replace(cfg, lora_rank=0), 0)
+    np.testing.assert_allclose(_hidden(g_plain, merged), _hidden(g, p), atol=1e-5)
+
+
+def test_merging_onto_a_bfloat16_base_keeps_small_updates():
+  """An adapter update far below a bfloat16 kernel's precision (as after a few RL steps) must
+  survive the merge: rounded to bfloat16 it would vanish, and the export would be the base."""
+  cfg = dataclasses.replace(LORA, param_dtype="bfloat16")
+  g, params = model.create(cfg, 5)
+  keys = iter(jax.random.split(jax.random.key(2), 64))
+  small_b = nnx.from_flat_state(
+    [
+      (path, v.replace(1e-4 * jax.random.normal(next(keys), v.shape)))
+      if str(path[-1]).endswith(lora.ADAPTER_B)
+      else (path, v)
+      for path, v in nnx.to_flat_state(params)
+    ]
+  )
+  base = lora.without_adapters(small_b)
+  merged = lora.merged(small_b, cfg.lora_alpha, cfg.lora_rank)
+  kernel = ("layers", 0, "mlp", "up_proj")
+  w_bf16, w_merged = (dict(nnx.to_flat_state(t))[kernel][...] for t in (base, merged))
+  assert w_merged.dtype == jnp.float32
+  # rounded to bfloat16, nine entries in ten (all but some near 0) would be the base's again
+  assert np.mean(np.asarray(w_merged.astype(jnp.bfloat16) != w_bf16)) < 0.1
+  g_plain, _ = model.create(dataclasses.replace(cfg, lora_rank=0), 0)
+  adapted, unadapted = _hidden(g, small_b), _hidden(g, base)
+  assert np.max(np.abs(adapted - unadapted)) > 1e-3  # a hundred times the tolerance below
+  np.testing.assert_allclose(_hidden(g_plain, merged), adapted, atol=1e-5)
 
 
 def test_fingerprint_tells_bases_apart():
   _, a = model.create(LORA, 0)
   _, b = model.create(LORA, 1)
   fa = lora.fingerprint(a)
-  assert lora.same_fingerprint(fa, lora.fingerprint(_with_random_b(a)))  # adapters do not count
-  assert not lora.same_fingerprint(fa, lora.fingerprint(b))
+  assert fa == lora.fingerprint(_with_random_b(a))  # adapters do not count
+  assert fa != lora.fingerprint(b)
+
+  def edit(params, change):
+    flat = dict(nnx.to_flat_state(params))
+    path = ("layers", 0, "mlp", "down_proj")
+    flat[path] = flat[path].replace(change(flat[path][...]))
+    return nnx.from_flat_state(flat)
+
+  # One element one float32 ulp off; two elements swapped (the plain bit sum is unchanged); the
+  # same values in bfloat16.
+  one_ulp = edit(a, lambda w: w.at[0, 0].set(jnp.nextafter(w[0, 0], jnp.inf)))
+  swapped = edit(a, lambda w: w.at[0, :2].set(w[0, 1::-1]))
+  assert lora.fingerprint(one_ulp) != fa and lora.fingerprint(swapped) != fa
+  bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), a)
+  assert lora.fingerprint(bf16) != fa
+  with pytest.raises(ValueError, match="another base model"):
+    lora.check_base(fa, one_ulp, "ckpt")
+  lora.check_base(fa, a, "ckpt")
 
 
 def test_adamw_moments_match_the_adapter_tree():

@@ -41,6 +41,7 @@ def test_sharded_step_equals_single_device(lora):
   if lora:  # adapters shard with their kernels: B of q over tensor, A of up over fsdp
     assert specs["['layers'][0]['self_attn']['q_proj_lora_b'].value"] == "P(None, 'tensor')"
     assert specs["['layers'][0]['mlp']['up_proj_lora_a'].value"] == "P('fsdp', None)"
+  assert result["same_fingerprint"], result
   assert result["sgd_leaf_rel_diff"] <= 1e-5, result
   assert result["adam_tree_rel_diff"] <= 1e-5, result
   assert result["kl"] > 0, result  # the reference path is exercised

@@ -100,48 +100,51 @@ def adapter_pairs(params) -> list[tuple[tuple, object, object]]:
 
 def merged(params, alpha: float, rank: int):
   """The base-model params (no adapter leaves) whose function is the adapted model's: each
-  kernel W becomes W + (alpha / r) · A B, computed in float32 and cast to W's dtype."""
+  kernel W becomes W + (alpha / r) · A B in float32 (the other leaves keep their dtype). Float32,
+  because an update far below W's precision (a bfloat16 base) would round away: the writer casts."""
   flat = _flat(params)
   for kernel, a, b in adapter_pairs(params):
     w = flat[kernel]
     # matmul broadcasts a scanned model's leading [L] axis
     delta = jnp.matmul(a[...].astype(jnp.float32), b[...].astype(jnp.float32)) * (alpha / rank)
-    flat[kernel] = w.replace((w[...].astype(jnp.float32) + delta).astype(w.dtype))
+    flat[kernel] = w.replace(w[...].astype(jnp.float32) + delta)
   base = {path: v for path, v in flat.items() if not _is_adapter(path)}
   return nnx.from_flat_state(base)
 
 
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
 @jax.jit
-def _sums(tree) -> list:
-  return [
-    jnp.stack([jnp.sum(x.astype(jnp.float32)), jnp.sum(jnp.abs(x.astype(jnp.float32)))])
-    for x in jax.tree.leaves(tree)
-  ]
+def _bit_sums(tree) -> list:
+  """Per leaf, two sums modulo 2**32 of its elements' bit patterns: plain, and weighted by a hash
+  of the element's position. Integer sums are exact in any order, so the fingerprint does not
+  depend on the mesh (or the devices) that holds the leaf."""
+  out = []
+  for x in jax.tree.leaves(tree):
+    bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]).astype(jnp.uint32)
+    position = jax.lax.iota(jnp.uint32, x.size).reshape(x.shape)
+    weight = position * jnp.uint32(2654435761) + jnp.uint32(1)  # Knuth's multiplicative hash
+    out.append(
+      jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weight, dtype=jnp.uint32)])
+    )
+  return out
 
 
-def fingerprint(params) -> list[list[float]]:
-  """[sum, sum of |x|] of every base (non-adapter) leaf in float32: what a LoRA checkpoint
-  records of the base its adapters were trained on, so a resume onto another base fails."""
+def fingerprint(params) -> list[list[int]]:
+  """What a LoRA checkpoint records of the base its adapters were trained on (every non-adapter
+  leaf's ``_bit_sums``), so a resume or an export onto another base fails: the base must be
+  rebuilt bit for bit (``model.checkpoint``, the cached warm start, or the seed's init)."""
   _, base = partition(params, "adapters")
-  return [[float(v) for v in s] for s in distributed.to_host(_sums(base))]
+  return [[int(v) for v in s] for s in distributed.to_host(_bit_sums(base))]
 
 
 def check_base(saved: list | None, params, where: str) -> None:
   """Raise unless ``params``' base has the ``saved`` fingerprint (a LoRA checkpoint's)."""
   if saved is None:
     raise ValueError(f"{where}: the checkpoint has no LoRA adapters (written with rank 0?)")
-  if not same_fingerprint(saved, fingerprint(params)):
+  if saved != fingerprint(params):
     raise ValueError(
       f"{where}: the checkpoint's LoRA adapters were trained on another base model than the one "
-      "rebuilt here (did the warm start or model.checkpoint change?)"
+      "rebuilt here (did the warm start or model.checkpoint change, or model.param_dtype?)"
     )
-
-
-def same_fingerprint(a: list, b: list, rtol: float = 1e-4) -> bool:
-  """Whether two fingerprints describe the same base (sums may differ in the last bits when the
-  mesh, and so the order of summation, differs)."""
-  if len(a) != len(b):
-    return False
-  return all(
-    abs(x - y) <= rtol * max(abs(x), abs(y), 1.0) for p, q in zip(a, b) for x, y in zip(p, q)
-  )

@@ -219,7 +219,7 @@ def rms_norm(x: Array, weight: Array, eps: float) -> Array:
 
 def dense(x_BxTxD: Array, kernel_DxF: Array, adapter=None) -> Array:
   """``x @ kernel`` as one 2-D matmul over the flattened rows: [B·T, D] @ [D, F] -> [B, T, F];
-  with ``adapter`` = (A [D, r], B [r, F], scale), plus scale · (x A) B in the compute dtype.
+  with ``adapter`` = (A [D, r], B [r, F], scale), plus (x A)(scale · B) in the compute dtype.
 
   Why 2-D: with [B, T, D] activations XLA CPU differentiates the kernel as a dot contracting two
   dims (B and T) and first copies the [B, T, F] cotangent and the activations into transposed
@@ -232,7 +232,9 @@ def dense(x_BxTxD: Array, kernel_DxF: Array, adapter=None) -> Array:
   if adapter is not None:
     a_DxR, b_RxF, scale = adapter
     low_UxR = rows_UxD @ a_DxR.astype(x_BxTxD.dtype)
-    y_UxF = y_UxF + (low_UxR @ b_RxF.astype(x_BxTxD.dtype)) * jnp.asarray(scale, y_UxF.dtype)
+    # scale folded into B in float32: in a bfloat16 compute dtype a scale like 16/6 would round
+    scaled_b_RxF = (b_RxF.astype(jnp.float32) * scale).astype(x_BxTxD.dtype)
+    y_UxF = y_UxF + low_UxR @ scaled_b_RxF
   return y_UxF.reshape(*x_BxTxD.shape[:-1], kernel_DxF.shape[-1])
 
 

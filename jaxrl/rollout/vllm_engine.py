@@ -144,8 +144,9 @@ class VllmEngine:
     if adapters and self.cfg.lora_adapters:
       new_dir, push = self._write_adapter(params, version)
     else:
-      if adapters:  # the adapted model as plain weights
-        params = lora.merged(params, self.model_cfg.lora_alpha, self.model_cfg.lora_rank)
+      if adapters:  # the adapted model as plain weights, in the server's default dtype
+        merged = lora.merged(params, self.model_cfg.lora_alpha, self.model_cfg.lora_rank)
+        params = jax.tree.map(lambda x: x.astype(self.model_cfg.dtype), merged)
       new_dir = os.path.abspath(os.path.join(self._root, f"v{self._pushes:06d}"))
       hf.save_hf_checkpoint(
         _base_config(self.model_cfg), params, new_dir, tokenizer=self.tokenizer, untie=True
