@@ -46,6 +46,7 @@ def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path, layout):
     "test",
     **{
       "model.checkpoint": str(base_dir),
+      "sft.steps": 0,  # RL straight from the checkpoint: the PEFT adapter names it as its base
       "model.lora.rank": RANK,
       "model.lora.alpha": ALPHA,
       "model.scan_layers": layout == "scan",

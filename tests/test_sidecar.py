@@ -39,6 +39,7 @@ from jaxrl.rollout.sidecar import (
   healthy,
   owned_pids,
 )
+from jaxrl.rollout.vllm_client import RequestError
 from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine
 from jaxrl.run.train import Trainer
 from jaxrl.tasks.task import load_task
@@ -284,7 +285,7 @@ def test_lora_steps_push_only_the_adapter(sidecar_env, tmp_path, caplog):
   params and EEPO's θ') loads a PEFT adapter of a few kB under a new name, every request names
   it; the server's log-probs match the trainer's after each push."""
   trainer = Trainer(_vllm_config(steps=3, **LORA), str(tmp_path))
-  with caplog.at_level("INFO", logger="jaxrl.rollout.vllm_engine"):
+  with caplog.at_level("INFO", logger="jaxrl.rollout"):  # the engine's and the client's
     trainer.run()
   rows = read_metrics(tmp_path)
   assert [r["step"] for r in rows] == [1, 2, 3]
@@ -299,6 +300,18 @@ def test_lora_steps_push_only_the_adapter(sidecar_env, tmp_path, caplog):
   assert adapter < model_bytes / 5
   assert caplog.text.count("MB, LoRA adapter)") == len(engine.push_bytes)  # each push's size
   assert "the vLLM server holds the base" in caplog.text
+  # after each load the server lists the base and the new adapter: the previous one is unloaded
+  served = [r.getMessage().split(" serves ")[1] for r in caplog.records if " serves " in r.message]
+  assert len(served) == len(engine.push_bytes)
+  assert all(len(s.split(", ")) == 2 and "policy-" in s for s in served), served
+
+
+def test_a_server_without_runtime_lora_is_named(served, tmp_path):
+  """An attached server started without LoRA support refuses an adapter with an error that says
+  how to start it (or to push merged weights)."""
+  client = served[0].client
+  with pytest.raises(RequestError, match="does not serve runtime LoRA.*vllm.lora_sync=merged"):
+    client.load_adapter("policy-x", str(tmp_path), "x", None)
 
 
 def test_lora_merged_sync_pushes_the_adapted_weights(served, tmp_path):

@@ -187,19 +187,22 @@ def _const(cfg: ModelConfig, value: float, shape, axes) -> nnx.Param:
   return nnx.Param(jnp.full(shape, value, cfg.param_dtype), logical_axes=axes)
 
 
-def _add_adapter(module: nnx.Module, cfg: ModelConfig, rngs: nnx.Rngs, proj: str, axes) -> None:
-  """``<proj>_lora_a`` [in, r] and ``<proj>_lora_b`` [r, out] on ``module`` when ``proj`` (e.g.
-  "q_proj") is a LoRA target. A is uniform(±1/sqrt(in)) as in PEFT, drawn from the ``lora``
-  stream (so the base weights of a seed do not depend on the rank); B is zero. Both float32
-  whatever ``param_dtype`` (their AdamW moments too: the updates are small next to the base)."""
-  if not cfg.lora_rank or proj.removesuffix("_proj") not in cfg.lora_targets:
-    return
-  d_in, d_out = getattr(module, proj).shape
-  bound = d_in**-0.5
-  a = jax.random.uniform(rngs.lora(), (d_in, cfg.lora_rank), jnp.float32, -bound, bound)
-  setattr(module, f"{proj}_lora_a", nnx.Param(a, logical_axes=(axes[0], "lora")))
-  b = jnp.zeros((cfg.lora_rank, d_out), jnp.float32)
-  setattr(module, f"{proj}_lora_b", nnx.Param(b, logical_axes=("lora", axes[1])))
+def _add_adapters(module: nnx.Module, cfg: ModelConfig, rngs: nnx.Rngs, *projs: str) -> None:
+  """``<proj>_lora_a`` [in, r] and ``<proj>_lora_b`` [r, out] on ``module`` for each of ``projs``
+  (e.g. "q_proj") that is a LoRA target, with the kernel's logical axes (and so its sharding) on
+  their in / out dims. A is uniform(±1/sqrt(in)) as in PEFT, drawn from the ``lora`` stream (so
+  the base weights of a seed do not depend on the rank); B is zero. Both float32 whatever
+  ``param_dtype`` (their AdamW moments too: the updates are small next to the base)."""
+  for proj in projs:
+    if not cfg.lora_rank or proj.removesuffix("_proj") not in cfg.lora_targets:
+      continue
+    kernel = getattr(module, proj)
+    (d_in, d_out), (in_axis, out_axis) = kernel.shape, kernel.get_metadata()["logical_axes"]
+    bound = d_in**-0.5
+    a = jax.random.uniform(rngs.lora(), (d_in, cfg.lora_rank), jnp.float32, -bound, bound)
+    setattr(module, f"{proj}_lora_a", nnx.Param(a, logical_axes=(in_axis, "lora")))
+    b = jnp.zeros((cfg.lora_rank, d_out), jnp.float32)
+    setattr(module, f"{proj}_lora_b", nnx.Param(b, logical_axes=("lora", out_axis)))
 
 
 def _adapter(module: nnx.Module, cfg: ModelConfig, proj: str):
@@ -361,13 +364,7 @@ class Attention(nnx.Module):
     self.k_proj = _param(cfg, rngs, (d, k * e), ("embed", "kv_heads"))
     self.v_proj = _param(cfg, rngs, (d, k * e), ("embed", "kv_heads"))
     self.o_proj = _param(cfg, rngs, (h * e, d), ("heads", "embed"))
-    for proj, axes in (
-      ("q_proj", ("embed", "heads")),
-      ("k_proj", ("embed", "kv_heads")),
-      ("v_proj", ("embed", "kv_heads")),
-      ("o_proj", ("heads", "embed")),
-    ):
-      _add_adapter(self, cfg, rngs, proj, axes)
+    _add_adapters(self, cfg, rngs, "q_proj", "k_proj", "v_proj", "o_proj")
     if cfg.qkv_bias:
       self.q_bias = _const(cfg, 0.0, (h * e,), ("heads",))
       self.k_bias = _const(cfg, 0.0, (k * e,), ("kv_heads",))
@@ -426,12 +423,7 @@ class MLP(nnx.Module):
     self.gate_proj = _param(cfg, rngs, (d, f), ("embed", "mlp"))
     self.up_proj = _param(cfg, rngs, (d, f), ("embed", "mlp"))
     self.down_proj = _param(cfg, rngs, (f, d), ("mlp", "embed"))
-    for proj, axes in (
-      ("gate_proj", ("embed", "mlp")),
-      ("up_proj", ("embed", "mlp")),
-      ("down_proj", ("mlp", "embed")),
-    ):
-      _add_adapter(self, cfg, rngs, proj, axes)
+    _add_adapters(self, cfg, rngs, "gate_proj", "up_proj", "down_proj")
 
   def _dense(self, x, proj):
     return dense(x, getattr(self, proj)[...], _adapter(self, self.cfg, proj))

@@ -67,14 +67,17 @@ def adapter_config(cfg: ModelConfig, base_model: str) -> dict:
   }
 
 
-def save_adapter(cfg: ModelConfig, params, out_dir, base_model: str = "") -> pathlib.Path:
-  """``params``' adapters as a PEFT directory ``out_dir`` (float32); returns it. Only process 0
-  writes (every process must call: the adapters are gathered)."""
+def save_adapter(
+  cfg: ModelConfig, params, out_dir, base_model: str = "", every_process: bool = False
+) -> pathlib.Path:
+  """``params``' adapters as a PEFT directory ``out_dir`` (float32); returns it. Every process
+  must call (the adapters are gathered); process 0 writes, or each process its own ``out_dir``
+  with ``every_process`` (a weight push: each process has its own vLLM sidecar and tmpfs)."""
   tensors = dict(adapter_tensors(params))
   if not tensors:
     raise ValueError("the params have no LoRA adapters to save")
   out = pathlib.Path(out_dir)
-  if distributed.is_main():
+  if every_process or distributed.is_main():
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / WEIGHTS, metadata={"format": "pt"})
     (out / CONFIG).write_text(json.dumps(adapter_config(cfg, base_model), indent=2))

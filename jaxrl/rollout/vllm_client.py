@@ -308,16 +308,34 @@ class VllmClient:
       self.post(url, "/pause?mode=wait", None)
       try:
         adapter = {"lora_name": name, "lora_path": adapter_dir}
-        self.post(url, "/v1/load_lora_adapter", adapter, parse=False)
+        self._idempotent(url, "/v1/load_lora_adapter", adapter, lambda: name in self.models(url))
         self.post(url, "/reset_prefix_cache", None)
         self.post(url, "/update_weight_version", {"new_version": version})
       finally:
         self.post(url, "/resume", None)
       self._verify(url, version)
       if drop is not None and drop in self.models(url):
-        self.post(url, "/v1/unload_lora_adapter", {"lora_name": drop}, parse=False)
+        dropped = lambda: drop not in self.models(url)  # noqa: E731
+        self._idempotent(url, "/v1/unload_lora_adapter", {"lora_name": drop}, dropped)
+      log.info("%s serves %s", url, ", ".join(self.models(url)))  # the base and `name` alone
 
     list(self._pool.map(one, self.urls))
+
+  def _idempotent(self, url: str, path: str, payload: dict, done: Callable[[], bool]) -> None:
+    """A LoRA load or unload: ``post`` retries a timed-out attempt, and when the first went
+    through the retry is refused ("already loaded", "not found"); ``done()`` tells that apart
+    from a real refusal. A server without runtime LoRA (404) gets an error that says so."""
+    try:
+      self.post(url, path, payload, parse=False)
+    except RequestError as e:
+      if "HTTP 404" in str(e):
+        raise RequestError(
+          f"{url} does not serve runtime LoRA ({e}): start it with --enable-lora "
+          "--max-lora-rank >= model.lora.rank and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, "
+          "or set vllm.lora_sync=merged"
+        ) from None
+      if not done():
+        raise
 
   def load_weights(self, weights_dir: str, version: str) -> None:
     """Every server: pause → reload_weights(dir) → reset prefix cache → set version → resume."""

@@ -193,9 +193,17 @@ class VllmEngine:
       )
       log.info("LoRA sync: the vLLM server holds the base %s", self._base_dir)
     new_dir = os.path.abspath(os.path.join(self._root, f"a{self._pushes:06d}"))
-    peft.save_adapter(self.model_cfg, params, new_dir, base_model=self._base_dir)
+    peft.save_adapter(self.model_cfg, params, new_dir, self._base_dir, every_process=True)
     name, drop = _adapter_name(self._pushes), self._adapter
-    return new_dir, lambda: self.client.load_adapter(name, new_dir, version, drop)
+
+    def push() -> None:
+      if drop is None and self.sidecar is None:
+        # an attached server (vllm.urls) runs whatever model it was started on: the run's base
+        # (its warm start, say) goes in before the first adapter
+        self.client.load_weights(self._base_dir, version)
+      self.client.load_adapter(name, new_dir, version, drop)
+
+    return new_dir, push
 
   def _start(self, model_dir: str, version: str, loads: str | None = None) -> None:
     """(Re)start the launched server on ``model_dir``, point the client at it, label the version;

@@ -113,8 +113,8 @@ def write_hf(cfg, model_cfg, params, out: str, tokenizer, dtype: str = "") -> st
 
   A LoRA model is written merged (W + (alpha / r) A B: a plain HF model) and its adapters also in
   PEFT layout in ``out/lora`` (float32), for ``PeftModel.from_pretrained`` on the base: the
-  ``model.checkpoint`` it was trained on, or (a model built from scratch) the base written in HF
-  layout in ``out/lora/base``."""
+  ``model.checkpoint`` it was trained on, or (a model built from scratch, or an SFT warm start)
+  the base written in HF layout in ``out/lora/base``."""
   from jaxrl.nn import lora
 
   if lora.has_adapters(params):
@@ -128,7 +128,7 @@ def _write_peft(cfg, model_cfg, params, out: str, tokenizer, dtype: str) -> None
   from jaxrl.nn import lora, peft
 
   base_model = cfg.model.checkpoint
-  if not base_model:
+  if not base_model or cfg.sft.steps:  # the base is not the checkpoint as it lies: written
     base_model = os.path.join(out, "base")
     base = lora.partition(params, "adapters")[1]
     _write_plain_hf(
