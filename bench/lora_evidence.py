@@ -112,7 +112,8 @@ def summarize(root: str, seeds, steps: int) -> str:
   sft = [result(os.path.join(root, _name(*SHARED_SFT, s)), steps)["sft_pass1"] for s in seeds]
   lines += [
     "",
-    f"SFT warm start (before RL), pass@1: {_pct(sft)}.",
+    f"SFT warm start (before RL), pass@1: {_pct(sft)}. Update s/step: the median over a run's "
+    "steps while another run shared the machine; the quiet side-by-side figures are below.",
     "",
     "## Learning-rate search (seed 0, held-out pass@1 after RL)",
     "",
