@@ -3,7 +3,11 @@
 import json
 import os
 
+import jax
+from flax import nnx
+
 from jaxrl.config import from_configdict
+from jaxrl.nn import lora
 from jaxrl.run import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,3 +73,18 @@ def rollouts(
     finished_R=mask_RxN.sum(axis=1) < mask_RxN.shape[1],
     rewards_R=np.asarray(rewards_R, np.float32),
   )
+
+
+def moved_adapters(params, scale: float, seed: int = 1, move_a: bool = False):
+  """``params`` with their LoRA adapters as after training: B = scale · N(0, 1) (off zero, so the
+  adapter path computes something) and, with ``move_a``, A moved by as much."""
+  keys = iter(jax.random.split(jax.random.key(seed), 1024))
+
+  def move(path, v):
+    name = str(path[-1])
+    if name.endswith(lora.ADAPTER_B) or (move_a and name.endswith(lora.ADAPTER_A)):
+      noise = scale * jax.random.normal(next(keys), v.shape, v.dtype)
+      return v.replace(noise if name.endswith(lora.ADAPTER_B) else v[...] + noise)
+    return v
+
+  return nnx.from_flat_state([(p, move(p, v)) for p, v in nnx.to_flat_state(params)])

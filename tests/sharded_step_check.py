@@ -20,7 +20,7 @@ import optax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from run_helpers import rollouts  # noqa: E402
+from run_helpers import moved_adapters, rollouts  # noqa: E402
 
 from jaxrl.nn import lora, model
 from jaxrl.parallel import sharding
@@ -75,15 +75,7 @@ def main():
   graphdef, params = model.create(mcfg, 0)
   params = jax.device_get(params)
   if mcfg.lora_rank:  # trained adapters: B off zero
-    keys = iter(jax.random.split(jax.random.key(1), 64))
-    params = jax.tree_util.tree_map_with_path(
-      lambda path, x: (
-        0.1 * jax.random.normal(next(keys), x.shape)
-        if "_lora_b" in jax.tree_util.keystr(path)
-        else x
-      ),
-      params,
-    )
+    params = moved_adapters(params, 0.1)
   rng = np.random.default_rng(0)
   R, P, N, B = 16, 6, 5, 4
   batch = rollouts(

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from run_helpers import moved_adapters
 from test_step import MCFG, hparams, make_batch
 
 from jaxrl.nn import lora, model
@@ -32,15 +33,7 @@ def _hidden(graphdef, params, seed=0):
 
 def _with_random_b(params, seed=1):
   """The adapters with non-zero B (as after training), so the adapter path is exercised."""
-  keys = iter(jax.random.split(jax.random.key(seed), 64))
-
-  def fill(path, v):
-    if str(path[-1]).endswith(lora.ADAPTER_B):
-      return v.replace(0.3 * jax.random.normal(next(keys), v.shape, v.dtype))
-    return v
-
-  flat = [(path, fill(path, v)) for path, v in nnx.to_flat_state(params)]
-  return nnx.from_flat_state(flat)
+  return moved_adapters(params, 0.3, seed)
 
 
 def test_a_fresh_adapter_computes_the_base_model_exactly():
@@ -221,15 +214,7 @@ def test_merging_onto_a_bfloat16_base_keeps_small_updates():
   survive the merge: rounded to bfloat16 it would vanish, and the export would be the base."""
   cfg = dataclasses.replace(LORA, param_dtype="bfloat16")
   g, params = model.create(cfg, 5)
-  keys = iter(jax.random.split(jax.random.key(2), 64))
-  small_b = nnx.from_flat_state(
-    [
-      (path, v.replace(1e-4 * jax.random.normal(next(keys), v.shape)))
-      if str(path[-1]).endswith(lora.ADAPTER_B)
-      else (path, v)
-      for path, v in nnx.to_flat_state(params)
-    ]
-  )
+  small_b = moved_adapters(params, 1e-4, seed=2)
   base = lora.without_adapters(small_b)
   merged = lora.merged(small_b, cfg.lora_alpha, cfg.lora_rank)
   kernel = ("layers", 0, "mlp", "up_proj")

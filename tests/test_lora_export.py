@@ -7,14 +7,12 @@ from __future__ import annotations
 import json
 
 import hf_fixtures
-import jax
 import jax.numpy as jnp
 import numpy as np
 import peft
 import pytest
 import torch
-from flax import nnx
-from run_helpers import tiny_config
+from run_helpers import moved_adapters, tiny_config
 from safetensors import safe_open
 from test_hf_parity import _hf_logits, _hf_model, _left_padded_batch, _our_logits
 
@@ -24,19 +22,6 @@ from jaxrl.parallel import sharding
 from jaxrl.run import weights
 
 RANK, ALPHA = 4, 8.0
-
-
-def _trained(params, seed=0):
-  """The adapters as after training: B (and A) moved away from their init (by 0.1 per entry,
-  which moves the logits by ~3; float32 round-off between the frameworks stays ~2e-6)."""
-  keys = iter(jax.random.split(jax.random.key(seed), 256))
-
-  def move(path, v):
-    if lora._is_adapter(path):
-      return v.replace(v[...] + 0.1 * jax.random.normal(next(keys), v.shape, v.dtype))
-    return v
-
-  return nnx.from_flat_state([(p, move(p, v)) for p, v in nnx.to_flat_state(params)])
 
 
 @pytest.mark.parametrize("layout", ["loop", "scan"])
@@ -63,7 +48,9 @@ def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path, layout):
   np.testing.assert_allclose(
     _our_logits(graphdef, fresh, tokens, mask)[mask], base_logits[mask], atol=1e-5, rtol=0
   )
-  params = _trained(fresh)
+  # adapters as after training: A and B moved by 0.1 per entry, which moves the logits by ~3;
+  # float32 round-off between the frameworks stays ~2e-6
+  params = moved_adapters(fresh, 0.1, seed=0, move_a=True)
   ours = _our_logits(graphdef, params, tokens, mask)
   assert np.max(np.abs(ours - base_logits)[mask]) > 0.1  # the adapters change the model
 

@@ -51,6 +51,10 @@ class ServerError(RuntimeError):
 class RequestError(RuntimeError):
   """The server rejected a request (HTTP 4xx): retrying or restarting the server cannot help."""
 
+  def __init__(self, message: str, status: int | None = None):
+    super().__init__(message)
+    self.status = status  # the HTTP status code
+
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
@@ -179,7 +183,7 @@ class VllmClient:
       except urllib.error.HTTPError as e:
         detail = e.read()[:500].decode(errors="replace")
         if e.code < 500:
-          raise RequestError(f"{url}{path}: HTTP {e.code}: {detail}") from None
+          raise RequestError(f"{url}{path}: HTTP {e.code}: {detail}", e.code) from None
         last = f"HTTP {e.code}: {detail}"
       # OSError: refused, reset, timed out; HTTPException and ValueError: a truncated answer.
       except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:
@@ -328,11 +332,12 @@ class VllmClient:
     try:
       self.post(url, path, payload, parse=False)
     except RequestError as e:
-      if "HTTP 404" in str(e):
+      if e.status == 404:
         raise RequestError(
           f"{url} does not serve runtime LoRA ({e}): start it with --enable-lora "
           "--max-lora-rank >= model.lora.rank and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, "
-          "or set vllm.lora_sync=merged"
+          "or set vllm.lora_sync=merged",
+          e.status,
         ) from None
       if not done():
         raise
