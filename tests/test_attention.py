@@ -28,7 +28,7 @@ _rng = np.random.default_rng(0)
 def _qkv(t, s, seed=0):
   rng = np.random.default_rng(seed)
   q = jnp.asarray(rng.normal(size=(B, t, K, REP, E)), jnp.float32)
-  k = jnp.asarray(rng.normal(size=(B, K, s, E)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(B, K, E, s)), jnp.float32)  # keys [.., E, S], as the model
   v = jnp.asarray(rng.normal(size=(B, K, s, E)), jnp.float32)
   # Left padding of 0, 4 and 9 slots: row 2's first queries see no valid slot at all.
   valid = jnp.asarray(np.arange(s)[None] >= np.array([0, 4, 9])[:, None])
@@ -197,7 +197,8 @@ def test_prefill_attends_to_the_prompt_slots_only(scan):
   hidden, cache = jax.jit(prefill)(params)
   no_cache, _, _ = model.forward(graphdef, params, PROMPT_IDS, positions, jnp.asarray(PROMPT_MASK))
   np.testing.assert_allclose(np.asarray(hidden), np.asarray(no_cache), rtol=0, atol=1e-5)
-  assert np.asarray(cache.k)[..., :P, :].any()  # the prompt's keys are in the cache
+  assert np.asarray(cache.k)[..., :P].any()  # the prompt's keys are in the cache (keys [.., E, S])
+  assert not np.asarray(cache.k)[..., P:].any()  # and nothing past them
 
 
 def test_block_size_must_be_positive():

@@ -13,8 +13,9 @@ Two layouts of the L decoder layers compute the same function from the same init
   scan (``scan_layers=True``):  one ``params["layers"]`` whose leaves carry a leading [L] axis
     (logical axis "layers"), applied by ``jax.lax.scan``, so compile time does not grow with L.
 Both run every layer through one function (optionally rematerialised, ``remat``). The KV cache
-follows the layout: L arrays [B, K, S, E] per k/v in loop mode (a layer reads its own, no copy),
-one [L, B, K, S, E] array per k/v in scan mode (indexed by the scan's layer); updated in place.
+follows the layout: one array per layer in loop mode (a layer reads its own, no copy), one stacked
+[L, ...] array in scan mode (indexed by the scan's layer); updated in place. Keys are kept
+transposed, [B, K, E, S], values [B, K, S, E] (``KVCache`` says why).
 
 Memory at long T: attention runs in blocks of ``attention_block`` queries (``attention``), each
 block rematerialised, so no [B, H, T, T] buffer exists; and under jit on a mesh the activations
@@ -134,30 +135,36 @@ class ModelConfig:
 class KVCache:
   """Keys/values of every layer; slot s holds sequence position s of the (left-padded) batch.
 
-  Heads come before slots so that both attention matmuls read a layer's cache as it lies (batch
+  Heads come before slots so that both attention products read a layer's cache as it lies (batch
   dims b, k leading); a [.., S, K, E] layout made XLA transpose every layer's cache each step.
+  Keys are stored transposed, [B, K, E, S]: a decode step's scores q·k then sum E vectors S slots
+  wide, where [B, K, S, E] made them S sums over a 32-wide minor axis (0.95 -> 0.3 ms per layer at
+  the 5M sampler benchmark's 64 rows). Values stay [B, K, S, E]: the mix sums over s, a major axis.
   Loop mode keeps one array per layer: slicing a layer out of a stacked [L, ...] array copies it
   (2 x 4 MB per layer and decode step at the 5M benchmark's 64 rows, ~15% of the step).
   """
 
-  k: Array | tuple[Array, ...]  # [L, B, K, S, E] (scan mode) or L x [B, K, S, E] (loop mode)
-  v: Array | tuple[Array, ...]
+  k: Array | tuple[Array, ...]  # [L, B, K, E, S] (scan mode) or L x [B, K, E, S] (loop mode)
+  v: Array | tuple[Array, ...]  # [L, B, K, S, E] (scan mode) or L x [B, K, S, E] (loop mode)
 
   def write(self, layer, start, k_BxTxKxE: Array, v_BxTxKxE: Array) -> KVCache:
     """Store T new keys/values of ``layer`` (int or traced) at slots start..start+T-1, in place."""
 
-    def put(cache, x_BxTxKxE):
+    def put(cache, new, at):  # ``new`` in the cache's layout, written from index ``at`` on
       per_layer = isinstance(cache, tuple)
-      x_BxKxTxE = jnp.swapaxes(x_BxTxKxE, 1, 2).astype((cache[0] if per_layer else cache).dtype)
+      new = new.astype((cache[0] if per_layer else cache).dtype)
       if per_layer:
-        new = jax.lax.dynamic_update_slice(cache[layer], x_BxKxTxE, (0, 0, start, 0))
-        return cache[:layer] + (new,) + cache[layer + 1 :]
-      return jax.lax.dynamic_update_slice(cache, x_BxKxTxE[None], (layer, 0, 0, start, 0))
+        updated = jax.lax.dynamic_update_slice(cache[layer], new, at)
+        return cache[:layer] + (updated,) + cache[layer + 1 :]
+      return jax.lax.dynamic_update_slice(cache, new[None], (layer, *at))
 
-    return KVCache(k=put(self.k, k_BxTxKxE), v=put(self.v, v_BxTxKxE))
+    return KVCache(
+      k=put(self.k, keys_layout(k_BxTxKxE), (0, 0, 0, start)),
+      v=put(self.v, jnp.swapaxes(v_BxTxKxE, 1, 2), (0, 0, start, 0)),
+    )
 
   def layer(self, layer) -> tuple[Array, Array]:
-    """(k_BxKxSxE, v_BxKxSxE) of one layer."""
+    """(k_BxKxExS, v_BxKxSxE) of one layer."""
     if isinstance(self.k, tuple):
       return self.k[layer], self.v[layer]
     return (
@@ -168,12 +175,18 @@ class KVCache:
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> KVCache:
   """An empty cache of ``slots`` slots in the layout of ``cfg.scan_layers`` (see ``KVCache``)."""
-  shape_BxKxSxE = (batch, cfg.num_kv_heads, slots, cfg.head_dim)
+  keys_BxKxExS = (batch, cfg.num_kv_heads, cfg.head_dim, slots)
+  values_BxKxSxE = (batch, cfg.num_kv_heads, slots, cfg.head_dim)
   if cfg.scan_layers:
-    stacked = jnp.zeros((cfg.num_layers, *shape_BxKxSxE), dtype)
-    return KVCache(k=stacked, v=stacked)
-  per_layer = tuple(jnp.zeros(shape_BxKxSxE, dtype) for _ in range(cfg.num_layers))
-  return KVCache(k=per_layer, v=per_layer)
+    stacked = lambda shape: jnp.zeros((cfg.num_layers, *shape), dtype)  # noqa: E731
+    return KVCache(k=stacked(keys_BxKxExS), v=stacked(values_BxKxSxE))
+  per_layer = lambda shape: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # noqa: E731
+  return KVCache(k=per_layer(keys_BxKxExS), v=per_layer(values_BxKxSxE))
+
+
+def keys_layout(k_BxTxKxE: Array) -> Array:
+  """Keys as attention reads them, [B, K, E, T] (see ``KVCache``)."""
+  return jnp.transpose(k_BxTxKxE, (0, 2, 3, 1))
 
 
 def _param(cfg: ModelConfig, rngs: nnx.Rngs, shape, axes, scale: float | None = None) -> nnx.Param:
@@ -274,16 +287,16 @@ def rope(x_BxTxHxE: Array, positions_BxT: Array, inv_freq_half: Array) -> Array:
 
 
 def _attend(
-  q_BxTxKxAxE: Array, k_BxKxSxE: Array, v_BxKxSxE: Array, kv_valid_BxS: Array, first_slot
+  q_BxTxKxAxE: Array, k_BxKxExS: Array, v_BxKxSxE: Array, kv_valid_BxS: Array, first_slot
 ) -> Array:
   """Softmax attention of T queries at slots first_slot..first_slot+T-1 to the S slots: a query
   sees the valid slots up to its own. Scores and softmax in float32. Returns [B, T, K, R, E]."""
-  t, s = q_BxTxKxAxE.shape[1], k_BxKxSxE.shape[2]
+  t, s = q_BxTxKxAxE.shape[1], k_BxKxExS.shape[3]
   if t == 1:
-    scores = _one_query_scores(q_BxTxKxAxE, k_BxKxSxE)
+    scores = _one_query_scores(q_BxTxKxAxE, k_BxKxExS)
   else:
     scores = jnp.einsum(
-      "btkae,bkse->bkats", q_BxTxKxAxE, k_BxKxSxE, preferred_element_type=jnp.float32
+      "btkae,bkes->bkats", q_BxTxKxAxE, k_BxKxExS, preferred_element_type=jnp.float32
     )
   scores = scores * (q_BxTxKxAxE.shape[-1] ** -0.5)
   query_slot_T = first_slot + jnp.arange(t)
@@ -299,15 +312,16 @@ def _attend(
 
 # A decode step has one query per row: the attention matmuls are then [A, E] x [E, S] per (b, k),
 # a batch of few-row dots that XLA CPU runs one small GEMM call at a time (~3.5 us each: 0.9 ms
-# per layer for 64 rows). The same sums as broadcast products and one reduction are each a single
-# vectorised loop (decode attention ~2x faster at the 5M sampler benchmark). Both in float32.
+# per layer for 64 rows; as einsums inside the decode loop the 5M sampler's step took 2x as long).
+# The same sums as broadcast products and one reduction are each a single vectorised loop, over a
+# major axis of the cache (keys [.., E, S], values [.., S, E]: see ``KVCache``). Both in float32.
 
 
-def _one_query_scores(q_Bx1xKxAxE: Array, k_BxKxSxE: Array) -> Array:
-  """``einsum("btkae,bkse->bkats")`` for T = 1, as products and a sum over e: [B, K, A, 1, S]."""
-  q_BxKxAx1xE = q_Bx1xKxAxE[:, 0, :, :, None, :].astype(jnp.float32)
-  k_BxKx1xSxE = k_BxKxSxE[:, :, None].astype(jnp.float32)
-  return jnp.sum(q_BxKxAx1xE * k_BxKx1xSxE, axis=-1)[:, :, :, None, :]
+def _one_query_scores(q_Bx1xKxAxE: Array, k_BxKxExS: Array) -> Array:
+  """``einsum("btkae,bkes->bkats")`` for T = 1, as products and a sum over e: [B, K, A, 1, S]."""
+  q_BxKxAxEx1 = q_Bx1xKxAxE[:, 0, :, :, :, None].astype(jnp.float32)
+  k_BxKx1xExS = k_BxKxExS[:, :, None].astype(jnp.float32)
+  return jnp.sum(q_BxKxAxEx1 * k_BxKx1xExS, axis=-2)[:, :, :, None, :]
 
 
 def _one_query_mix(probs_BxKxAx1xS: Array, v_BxKxSxE: Array) -> Array:
@@ -319,7 +333,7 @@ def _one_query_mix(probs_BxKxAx1xS: Array, v_BxKxSxE: Array) -> Array:
 
 
 def attention(
-  q_BxTxKxAxE: Array, k_BxKxSxE: Array, v_BxKxSxE: Array, kv_valid_BxS: Array, start, block: int
+  q_BxTxKxAxE: Array, k_BxKxExS: Array, v_BxKxSxE: Array, kv_valid_BxS: Array, start, block: int
 ) -> Array:
   """Grouped-query attention of T queries (slots start..start+T-1) to S slots, ``block`` queries
   at a time: [B, T, K, R, E].
@@ -331,7 +345,7 @@ def attention(
   """
   b, t = q_BxTxKxAxE.shape[:2]
   if t <= block:
-    return _attend(q_BxTxKxAxE, k_BxKxSxE, v_BxKxSxE, kv_valid_BxS, start)
+    return _attend(q_BxTxKxAxE, k_BxKxExS, v_BxKxSxE, kv_valid_BxS, start)
   n = -(-t // block)
   pad = n * block - t  # padded queries see the same slots as any query; their rows are dropped
   q = jnp.pad(q_BxTxKxAxE, ((0, 0), (0, pad)) + ((0, 0),) * 3)
@@ -342,7 +356,7 @@ def attention(
     return _attend(q_BxZxKxAxE, k, v, kv_valid, first_slot)
 
   out_YxBxZxKxAxE = jax.lax.map(
-    lambda qi: one_block(qi[0], k_BxKxSxE, v_BxKxSxE, kv_valid_BxS, start + qi[1] * block),
+    lambda qi: one_block(qi[0], k_BxKxExS, v_BxKxSxE, kv_valid_BxS, start + qi[1] * block),
     (q_YxBxZxKxAxE, jnp.arange(n)),
   )
   out = jnp.swapaxes(out_YxBxZxKxAxE, 0, 1).reshape(b, n * block, *q.shape[2:])
@@ -397,16 +411,16 @@ class Attention(nnx.Module):
     if cache is not None:
       cache = cache.write(layer, start, k, v)
     if cache is not None and not _is_slot_zero(start):
-      k_BxKxSxE, v_BxKxSxE = cache.layer(layer)
-      k_BxKxSxE, v_BxKxSxE = k_BxKxSxE.astype(x_BxTxD.dtype), v_BxKxSxE.astype(x_BxTxD.dtype)
+      k_BxKxExS, v_BxKxSxE = cache.layer(layer)
+      k_BxKxExS, v_BxKxSxE = k_BxKxExS.astype(x_BxTxD.dtype), v_BxKxSxE.astype(x_BxTxD.dtype)
     else:
       # No cache, or a prefill from slot 0: a query at slot i < T sees slots <= i only, so the T
       # new tokens are all it can attend to: scores [.., T, T], not [.., T, S] (S = P + N).
-      k_BxKxSxE, v_BxKxSxE = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+      k_BxKxExS, v_BxKxSxE = keys_layout(k), jnp.swapaxes(v, 1, 2)
       kv_valid_BxS = kv_valid_BxS[:, :t]
     rep = cfg.num_heads // cfg.num_kv_heads
     q = q.reshape(b, t, cfg.num_kv_heads, rep, cfg.head_dim)
-    out = attention(q, k_BxKxSxE, v_BxKxSxE, kv_valid_BxS, start, cfg.attention_block)
+    out = attention(q, k_BxKxExS, v_BxKxSxE, kv_valid_BxS, start, cfg.attention_block)
     out = constrain(
       out.reshape(b, t, cfg.num_heads * cfg.head_dim), "batch", "act_seq", "act_heads"
     )
