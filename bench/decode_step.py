@@ -54,9 +54,20 @@ def _timer(cfg, graphdef, params, rows: int, group: int, prompt_len: int):
   def run(new_tokens: int, greedy: bool, seed: int) -> float:
     start = time.perf_counter()
     out = sampler.generate(
-      graphdef, params, prompts_BxP, np.ones_like(prompts_BxP, bool), counts_B,
-      jax.random.key(seed), 1.0, 1.0, num_rollouts=rows, max_new_tokens=new_tokens,
-      eos_id=-1, pad_id=0, model_cfg=cfg, greedy=greedy,
+      graphdef,
+      params,
+      prompts_BxP,
+      np.ones_like(prompts_BxP, bool),
+      counts_B,
+      jax.random.key(seed),
+      1.0,
+      1.0,
+      num_rollouts=rows,
+      max_new_tokens=new_tokens,
+      eos_id=-1,
+      pad_id=0,
+      model_cfg=cfg,
+      greedy=greedy,
     )  # fmt: skip  (eos -1: no row stops early, every step runs)
     jax.block_until_ready(out)
     return time.perf_counter() - start
