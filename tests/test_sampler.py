@@ -7,6 +7,7 @@ many one-token samples), and transformers' own greedy ``generate`` on a tiny Qwe
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -15,6 +16,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from jaxpr_helpers import output_shapes  # noqa: E402
 
 from jaxrl.nn import model  # noqa: E402
 from jaxrl.rollout import sampler  # noqa: E402
@@ -194,6 +196,38 @@ def test_rows_follow_each_questions_own_count(tiny):
       pad_id=PAD,
       model_cfg=CFG,
     )
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_each_prompt_is_prefilled_once(scan):
+  """The prefill runs the B distinct prompts, not the R = Σ G_i rows, and copies each prompt's
+  cache and first logits to its rows (counts of 0 included): the same as a prefill of the R rows."""
+  cfg = dataclasses.replace(CFG, scan_layers=scan)
+  graphdef, params = model.create(cfg, seed=0)
+  ids, mask = _left_pad(PROMPTS, P)
+  counts = np.array([0, 4, 2], np.int32)
+  rows = [i for i, c in enumerate(counts) for _ in range(c)]
+  R = len(rows)
+
+  def prefill(params):
+    return sampler._prefill(graphdef, params, ids, mask, counts, rows=R, slots=P + N, model_cfg=cfg)
+
+  dots = output_shapes(jax.make_jaxpr(prefill)(params).jaxpr, "dot_general")
+  assert any(shape[0] == len(PROMPTS) * P for shape in dots)  # projections over B·P tokens
+  assert not any(shape[0] == R * P for shape in dots), dots  # never over R·P
+  cache, logits = jax.jit(prefill)(params)
+
+  valid = np.concatenate([mask[rows], np.zeros((R, N), bool)], axis=1)
+  ref_cache = model.init_cache(cfg, R, P + N, jnp.float32)
+  hidden, lm_head, ref_cache = model.forward(
+    graphdef, params, ids[rows], model.positions_from_mask(mask[rows]), valid, ref_cache, 0
+  )
+  for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache)):
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(logits), np.asarray(hidden[:, -1] @ lm_head), rtol=0, atol=1e-5
+  )
 
 
 def test_same_key_same_samples(tiny):

@@ -163,6 +163,25 @@ class KVCache:
       v=put(self.v, jnp.swapaxes(v_BxTxKxE, 1, 2), (0, 0, start, 0)),
     )
 
+  def repeat_rows(self, counts_B: Array, rows: int, slots: int) -> KVCache:
+    """Row b repeated counts_B[b] times (``rows`` rows in all, a static count as in ``jnp.repeat``'s
+    ``total_repeat_length``), the slot axis zero-padded to ``slots``: a cache filled once per
+    distinct prompt, copied to each of the prompt's rollouts."""
+
+    def grow(cache, slot_axis):
+      batch_axis = cache.ndim - 4  # 0 for one layer's [B, ...], 1 for the stacked [L, B, ...]
+      repeated = jnp.repeat(cache, counts_B, axis=batch_axis, total_repeat_length=rows)
+      pad = [(0, 0)] * cache.ndim
+      pad[slot_axis] = (0, slots - cache.shape[slot_axis])
+      return jnp.pad(repeated, pad)
+
+    def each(caches, slot_axis):
+      if isinstance(caches, tuple):
+        return tuple(grow(c, slot_axis) for c in caches)
+      return grow(caches, slot_axis)
+
+    return KVCache(k=each(self.k, -1), v=each(self.v, -2))
+
   def layer(self, layer) -> tuple[Array, Array]:
     """(k_BxKxExS, v_BxKxSxE) of one layer."""
     if isinstance(self.k, tuple):

@@ -159,26 +159,33 @@ def _expand(prompt_ids_BxP: Array, prompt_mask_BxP: Array, counts_B: Array, num_
   return prompt_ids_RxP, prompt_mask_RxP, group_ids_R
 
 
-def _prefill(graphdef, params, prompt_ids_RxP, prompt_mask_RxP, *, max_new_tokens, model_cfg):
-  """Run the prompts through the model into a fresh cache of P + N slots (prompt in 0..P-1).
+def _prefill(
+  graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, *, rows, slots, model_cfg
+):
+  """Run each distinct prompt through the model once, then give each of its counts_B[i] rollouts
+  a copy of its cache (``rows`` rows in all, ``slots`` slots; the prompt fills 0..P-1).
 
-  Returns the cache, ``kv_valid_RxS`` (the real prompt slots; none of the N response slots yet)
-  and the logits that predict token 0.
+  A GRPO batch repeats every prompt G times: prefilling the B prompts rather than the R = Σ G_i
+  rows does 1/G of the work (vLLM's prefix cache does the same for a request's n samples; HF
+  ``generate`` prefills every row). The rows are independent, so the values are those of a
+  prefill over the R rows. Returns the R-row cache and the logits that predict token 0.
   """
-  (R, P), N = prompt_ids_RxP.shape, max_new_tokens
-  kv_valid_RxS = jnp.concatenate([prompt_mask_RxP, jnp.zeros((R, N), bool)], axis=1)
-  cache = model.init_cache(model_cfg, R, P + N, jnp.dtype(model_cfg.dtype))
-  hidden_RxPxD, lm_head_DxV, cache = model.forward(
+  cache = model.init_cache(
+    model_cfg, prompt_ids_BxP.shape[0], prompt_ids_BxP.shape[1], jnp.dtype(model_cfg.dtype)
+  )
+  hidden_BxPxD, lm_head_DxV, cache = model.forward(
     graphdef,
     params,
-    prompt_ids_RxP,
-    model.positions_from_mask(prompt_mask_RxP),
-    kv_valid_RxS,
+    prompt_ids_BxP,
+    model.positions_from_mask(prompt_mask_BxP),
+    prompt_mask_BxP,
     cache,
     0,
   )
   # Token 0 comes from the prefill's last slot (P-1 holds every row's last prompt token).
-  return cache, kv_valid_RxS, logits_f32(hidden_RxPxD[:, -1], lm_head_DxV)
+  logits_BxV = logits_f32(hidden_BxPxD[:, -1], lm_head_DxV)
+  logits_RxV = jnp.repeat(logits_BxV, counts_B, axis=0, total_repeat_length=rows)
+  return cache.repeat_rows(counts_B, rows, slots), logits_RxV
 
 
 def _initial_state(cache, kv_valid_RxS, logits_RxV, *, max_new_tokens, pad_id) -> _DecodeState:
@@ -300,9 +307,12 @@ def sample_program(
   )
   # Response token n sits at RoPE position prompt_len + n (no gap after a left-padded prompt).
   prompt_len_R = jnp.sum(prompt_mask_RxP, axis=-1, dtype=jnp.int32)
-  cache, kv_valid_RxS, logits_RxV = _prefill(
-    graphdef, params, prompt_ids_RxP, prompt_mask_RxP, max_new_tokens=N, model_cfg=model_cfg
-  )
+  cache, logits_RxV = _prefill(
+    graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, rows=R,
+    slots=prompt_ids_BxP.shape[1] + N, model_cfg=model_cfg,
+  )  # fmt: skip
+  # The real prompt slots are valid; none of the N response slots yet.
+  kv_valid_RxS = jnp.concatenate([prompt_mask_RxP, jnp.zeros((R, N), bool)], axis=1)
   decoder = _Decoder(
     graphdef=graphdef,
     params=params,
