@@ -76,7 +76,7 @@ def _row(r: dict) -> str:
   return (
     f"| {bench} | {size} | {r['rows']} | {length} | {j[secs]:.2f} | {p[secs]:.2f} | "
     f"{j[rate]:,.0f} | {p[rate]:,.0f} | **{r['ratio']:.2f}** | {j['peak_rss_gib']:.1f} | "
-    f"{p['peak_rss_gib']:.1f} |"
+    f"{p['peak_rss_gib']:.1f} | {r.get('commit', 'before 6d50a55')} |"
   )
 
 
@@ -92,8 +92,8 @@ def report() -> str:
     "Machine: " + (records[-1]["machine"] if records else "-") + ".",
     "",
     "| bench | size | rows | response | jaxrl s | peer s | jaxrl tok/s | peer tok/s | ratio "
-    "| jaxrl GiB | peer GiB |",
-    "|---|---|---|---|---|---|---|---|---|---|---|",
+    "| jaxrl GiB | peer GiB | commit |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   lines += [_row(r) for r in sorted(records, key=lambda r: (SIZES.index(r["size"]), _key(r)))]
   missing = [

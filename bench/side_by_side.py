@@ -172,9 +172,26 @@ def append_jsonl(path: str | None, record: dict) -> None:
       f.write(json.dumps(record) + "\n")
 
 
+def code_version() -> str:
+  """The commit measured (``+dirty`` when jaxrl/ has uncommitted changes), or "unknown"."""
+
+  def git(*args):
+    return subprocess.run(
+      ["git", "-C", REPO_ROOT, *args], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+  try:
+    return git("rev-parse", "--short", "HEAD") + (
+      "+dirty" if git("status", "--porcelain", "jaxrl") else ""
+    )
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
 def finish(result: dict, out: str | None) -> None:
-  """The end of a comparison: the pairwise ratio range, the JSON line appended to ``out``, and
-  ``ratio R`` as the last line printed (when both sides ran)."""
+  """The end of a comparison: the pairwise ratio range, the JSON line appended to ``out`` (with
+  the commit measured), and ``ratio R`` as the last line printed (when both sides ran)."""
+  result.setdefault("commit", code_version())
   if "ratio_pairs" in result:
     pairs = result["ratio_pairs"]
     print(f"  pairwise ratios {pairs[0]:.2f}–{pairs[-1]:.2f}")
