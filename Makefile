@@ -86,6 +86,7 @@ bench: $(VENV)/.dev
 	$(PY) bench/train_step_vs_torch.py --out bench/results/peers.jsonl
 	$(PY) bench/sampler_vs_hf.py --out bench/results/peers.jsonl
 	$(PY) bench/sampler_vs_hf.py --vocab 151936 --repeats 3 --out bench/results/peers.jsonl
+	$(PY) bench/decode_step.py --out bench/results/decode_step.jsonl
 
 clean-venv:
 	rm -rf $(VENV) $(VLLM_VENV)

@@ -130,6 +130,36 @@ def test_logp_and_entropy_equal_training_forward(tiny, tau):
   assert mask.sum() > 40 and not mask.all()  # early-stopped rows are in the batch too
 
 
+def test_decode_segments_equal_one_loop(tiny, monkeypatch):
+  """Past 64 tokens the decode loop runs in segments whose steps read only the cache slots their
+  tokens can reach; the samples, log-probs and entropies are those of one loop over every slot,
+  and the log-probs those of the training forward."""
+  assert sampler._segment_ends(10) == [10]
+  assert sampler._segment_ends(70) == [64, 70]
+  assert sampler._segment_ends(2048) == [64, 256, 1024, 2048]
+  n = 70
+  graphdef, params = tiny
+  jaxpr = jax.make_jaxpr(lambda p: _gen((graphdef, p), [2, 1, 3], key=3, n=n, eos=CFG.vocab_size))(
+    params
+  ).jaxpr
+  score_widths = {shape[-1] for shape in output_shapes(jaxpr, "reduce_sum") if len(shape) == 4}
+  assert {P + 64, P + n} <= score_widths, score_widths  # each segment's steps: [B, K, A, S_seg]
+  segmented = _gen(tiny, [2, 1, 3], key=3, n=n, eos=CFG.vocab_size)  # no stop: all 70 steps run
+  monkeypatch.setattr(sampler, "_FIRST_SEGMENT", 1 << 20)
+  jax.clear_caches()  # the constant is read at trace time
+  one_loop = _gen(tiny, [2, 1, 3], key=3, n=n, eos=CFG.vocab_size)
+  np.testing.assert_array_equal(segmented.tokens_RxN, one_loop.tokens_RxN)
+  for got, want in [
+    (segmented.behaviour_logp_RxN, one_loop.behaviour_logp_RxN),
+    (segmented.entropy_RxN, one_loop.entropy_RxN),
+  ]:
+    # float32: the softmax sums over fewer (masked, exactly 0) slots in another order
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
+  logp_ref = _np_log_softmax(_teacher_forced_logits(tiny, segmented))
+  want_logp = np.take_along_axis(logp_ref, np.asarray(segmented.tokens_RxN)[..., None], -1)[..., 0]
+  np.testing.assert_allclose(segmented.behaviour_logp_RxN, want_logp, rtol=0, atol=1e-5)
+
+
 def test_per_row_eos_stop(tiny):
   finished = []
   for key in range(4):  # same shapes: one compilation for all four batches

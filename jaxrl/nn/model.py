@@ -163,24 +163,37 @@ class KVCache:
       v=put(self.v, jnp.swapaxes(v_BxTxKxE, 1, 2), (0, 0, start, 0)),
     )
 
-  def repeat_rows(self, counts_B: Array, rows: int, slots: int) -> KVCache:
+  def repeat_rows(self, counts_B: Array, rows: int) -> KVCache:
     """Row b repeated counts_B[b] times (``rows`` rows in all, a static count as in ``jnp.repeat``'s
-    ``total_repeat_length``), the slot axis zero-padded to ``slots``: a cache filled once per
-    distinct prompt, copied to each of the prompt's rollouts."""
+    ``total_repeat_length``): a cache filled once per distinct prompt, copied to each of its
+    rollouts."""
 
-    def grow(cache, slot_axis):
+    def repeat(cache):
       batch_axis = cache.ndim - 4  # 0 for one layer's [B, ...], 1 for the stacked [L, B, ...]
-      repeated = jnp.repeat(cache, counts_B, axis=batch_axis, total_repeat_length=rows)
-      pad = [(0, 0)] * cache.ndim
-      pad[slot_axis] = (0, slots - cache.shape[slot_axis])
-      return jnp.pad(repeated, pad)
+      return jnp.repeat(cache, counts_B, axis=batch_axis, total_repeat_length=rows)
 
-    def each(caches, slot_axis):
-      if isinstance(caches, tuple):
-        return tuple(grow(c, slot_axis) for c in caches)
-      return grow(caches, slot_axis)
+    return self._map(repeat, repeat)
 
-    return KVCache(k=each(self.k, -1), v=each(self.v, -2))
+  def pad_slots(self, slots: int) -> KVCache:
+    """The cache with ``slots`` slots: the new ones (at the end) zero, so unwritten."""
+
+    def pad(axis):
+      def grow(cache):
+        widths = [(0, 0)] * cache.ndim
+        widths[axis] = (0, slots - cache.shape[axis])
+        return jnp.pad(cache, widths)
+
+      return grow
+
+    return self._map(pad(-1), pad(-2))  # keys [.., E, S], values [.., S, E]
+
+  def _map(self, on_keys, on_values) -> KVCache:
+    """Apply ``on_keys`` to every keys array and ``on_values`` to every values array."""
+
+    def each(fn, caches):
+      return tuple(fn(c) for c in caches) if isinstance(caches, tuple) else fn(caches)
+
+    return KVCache(k=each(on_keys, self.k), v=each(on_values, self.v))
 
   def layer(self, layer) -> tuple[Array, Array]:
     """(k_BxKxExS, v_BxKxSxE) of one layer."""
