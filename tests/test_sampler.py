@@ -134,9 +134,9 @@ def test_decode_segments_equal_one_loop(tiny, monkeypatch):
   """Past 64 tokens the decode loop runs in segments whose steps read only the cache slots their
   tokens can reach; the samples, log-probs and entropies are those of one loop over every slot,
   and the log-probs those of the training forward."""
-  assert sampler._segment_ends(10) == [10]
-  assert sampler._segment_ends(70) == [64, 70]
-  assert sampler._segment_ends(2048) == [64, 256, 1024, 2048]
+  assert sampler.segment_ends(10) == [10]
+  assert sampler.segment_ends(70) == [64, 70]
+  assert sampler.segment_ends(2048) == [64, 256, 1024, 2048]
   n = 70
   graphdef, params = tiny
   jaxpr = jax.make_jaxpr(lambda p: _gen((graphdef, p), [2, 1, 3], key=3, n=n, eos=CFG.vocab_size))(

@@ -216,7 +216,7 @@ class _Decoder:
   top_p: Array  # f32[]
   prompt_len_R: Array  # i32, real prompt tokens per row: the RoPE position of token 0
   prompt_width: int  # P: the response's token n sits in cache slot P + n
-  until: int  # this loop's last token is until - 1: N, or a segment's end (``_segment_ends``)
+  until: int  # this loop's last token is until - 1: N, or a segment's end (``segment_ends``)
   eos_id: tuple[int, ...]
   pad_id: int
   greedy: bool
@@ -269,7 +269,7 @@ class _Decoder:
 _FIRST_SEGMENT, _SEGMENT_GROWTH = 64, 4
 
 
-def _segment_ends(max_new_tokens: int) -> list[int]:
+def segment_ends(max_new_tokens: int) -> list[int]:
   """The (exclusive) last token of each decode segment, increasing, ending at N."""
   ends, end = [], _FIRST_SEGMENT
   while end < max_new_tokens:
@@ -319,7 +319,7 @@ def sample_program(
   The name is load-bearing: compile counting matches ``sample_program`` and ``--plan`` lowers it.
   """
   (R, N), P = (num_rollouts, max_new_tokens), prompt_ids_BxP.shape[1]
-  ends = _segment_ends(N)
+  ends = segment_ends(N)
   tau = jnp.asarray(temperature, jnp.float32)
   top_p = jnp.asarray(top_p, jnp.float32)
   prompt_ids_RxP, prompt_mask_RxP, group_ids_R = _expand(

@@ -297,15 +297,26 @@ def rollout_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> Esti
       (f"log-prob chunk: f32 logits [C={pc.loss.logprob_chunk}, V]", chunk),
     )
     return Estimate(rows, s, items, internals + scores + chunk)
+  from jaxrl.rollout.sampler import segment_ends
+
   cache = 2 * m.num_layers * rows * k * s * m.head_dim * jnp.dtype(m.dtype).itemsize
-  prefill = rows * h * min(p, m.attention_block) * p * 4  # a prefill sees only its P slots
+  # Each distinct prompt is prefilled once (then copied to its rows); a prefill sees its P slots.
+  prompts = -(-pc.batch_questions // (mesh_shape["data"] * mesh_shape["fsdp"]))
+  prefill = prompts * h * min(p, m.attention_block) * p * 4
+  # The last decode segment's cache is grown from the one before: both exist for that copy.
+  ends = segment_ends(pc.rollout.max_new_tokens)
+  growing = cache * (p + ends[-2]) // s if len(ends) > 1 else 0
   logits = rows * _split(m.vocab_size, mesh_shape, "tensor") * 4
   items = (
-    ("KV cache: k and v [L, R, K, P+N, E]", cache),
-    (f"prefill: one attention block's f32 scores [R, H, {min(p, m.attention_block)}, P]", prefill),
+    ("KV cache: k [L, R, K, E, P+N] and v [L, R, K, P+N, E]", cache),
+    ("the previous decode segment's cache, while the last one is grown from it", growing),
+    (
+      f"prefill: one attention block's f32 scores [B, H, {min(p, m.attention_block)}, P]",
+      prefill,
+    ),
     ("decode: f32 logits [R, V]", logits),
   )
-  return Estimate(rows, s, items, cache + prefill + logits)
+  return Estimate(rows, s, tuple(i for i in items if i[1]), cache + growing + prefill + logits)
 
 
 # -- compiled programs ------------------------------------------------------------------------------
