@@ -303,13 +303,14 @@ def rollout_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> Esti
   # Each distinct prompt is prefilled once (then copied to its rows); a prefill sees its P slots.
   prompts = -(-pc.batch_questions // (mesh_shape["data"] * mesh_shape["fsdp"]))
   prefill = prompts * h * min(p, m.attention_block) * p * 4
-  # The last decode segment's cache is grown from the one before: both exist for that copy.
+  # The last decode segment's cache is grown from the one before, k then v: while one of them is
+  # copied, its previous segment's array exists too (XLA's compiled peak at qwen7b agrees).
   ends = segment_ends(pc.rollout.max_new_tokens)
-  growing = cache * (p + ends[-2]) // s if len(ends) > 1 else 0
+  growing = cache // 2 * (p + ends[-2]) // s if len(ends) > 1 else 0
   logits = rows * _split(m.vocab_size, mesh_shape, "tensor") * 4
   items = (
     ("KV cache: k [L, R, K, E, P+N] and v [L, R, K, P+N, E]", cache),
-    ("the previous decode segment's cache, while the last one is grown from it", growing),
+    ("the previous decode segment's k (or v) while the last one's is grown from it", growing),
     (
       f"prefill: one attention block's f32 scores [B, H, {min(p, m.attention_block)}, P]",
       prefill,
