@@ -108,6 +108,7 @@ def measure(args) -> dict:
     "points": points,
     "fit": {mode: _fit(points, mode) for mode in ("sampled", "greedy")},
     "machine": side_by_side.machine(),
+    "commit": side_by_side.code_version(),
   }
 
 
