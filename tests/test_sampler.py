@@ -240,7 +240,8 @@ def test_each_prompt_is_prefilled_once(scan):
   R = len(rows)
 
   def prefill(params):
-    return sampler._prefill(graphdef, params, ids, mask, counts, rows=R, slots=P + N, model_cfg=cfg)
+    cache, logits = sampler._prefill(graphdef, params, ids, mask, counts, rows=R, model_cfg=cfg)
+    return cache.pad_slots(P + N), logits  # as the decode grows it
 
   dots = output_shapes(jax.make_jaxpr(prefill)(params).jaxpr, "dot_general")
   assert any(shape[0] == len(PROMPTS) * P for shape in dots)  # projections over B·P tokens

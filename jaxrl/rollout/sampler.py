@@ -159,11 +159,9 @@ def _expand(prompt_ids_BxP: Array, prompt_mask_BxP: Array, counts_B: Array, num_
   return prompt_ids_RxP, prompt_mask_RxP, group_ids_R
 
 
-def _prefill(
-  graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, *, rows, slots, model_cfg
-):
+def _prefill(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, *, rows, model_cfg):
   """Run each distinct prompt through the model once, then give each of its counts_B[i] rollouts
-  a copy of its cache (``rows`` rows in all, ``slots`` slots; the prompt fills 0..P-1).
+  a copy of its cache (``rows`` rows in all, P slots: the decode grows it, ``sample_program``).
 
   A GRPO batch repeats every prompt G times: prefilling the B prompts rather than the R = Σ G_i
   rows does 1/G of the work (vLLM's prefix cache does the same for a request's n samples; HF
@@ -185,7 +183,7 @@ def _prefill(
   # Token 0 comes from the prefill's last slot (P-1 holds every row's last prompt token).
   logits_BxV = logits_f32(hidden_BxPxD[:, -1], lm_head_DxV)
   logits_RxV = jnp.repeat(logits_BxV, counts_B, axis=0, total_repeat_length=rows)
-  return cache.repeat_rows(counts_B, rows).pad_slots(slots), logits_RxV
+  return cache.repeat_rows(counts_B, rows), logits_RxV
 
 
 def _initial_state(cache, kv_valid_RxS, logits_RxV, *, max_new_tokens, pad_id) -> _DecodeState:
@@ -319,7 +317,6 @@ def sample_program(
   The name is load-bearing: compile counting matches ``sample_program`` and ``--plan`` lowers it.
   """
   (R, N), P = (num_rollouts, max_new_tokens), prompt_ids_BxP.shape[1]
-  ends = segment_ends(N)
   tau = jnp.asarray(temperature, jnp.float32)
   top_p = jnp.asarray(top_p, jnp.float32)
   prompt_ids_RxP, prompt_mask_RxP, group_ids_R = _expand(
@@ -328,9 +325,8 @@ def sample_program(
   # Response token n sits at RoPE position prompt_len + n (no gap after a left-padded prompt).
   prompt_len_R = jnp.sum(prompt_mask_RxP, axis=-1, dtype=jnp.int32)
   cache, logits_RxV = _prefill(
-    graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, rows=R, slots=P + ends[0],
-    model_cfg=model_cfg,
-  )  # fmt: skip
+    graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, rows=R, model_cfg=model_cfg
+  )
   # The real prompt slots are valid; none of the N response slots yet.
   kv_valid_RxS = jnp.concatenate([prompt_mask_RxP, jnp.zeros((R, N), bool)], axis=1)
   decoder = _Decoder(
@@ -350,9 +346,9 @@ def sample_program(
   st = decoder.emit(
     _initial_state(cache, kv_valid_RxS, logits_RxV, max_new_tokens=N, pad_id=pad_id)
   )
-  for end in ends:
+  for end in segment_ends(N):
     segment = dataclasses.replace(decoder, until=end)
-    st = dataclasses.replace(st, cache=st.cache.pad_slots(P + end))  # no-op for the first
+    st = dataclasses.replace(st, cache=st.cache.pad_slots(P + end))
     st = jax.lax.while_loop(segment.running, segment.step, st)
   return _assemble(prompt_ids_RxP, prompt_mask_RxP, group_ids_R, st)
 
