@@ -1,4 +1,4 @@
-"""Blockwise attention (model.attention) against the one-pass softmax (model._attend).
+"""Blockwise attention (attention.attention) against the one-pass softmax (attention._attend).
 
 Blocks of queries attend to every slot with the full softmax, so values and gradients equal the
 one-pass ones up to float32 rounding, for left padding, cache offsets (queries at slots start..),
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jaxpr_helpers import output_shapes
 
-from jaxrl.nn import model
+from jaxrl.nn import attention, model
 from jaxrl.rl import losses, step
 from jaxrl.rollout import sampler
 
@@ -40,8 +40,8 @@ def _qkv(t, s, seed=0):
 def test_blocks_equal_one_pass(block, start):
   t = 13
   q, k, v, valid = _qkv(t, start + t)
-  one_pass = model._attend(q, k, v, valid, start)
-  blocked = model.attention(q, k, v, valid, start, block)
+  one_pass = attention._attend(q, k, v, valid, start)
+  blocked = attention.attention(q, k, v, valid, start, block)
   assert blocked.shape == one_pass.shape == (B, t, K, REP, E)
   # Same einsums on slices: only the matmul's summation order may differ.
   np.testing.assert_allclose(np.asarray(blocked), np.asarray(one_pass), rtol=0, atol=1e-6)
@@ -53,7 +53,7 @@ def test_blocks_give_the_same_gradients():
 
   def grads(block):
     def loss(q, k, v):
-      return jnp.sum(jnp.sin(model.attention(q, k, v, valid, 3, block)))
+      return jnp.sum(jnp.sin(attention.attention(q, k, v, valid, 3, block)))
 
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
@@ -72,7 +72,7 @@ def test_blocked_backward_needs_less_memory():
 
   def temp(block):
     def loss(q, k, v):
-      return jnp.sum(model.attention(q, k, v, valid, 0, block))
+      return jnp.sum(attention.attention(q, k, v, valid, 0, block))
 
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
     return fn.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes

@@ -15,10 +15,10 @@ Two layouts of the L decoder layers compute the same function from the same init
 Both run every layer through one function (optionally rematerialised, ``remat``). The KV cache
 follows the layout: one array per layer in loop mode (a layer reads its own, no copy), one stacked
 [L, ...] array in scan mode (indexed by the scan's layer); updated in place. Keys are kept
-transposed, [B, K, E, S], values [B, K, S, E] (``KVCache`` says why).
+transposed, [B, K, E, S], values [B, K, S, E] (``jaxrl.nn.kv_cache.KVCache`` says why).
 
-Memory at long T: attention runs in blocks of ``attention_block`` queries (``attention``), each
-block rematerialised, so no [B, H, T, T] buffer exists; and under jit on a mesh the activations
+Memory at long T: attention runs in blocks of ``attention_block`` queries (``jaxrl.nn.attention``),
+each block rematerialised, so no [B, H, T, T] buffer exists; and under jit on a mesh the activations
 are constrained to keep rows split over the data axes (``sharding.constrain``; a no-op elsewhere).
 """
 
@@ -33,8 +33,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.config import LoraTarget, Remat
+from jaxrl.nn.attention import attention, rope
+from jaxrl.nn.kv_cache import KVCache, keys_layout
 from jaxrl.parallel.sharding import activation_mesh, constrain
-from jaxrl.types import Array, pytree_dataclass
+from jaxrl.types import Array
 
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16")
@@ -131,80 +133,6 @@ class ModelConfig:
       )
 
 
-@pytree_dataclass
-class KVCache:
-  """Keys/values of every layer; slot s holds sequence position s of the (left-padded) batch.
-
-  Heads come before slots so that both attention products read a layer's cache as it lies (batch
-  dims b, k leading); a [.., S, K, E] layout made XLA transpose every layer's cache each step.
-  Keys are stored transposed, [B, K, E, S]: a decode step's scores q·k then sum E vectors S slots
-  wide, where [B, K, S, E] made them S sums over a 32-wide minor axis (0.95 -> 0.3 ms per layer at
-  the 5M sampler benchmark's 64 rows). Values stay [B, K, S, E]: the mix sums over s, a major axis.
-  Loop mode keeps one array per layer: slicing a layer out of a stacked [L, ...] array copies it
-  (2 x 4 MB per layer and decode step at the 5M benchmark's 64 rows, ~15% of the step).
-  """
-
-  k: Array | tuple[Array, ...]  # [L, B, K, E, S] (scan mode) or L x [B, K, E, S] (loop mode)
-  v: Array | tuple[Array, ...]  # [L, B, K, S, E] (scan mode) or L x [B, K, S, E] (loop mode)
-
-  def write(self, layer, start, k_BxTxKxE: Array, v_BxTxKxE: Array) -> KVCache:
-    """Store T new keys/values of ``layer`` (int or traced) at slots start..start+T-1, in place."""
-
-    def put(cache, new, at):  # ``new`` in the cache's layout, written from index ``at`` on
-      per_layer = isinstance(cache, tuple)
-      new = new.astype((cache[0] if per_layer else cache).dtype)
-      if per_layer:
-        updated = jax.lax.dynamic_update_slice(cache[layer], new, at)
-        return cache[:layer] + (updated,) + cache[layer + 1 :]
-      return jax.lax.dynamic_update_slice(cache, new[None], (layer, *at))
-
-    return KVCache(
-      k=put(self.k, keys_layout(k_BxTxKxE), (0, 0, 0, start)),
-      v=put(self.v, jnp.swapaxes(v_BxTxKxE, 1, 2), (0, 0, start, 0)),
-    )
-
-  def repeat_rows(self, counts_B: Array, rows: int) -> KVCache:
-    """Row b repeated counts_B[b] times (``rows`` rows in all, a static count as in ``jnp.repeat``'s
-    ``total_repeat_length``): a cache filled once per distinct prompt, copied to each of its
-    rollouts."""
-
-    def repeat(cache):
-      batch_axis = cache.ndim - 4  # 0 for one layer's [B, ...], 1 for the stacked [L, B, ...]
-      return jnp.repeat(cache, counts_B, axis=batch_axis, total_repeat_length=rows)
-
-    return self._map(repeat, repeat)
-
-  def pad_slots(self, slots: int) -> KVCache:
-    """The cache with ``slots`` slots: the new ones (at the end) zero, so unwritten."""
-
-    def pad(axis):
-      def grow(cache):
-        widths = [(0, 0)] * cache.ndim
-        widths[axis] = (0, slots - cache.shape[axis])
-        return jnp.pad(cache, widths)
-
-      return grow
-
-    return self._map(pad(-1), pad(-2))  # keys [.., E, S], values [.., S, E]
-
-  def _map(self, on_keys, on_values) -> KVCache:
-    """Apply ``on_keys`` to every keys array and ``on_values`` to every values array."""
-
-    def each(fn, caches):
-      return tuple(fn(c) for c in caches) if isinstance(caches, tuple) else fn(caches)
-
-    return KVCache(k=each(on_keys, self.k), v=each(on_values, self.v))
-
-  def layer(self, layer) -> tuple[Array, Array]:
-    """(k_BxKxExS, v_BxKxSxE) of one layer."""
-    if isinstance(self.k, tuple):
-      return self.k[layer], self.v[layer]
-    return (
-      jax.lax.dynamic_index_in_dim(self.k, layer, keepdims=False),
-      jax.lax.dynamic_index_in_dim(self.v, layer, keepdims=False),
-    )
-
-
 def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> KVCache:
   """An empty cache of ``slots`` slots in the layout of ``cfg.scan_layers`` (see ``KVCache``)."""
   keys_BxKxExS = (batch, cfg.num_kv_heads, cfg.head_dim, slots)
@@ -216,9 +144,24 @@ def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> K
   return KVCache(k=per_layer(keys_BxKxExS), v=per_layer(values_BxKxSxE))
 
 
-def keys_layout(k_BxTxKxE: Array) -> Array:
-  """Keys as attention reads them, [B, K, E, T] (see ``KVCache``)."""
-  return jnp.transpose(k_BxTxKxE, (0, 2, 3, 1))
+def rope_inv_freq(cfg: ModelConfig) -> Array:
+  """RoPE inverse frequencies [E/2] in float32, with the config's scaling, in transformers' order
+  of float32 operations (``modeling_rope_utils``), so the angles match its to the last bit or so."""
+  half = cfg.head_dim // 2
+  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+  if cfg.rope_type == "linear":
+    return inv_freq / cfg.rope_factor
+  if cfg.rope_type == "llama3":
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    context = cfg.rope_original_max_positions
+    wavelen = 2 * math.pi / inv_freq
+    # Wavelengths beyond context/low were never seen whole in pretraining: stretch them by factor.
+    scaled = jnp.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < context / high) & ~(wavelen > context / low)
+    return jnp.where(medium, smoothed, scaled)
+  return inv_freq
 
 
 def _param(cfg: ModelConfig, rngs: nnx.Rngs, shape, axes, scale: float | None = None) -> nnx.Param:
@@ -284,115 +227,6 @@ def dense(x_BxTxD: Array, kernel_DxF: Array, adapter=None) -> Array:
     scaled_b_RxF = (b_RxF.astype(jnp.float32) * scale).astype(x_BxTxD.dtype)
     y_UxF = y_UxF + low_UxR @ scaled_b_RxF
   return y_UxF.reshape(*x_BxTxD.shape[:-1], kernel_DxF.shape[-1])
-
-
-def rope_inv_freq(cfg: ModelConfig) -> Array:
-  """RoPE inverse frequencies [E/2] in float32, with the config's scaling, in transformers' order
-  of float32 operations (``modeling_rope_utils``), so the angles match its to the last bit or so."""
-  half = cfg.head_dim // 2
-  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(half, dtype=jnp.float32) / half))
-  if cfg.rope_type == "linear":
-    return inv_freq / cfg.rope_factor
-  if cfg.rope_type == "llama3":
-    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-    context = cfg.rope_original_max_positions
-    wavelen = 2 * math.pi / inv_freq
-    # Wavelengths beyond context/low were never seen whole in pretraining: stretch them by factor.
-    scaled = jnp.where(wavelen > context / low, inv_freq / factor, inv_freq)
-    smooth = (context / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < context / high) & ~(wavelen > context / low)
-    return jnp.where(medium, smoothed, scaled)
-  return inv_freq
-
-
-def rope(x_BxTxHxE: Array, positions_BxT: Array, inv_freq_half: Array) -> Array:
-  """Rotary embedding in HF's rotate-half layout (first and second halves of head_dim pair up)."""
-  half = x_BxTxHxE.shape[-1] // 2
-  angles_BxTxhalf = positions_BxT.astype(jnp.float32)[..., None] * inv_freq_half
-  cos = jnp.cos(angles_BxTxhalf)[:, :, None, :]
-  sin = jnp.sin(angles_BxTxhalf)[:, :, None, :]
-  x32 = x_BxTxHxE.astype(jnp.float32)
-  x1, x2 = x32[..., :half], x32[..., half:]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxTxHxE.dtype)
-
-
-def _attend(
-  q_BxTxKxAxE: Array, k_BxKxExS: Array, v_BxKxSxE: Array, kv_valid_BxS: Array, first_slot
-) -> Array:
-  """Softmax attention of T queries at slots first_slot..first_slot+T-1 to the S slots: a query
-  sees the valid slots up to its own. Scores and softmax in float32. Returns [B, T, K, R, E]."""
-  t, s = q_BxTxKxAxE.shape[1], k_BxKxExS.shape[3]
-  if t == 1:
-    scores = _one_query_scores(q_BxTxKxAxE, k_BxKxExS)
-  else:
-    scores = jnp.einsum(
-      "btkae,bkes->bkats", q_BxTxKxAxE, k_BxKxExS, preferred_element_type=jnp.float32
-    )
-  scores = scores * (q_BxTxKxAxE.shape[-1] ** -0.5)
-  query_slot_T = first_slot + jnp.arange(t)
-  causal_TxS = jnp.arange(s)[None, :] <= query_slot_T[:, None]
-  allowed_BxTxS = causal_TxS[None] & kv_valid_BxS[:, None, :].astype(bool)
-  # finfo.min, not -inf: a query with no visible slot (a pad) gets a uniform row, never NaN.
-  scores = jnp.where(allowed_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1)
-  if t == 1:
-    return _one_query_mix(probs, v_BxKxSxE)
-  return jnp.einsum("bkats,bkse->btkae", probs.astype(v_BxKxSxE.dtype), v_BxKxSxE)
-
-
-# A decode step has one query per row: the attention matmuls are then [A, E] x [E, S] per (b, k),
-# a batch of few-row dots that XLA CPU runs one small GEMM call at a time (~3.5 us each: 0.9 ms
-# per layer for 64 rows; as einsums inside the decode loop the 5M sampler's step took 2x as long).
-# The same sums as broadcast products and one reduction are each a single vectorised loop, over a
-# major axis of the cache (keys [.., E, S], values [.., S, E]: see ``KVCache``). Both in float32.
-
-
-def _one_query_scores(q_Bx1xKxAxE: Array, k_BxKxExS: Array) -> Array:
-  """``einsum("btkae,bkes->bkats")`` for T = 1, as products and a sum over e: [B, K, A, 1, S]."""
-  q_BxKxAxEx1 = q_Bx1xKxAxE[:, 0, :, :, :, None].astype(jnp.float32)
-  k_BxKx1xExS = k_BxKxExS[:, :, None].astype(jnp.float32)
-  return jnp.sum(q_BxKxAxEx1 * k_BxKx1xExS, axis=-2)[:, :, :, None, :]
-
-
-def _one_query_mix(probs_BxKxAx1xS: Array, v_BxKxSxE: Array) -> Array:
-  """``einsum("bkats,bkse->btkae")`` for T = 1, as products and a sum over s: [B, 1, K, A, E]."""
-  p_BxKxAxSx1 = probs_BxKxAx1xS[:, :, :, 0, :, None]
-  v_BxKx1xSxE = v_BxKxSxE[:, :, None].astype(jnp.float32)
-  out_BxKxAxE = jnp.sum(p_BxKxAxSx1 * v_BxKx1xSxE, axis=-2).astype(v_BxKxSxE.dtype)
-  return out_BxKxAxE[:, None]
-
-
-def attention(
-  q_BxTxKxAxE: Array, k_BxKxExS: Array, v_BxKxSxE: Array, kv_valid_BxS: Array, start, block: int
-) -> Array:
-  """Grouped-query attention of T queries (slots start..start+T-1) to S slots, ``block`` queries
-  at a time: [B, T, K, R, E].
-
-  Each block attends to all S slots with the full softmax, so every output row is computed as in
-  one pass (the same einsums on a slice of the queries). Blocks run in sequence (``lax.map``) and
-  each is rematerialised, so the forward keeps only its output and the backward recomputes one
-  block's [B, H, block, S] scores at a time: memory O(block · S) instead of O(T · S).
-  """
-  b, t = q_BxTxKxAxE.shape[:2]
-  if t <= block:
-    return _attend(q_BxTxKxAxE, k_BxKxExS, v_BxKxSxE, kv_valid_BxS, start)
-  n = -(-t // block)
-  pad = n * block - t  # padded queries see the same slots as any query; their rows are dropped
-  q = jnp.pad(q_BxTxKxAxE, ((0, 0), (0, pad)) + ((0, 0),) * 3)
-  q_YxBxZxKxAxE = jnp.swapaxes(q.reshape(b, n, block, *q.shape[2:]), 0, 1)
-
-  @jax.checkpoint
-  def one_block(q_BxZxKxAxE, k, v, kv_valid, first_slot):
-    return _attend(q_BxZxKxAxE, k, v, kv_valid, first_slot)
-
-  out_YxBxZxKxAxE = jax.lax.map(
-    lambda qi: one_block(qi[0], k_BxKxExS, v_BxKxSxE, kv_valid_BxS, start + qi[1] * block),
-    (q_YxBxZxKxAxE, jnp.arange(n)),
-  )
-  out = jnp.swapaxes(out_YxBxZxKxAxE, 0, 1).reshape(b, n * block, *q.shape[2:])
-  return out[:, :t]
 
 
 def _is_slot_zero(start) -> bool:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.nn import model
+from jaxrl.nn import kv_cache, model
 from jaxrl.nn.logprobs import logits_f32, logprobs_entropy_from_logits
 from jaxrl.types import Array, Rollouts, pytree_dataclass
 
@@ -32,7 +32,7 @@ class _DecodeState:
   """Carry of the decode loop; ``logits_RxV`` predict token ``n``."""
 
   n: Array  # i32[] index of the next token to emit
-  cache: model.KVCache
+  cache: kv_cache.KVCache
   kv_valid_RxS: Array  # bool
   logits_RxV: Array  # f32
   tokens_RxN: Array
@@ -151,7 +151,7 @@ def _expand(prompt_ids_BxP: Array, prompt_mask_BxP: Array, counts_B: Array, num_
   """
 
   def expand(x_B):
-    return jnp.repeat(x_B, counts_B, axis=0, total_repeat_length=num_rollouts)
+    return kv_cache.repeat_by_counts(x_B, counts_B, num_rollouts)
 
   prompt_ids_RxP = expand(prompt_ids_BxP).astype(jnp.int32)
   prompt_mask_RxP = expand(prompt_mask_BxP).astype(bool)
@@ -182,7 +182,7 @@ def _prefill(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, *, row
   )
   # Token 0 comes from the prefill's last slot (P-1 holds every row's last prompt token).
   logits_BxV = logits_f32(hidden_BxPxD[:, -1], lm_head_DxV)
-  logits_RxV = jnp.repeat(logits_BxV, counts_B, axis=0, total_repeat_length=rows)
+  logits_RxV = kv_cache.repeat_by_counts(logits_BxV, counts_B, rows)
   return cache.repeat_rows(counts_B, rows), logits_RxV
 
 
