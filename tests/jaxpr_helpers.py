@@ -1,6 +1,7 @@
 """Inspecting traced programs in tests (e.g. asserting that no gather on the vocab axis exists)."""
 
 import jax
+import jax.extend
 
 
 def contains_primitive(jaxpr, name: str) -> bool:

@@ -83,6 +83,15 @@ def test_blocked_backward_needs_less_memory():
   assert blocked <= one_pass / 4 and blocked < scores
 
 
+def test_blocks_are_balanced():
+  """T = 9 in blocks of at most 4: three blocks of 3 queries (no padded query), not 4 + 4 + 4."""
+  q, k, v, valid = _qkv(9, 9)
+  jaxpr = jax.make_jaxpr(lambda q: attention.attention(q, k, v, valid, 0, 4))(q).jaxpr
+  # the scores [b, k, a, t, s] (dims in dot_general's order): S = 9 slots, 3 queries per block
+  score_shapes = [sorted(s) for s in output_shapes(jaxpr, "dot_general") if 9 in s]
+  assert score_shapes and all(s == sorted((B, K, REP, 3, 9)) for s in score_shapes), score_shapes
+
+
 # A small Qwen2-like model (q/k/v biases, GQA) in both layouts; prompts P = 5 and responses N = 6
 # are longer than the blocks of 2, so training, prefill and decode all cross block boundaries.
 BASE = model.ModelConfig(
