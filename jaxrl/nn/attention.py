@@ -1,5 +1,6 @@
-"""Attention arithmetic of the decoder: RoPE (frequencies from ``model.rope_inv_freq``), and grouped-query softmax attention of T queries to S
-slots, block by block for long T and as products and sums for one query (a decode step).
+"""Attention arithmetic of the decoder: RoPE (frequencies from ``model.rope_inv_freq``), and
+grouped-query softmax attention of T queries to S slots, block by block for long T and as
+products and sums for one query (a decode step).
 
 Pure functions of arrays; ``model.Attention`` projects, caches and calls them. Keys arrive as
 [B, K, E, S] and values as [B, K, S, E], the KV cache's layout (``jaxrl.nn.kv_cache``).
@@ -20,7 +21,8 @@ def rope(x_BxTxHxE: Array, positions_BxT: Array, inv_freq_half: Array) -> Array:
   Computed as x * [cos, cos] + [x2, x1] * [-sin, sin]: the halves swapped by a reverse, not cut
   and concatenated, because XLA CPU fuses the rotation into its consumers (the cache write, the
   scores) and a concatenate there costs a branch per element (the 5M sampler's decode step:
-  ~2x faster per rotation). Same products and sums (x1 cos + x2 (-sin) = x1 cos - x2 sin).
+  ~2x faster per rotation). Same products and sums (x1 cos + x2 (-sin) = x1 cos - x2 sin); XLA
+  may contract them into FMAs differently, so the last bit can move.
   """
   e = x_BxTxHxE.shape[-1]
   angles_BxTx1xhalf = positions_BxT.astype(jnp.float32)[:, :, None, None] * inv_freq_half
