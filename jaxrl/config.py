@@ -92,7 +92,7 @@ class ModelSection:
     False  # layers stacked on one axis and lax.scan'ed: compile time flat in depth
   )
   remat: Remat = "none"  # per-layer rematerialisation: none | full | dots | offload
-  attention_block: int = 512  # queries per attention block: memory O(block x T), not O(T^2)
+  attention_block: int = 512  # most queries per attention block (equal blocks): O(block x T) memory
   # HF-layout directory to start from ("" = random init + SFT). Its config.json then defines the
   # architecture (the fields above up to tie_embeddings only describe a model built from scratch,
   # or one planned with --plan before its weights are downloaded).

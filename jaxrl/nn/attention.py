@@ -81,6 +81,12 @@ def _one_query_mix(probs_BxKxAx1xS: Array, v_BxKxSxE: Array) -> Array:
   return out_BxKxAxE[:, None]
 
 
+def block_size(t: int, block: int) -> int:
+  """Queries per block of ``attention`` for T queries at most ``block`` at a time: T itself (one
+  pass) or, with n = ceil(T / block) blocks, ceil(T / n)."""
+  return t if t <= block else -(-t // -(-t // block))
+
+
 def attention(
   q_BxTxKxAxE: Array, k_BxKxExS: Array, v_BxKxSxE: Array, kv_valid_BxS: Array, start, block: int
 ) -> Array:
@@ -91,14 +97,14 @@ def attention(
   one pass (the same einsums on a slice of the queries). Blocks run in sequence (``lax.map``) and
   each is rematerialised, so the forward keeps only its output and the backward recomputes one
   block's [B, H, Z, S] scores at a time: memory O(block · S) instead of O(T · S). The n blocks
-  are of equal size Z = ceil(T / n), so fewer than n queries are padded (blocks of ``block``
+  are of equal size Z (``block_size``), so fewer than n queries are padded (blocks of ``block``
   would pad T = 544 to 1,024 at block 512: almost twice the attention's work).
   """
   b, t = q_BxTxKxAxE.shape[:2]
-  if t <= block:
+  block = block_size(t, block)
+  if block == t:
     return _attend(q_BxTxKxAxE, k_BxKxExS, v_BxKxSxE, kv_valid_BxS, start)
   n = -(-t // block)
-  block = -(-t // n)
   pad = n * block - t  # padded queries see the same slots as any query; their rows are dropped
   q = jnp.pad(q_BxTxKxAxE, ((0, 0), (0, pad)) + ((0, 0),) * 3)
   q_YxBxZxKxAxE = jnp.swapaxes(q.reshape(b, n, block, *q.shape[2:]), 0, 1)

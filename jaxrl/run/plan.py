@@ -26,6 +26,7 @@ from jaxrl.config import Config, ConfigError
 from jaxrl.methods import registry
 from jaxrl.methods.phases import run_phases
 from jaxrl.nn import arch, lora, model
+from jaxrl.nn.attention import block_size
 from jaxrl.parallel import sharding
 from jaxrl.rl import step
 from jaxrl.rl.programs import (
@@ -241,8 +242,9 @@ def activation_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> E
 
   Assumes the micro-batch's rows are split over data x fsdp and heads / mlp over tensor. With remat
   "full" the backward keeps each layer's input and recomputes one layer at a time, so one layer's
-  internals are live at once. Attention runs in blocks of ``attention_block`` queries, each
-  rematerialised: one block's f32 scores [rows, H, block, T], probs and their two gradients.
+  internals are live at once. Attention runs in blocks of at most ``attention_block`` queries
+  (``block_size``), each rematerialised: one block's f32 scores [rows, H, block, T], probs and
+  their two gradients.
   """
   rows = pc.num_rollouts // (pc.loss.mini_batches * pc.loss.micro_batches)
   rows //= mesh_shape["data"] * mesh_shape["fsdp"]
@@ -252,7 +254,7 @@ def activation_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> E
   h, k = _split(m.num_heads, mesh_shape, "tensor"), _split(m.num_kv_heads, mesh_shape, "tensor")
   f = _split(m.intermediate_size, mesh_shape, "tensor")
   internals = _layer_internals(rows, t, m, mesh_shape)
-  q_block = min(t, m.attention_block)
+  q_block = block_size(t, m.attention_block)
   attention = rows * h * q_block * t * 2 * (4 + b)  # f32 scores + probs, and their gradients
   inputs = m.num_layers * rows * t * d * b
   dots = m.num_layers * rows * t * (h * e + 2 * k * e + 2 * d + 2 * f) * b  # projection outputs
@@ -287,7 +289,7 @@ def rollout_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> Esti
   h, k = _split(m.num_heads, mesh_shape, "tensor"), _split(m.num_kv_heads, mesh_shape, "tensor")
   if pc.rollout.engine != "jax":  # rescoring: one micro-batch chunk at a time
     rows = -(-rows // pc.loss.micro_batches)
-    q_block = min(s, m.attention_block)
+    q_block = block_size(s, m.attention_block)
     scores = rows * h * q_block * s * 4
     internals = _layer_internals(rows, s, m, mesh_shape)
     chunk = pc.loss.logprob_chunk * _split(m.vocab_size, mesh_shape, "tensor") * 4
@@ -302,7 +304,8 @@ def rollout_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> Esti
   cache = 2 * m.num_layers * rows * k * s * m.head_dim * jnp.dtype(m.dtype).itemsize
   # Each distinct prompt is prefilled once (then copied to its rows); a prefill sees its P slots.
   prompts = -(-pc.batch_questions // (mesh_shape["data"] * mesh_shape["fsdp"]))
-  prefill = prompts * h * min(p, m.attention_block) * p * 4
+  prefill_block = block_size(p, m.attention_block)
+  prefill = prompts * h * prefill_block * p * 4
   # The last decode segment's cache is grown from the one before, k then v: while one of them is
   # copied, its previous segment's array exists too (XLA's compiled peak at qwen7b agrees).
   ends = segment_ends(pc.rollout.max_new_tokens)
@@ -312,7 +315,7 @@ def rollout_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> Esti
     ("KV cache: k [L, R, K, E, P+N] and v [L, R, K, P+N, E]", cache),
     ("the previous decode segment's k (or v) while the last one's is grown from it", growing),
     (
-      f"prefill: one attention block's f32 scores [B, H, {min(p, m.attention_block)}, P]",
+      f"prefill: one attention block's f32 scores [B, H, {prefill_block}, P]",
       prefill,
     ),
     ("decode: f32 logits [R, V]", logits),
