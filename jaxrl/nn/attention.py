@@ -81,7 +81,10 @@ def _one_query_mix(probs_BxKxAx1xS: Array, v_BxKxSxE: Array) -> Array:
 def block_size(t: int, block: int) -> int:
   """Queries per block of ``attention`` for T queries at most ``block`` at a time: T itself (one
   pass) or, with n = ceil(T / block) blocks, ceil(T / n)."""
-  return t if t <= block else -(-t // -(-t // block))
+  if t <= block:
+    return t
+  blocks = -(-t // block)
+  return -(-t // blocks)
 
 
 def attention(
