@@ -213,3 +213,28 @@ def test_prefill_attends_to_the_prompt_slots_only(scan):
 def test_block_size_must_be_positive():
   with pytest.raises(ValueError, match="attention_block"):
     dataclasses.replace(BASE, attention_block=0)
+
+
+@pytest.mark.parametrize("concat_halves", [True, False])
+def test_rope_forms_are_hfs_rotation(concat_halves):
+  """Both layouts of ``rope`` rotate (x1, x2) by HF's angles: against a float64 rotate-half, at
+  positions up to 40k (large angles), values and gradients; and the two agree to the last bits."""
+  rng = np.random.default_rng(3)
+  b, t, h, e = 2, 5, 3, 16
+  x = rng.normal(size=(b, t, h, e)).astype(np.float32)
+  positions = rng.integers(0, 40_000, size=(b, t)).astype(np.int32)
+  inv_freq = (1.0 / (10_000.0 ** (np.arange(e // 2) / (e // 2)))).astype(np.float32)
+  angles = positions[..., None, None].astype(np.float32) * inv_freq  # float32, as the model
+  cos, sin = np.cos(angles.astype(np.float64)), np.sin(angles.astype(np.float64))
+  x1, x2 = x[..., : e // 2].astype(np.float64), x[..., e // 2 :].astype(np.float64)
+  expected = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  rot = jax.jit(lambda x: attention.rope(x, positions, inv_freq, concat_halves=concat_halves))
+  np.testing.assert_allclose(np.asarray(rot(jnp.asarray(x))), expected, rtol=0, atol=2e-6)
+  # The rotation is orthogonal: the gradient of <rope(x), w> is rope's transpose applied to w.
+  w = rng.normal(size=x.shape).astype(np.float32)
+  w1, w2 = w[..., : e // 2].astype(np.float64), w[..., e // 2 :].astype(np.float64)
+  expected_grad = np.concatenate([w1 * cos + w2 * sin, w2 * cos - w1 * sin], axis=-1)
+  grad = jax.grad(lambda x: jnp.sum(rot(x) * w))(jnp.asarray(x))
+  np.testing.assert_allclose(np.asarray(grad), expected_grad, rtol=0, atol=2e-6)
+  other = attention.rope(jnp.asarray(x), positions, inv_freq, concat_halves=not concat_halves)
+  np.testing.assert_allclose(np.asarray(rot(jnp.asarray(x))), np.asarray(other), rtol=0, atol=1e-6)

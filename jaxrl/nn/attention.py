@@ -14,21 +14,34 @@ import jax.numpy as jnp
 from jaxrl.types import Array
 
 
-def rope(x_BxTxHxE: Array, positions_BxT: Array, inv_freq_half: Array) -> Array:
-  """Rotary embedding in HF's rotate-half layout (first and second halves of head_dim pair up).
+def rope(
+  x_BxTxHxE: Array, positions_BxT: Array, inv_freq_half: Array, *, concat_halves: bool = True
+) -> Array:
+  """Rotary embedding in HF's rotate-half layout (first and second halves of head_dim pair up):
+  [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin], HF's products and sums in HF's order.
 
-  The rotated halves are concatenated; inside XLA CPU's fused consumers a concatenate branches per
-  element (the decode step's rotations measured ~2x faster as x·[cos, cos] + [x2, x1]·[-sin, sin]),
-  but that form rounds differently (FMA contraction) and moved the golden train step beyond its
-  tolerance, so the arithmetic stays HF's order.
+  Two ways to lay the same arithmetic out. ``concat_halves``: cut x into halves and concatenate
+  the rotated ones (HF's code). Otherwise over the full width: the halves swapped by a reverse
+  and a select between the two halves' expressions. XLA CPU fuses the rotation into its
+  consumers (the cache write, the scores), where a concatenate costs a branch per element: the
+  select form runs the decode step's rotations ~2x faster and gives the same forward values
+  here, so the sampler uses it. Its gradient rounds differently in the last bits (FMA
+  contraction), which moved the golden train step's grad_norm by 0.5%, so what is
+  differentiated keeps the concatenate.
   """
   half = x_BxTxHxE.shape[-1] // 2
   angles_BxTxhalf = positions_BxT.astype(jnp.float32)[..., None] * inv_freq_half
   cos = jnp.cos(angles_BxTxhalf)[:, :, None, :]
   sin = jnp.sin(angles_BxTxhalf)[:, :, None, :]
   x32 = x_BxTxHxE.astype(jnp.float32)
-  x1, x2 = x32[..., :half], x32[..., half:]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  if concat_halves:
+    x1, x2 = x32[..., :half], x32[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  else:
+    cos, sin = jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
+    swapped = jnp.flip(x32.reshape(*x32.shape[:-1], 2, half), axis=-2).reshape(x32.shape)
+    first_half_E = jnp.arange(2 * half) < half
+    out = jnp.where(first_half_E, x32 * cos - swapped * sin, x32 * cos + swapped * sin)
   return out.astype(x_BxTxHxE.dtype)
 
 

@@ -272,8 +272,9 @@ class Attention(nnx.Module):
       q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
       k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
     inv_freq = rope_inv_freq(cfg)
-    q = rope(q, positions_BxT, inv_freq)
-    k = rope(k, positions_BxT, inv_freq)
+    # The sampler (a cache, no gradient) takes rope's faster select form; see ``rope``.
+    q = rope(q, positions_BxT, inv_freq, concat_halves=cache is None)
+    k = rope(k, positions_BxT, inv_freq, concat_halves=cache is None)
     if cache is not None:
       cache = cache.write(layer, start, k, v)
     if cache is not None and not _is_slot_zero(start):
