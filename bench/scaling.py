@@ -6,9 +6,11 @@ scaling.jsonl``; a point already in that file is skipped, so an interrupted swee
 stopped. ``--report`` renders ``bench/results/scaling.md`` from the records (every point measured
 so far, and the ones still missing).
 
-The work per point: ``ROWS[size]`` rows of 32 prompt tokens and the response length (the train
-step) or new tokens (the sampler, G = 8 per prompt). Rows shrink with the model so one 0.5B
-update fits beside torch's in 24 GiB and the sweep finishes in hours, not days; the 0.5B points
+The work per point: ``rows_at(size, length)`` rows of 32 prompt tokens and the response length
+(the train step) or new tokens (the sampler, G = min(8, rows) per prompt). Rows shrink with the
+model so one 0.5B update fits beside torch's in 24 GiB and the sweep finishes in hours, not days;
+at 2,048 tokens a quarter of them (about the tokens per step of the 512 points: torch's eager
+attention keeps [rows, heads, T, T] probabilities per layer for its backward). The 0.5B points
 run one side at a time (``--sequential``: both workers do not fit at once).
 
     PYTHONPATH=. .venv/bin/python bench/scaling.py --sizes 5m 50m --lengths 128 512
@@ -29,10 +31,15 @@ REPORT = os.path.join(HERE, "results", "scaling.md")
 ROWS = {"5m": 64, "50m": 16, "0.5b": 8}
 SIZES, LENGTHS = tuple(ROWS), (128, 512, 2048)
 BENCHES = ("train_step", "sampler")
+LONG = 2048  # from this length on, a quarter of ROWS
+
+
+def rows_at(size: str, length: int) -> int:
+  return ROWS[size] if length < LONG else max(1, ROWS[size] // 4)
 
 
 def _argv(bench: str, size: str, length: int, repeats: int) -> list[str]:
-  rows = ROWS[size]
+  rows = rows_at(size, length)
   common = ["--size", size, "--rows", str(rows), "--prompt-len", "32", "--repeats", str(repeats)]
   if bench == "train_step":
     return ["train_step_vs_torch.py", *common, "--response-len", str(length)]
@@ -86,9 +93,11 @@ def report() -> str:
   lines = [
     "# Peer comparisons by model size and response length",
     "",
-    "`bench/scaling.py` (rows per size: " + ", ".join(f"{s} {n}" for s, n in ROWS.items()) + "; "
-    "32-token prompts; sampler G = 8 per prompt, τ = 1, top_p = 1). Seconds are medians of "
-    "alternating repeats (one side at a time at 0.5B); peak memory is each worker's peak RSS.",
+    "`bench/scaling.py` (rows per size: "
+    + ", ".join(f"{s} {n}" for s, n in ROWS.items())
+    + f", a quarter of them at {LONG:,} tokens; 32-token prompts; "
+    "sampler G = min(8, rows) per prompt, τ = 1, top_p = 1). Seconds are medians of alternating "
+    "repeats (one side at a time at 0.5B); peak memory is each worker's peak RSS.",
     "Machine: " + (records[-1]["machine"] if records else "-") + ".",
     "",
     "| bench | size | rows | response | jaxrl s | peer s | jaxrl tok/s | peer tok/s | ratio "
