@@ -81,7 +81,8 @@ def _row(r: dict) -> str:
   secs = "step_s_median" if bench == "train_step" else "s_median"
   rate = "tokens_per_s" if bench == "train_step" else "new_tokens_per_s"
   return (
-    f"| {bench} | {size} | {r['rows']} | {length} | {j[secs]:.2f} | {p[secs]:.2f} | "
+    f"| {bench} | {size} | {r['rows']} | {length} | {r['repeats']} | {j[secs]:.2f} | "
+    f"{p[secs]:.2f} | "
     f"{j[rate]:,.0f} | {p[rate]:,.0f} | **{r['ratio']:.2f}** | {j['peak_rss_gib']:.1f} | "
     f"{p['peak_rss_gib']:.1f} | {r.get('commit', 'before 6d50a55')} |"
   )
@@ -97,12 +98,14 @@ def report() -> str:
     + ", ".join(f"{s} {n}" for s, n in ROWS.items())
     + f", a quarter of them at {LONG:,} tokens; 32-token prompts; "
     "sampler G = min(8, rows) per prompt, τ = 1, top_p = 1). Seconds are medians of alternating "
-    "repeats (one side at a time at 0.5B); peak memory is each worker's peak RSS.",
+    "repeats (one side at a time at 0.5B), after each side's warm-up calls (the sampler's 1, the "
+    "train step's 2); a point of 1 repeat is one timed call per side (long points, where 3 "
+    "repeats would take hours). Peak memory is each worker's peak RSS.",
     "Machine: " + (records[-1]["machine"] if records else "-") + ".",
     "",
-    "| bench | size | rows | response | jaxrl s | peer s | jaxrl tok/s | peer tok/s | ratio "
-    "| jaxrl GiB | peer GiB | commit |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "| bench | size | rows | response | repeats | jaxrl s | peer s | jaxrl tok/s | peer tok/s "
+    "| ratio | jaxrl GiB | peer GiB | commit |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   lines += [_row(r) for r in sorted(records, key=lambda r: (SIZES.index(r["size"]), _key(r)))]
   missing = [
