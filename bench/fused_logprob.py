@@ -46,8 +46,8 @@ def parse_args():
 def make_step(fn):
   """Jitted value_and_grad of Σ logp + Σ entropy w.r.t. (hidden, lm_head)."""
 
-  def objective(hidden_BxTxD, lm_head_DxV, tokens_BxT, tau):
-    logp_BxT, entropy_BxT = fn(hidden_BxTxD, lm_head_DxV, tokens_BxT, tau)
+  def objective(hidden_BxTxD, lm_head_VxD, tokens_BxT, tau):
+    logp_BxT, entropy_BxT = fn(hidden_BxTxD, lm_head_VxD, tokens_BxT, tau)
     return jnp.sum(logp_BxT) + jnp.sum(entropy_BxT)
 
   return jax.jit(jax.value_and_grad(objective, argnums=(0, 1)))
@@ -58,9 +58,9 @@ def main():
   args = parse_args()
   k_h, k_w, k_t = jax.random.split(jax.random.key(0), 3)
   hidden_BxTxD = jax.random.normal(k_h, (args.B, args.T, args.D), jnp.float32)
-  lm_head_DxV = jax.random.normal(k_w, (args.D, args.V), jnp.float32) / np.sqrt(args.D)
+  lm_head_VxD = jax.random.normal(k_w, (args.V, args.D), jnp.float32) / np.sqrt(args.D)
   tokens_BxT = jax.random.randint(k_t, (args.B, args.T), 0, args.V)
-  call_args = (hidden_BxTxD, lm_head_DxV, tokens_BxT, jnp.float32(args.tau))
+  call_args = (hidden_BxTxD, lm_head_VxD, tokens_BxT, jnp.float32(args.tau))
 
   variants = {"naive [B,T,V]": naive_logprobs_entropy}
   for chunk in args.chunk:

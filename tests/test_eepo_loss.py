@@ -154,7 +154,8 @@ def test_eps_are_traced():
 def _inputs(seed=0, b=B, t=T, d=D, v=V):
   k_h, k_w, k_t, k_m = jax.random.split(jax.random.key(seed), 4)
   hidden = jax.random.normal(k_h, (b, t, d), jnp.float32)
-  lm_head = jax.random.normal(k_w, (d, v), jnp.float32) * 3.0 / np.sqrt(d)
+  # drawn [D, V] and stored [V, D], as the model's head
+  lm_head = (jax.random.normal(k_w, (d, v), jnp.float32) * 3.0 / np.sqrt(d)).T
   tokens = jax.random.randint(k_t, (b, t), 0, v)
   mask = (jax.random.uniform(k_m, (b, t)) < 0.85).astype(jnp.float32)
   return hidden, lm_head, tokens, mask
@@ -163,7 +164,7 @@ def _inputs(seed=0, b=B, t=T, d=D, v=V):
 def _oracle_fused(hidden, lm_head, tokens, w_logp, w_log1m, tau):
   """Float64 values and gradients of Σ w_logp·log p + w_log1m·log(1 − p)."""
   h = np.asarray(hidden, np.float64).reshape(-1, hidden.shape[-1])
-  w = np.asarray(lm_head, np.float64)
+  w = np.asarray(lm_head, np.float64).T  # the head is stored [V, D]
   tok = np.asarray(tokens).reshape(-1)
   z = h @ w / tau
   logp, log1m, dlog1m = oracle_rows(z, tok)
@@ -177,7 +178,7 @@ def _oracle_fused(hidden, lm_head, tokens, w_logp, w_log1m, tau):
     logp.reshape(shape),
     log1m.reshape(shape),
     (dlogits @ w.T).reshape(hidden.shape),
-    h.T @ dlogits,
+    (h.T @ dlogits).T,
   )
 
 
@@ -204,7 +205,7 @@ def test_fused_matches_float64_oracle_and_naive_autodiff(tau):
 
   # The textbook formula log(1 − exp(log p)) on materialised logits, where p is far from 1.
   def naive(hidden, lm_head, tokens, tau):
-    z = jnp.einsum("btd,dv->btv", hidden, lm_head) / tau
+    z = jnp.einsum("btd,vd->btv", hidden, lm_head) / tau
     lp = jnp.take_along_axis(jax.nn.log_softmax(z), tokens[..., None], axis=-1)[..., 0]
     return lp, jnp.log1p(-jnp.exp(lp))
 
@@ -246,7 +247,7 @@ def test_loss_gradient_through_fused_equals_logits_version(tau):
     return eepo_unlearning_loss_from_logp(logp, log1m, mask, EPS_L, EPS_R)
 
   def via_logits(hidden, lm_head):
-    logits = jnp.einsum("btd,dv->btv", hidden, lm_head) / tau
+    logits = jnp.einsum("btd,vd->btv", hidden, lm_head) / tau
     return eepo_unlearning_loss(logits, tokens, mask, EPS_L, EPS_R)
 
   loss_f, grads_f = jax.jit(jax.value_and_grad(via_fused, argnums=(0, 1)))(hidden, lm_head)
@@ -255,7 +256,7 @@ def test_loss_gradient_through_fused_equals_logits_version(tau):
   for a, b in zip(grads_f, grads_n):
     assert _rel_err(a, b) <= 1e-5
   # And both equal the loop oracle on float64 logits.
-  z = np.einsum("btd,dv->btv", np.asarray(hidden, np.float64), np.asarray(lm_head, np.float64))
+  z = np.einsum("btd,vd->btv", np.asarray(hidden, np.float64), np.asarray(lm_head, np.float64))
   expected, _ = oracle_loss(z / float(tau), np.asarray(tokens), np.asarray(mask), EPS_L, EPS_R)
   np.testing.assert_allclose(float(loss_f), expected, rtol=1e-5)
 
@@ -264,7 +265,7 @@ def test_loss_gradient_through_fused_equals_logits_version(tau):
 def test_any_chunk_size_gives_the_same_answer(chunk_size):
   hidden, lm_head, tokens, _ = _inputs(seed=3)
   tau = jnp.float32(0.9)
-  z = np.asarray(hidden, np.float64).reshape(-1, D) @ np.asarray(lm_head, np.float64) / 0.9
+  z = np.asarray(hidden, np.float64).reshape(-1, D) @ np.asarray(lm_head, np.float64).T / 0.9
   logp_o, log1m_o, _ = oracle_rows(z, np.asarray(tokens).reshape(-1))
   logp, log1m = fused_log1m_p(hidden, lm_head, tokens, tau, chunk_size=chunk_size)
   assert _rel_err(logp, logp_o.reshape(B, T)) <= 1e-5
@@ -280,7 +281,7 @@ def _loss_via_fused(chunk_size):
 
 
 def _loss_via_logits(hidden, lm_head, tokens, mask, tau):
-  return eepo_unlearning_loss(hidden @ lm_head / tau, tokens, mask, EPS_L, EPS_R)
+  return eepo_unlearning_loss(hidden @ lm_head.T / tau, tokens, mask, EPS_L, EPS_R)
 
 
 def test_no_gather_on_the_vocab_axis():

@@ -62,10 +62,10 @@ def _left_padded_batch(vocab):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _our_logits_jit(graphdef, params, tokens_BxT, mask_BxT):
-  hidden_BxTxD, lm_head_DxV, _ = model.forward(
+  hidden_BxTxD, lm_head_VxD, _ = model.forward(
     graphdef, params, tokens_BxT, model.positions_from_mask(mask_BxT), mask_BxT
   )
-  return jnp.matmul(hidden_BxTxD, lm_head_DxV, preferred_element_type=jnp.float32)
+  return jnp.einsum("btd,vd->btv", hidden_BxTxD, lm_head_VxD, preferred_element_type=jnp.float32)
 
 
 def _our_logits(graphdef, params, tokens_BxT, mask_BxT):

@@ -28,7 +28,8 @@ def _inputs(seed=0, b=B, t=T, d=D, v=V, dtype=jnp.float32):
   k_h, k_w, k_t, k_c = jax.random.split(jax.random.key(seed), 4)
   hidden = jax.random.normal(k_h, (b, t, d), jnp.float32).astype(dtype)
   # Scale so logits/τ span a few units: peaked but not one-hot distributions.
-  lm_head = (jax.random.normal(k_w, (d, v), jnp.float32) * 2.0 / np.sqrt(d)).astype(dtype)
+  # drawn [D, V] and stored [V, D], as the model's head
+  lm_head = (jax.random.normal(k_w, (d, v), jnp.float32).T * 2.0 / np.sqrt(d)).astype(dtype)
   tokens = jax.random.randint(k_t, (b, t), 0, v)
   weights = jax.random.normal(k_c, (2, b, t), jnp.float32)
   return hidden, lm_head, tokens, weights
@@ -44,7 +45,7 @@ def _oracle(hidden, lm_head, tokens, weights, tau):
   """Float64 numpy values and analytic gradients of Σ w_logp·logp + w_ent·H."""
   h = np.asarray(hidden, np.float64)
   h_NxD = h.reshape(-1, h.shape[-1])
-  w_DxV = np.asarray(lm_head, np.float64)
+  w_DxV = np.asarray(lm_head, np.float64).T  # the head is stored [V, D]
   tok_N = np.asarray(tokens).reshape(-1)
   z_NxV = h_NxD @ w_DxV / tau
   m_N = z_NxV.max(-1, keepdims=True)
@@ -61,7 +62,7 @@ def _oracle(hidden, lm_head, tokens, weights, tau):
   dz_NxV = w_lp * (onehot_NxV - p_NxV) - w_ent * p_NxV * (logp_NxV + ent_N[:, None])
   dlogits_NxV = dz_NxV / tau
   grad_h = (dlogits_NxV @ w_DxV.T).reshape(h.shape)
-  grad_w = h_NxD.T @ dlogits_NxV
+  grad_w = (h_NxD.T @ dlogits_NxV).T
   return logp_N.reshape(tokens.shape), ent_N.reshape(tokens.shape), grad_h, grad_w
 
 
@@ -219,7 +220,7 @@ def test_vocab_sharded_over_tensor_axis_matches_and_never_gathers_logits():
         from jaxrl.nn.logprobs import fused_logprobs_entropy, naive_logprobs_entropy
         k = jax.random.split(jax.random.key(0), 3)
         h = jax.random.normal(k[0], (2, 37, 16))
-        w = jax.random.normal(k[1], (16, 256)) * 0.5
+        w = jax.random.normal(k[1], (16, 256)).T * 0.5  # the head [V, D]
         tok = jax.random.randint(k[2], (2, 37), 0, 256)
         tau = jnp.float32(0.7)
         def loss(fn, h, w, tau):
@@ -230,7 +231,7 @@ def test_vocab_sharded_over_tensor_axis_matches_and_never_gathers_logits():
         for mode in (AxisType.Auto, AxisType.Explicit):
             mesh = jax.make_mesh((2,), ("tensor",), axis_types=(mode,))
             with jax.set_mesh(mesh):
-                w_sharded = jax.device_put(w, NamedSharding(mesh, P(None, "tensor")))
+                w_sharded = jax.device_put(w, NamedSharding(mesh, P("tensor", None)))
                 step = jax.jit(jax.value_and_grad(lambda *a: loss(fused, *a), (0, 1)))
                 hlo = step.lower(h, w_sharded, tau).compile().as_text()
                 out = step(h, w_sharded, tau)

@@ -59,7 +59,7 @@ def test_targets_choose_the_projections():
     "down_proj_lora_b",
   }
   leaf = adapters["layers"][0]["self_attn"]["q_proj_lora_a"]
-  assert leaf.shape == (32, 4) and leaf.get_metadata()["logical_axes"] == ("embed", "lora")
+  assert leaf.shape == (4, 32) and leaf.get_metadata()["logical_axes"] == ("lora", "embed")
 
 
 def test_without_adapters_is_the_base_and_merged_is_the_adapted_model():
@@ -196,7 +196,7 @@ def test_scanned_layers_and_bfloat16_bases(param_dtype):
   g_scan, p_scan = model.create(scan_cfg, 4)
   p_loop, p_scan = _with_random_b(p_loop), _with_random_b(p_scan)
   a = p_scan["layers"]["mlp"]["up_proj_lora_a"]
-  assert a.shape == (2, 32, 4) and a.get_metadata()["logical_axes"] == ("layers", "embed", "lora")
+  assert a.shape == (2, 4, 32) and a.get_metadata()["logical_axes"] == ("layers", "lora", "embed")
   assert a.dtype == jnp.float32
   assert p_scan["layers"]["mlp"]["up_proj"].dtype == jnp.dtype(param_dtype)
   _, _, state, new, metrics = _update(scan_cfg, seed=4)

@@ -96,6 +96,6 @@ def test_adapter_names_follow_the_hf_modules():
   assert tensors["base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"].shape == (12, 2)
   a = params["layers"]["self_attn"]["v_proj_lora_a"][...]
   np.testing.assert_array_equal(
-    tensors["base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"], np.asarray(a[1]).T
+    tensors["base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"], np.asarray(a[1])
   )
   assert jnp.all(tensors["base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"] == 0)

@@ -81,7 +81,7 @@ def test_per_device_numbers_shrink_with_fsdp():
     assert b.phases[0].rollout.total < a.phases[0].rollout.total
   q = {w.kind: w for w in plans[2].weights}["q_proj"]
   assert q.leaves == 2 and q.shape == (32, 32)  # loop layout: one array per layer
-  assert q.spec == "P('fsdp', 'tensor')" and q.shard_shape == (8, 32)
+  assert q.spec == "P('tensor', 'fsdp')" and q.shard_shape == (32, 8)
   norms = {w.kind: w for w in plans[2].weights}["layer norms"]
   assert norms.spec == "P(None)" and norms.shard_shape == (32,)
   assert "Not compiled" in plan_report.render(plans[2])  # 4 devices wanted, 1 here
@@ -169,8 +169,8 @@ def test_qwen7b_plan_on_8_fake_devices(tmp_path):
   assert "mesh: data=1 x fsdp=8 x tensor=1 = 8 device(s); this process has 8 x cpu" in text
   assert "7.616 B params, L=28, D=3584" in text
   assert (
-    "| q_proj | 1 | [28, 3584, 3584] | float32 | `P(None, 'fsdp', 'tensor')` | "
-    "[28, 448, 3584] | 171.50 MiB |"
+    "| q_proj | 1 | [28, 3584, 3584] | float32 | `P(None, 'tensor', 'fsdp')` | "
+    "[28, 3584, 448] | 171.50 MiB |"
   ) in text
   assert "| embed | 1 | [152064, 3584] | float32 | `P('tensor', 'fsdp')` | [152064, 448] |" in text
   assert "| parameters | 3.55 GiB |" in text and "| KL reference params | 0 |" in text

@@ -99,7 +99,7 @@ def _full_logits(graphdef, params, ids_BxT, mask_BxT):
   hidden, lm_head, _ = model.forward(
     graphdef, params, ids_BxT, model.positions_from_mask(mask_BxT), mask_BxT
   )
-  return hidden @ lm_head
+  return hidden @ lm_head.T
 
 
 def _teacher_forced_logits(tiny, out):
@@ -257,7 +257,7 @@ def test_each_prompt_is_prefilled_once(scan):
     assert got.shape == want.shape
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
   np.testing.assert_allclose(
-    np.asarray(logits), np.asarray(hidden[:, -1] @ lm_head), rtol=0, atol=1e-5
+    np.asarray(logits), np.asarray(hidden[:, -1] @ lm_head.T), rtol=0, atol=1e-5
   )
 
 

@@ -39,8 +39,8 @@ def test_sharded_step_equals_single_device(lora):
   specs = result["specs"]
   assert any("'fsdp', 'tensor'" in s for s in specs.values()), specs
   if lora:  # adapters shard with their kernels: B of q over tensor, A of up over fsdp
-    assert specs["['layers'][0]['self_attn']['q_proj_lora_b'].value"] == "P(None, 'tensor')"
-    assert specs["['layers'][0]['mlp']['up_proj_lora_a'].value"] == "P('fsdp', None)"
+    assert specs["['layers'][0]['self_attn']['q_proj_lora_b'].value"] == "P('tensor', None)"
+    assert specs["['layers'][0]['mlp']['up_proj_lora_a'].value"] == "P(None, 'fsdp')"
   assert result["same_fingerprint"], result
   assert result["sgd_leaf_rel_diff"] <= 1e-5, result
   assert result["adam_tree_rel_diff"] <= 1e-5, result

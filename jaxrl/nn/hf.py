@@ -12,9 +12,9 @@ those rows (from the page cache) once per column block; tests/sharded_load_check
 Export writes the same HF layout with numpy only (no torch), which both transformers and a vLLM
 sidecar's ``reload_weights`` read.
 
-Name map (HF -> jaxrl): ``model.`` prefix dropped; ``*_proj.weight`` and ``lm_head.weight`` are
-[out, in] in HF and [in, out] here; ``{q,k,v}_proj.bias`` become ``{q,k,v}_bias``; with
-``scan_layers`` the L tensors ``model.layers.{l}.X`` are one param ``layers/X`` of shape [L, ...].
+Name map (HF -> jaxrl): ``model.`` prefix dropped; ``{q,k,v}_proj.bias`` become ``{q,k,v}_bias``;
+with ``scan_layers`` the L tensors ``model.layers.{l}.X`` are one param ``layers/X`` of shape
+[L, ...]. Every tensor keeps HF's layout (kernels [out, in], ``model.PARAM_LAYOUT``): no transposes.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ _SAFETENSORS_DTYPES = {
 }
 _SAFETENSORS_NAMES = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}
 # File rows are read in pieces of about this size when they cannot go straight into the block
-# (a column slice, a transpose or a cast): host memory then holds the block plus one piece.
+# (a column slice or a cast): host memory then holds the block plus one piece.
 _READ_CHUNK_BYTES = 8 * 2**20
 
 
@@ -74,20 +74,18 @@ def _is_stacked(key: tuple) -> bool:
   return len(key) >= 2 and key[0] == "layers" and not isinstance(key[1], int)
 
 
-def hf_name(key: tuple) -> tuple[str, bool]:
-  """HF tensor name for a jaxrl (per-layer) param path, and whether HF stores it transposed."""
+def hf_name(key: tuple) -> str:
+  """HF tensor name for a jaxrl (per-layer) param path (the tensor has the param's layout)."""
   if key == ("lm_head",):
-    return "lm_head.weight", True
+    return "lm_head.weight"
   if key in (("embed_tokens",), ("norm",)):
-    return f"model.{key[0]}.weight", False
+    return f"model.{key[0]}.weight"
   if len(key) >= 3 and key[0] == "layers" and isinstance(key[1], int):
     module, leaf = ".".join(str(k) for k in key[:-1]), key[-1]
-    if leaf.endswith("_proj"):
-      return f"model.{module}.{leaf}.weight", True
+    if leaf.endswith("_proj") or leaf.endswith("norm"):
+      return f"model.{module}.{leaf}.weight"
     if leaf in ("q_bias", "k_bias", "v_bias"):
-      return f"model.{module}.{leaf[0]}_proj.bias", False
-    if leaf.endswith("norm"):
-      return f"model.{module}.{leaf}.weight", False
+      return f"model.{module}.{leaf[0]}_proj.bias"
   raise ValueError(f"no HF name for jaxrl param {'/'.join(map(str, key))}")
 
 
@@ -158,22 +156,19 @@ def _tensor_files(path: pathlib.Path) -> list[pathlib.Path]:
   raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
 
 
-def _read_into(
-  handle: _SafetensorsFile, name: str, index: tuple, transposed: bool, out: np.ndarray
-):
-  """Fill ``out`` with the block ``index`` (slices in jaxrl's layout) of one HF tensor, cast to
-  ``out.dtype``: straight from the file when its rows are the block's, else chunk by chunk."""
+def _read_into(handle: _SafetensorsFile, name: str, index: tuple, out: np.ndarray):
+  """Fill ``out`` with the block ``index`` (slices) of one HF tensor, cast to ``out.dtype``:
+  straight from the file when its rows are the block's, else chunk by chunk."""
   dtype, shape, _ = handle.tensors[name]
-  rows, *cols = index[::-1] if transposed else index
+  rows, *cols = index
   whole_rows = all((c.start, c.stop) == (0, n) for c, n in zip(cols, shape[1:]))
-  if whole_rows and not transposed and dtype == out.dtype:
+  if whole_rows and dtype == out.dtype:
     handle.rows(name, rows.start, rows.stop, out=out)
     return
-  dst = out.T if transposed else out  # a view of ``out`` in HF's layout
   step = max(1, _READ_CHUNK_BYTES // max(1, handle.row_bytes(name)))
   for lo in range(rows.start, rows.stop, step):
     hi = min(lo + step, rows.stop)
-    dst[lo - rows.start : hi - rows.start] = handle.rows(name, lo, hi)[(slice(None), *cols)]
+    out[lo - rows.start : hi - rows.start] = handle.rows(name, lo, hi)[(slice(None), *cols)]
 
 
 def _same_tensor(a: _SafetensorsFile, a_name: str, b: _SafetensorsFile, b_name: str) -> bool:
@@ -247,7 +242,7 @@ class _ParamLoader:
         f"{self.path}: tensor {name!r} has shape {shape}, config.json implies {want}"
       )
 
-  def _block_reader(self, names, transposed, stacked):
+  def _block_reader(self, names, stacked):
     """``read_block(index)`` for ``_assemble``: one block of the param, layer by layer when
     stacked (``names``: the HF tensor of each layer, else the param's one tensor)."""
     handles, np_dtype = self.handles, self.np_dtype
@@ -256,9 +251,9 @@ class _ParamLoader:
       out = np.empty(tuple(s.stop - s.start for s in index), np_dtype)
       if stacked:
         for j, layer in enumerate(range(index[0].start, index[0].stop)):
-          _read_into(handles[names[layer]], names[layer], index[1:], transposed, out[j])
+          _read_into(handles[names[layer]], names[layer], index[1:], out[j])
       else:
-        _read_into(handles[names[0]], names[0], index, transposed, out)
+        _read_into(handles[names[0]], names[0], index, out)
       return out
 
     return read_block
@@ -267,15 +262,14 @@ class _ParamLoader:
     key = _key(key_path)
     stacked = _is_stacked(key)
     per_layer = [("layers", i, *key[1:]) for i in range(self.cfg.num_layers)] if stacked else [key]
-    names = [hf_name(k)[0] for k in per_layer]
-    transposed = hf_name(per_layer[0])[1]
+    names = [hf_name(k) for k in per_layer]
     inner = var.shape[1:] if stacked else var.shape
     for name in names:
-      self._check(name, key, tuple(inner[::-1] if transposed else inner))
+      self._check(name, key, tuple(inner))
     if self.placement is not None and key not in self.placement:
       raise ValueError(f"shardings has no entry for {'/'.join(map(str, key))}")
     sharding = None if self.placement is None else self.placement[key]
-    read_block = self._block_reader(names, transposed, stacked)
+    read_block = self._block_reader(names, stacked)
     return var.replace(_assemble(var.shape, sharding, read_block))
 
 
@@ -335,8 +329,8 @@ def load_hf_checkpoint(
   return cfg, graphdef, params
 
 
-def _hf_entries(params) -> list[tuple[str, bool, object, int | None]]:
-  """(HF name, transposed, leaf, layer index into a stacked leaf or None) for every HF tensor,
+def _hf_entries(params) -> list[tuple[str, object, int | None]]:
+  """(HF name, leaf, layer index into a stacked leaf or None) for every HF tensor,
   a scanned model's stacked leaves expanded layer by layer where they first appear."""
   entries, stacked = [], []
   for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -346,9 +340,9 @@ def _hf_entries(params) -> list[tuple[str, bool, object, int | None]]:
         entries.append(stacked)  # placeholder, filled below
       stacked.append((key, leaf))
     else:
-      entries.append((*hf_name(key), leaf, None))
+      entries.append((hf_name(key), leaf, None))
   layers = [
-    (*hf_name(("layers", i, *key[1:])), leaf, i)
+    (hf_name(("layers", i, *key[1:])), leaf, i)
     for i in range(stacked[0][1].shape[0] if stacked else 0)
     for key, leaf in stacked
   ]
@@ -358,17 +352,16 @@ def _hf_entries(params) -> list[tuple[str, bool, object, int | None]]:
   return out
 
 
-def _host(leaf, layer, transposed) -> np.ndarray:
+def _host(leaf, layer) -> np.ndarray:
   # A multi-process run's params span hosts: every process gathers each tensor (a collective).
-  array = distributed.to_host(leaf if layer is None else leaf[layer])
-  return np.ascontiguousarray(array.T if transposed else array)
+  return np.ascontiguousarray(distributed.to_host(leaf if layer is None else leaf[layer]))
 
 
 def to_hf_tensors(params) -> Iterator[tuple[str, np.ndarray]]:
   """(HF name, host array in HF layout) for every HF tensor, one at a time, in the params' dtype
   (a scanned model's stacked params are unstacked into per-layer tensors)."""
-  for name, transposed, leaf, layer in _hf_entries(params):
-    yield name, _host(leaf, layer, transposed)
+  for name, leaf, layer in _hf_entries(params):
+    yield name, _host(leaf, layer)
 
 
 def _shard_bounds(sizes: list[int], max_shard_bytes: int) -> list[tuple[int, int]]:
@@ -393,9 +386,7 @@ def _write_shards(out: pathlib.Path, entries: list, bounds: list[tuple[int, int]
       if len(bounds) == 1
       else f"model-{shard + 1:05d}-of-{len(bounds):05d}.safetensors"
     )
-    chunk = {
-      name: _host(leaf, layer, transposed) for name, transposed, leaf, layer in entries[lo:hi]
-    }
+    chunk = {name: _host(leaf, layer) for name, leaf, layer in entries[lo:hi]}
     save_file(chunk, out / fname, metadata={"format": "pt"})
     weight_map.update((name, fname) for name in chunk)
     del chunk
@@ -424,9 +415,8 @@ def save_hf_checkpoint(
   entries = _hf_entries(params)
   if untie and cfg.tie_embeddings:
     cfg = dataclasses.replace(cfg, tie_embeddings=False)
-    # [V, D] is HF's lm_head layout too, so it is written untransposed.
-    entries.append(("lm_head.weight", False, params["embed_tokens"][...], None))
-  dtype = entries[0][2].dtype
+    entries.append(("lm_head.weight", params["embed_tokens"][...], None))  # [V, D] both
+  dtype = entries[0][1].dtype
   if np.dtype(dtype) not in _SAFETENSORS_NAMES:
     raise ValueError(
       f"params of dtype {dtype} cannot be saved (supported: "
@@ -436,8 +426,7 @@ def save_hf_checkpoint(
 
   # Plan shards from sizes alone so tensors are materialised on host one shard at a time.
   sizes = [
-    math.prod(leaf.shape[layer is not None :]) * leaf.dtype.itemsize
-    for _, _, leaf, layer in entries
+    math.prod(leaf.shape[layer is not None :]) * leaf.dtype.itemsize for _, leaf, layer in entries
   ]
   bounds = _shard_bounds(sizes, max_shard_bytes)
   weight_map = _write_shards(out, entries, bounds)

@@ -1,7 +1,7 @@
 """Token log-probabilities and full-vocabulary entropy at temperature τ, without a [B,T,V] buffer.
 
 Every RL loss here needs, per response token, ℓ = log softmax(z/τ)[o_t] and H = entropy of
-softmax(z/τ) over the whole vocabulary, with z = hidden @ lm_head. Materialising z for a batch costs
+softmax(z/τ) over the whole vocabulary, with z = hidden · lm_headᵀ. Materialising z for a batch costs
 B·T·V·4 bytes (2 GiB for 8×2k tokens at V=32k) and autodiff keeps several such buffers for the
 backward pass. `fused_logprobs_entropy` instead splits the flattened tokens into chunks of C rows,
 maps over them with `lax.map`, and wraps the per-chunk function in `jax.checkpoint` so the backward
@@ -38,20 +38,24 @@ def logprobs_entropy_from_logits(logits_UxV, tokens_U, tau):
   return logp_U, entropy_U
 
 
-def logits_f32(hidden_UxD, lm_head_DxV):
-  """Float32 logits; bf16 inputs stay bf16 in the matmul but accumulate in float32."""
-  return jnp.matmul(hidden_UxD, lm_head_DxV, preferred_element_type=jnp.float32)
+def logits_f32(hidden_UxD, lm_head_VxD):
+  """Float32 logits hidden · lm_headᵀ (the head stored [V, D], as HF's); bf16 inputs stay bf16 in
+  the matmul but accumulate in float32."""
+  contract_d = (((1,), (1,)), ((), ()))
+  return jax.lax.dot_general(
+    hidden_UxD, lm_head_VxD, contract_d, preferred_element_type=jnp.float32
+  )
 
 
-def naive_logprobs_entropy(hidden_BxTxD, lm_head_DxV, tokens_BxT, tau):
+def naive_logprobs_entropy(hidden_BxTxD, lm_head_VxD, tokens_BxT, tau):
   """Reference version that materialises the full [B,T,V] logits (tests and benchmarks only)."""
   B, T, D = hidden_BxTxD.shape
-  logits_UxV = logits_f32(hidden_BxTxD.reshape(B * T, D), lm_head_DxV)
+  logits_UxV = logits_f32(hidden_BxTxD.reshape(B * T, D), lm_head_VxD)
   logp_U, entropy_U = logprobs_entropy_from_logits(logits_UxV, tokens_BxT.reshape(B * T), tau)
   return logp_U.reshape(B, T), entropy_U.reshape(B, T)
 
 
-def _map_token_chunks(row_fn, hidden_BxTxD, lm_head_DxV, tokens_BxT, tau, chunk_size):
+def _map_token_chunks(row_fn, hidden_BxTxD, lm_head_VxD, tokens_BxT, tau, chunk_size):
   """Apply ``row_fn(logits_UxV, tokens_U, tau) -> tuple of [U]`` chunk by chunk over the U = B·T tokens.
 
   Each chunk's logits exist only inside a ``jax.checkpoint``-ed function, so the backward pass
@@ -72,16 +76,16 @@ def _map_token_chunks(row_fn, hidden_BxTxD, lm_head_DxV, tokens_BxT, tau, chunk_
   def one_chunk(lm_head, tau, hidden_CxD, tokens_C):
     return row_fn(logits_f32(hidden_CxD, lm_head), tokens_C, tau)
 
-  outs_JxC = jax.lax.map(lambda xs: one_chunk(lm_head_DxV, tau, *xs), (hidden_JxCxD, tokens_JxC))
+  outs_JxC = jax.lax.map(lambda xs: one_chunk(lm_head_VxD, tau, *xs), (hidden_JxCxD, tokens_JxC))
   return tuple(o.reshape(J * C)[:U].reshape(B, T) for o in outs_JxC)
 
 
 def fused_logprobs_entropy(
-  hidden_BxTxD, lm_head_DxV, tokens_BxT, tau, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+  hidden_BxTxD, lm_head_VxD, tokens_BxT, tau, *, chunk_size: int = DEFAULT_CHUNK_SIZE
 ):
   """(log p(token), entropy) per token at τ, chunked over B·T tokens so no [B,T,V] buffer exists."""
   return _map_token_chunks(
-    logprobs_entropy_from_logits, hidden_BxTxD, lm_head_DxV, tokens_BxT, tau, chunk_size
+    logprobs_entropy_from_logits, hidden_BxTxD, lm_head_VxD, tokens_BxT, tau, chunk_size
   )
 
 
@@ -106,8 +110,8 @@ def logp_log1m_p_from_logits(logits_UxV, tokens_U, tau):
   return logp_U, jnp.where(small_U, log1m_small_U, others_lse_U - lse_U)
 
 
-def fused_log1m_p(hidden_BxTxD, lm_head_DxV, tokens_BxT, tau, *, chunk_size=DEFAULT_CHUNK_SIZE):
+def fused_log1m_p(hidden_BxTxD, lm_head_VxD, tokens_BxT, tau, *, chunk_size=DEFAULT_CHUNK_SIZE):
   """(log p, log(1 − p)) of each token at τ, chunked over B·T tokens so no [B,T,V] buffer exists."""
   return _map_token_chunks(
-    logp_log1m_p_from_logits, hidden_BxTxD, lm_head_DxV, tokens_BxT, tau, chunk_size
+    logp_log1m_p_from_logits, hidden_BxTxD, lm_head_VxD, tokens_BxT, tau, chunk_size
   )

@@ -2,7 +2,7 @@
 base model is.
 
 The model (``jaxrl.nn.model``, ``ModelConfig.lora_rank`` > 0) holds each adapter beside its kernel
-as ``<proj>_lora_a`` [in, r] and ``<proj>_lora_b`` [r, out] params, so every consumer of params
+as ``<proj>_lora_a`` [r, in] and ``<proj>_lora_b`` [out, r] params, so every consumer of params
 (the sampler, π_old rescoring, evaluation, sharding, layer scan) runs the adapted model with no
 change. What differs is only which leaves an update moves, named by ``Trainable``:
 
@@ -100,13 +100,14 @@ def adapter_pairs(params) -> list[tuple[tuple, object, object]]:
 
 def merged(params, alpha: float, rank: int):
   """The base-model params (no adapter leaves) whose function is the adapted model's: each
-  kernel W becomes W + (alpha / r) · A B in float32 (the other leaves keep their dtype). Float32,
-  because an update far below W's precision (a bfloat16 base) would round away: the writer casts."""
+  kernel W [out, in] becomes W + (alpha / r) · B A in float32 (the other leaves keep their
+  dtype). Float32, because an update far below W's precision (a bfloat16 base) would round away:
+  the writer casts."""
   flat = _flat(params)
   for kernel, a, b in adapter_pairs(params):
     w = flat[kernel]
     # matmul broadcasts a scanned model's leading [L] axis
-    delta = jnp.matmul(a[...].astype(jnp.float32), b[...].astype(jnp.float32)) * (alpha / rank)
+    delta = jnp.matmul(b[...].astype(jnp.float32), a[...].astype(jnp.float32)) * (alpha / rank)
     flat[kernel] = w.replace(w[...].astype(jnp.float32) + delta)
   base = {path: v for path, v in flat.items() if not _is_adapter(path)}
   return nnx.from_flat_state(base)

@@ -3,7 +3,7 @@ loading read.
 
 A directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` with, per adapted
 projection, ``base_model.model.<HF module>.lora_A.weight`` [r, in] and ``.lora_B.weight`` [out, r]
-(jaxrl stores A [in, r] and B [r, out]: both transposed, as HF kernels are). PEFT scales by
+(jaxrl's own layout, so they are copied as they are). PEFT scales by
 ``lora_alpha / r`` as jaxrl does, so the adapted function is the same.
 """
 
@@ -35,17 +35,14 @@ def _per_layer(kernel: tuple, leaf) -> Iterator[tuple[tuple, object, int | None]
 
 
 def adapter_tensors(params) -> Iterator[tuple[str, np.ndarray]]:
-  """(PEFT tensor name, float32 host array in PEFT layout) for every adapter matrix, one at a
+  """(PEFT tensor name, float32 host array) for every adapter matrix, one at a
   time (a multi-process run's adapters are gathered: a collective every process takes part in)."""
   for kernel, a, b in lora.adapter_pairs(params):
     for key, _, layer in _per_layer(tuple(kernel), a):
-      module = hf.hf_name(key)[0].removesuffix(".weight")
+      module = hf.hf_name(key).removesuffix(".weight")
       for suffix, leaf in (("lora_A", a), ("lora_B", b)):
         array = distributed.to_host(leaf[...] if layer is None else leaf[...][layer])
-        yield (
-          f"{_PEFT_PREFIX}{module}.{suffix}.weight",
-          np.ascontiguousarray(np.asarray(array, np.float32).T),
-        )
+        yield f"{_PEFT_PREFIX}{module}.{suffix}.weight", np.asarray(array, np.float32)
 
 
 def adapter_config(cfg: ModelConfig, base_model: str) -> dict:

@@ -26,7 +26,7 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
   "kv_heads": "tensor",
   "mlp": "tensor",
   "norm": None,
-  "lora": None,  # the rank r of a LoRA adapter (A [in, r], B [r, out]): small, never split
+  "lora": None,  # the rank r of a LoRA adapter (A [r, in], B [out, r]): small, never split
   "layers": None,  # the stacked layer axis of scan_layers: lax.scan slices it, so never split
   # Activations (``constrain``). Rows stay split over the data axes ("batch") and the hidden
   # dimension whole on every device: the FSDP weights are all-gathered one layer at a time.

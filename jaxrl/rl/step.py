@@ -31,7 +31,7 @@ class StepHparams:
 def response_hidden(
   graphdef, params, prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN, response_mask_RxN
 ):
-  """Hidden states that predict each response token, and the LM head: (hidden_RxNxD, lm_head_DxV).
+  """Hidden states that predict each response token, and the LM head: (hidden_RxNxD, lm_head_VxD).
 
   One forward over prompt ++ response; the hidden state at position p predicts token p+1, so the
   response tokens are predicted by hidden states P-1 .. P+N-2.

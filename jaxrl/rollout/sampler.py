@@ -171,7 +171,7 @@ def _prefill(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, *, row
   cache = model.init_cache(
     model_cfg, prompt_ids_BxP.shape[0], prompt_ids_BxP.shape[1], jnp.dtype(model_cfg.dtype)
   )
-  hidden_BxPxD, lm_head_DxV, cache = model.forward(
+  hidden_BxPxD, lm_head_VxD, cache = model.forward(
     graphdef,
     params,
     prompt_ids_BxP,
@@ -181,7 +181,7 @@ def _prefill(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, *, row
     0,
   )
   # Token 0 comes from the prefill's last slot (P-1 holds every row's last prompt token).
-  logits_BxV = logits_f32(hidden_BxPxD[:, -1], lm_head_DxV)
+  logits_BxV = logits_f32(hidden_BxPxD[:, -1], lm_head_VxD)
   logits_RxV = kv_cache.repeat_by_counts(logits_BxV, counts_B, rows)
   return cache.repeat_rows(counts_B, rows), logits_RxV
 

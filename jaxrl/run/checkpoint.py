@@ -3,6 +3,10 @@ keep-last-k. One checkpoint holds everything a resumed run needs: the train stat
 statistics, controller states, and JSON metadata (data cursor, config, evaluation so far).
 RNG needs no state: every key is ``fold_in(seed, step)``.
 
+Every checkpoint records how its params are laid out (``model.PARAM_LAYOUT``) and a restore of
+another layout fails by name (``StaleLayout``): restored as it is, a square kernel written [in, out]
+would fit an [out, in] slot, and the run would go on with a transposed model.
+
 Every call into orbax that may wait for a write (save, wait, close) runs on one helper thread and
 is waited for at most ``settle_timeout`` seconds: on a dead disk or a stalled log sink orbax's
 threads can block forever, and a trainer that hangs is worse than one that says so. A write that
@@ -25,6 +29,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import jax
 import orbax.checkpoint as ocp
 
+from jaxrl.nn import model
+
 log = logging.getLogger(__name__)
 
 # Seconds any one wait on an orbax write may take (the train state of a 7B model writes in a few
@@ -38,6 +44,7 @@ _abandoned: list[Future] = []  # calls into orbax given up on
 # left a half-deleted directory that still looked like a checkpoint (seen once in the kill/resume
 # test with both cores loaded: step 1 present, its metadata gone).
 TRASH = "deleted"
+LAYOUT = "param_layout"  # the metadata key of ``model.PARAM_LAYOUT`` (the Checkpointer's own)
 
 
 def unsettled() -> bool:
@@ -90,6 +97,10 @@ def _brief(error: Exception) -> str:
   return f"{type(error).__name__}: {text[:300]}"
 
 
+class StaleLayout(ValueError):
+  """A checkpoint whose params are laid out otherwise than this jaxrl lays them out."""
+
+
 class CheckpointError(RuntimeError):
   """The last checkpoint write failed; ``latest_step`` is the newest one that is complete."""
 
@@ -139,6 +150,7 @@ class Checkpointer:
     self._settle()
     if self._blocked(step):
       return False
+    meta = {**meta, LAYOUT: model.PARAM_LAYOUT}
     args = ocp.args.Composite(tree=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta))
     # The synchronous part (device-to-host copies, directories; the whole write when not async)
     # may block on the disk too.
@@ -218,6 +230,7 @@ class Checkpointer:
 
   def restore(self, step: int, abstract_tree):
     """(tree, meta) restored into the structure, dtypes and shardings of ``abstract_tree``."""
+    self._check_layout(step)
     target = jax.tree.map(
       lambda x: ocp.utils.to_shape_dtype_struct(x) if hasattr(x, "shape") else x, abstract_tree
     )
@@ -225,12 +238,25 @@ class Checkpointer:
       step,
       args=ocp.args.Composite(tree=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
     )
-    return out["tree"], out["meta"]
+    return out["tree"], _without_layout(out["meta"])
+
+  def _raw_meta(self, step: int) -> dict:
+    return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
   def restore_meta(self, step: int) -> dict:
     """Only the JSON metadata of checkpoint ``step`` (what the array tree's shapes depend on)."""
-    out = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-    return out["meta"]
+    return _without_layout(self._raw_meta(step))
+
+  def _check_layout(self, step: int) -> None:
+    """Raise ``StaleLayout`` unless checkpoint ``step``'s params have this jaxrl's layout (one
+    written before layouts were recorded has ``model.LEGACY_PARAM_LAYOUT``)."""
+    layout = self._raw_meta(step).get(LAYOUT, model.LEGACY_PARAM_LAYOUT)
+    if layout != model.PARAM_LAYOUT:
+      raise StaleLayout(
+        f"{self.directory}: checkpoint {step} holds params laid out as {layout!r}, this jaxrl "
+        f"lays them out as {model.PARAM_LAYOUT!r}: resume it with the jaxrl that wrote it (or "
+        "export it to HF there: an HF checkpoint loads in both), or start in a new --workdir"
+      )
 
   def restore_params(self, step: int, abstract_params):
     """Only the train state's params (e.g. for evaluation), restored onto ``abstract_params``'
@@ -239,6 +265,7 @@ class Checkpointer:
 
   def restore_part(self, step: int, target):
     """A sub-tree of checkpoint ``step`` (same keys, any subset), onto ``target``'s shardings."""
+    self._check_layout(step)
     restore_args = jax.tree.map(
       lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype), target
     )
@@ -264,3 +291,7 @@ class Checkpointer:
     self._orbax.stop()
     if error is not None:
       log.warning("closing the checkpoint manager: %s", _brief(error))
+
+
+def _without_layout(meta: dict) -> dict:
+  return {k: v for k, v in meta.items() if k != LAYOUT}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 
 import numpy as np
@@ -15,7 +16,7 @@ from jaxrl.nn import lora
 from jaxrl.parallel import distributed, sharding
 from jaxrl.rl import optim
 from jaxrl.rl.programs import Programs
-from jaxrl.run.checkpoint import Checkpointer
+from jaxrl.run.checkpoint import Checkpointer, StaleLayout
 
 log = logging.getLogger(__name__)
 CACHE = "sft"  # the warm start's checkpoint directory in the run's workdir
@@ -72,16 +73,27 @@ def warm_start(
 
 def load_cached(workdir: str, like):
   """(params, meta) of the warm start cached in ``workdir/sft`` onto ``like``'s structure and
-  shardings (a LoRA model's adapters: ``like``'s), or None when there is none."""
+  shardings (a LoRA model's adapters: ``like``'s), or None when there is none (or only one of
+  another params layout: a cache, so it is removed and the warm start runs again)."""
   base, adapters = lora.partition(like, "base")
-  ckpt = Checkpointer(os.path.join(workdir, CACHE), keep=1, async_save=False)
+  directory = os.path.join(workdir, CACHE)
+  ckpt = Checkpointer(directory, keep=1, async_save=False)
+  stale = None
   try:
     step = ckpt.latest_step()
     if step is None:
       return None
     tree, meta = ckpt.restore(step, {"params": base})
+  except StaleLayout as e:
+    stale = e
   finally:
     ckpt.close()
+  if stale is not None:
+    log.warning("%s; the SFT warm start runs again", stale)
+    if distributed.is_main():
+      shutil.rmtree(directory)
+    distributed.barrier("sft-cache-removed")
+    return None
   log.info("SFT warm start loaded from %s (%d steps)", ckpt.directory, step)
   return lora.combine(tree["params"], adapters), meta
 
