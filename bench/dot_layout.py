@@ -5,8 +5,8 @@ alone: a jitted loop over ``--layers`` weights of [K, N] (by default 12 × 4 MB,
 L3 cache holds, as a model's weights are), each applied to the same M rows, for two layouts of
 the same weights:
 
-- ``kn``: W stored [K, N] (jaxrl's kernels, ``model.dense``: x @ W);
-- ``nk``: W stored [N, K] (torch's ``Linear`` and HF checkpoints: x @ Wᵀ).
+- ``kn``: W stored [K, N] (x @ W; jaxrl's kernels until this benchmark moved them);
+- ``nk``: W stored [N, K] (x @ Wᵀ: torch's ``Linear``, HF checkpoints, and ``model.dense`` now).
 
 The products and sums are the same; only the order in which the dot reads the weights differs.
 Both layouts are timed round-robin (medians of ``--repeats``); per row count the script prints
