@@ -108,7 +108,6 @@ def measure(args) -> dict:
     "points": points,
     "fit": {mode: _fit(points, mode) for mode in ("sampled", "greedy")},
     "machine": side_by_side.machine(),
-    "commit": side_by_side.code_version(),
   }
 
 
@@ -135,8 +134,7 @@ def main(argv=None):
   for mode, fit in result["fit"].items():
     if fit["fixed_ms"] is not None:
       print(f"  {mode}: a decode step ≈ {fit['fixed_ms']:.2f} ms + {fit['per_row_ms']:.4f} ms/row")
-  if args.out:
-    side_by_side.append_jsonl(args.out, result)
+  side_by_side.finish(result, args.out)
   print(json.dumps(result["fit"]))
 
 

@@ -119,8 +119,8 @@ def measure(args) -> dict:
     "layers": args.layers,
     "repeats": args.repeats,
     "points": points,
+    "ratio": points[0]["ratio"],  # the kn / nk time at the first row count
     "machine": side_by_side.machine(),
-    "commit": side_by_side.code_version(),
   }
 
 
@@ -132,10 +132,7 @@ def main(argv=None):
     f"median of {args.repeats}",
     flush=True,
   )
-  result = measure(args)
-  if args.out:
-    side_by_side.append_jsonl(args.out, result)
-  print(f"ratio {result['points'][0]['ratio']:.3f}")
+  side_by_side.finish(measure(args), args.out)
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ def hf_name(key: tuple) -> str:
     return f"model.{key[0]}.weight"
   if len(key) >= 3 and key[0] == "layers" and isinstance(key[1], int):
     module, leaf = ".".join(str(k) for k in key[:-1]), key[-1]
-    if leaf.endswith("_proj") or leaf.endswith("norm"):
+    if leaf.endswith(("_proj", "norm")):
       return f"model.{module}.{leaf}.weight"
     if leaf in ("q_bias", "k_bias", "v_bias"):
       return f"model.{module}.{leaf[0]}_proj.bias"
