@@ -11,9 +11,16 @@ full softmax, which HF ``generate`` does not compute.
 Each side runs in its own worker process, compiled or warmed up once, timed alternately
 (``side_by_side``). Prints new tokens/s of each, and as its last line ``ratio R`` (jaxrl / HF).
 
+``--devices N`` runs jaxrl's side on N host CPU devices (``--xla_force_host_platform_device_count``)
+with the params replicated on a ``data`` mesh of N, as the trainer's JAX engine runs on
+``--config.mesh.data=N``: the model's sharding constraints split the rows over the devices, each
+decoding its share (its own loop, its ops overlapping the other's). HF's side is unchanged (torch
+already runs every op on all cores).
+
     PYTHONPATH=. .venv/bin/python bench/sampler_vs_hf.py                    # 64 rows, vocab 2048
     PYTHONPATH=. .venv/bin/python bench/sampler_vs_hf.py --vocab 151936
     PYTHONPATH=. .venv/bin/python bench/sampler_vs_hf.py --rows 256 --side jaxrl   # one side only
+    PYTHONPATH=. .venv/bin/python bench/sampler_vs_hf.py --devices 2   # one CPU device per core
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ def parse_args(argv=None):
   parser.add_argument("--top-p", type=float, default=1.0)
   parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--warmup", type=int, default=1)
+  parser.add_argument("--devices", type=int, default=1, help="jaxrl's host CPU devices (data mesh)")
   parser.add_argument("--side", choices=SIDES, help="time one side only (no ratio)")
   parser.add_argument("--sequential", action="store_true", help="one worker at a time")
   parser.add_argument("--out", help="append the result as a JSON line to this file")
@@ -47,6 +55,8 @@ def parse_args(argv=None):
   args = parser.parse_args(argv)
   if args.rows % args.group:
     parser.error(f"--rows {args.rows} is not a multiple of --group {args.group}")
+  if args.devices < 1 or (args.rows // args.group) % args.devices:
+    parser.error(f"--devices {args.devices} must divide the {args.rows // args.group} prompts")
   return args
 
 
@@ -58,12 +68,18 @@ def _prompts(args, vocab):
 
 
 def _jaxrl_worker(args):
+  if args.devices > 1:  # before jax starts: the number of host devices is fixed at start-up
+    flag = f"--xla_force_host_platform_device_count={args.devices}"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
   import jax
   import numpy as np
 
+  from jaxrl.parallel import sharding
   from jaxrl.rollout import sampler
 
   cfg, graphdef, params = side_by_side.jaxrl_model(args.size, args.vocab)
+  if args.devices > 1:
+    params = jax.device_put(params, sharding.replicated(sharding.make_mesh(args.devices, 1, 1)))
   prompts_BxP = _prompts(args, cfg.vocab_size)
   B = prompts_BxP.shape[0]
   calls = iter(range(1 << 30))
@@ -130,6 +146,7 @@ def measure(args, argv) -> dict:
     "new_tokens": args.new_tokens,
     "top_p": args.top_p,
     "repeats": args.repeats,
+    "jaxrl_devices": args.devices,
     "machine": side_by_side.machine(),
   }
   for side in sides:
@@ -159,7 +176,7 @@ def main(argv=None):
   print(
     f"{args.size} (vocab {result['vocab']}): {args.rows} rows ({args.rows // args.group} prompts × "
     f"{args.group}), {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
-    f"top_p {args.top_p}, median of {args.repeats}"
+    f"top_p {args.top_p}, jaxrl on {args.devices} device(s), median of {args.repeats}"
   )
   for side in SIDES:
     if side in result:

@@ -11,7 +11,9 @@ The work per point: ``rows_at(size, length)`` rows of 32 prompt tokens and the r
 model so one 0.5B update fits beside torch's in 24 GiB and the sweep finishes in hours, not days;
 at 2,048 tokens a quarter of them (about the tokens per step of the 512 points: torch's eager
 attention keeps [rows, heads, T, T] probabilities per layer for its backward). The 0.5B points
-run one side at a time (``--sequential``: both workers do not fit at once).
+run one side at a time (``--sequential``: both workers do not fit at once). From 512 tokens on the
+0.5B train step recomputes each layer in its backward on both sides (``--remat full``; without it
+jaxrl's kept activations and torch's alike exceed 24 GiB).
 
     PYTHONPATH=. .venv/bin/python bench/scaling.py --sizes 5m 50m --lengths 128 512
     PYTHONPATH=. .venv/bin/python bench/scaling.py --report
@@ -32,17 +34,23 @@ ROWS = {"5m": 64, "50m": 16, "0.5b": 8}
 SIZES, LENGTHS = tuple(ROWS), (128, 512, 2048)
 BENCHES = ("train_step", "sampler")
 LONG = 2048  # from this length on, a quarter of ROWS
+REMAT_FROM = {"0.5b": 512}  # from this length on, the train step runs with --remat full
 
 
 def rows_at(size: str, length: int) -> int:
   return ROWS[size] if length < LONG else max(1, ROWS[size] // 4)
 
 
+def remat_at(size: str, length: int) -> str:
+  return "full" if length >= REMAT_FROM.get(size, float("inf")) else "none"
+
+
 def _argv(bench: str, size: str, length: int, repeats: int) -> list[str]:
   rows = rows_at(size, length)
   common = ["--size", size, "--rows", str(rows), "--prompt-len", "32", "--repeats", str(repeats)]
   if bench == "train_step":
-    return ["train_step_vs_torch.py", *common, "--response-len", str(length)]
+    remat = ["--remat", remat_at(size, length)]
+    return ["train_step_vs_torch.py", *common, "--response-len", str(length), *remat]
   # the sampler's prompts come in groups of 8: at least one prompt
   return ["sampler_vs_hf.py", *common, "--new-tokens", str(length), "--group", str(min(8, rows))]
 
@@ -80,8 +88,10 @@ def _row(r: dict) -> str:
   j, p = r["jaxrl"], r["torch" if bench == "train_step" else "hf"]
   secs = "step_s_median" if bench == "train_step" else "s_median"
   rate = "tokens_per_s" if bench == "train_step" else "new_tokens_per_s"
+  remat = r.get("remat", "none") if bench == "train_step" else "-"  # older records: none
   return (
-    f"| {bench} | {size} | {r['rows']} | {length} | {r['repeats']} | {j[secs]:.2f} | "
+    f"| {bench} | {size} | {r['rows']} | {length} | {remat} | {r['repeats']} | "
+    f"{j[secs]:.2f} | "
     f"{p[secs]:.2f} | "
     f"{j[rate]:,.0f} | {p[rate]:,.0f} | **{r['ratio']:.2f}** | {j['peak_rss_gib']:.1f} | "
     f"{p['peak_rss_gib']:.1f} | {r.get('commit', 'before 6d50a55')} |"
@@ -100,12 +110,14 @@ def report() -> str:
     "sampler G = min(8, rows) per prompt, τ = 1, top_p = 1). Seconds are medians of alternating "
     "repeats (one side at a time at 0.5B), after each side's warm-up calls (the sampler's 1, the "
     "train step's 2); a point of 1 repeat is one timed call per side (long points, where 3 "
-    "repeats would take hours). Peak memory is each worker's peak RSS.",
+    "repeats would take hours). Remat `full`: the train step recomputes each layer in its "
+    "backward, on both sides (jaxrl `model.remat`, HF gradient checkpointing); `-`: the sampler. "
+    "Peak memory is each worker's peak RSS.",
     "Machine: " + (records[-1]["machine"] if records else "-") + ".",
     "",
-    "| bench | size | rows | response | repeats | jaxrl s | peer s | jaxrl tok/s | peer tok/s "
-    "| ratio | jaxrl GiB | peer GiB | commit |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "| bench | size | rows | response | remat | repeats | jaxrl s | peer s | jaxrl tok/s "
+    "| peer tok/s | ratio | jaxrl GiB | peer GiB | commit |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   lines += [_row(r) for r in sorted(records, key=lambda r: (SIZES.index(r["size"]), _key(r)))]
   missing = [

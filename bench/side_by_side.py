@@ -48,14 +48,15 @@ def machine() -> str:
   return f"{model}, {os.cpu_count()} cores, {vector}"
 
 
-def jaxrl_model(size: str, vocab: int | None = None):
-  """(ModelConfig, graphdef, params) of a ``MODEL_SIZES`` shape, vocabulary optionally replaced."""
+def jaxrl_model(size: str, vocab: int | None = None, remat: str = "none"):
+  """(ModelConfig, graphdef, params) of a ``MODEL_SIZES`` shape, vocabulary optionally replaced;
+  ``remat`` is ``ModelConfig.remat`` (how the layers run, not what they are)."""
   from jaxrl.nn import model
 
   d, layers, heads, kv, e, f, v = MODEL_SIZES[size]
   cfg = model.ModelConfig(
     vocab_size=vocab or v, hidden_size=d, intermediate_size=f, num_layers=layers,
-    num_heads=heads, num_kv_heads=kv, head_dim=e,
+    num_heads=heads, num_kv_heads=kv, head_dim=e, remat=remat,
   )  # fmt: skip
   graphdef, params = model.create(cfg, 0)
   return cfg, graphdef, params

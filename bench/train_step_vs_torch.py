@@ -12,9 +12,14 @@ the ratio jaxrl / torch, achieved GFLOP/s (6·N·tokens, N = all params as the i
 attention's T² FLOPs are not credited) against the machine's measured float32 matmul peak of each
 library (2048³, median), and each worker's peak resident memory. At the 0.5B shape both sides do
 not fit in 24 GiB at once: ``--sequential`` (the default there) runs one worker, then the other.
+``--remat full`` recomputes each layer in the backward on both sides (jaxrl ``model.remat=full``;
+HF gradient checkpointing per decoder layer, non-reentrant, as TRL configures it): only the
+layers' inputs are kept, so the 0.5B step fits in 24 GiB at 512 and 2,048 tokens.
 
     PYTHONPATH=. .venv/bin/python bench/train_step_vs_torch.py --size 5m
     PYTHONPATH=. .venv/bin/python bench/train_step_vs_torch.py --size 0.5b --rows 8 --repeats 3
+    PYTHONPATH=. .venv/bin/python bench/train_step_vs_torch.py --size 0.5b --rows 8 \
+      --response-len 512 --remat full --repeats 1
 
 The last line printed is ``ratio R`` (jaxrl tokens/s / torch tokens/s). ``--out F`` appends the
 result as one JSON line. Run it with nothing else on the cores.
@@ -44,6 +49,9 @@ def parse_args(argv=None):
   parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--sequential", action="store_true", help="one worker at a time")
+  parser.add_argument(
+    "--remat", choices=("none", "full"), default="none", help="recompute each layer (both sides)"
+  )
   parser.add_argument("--out", help="append the result as a JSON line to this file")
   parser.add_argument("--worker", choices=("jaxrl", "torch"), help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -84,7 +92,7 @@ def _jaxrl_worker(args):
   from jaxrl.rl.programs import Programs
   from jaxrl.types import Rollouts
 
-  mcfg, graphdef, params = side_by_side.jaxrl_model(args.size)
+  mcfg, graphdef, params = side_by_side.jaxrl_model(args.size, remat=args.remat)
   vocab = mcfg.vocab_size
   n_params = model.num_params(params)
   mesh = sharding.make_mesh(1, 1, 1)
@@ -132,6 +140,8 @@ def _torch_worker(args):
 
   net = side_by_side.hf_model(args.size).train()
   net.config.use_cache = False
+  if args.remat == "full":
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
   vocab = net.config.vocab_size
   n_params = sum(p.numel() for p in net.parameters())
   opt = torch.optim.AdamW(net.parameters(), lr=1e-6, betas=(0.9, 0.99), weight_decay=0.0)
@@ -195,6 +205,7 @@ def measure(args, argv) -> dict:
     "response_len": args.response_len,
     "repeats": args.repeats,
     "sequential": args.sequential,
+    "remat": args.remat,
     "machine": side_by_side.machine(),
   }
   for side in SIDES:
@@ -227,7 +238,7 @@ def main(argv=None):
   j, t = result["jaxrl"], result["torch"]
   print(
     f"{args.size}: {args.rows} rows × ({args.prompt_len}+{args.response_len}) tokens, "
-    f"N = {j['n_params'] / 1e6:.2f}M params, median of {args.repeats}"
+    f"N = {j['n_params'] / 1e6:.2f}M params, remat {args.remat}, median of {args.repeats}"
   )
   for name, r in (("jaxrl", j), ("torch", t)):
     print(
