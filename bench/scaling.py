@@ -111,7 +111,7 @@ def report() -> str:
     "repeats (one side at a time at 0.5B), after each side's warm-up calls (the sampler's 1, the "
     "train step's 2); a point of 1 repeat is one timed call per side (long points, where 3 "
     "repeats would take hours). Remat `full`: the train step recomputes each layer in its "
-    "backward, on both sides (jaxrl `model.remat`, HF gradient checkpointing); `-`: the sampler. "
+    "backward, on both sides (jaxrl `model.remat`, HF activation checkpointing); `-`: the sampler. "
     "Peak memory is each worker's peak RSS.",
     "Machine: " + (records[-1]["machine"] if records else "-") + ".",
     "",

@@ -13,7 +13,7 @@ attention's T² FLOPs are not credited) against the machine's measured float32 m
 library (2048³, median), and each worker's peak resident memory. At the 0.5B shape both sides do
 not fit in 24 GiB at once: ``--sequential`` (the default there) runs one worker, then the other.
 ``--remat full`` recomputes each layer in the backward on both sides (jaxrl ``model.remat=full``;
-HF gradient checkpointing per decoder layer, non-reentrant, as TRL configures it): only the
+HF activation checkpointing per decoder layer, non-reentrant, as PyTorch recommends): only the
 layers' inputs are kept, so the 0.5B step fits in 24 GiB at 512 and 2,048 tokens.
 
     PYTHONPATH=. .venv/bin/python bench/train_step_vs_torch.py --size 5m
@@ -141,7 +141,7 @@ def _torch_worker(args):
   net = side_by_side.hf_model(args.size).train()
   net.config.use_cache = False
   if args.remat == "full":
-    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
   vocab = net.config.vocab_size
   n_params = sum(p.numel() for p in net.parameters())
   opt = torch.optim.AdamW(net.parameters(), lr=1e-6, betas=(0.9, 0.99), weight_decay=0.0)
