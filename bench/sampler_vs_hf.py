@@ -15,7 +15,8 @@ Each side runs in its own worker process, compiled or warmed up once, timed alte
 with the params replicated on a ``data`` mesh of N, as the trainer's JAX engine runs on
 ``--config.mesh.data=N``: the model's sharding constraints split the rows over the devices, each
 decoding its share (its own loop, its ops overlapping the other's). HF's side is unchanged (torch
-already runs every op on all cores).
+already runs every op on all cores). On the AVX2 machines two devices ran ~1.3x faster alone but
+gave no reliable gain beside HF's worker (``results/peers.md``, seventh session).
 
     PYTHONPATH=. .venv/bin/python bench/sampler_vs_hf.py                    # 64 rows, vocab 2048
     PYTHONPATH=. .venv/bin/python bench/sampler_vs_hf.py --vocab 151936

@@ -13,7 +13,7 @@ at 2,048 tokens a quarter of them (about the tokens per step of the 512 points: 
 attention keeps [rows, heads, T, T] probabilities per layer for its backward). The 0.5B points
 run one side at a time (``--sequential``: both workers do not fit at once). From 512 tokens on the
 0.5B train step recomputes each layer in its backward on both sides (``--remat full``; without it
-jaxrl's kept activations and torch's alike exceed 24 GiB).
+the 512-token step did not fit in 24 GiB).
 
     PYTHONPATH=. .venv/bin/python bench/scaling.py --sizes 5m 50m --lengths 128 512
     PYTHONPATH=. .venv/bin/python bench/scaling.py --report
@@ -91,8 +91,7 @@ def _row(r: dict) -> str:
   remat = r.get("remat", "none") if bench == "train_step" else "-"  # older records: none
   return (
     f"| {bench} | {size} | {r['rows']} | {length} | {remat} | {r['repeats']} | "
-    f"{j[secs]:.2f} | "
-    f"{p[secs]:.2f} | "
+    f"{j[secs]:.2f} | {p[secs]:.2f} | "
     f"{j[rate]:,.0f} | {p[rate]:,.0f} | **{r['ratio']:.2f}** | {j['peak_rss_gib']:.1f} | "
     f"{p['peak_rss_gib']:.1f} | {r.get('commit', 'before 6d50a55')} |"
   )
