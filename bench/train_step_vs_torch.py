@@ -13,8 +13,10 @@ attention's T² FLOPs are not credited) against the machine's measured float32 m
 library (2048³, median), and each worker's peak resident memory. At the 0.5B shape both sides do
 not fit in 24 GiB at once: ``--sequential`` (the default there) runs one worker, then the other.
 ``--remat full`` recomputes each layer in the backward on both sides (jaxrl ``model.remat=full``;
-HF activation checkpointing per decoder layer, non-reentrant, as PyTorch recommends): only the
-layers' inputs are kept, so the 0.5B step fits in 24 GiB at 512 and 2,048 tokens.
+HF activation checkpointing per decoder layer, non-reentrant, as PyTorch recommends), so the 0.5B
+step fits in 24 GiB at 512 and 2,048 tokens. jaxrl's layers stay unrolled here (loop mode), where
+XLA CPU keeps the recomputed layers' buffers live together (``results/peers.md``, seventh session:
+temp 13.5 GiB at 0.5B, 8 × 544 tokens, against 6.1 GiB with ``scan_layers``).
 
     PYTHONPATH=. .venv/bin/python bench/train_step_vs_torch.py --size 5m
     PYTHONPATH=. .venv/bin/python bench/train_step_vs_torch.py --size 0.5b --rows 8 --repeats 3
