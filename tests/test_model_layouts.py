@@ -24,8 +24,11 @@ from jaxpr_helpers import contains_primitive
 from run_helpers import rollouts
 
 from jaxrl.nn import model
+from jaxrl.parallel import sharding
 from jaxrl.rl import losses, step
+from jaxrl.rl.programs import Programs
 from jaxrl.rollout import sampler
+from jaxrl.types import Rollouts
 
 # Qwen2-like (q/k/v biases), GQA, 3 layers so a wrong layer order or index shows.
 LOOP = model.ModelConfig(
@@ -243,6 +246,53 @@ def test_remat_gives_the_same_loss_and_grads(models, layout):
   for remat in ("full", "dots"):
     assert float(results[remat][0]) == pytest.approx(float(loss), rel=1e-6)
     _assert_trees_close(results[remat][1], grads, GRAD_RTOL)
+
+
+# Activations outweigh the weights here (8 rows × 288 tokens × FFN 512 per layer), so a remat
+# that keeps only each layer's input shows in the compiled update's temporaries.
+_WIDE = dataclasses.replace(LOOP, hidden_size=64, intermediate_size=512, num_layers=4, head_dim=16)
+
+
+def _update_temp_bytes(cfg) -> int:
+  """XLA's temp bytes of the run's GRPO update (``Programs.update``), compiled on abstract
+  inputs: 8 rows × (32 + 256) tokens."""
+  graphdef, params = model.abstract(cfg)
+  programs = Programs(graphdef, params, sharding.make_mesh(1, 1, 1), optax.adamw(1e-3))
+  rows, p, n = 8, 32, 256
+  f32, i32, bool_ = jnp.float32, jnp.int32, jnp.bool_
+  batch = Rollouts(
+    **{
+      name: jax.ShapeDtypeStruct({"R": (rows,), "RxP": (rows, p), "RxN": (rows, n)}[dims], dtype)
+      for name, dims, dtype in [
+        ("prompt_ids_RxP", "RxP", i32),
+        ("prompt_mask_RxP", "RxP", bool_),
+        ("tokens_RxN", "RxN", i32),
+        ("mask_RxN", "RxN", bool_),
+        ("behaviour_logp_RxN", "RxN", f32),
+        ("prox_logp_RxN", "RxN", f32),
+        ("entropy_RxN", "RxN", f32),
+        ("lengths_R", "R", i32),
+        ("group_ids_R", "R", i32),
+        ("finished_R", "R", bool_),
+        ("rewards_R", "R", f32),
+      ]
+    }
+  )
+  step_cfg = step.RLStepConfig(loss=losses.LossConfig(max_response_len=n), num_groups=1)
+  hp = step.StepHparams(loss=losses.LossHparams.create(), tau=jnp.float32(1.0))
+  state = jax.eval_shape(programs.init_state, params)
+  compiled = programs.update(step_cfg).lower(state, batch, hp, None).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_remat_shrinks_the_compiled_update(scan_layers):
+  """remat "full" keeps each layer's input, not its intermediates, in the program XLA runs: with
+  the layers unrolled too (XLA CPU's early barrier removal used to let CSE merge the recomputation
+  back into the forward, and remat then saved nothing)."""
+  base = dataclasses.replace(_WIDE, scan_layers=scan_layers)
+  temp = {r: _update_temp_bytes(dataclasses.replace(base, remat=r)) for r in ("none", "full")}
+  assert temp["full"] < 0.5 * temp["none"], temp
 
 
 def test_bfloat16_params_compute_like_their_float32_upcast(models):
