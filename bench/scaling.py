@@ -83,7 +83,7 @@ def sweep(sizes, lengths, benches, repeats: int) -> None:
           print(f"  {bench} {size} {length}: failed", flush=True)
 
 
-def _row(r: dict) -> str:
+def _row(r: dict, machines: list[str]) -> str:
   bench, size, length = _key(r)
   j, p = r["jaxrl"], r["torch" if bench == "train_step" else "hf"]
   secs = "step_s_median" if bench == "train_step" else "s_median"
@@ -93,13 +93,20 @@ def _row(r: dict) -> str:
     f"| {bench} | {size} | {r['rows']} | {length} | {remat} | {r['repeats']} | "
     f"{j[secs]:.2f} | {p[secs]:.2f} | "
     f"{j[rate]:,.0f} | {p[rate]:,.0f} | **{r['ratio']:.2f}** | {j['peak_rss_gib']:.1f} | "
-    f"{p['peak_rss_gib']:.1f} | {r.get('commit', 'before 6d50a55')} |"
+    f"{p['peak_rss_gib']:.1f} | {r.get('commit', 'before 6d50a55')} | "
+    f"{_machine_tag(machines, r['machine'])} |"
   )
+
+
+def _machine_tag(machines: list[str], machine: str) -> str:
+  """The row's machine as a letter of the report's list (a, b, ...)."""
+  return "abcdefghij"[machines.index(machine)]
 
 
 def report() -> str:
   records = _load()
   seen = {_key(r) for r in records}
+  machines = list(dict.fromkeys(r["machine"] for r in records))  # in order of first record
   lines = [
     "# Peer comparisons by model size and response length",
     "",
@@ -110,15 +117,20 @@ def report() -> str:
     "repeats (one side at a time at 0.5B), after each side's warm-up calls (the sampler's 1, the "
     "train step's 2); a point of 1 repeat is one timed call per side (long points, where 3 "
     "repeats would take hours). Remat `full`: the train step recomputes each layer in its "
-    "backward, on both sides (jaxrl `model.remat`, HF activation checkpointing); `-`: the sampler. "
+    "backward, on both sides (jaxrl `model.remat`, HF activation checkpointing; jaxrl's "
+    "recomputes from 9317a54 on: before, XLA CPU merged it back into the forward, so rows of "
+    "earlier commits ran jaxrl's step without recomputation); `-`: the sampler. "
     "Peak memory is each worker's peak RSS.",
-    "Machine: " + (records[-1]["machine"] if records else "-") + ".",
+    "Machines: "
+    + "; ".join(f"({_machine_tag(machines, m)}) {m}" for m in machines)
+    + " (ratios compare the two sides on one machine; seconds across machines do not compare).",
     "",
     "| bench | size | rows | response | remat | repeats | jaxrl s | peer s | jaxrl tok/s "
-    "| peer tok/s | ratio | jaxrl GiB | peer GiB | commit |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "| peer tok/s | ratio | jaxrl GiB | peer GiB | commit | machine |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
-  lines += [_row(r) for r in sorted(records, key=lambda r: (SIZES.index(r["size"]), _key(r)))]
+  ordered = sorted(records, key=lambda r: (SIZES.index(r["size"]), _key(r)))
+  lines += [_row(r, machines) for r in ordered]
   missing = [
     f"{b} {s} {n}" for s in SIZES for n in LENGTHS for b in BENCHES if (b, s, n) not in seen
   ]
