@@ -76,8 +76,12 @@ GOLDEN_STEP2 = {
 # instruction set, and the warm start's 60 Adam steps amplify those rounding differences (Adam's
 # update is ~sign(g) where g is tiny). Measured on the step pinned before: grad_norm 4.7364 on an
 # AVX-512 machine, 4.7537 on an AMD EPYC with AVX2 (3.7e-3 relative; entropy 3.8e-4, entropy_rollout
-# 4.7e-4). Everything else in the row (rewards, lengths, counts, the on-policy loss) is exact on
-# both. So these three catch gross changes only; the loss, sampler and optimizer maths are pinned
-# by the equivalence tests (test_losses, test_step, test_logprobs, test_sampler).
+# 4.7e-4). On the step pinned now, an Intel Xeon with AVX-512 and AMX gives grad_norm 2.9226
+# against the AVX2 pin's 2.8741 (1.7e-2 relative), entropy 6.7e-3, entropy_rollout 4.0e-3 (the
+# same values before and after the change that kept XLA's barriers on CPU, so the CPU's alone).
+# Everything else in the row (rewards, lengths, counts, the on-policy loss) is exact on all of
+# them. So these three catch gross changes only (the bound is 3× the largest spread measured); the
+# loss, sampler and optimizer maths are pinned by the equivalence tests (test_losses, test_step,
+# test_logprobs, test_sampler).
 DEPEND_ON_CPU = ("entropy", "entropy_rollout", "grad_norm")
-ACROSS_CPUS_REL = 1e-2
+ACROSS_CPUS_REL = 5e-2
