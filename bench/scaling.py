@@ -100,7 +100,7 @@ def _row(r: dict, machines: list[str]) -> str:
 
 def _machine_tag(machines: list[str], machine: str) -> str:
   """The row's machine as a letter of the report's list (a, b, ...)."""
-  return "abcdefghij"[machines.index(machine)]
+  return chr(ord("a") + machines.index(machine))
 
 
 def report() -> str:

@@ -28,7 +28,7 @@ from jaxrl.parallel import sharding
 from jaxrl.rl import losses, step
 from jaxrl.rl.programs import Programs
 from jaxrl.rollout import sampler
-from jaxrl.types import Rollouts
+from jaxrl.run import plan
 
 # Qwen2-like (q/k/v biases), GQA, 3 layers so a wrong layer order or index shows.
 LOOP = model.ModelConfig(
@@ -258,26 +258,8 @@ def _update_temp_bytes(cfg) -> int:
   inputs: 8 rows × (32 + 256) tokens."""
   graphdef, params = model.abstract(cfg)
   programs = Programs(graphdef, params, sharding.make_mesh(1, 1, 1), optax.adamw(1e-3))
-  rows, p, n = 8, 32, 256
-  f32, i32, bool_ = jnp.float32, jnp.int32, jnp.bool_
-  batch = Rollouts(
-    **{
-      name: jax.ShapeDtypeStruct({"R": (rows,), "RxP": (rows, p), "RxN": (rows, n)}[dims], dtype)
-      for name, dims, dtype in [
-        ("prompt_ids_RxP", "RxP", i32),
-        ("prompt_mask_RxP", "RxP", bool_),
-        ("tokens_RxN", "RxN", i32),
-        ("mask_RxN", "RxN", bool_),
-        ("behaviour_logp_RxN", "RxN", f32),
-        ("prox_logp_RxN", "RxN", f32),
-        ("entropy_RxN", "RxN", f32),
-        ("lengths_R", "R", i32),
-        ("group_ids_R", "R", i32),
-        ("finished_R", "R", bool_),
-        ("rewards_R", "R", f32),
-      ]
-    }
-  )
+  n = 256
+  batch = plan.abstract_rollouts(8, 32, n)
   step_cfg = step.RLStepConfig(loss=losses.LossConfig(max_response_len=n), num_groups=1)
   hp = step.StepHparams(loss=losses.LossHparams.create(), tau=jnp.float32(1.0))
   state = jax.eval_shape(programs.init_state, params)

@@ -336,7 +336,13 @@ def _shaped(tree, shardings):
 def abstract_batch(pc: Config, rows_sharding=None) -> Rollouts:
   """A step's rollouts with rewards as the loop hands them to the update (``shard_batch``'s
   shardings, or none = host arrays)."""
-  r, p, n = pc.num_rollouts, prompt_len(pc), pc.rollout.max_new_tokens
+  return abstract_rollouts(
+    pc.num_rollouts, prompt_len(pc), pc.rollout.max_new_tokens, rows_sharding
+  )
+
+
+def abstract_rollouts(r: int, p: int, n: int, rows_sharding=None) -> Rollouts:
+  """``Rollouts`` of ShapeDtypeStructs: r rows of p prompt and n response tokens."""
 
   def sds(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=rows_sharding)
