@@ -337,7 +337,8 @@ class EvalSection:
 
 @dataclasses.dataclass(frozen=True)
 class LogSection:
-  """Where metrics go besides metrics.jsonl: TensorBoard, W&B, the plot, the progress bar."""
+  """Where metrics go besides metrics.jsonl: TensorBoard, W&B, the plot, the progress bar; a
+  profile of chosen steps."""
 
   tensorboard: bool = True
   wandb: bool = False
@@ -348,9 +349,15 @@ class LogSection:
   # Peak TFLOP/s of one device for train_mfu; 0 = from the device kind (GPUs, TPUs: run/mfu.py),
   # and on CPU no train_mfu.
   peak_tflops: float = 0.0
+  # A jax.profiler trace of RL steps profile_from .. profile_from + profile_steps - 1 (1-based, as
+  # logged) in WORKDIR/profile: every program's ops, host and device (jaxrl/run/profiling.py).
+  profile_from: int = 0  # 0: no trace
+  profile_steps: int = 3
 
   def check(self) -> None:
     _need(self.samples_per_step >= 0, "log.samples_per_step", "must be >= 0")
+    _need(self.profile_from >= 0, "log.profile_from", "must be >= 0 (0: no trace)")
+    _need(self.profile_steps >= 1, "log.profile_steps", "must be >= 1")
     if self.wandb and importlib.util.find_spec("wandb") is None:
       raise ConfigError("log.wandb", "is on but wandb is not installed: pip install wandb")
 

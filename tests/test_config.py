@@ -57,6 +57,10 @@ def test_from_configdict_rejects_bad_values():
   cd.loss.micro_batches = 3
   with pytest.raises(ConfigError, match="loss.micro_batches"):
     from_configdict(cd)
+  cd = default_configdict()
+  cd.log.profile_steps = 0
+  with pytest.raises(ConfigError, match="log.profile_steps"):
+    from_configdict(cd)
 
 
 def test_default_config_is_valid_and_typed():

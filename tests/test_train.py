@@ -1,5 +1,8 @@
 """End-to-end checks of the loop on configs/tiny.py:test: exact resume, a golden step, artifacts."""
 
+import glob
+import gzip
+import json
 import os
 
 import numpy as np
@@ -27,7 +30,9 @@ def test_resume_continues_exactly(tmp_path):
 
 def test_run_writes_artifacts_and_golden_step(tmp_path):
   workdir = str(tmp_path / "run")
-  summary = Trainer(tiny_config(steps=3), workdir).run()
+  # Step 2 traced: a profile changes nothing the step computes (its metrics are pinned below).
+  config = tiny_config(steps=3, **{"log.profile_from": 2, "log.profile_steps": 1})
+  summary = Trainer(config, workdir).run()
   for name in (
     "metrics.jsonl",
     "run.png",
@@ -40,12 +45,24 @@ def test_run_writes_artifacts_and_golden_step(tmp_path):
   assert os.listdir(os.path.join(workdir, "tensorboard"))
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "3"))
   assert "pass@1 SFT" in summary.table
+  called, fusions = traced(workdir)
+  assert "rl_update" in called and fusions > 0, (called, fusions)
   rows = read_metrics(workdir)
   assert [r["step"] for r in rows] == [1, 2, 3]
   # Step 2 has mixed-reward groups (a real gradient) and follows an update: its metrics are pinned.
   for key, value in GOLDEN_STEP2.items():
     rel = ACROSS_CPUS_REL if key in DEPEND_ON_CPU else 1e-4
     assert rows[1][key] == pytest.approx(value, rel=rel, abs=1e-6), (key, rows[1][key], value)
+
+
+def traced(workdir) -> tuple[set[str], int]:
+  """The run's profile (``log.profile_from``): the jitted functions called while it ran, and how
+  many XLA fusions ran."""
+  (trace,) = glob.glob(os.path.join(workdir, "profile", "**", "*.trace.json.gz"), recursive=True)
+  with gzip.open(trace) as f:
+    names = [e.get("name", "") for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+  called = {n.removeprefix("PjitFunction(")[:-1] for n in names if n.startswith("PjitFunction(")}
+  return called, sum("fusion" in n for n in names)
 
 
 # Metrics of step 2 of configs/tiny.py:test (seed 0, CPU, jax 0.10.2), pinned on purpose: a change

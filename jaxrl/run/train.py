@@ -39,6 +39,7 @@ from jaxrl.run.loop import (
   save_loop,
 )
 from jaxrl.run.metrics import MetricsWriter, plot_run
+from jaxrl.run.profiling import StepProfiler
 from jaxrl.run.progress import Progress
 from jaxrl.run.stops import NonFiniteGuard, StopFlag, check_saved, stop_after_checkpoint
 from jaxrl.tasks.task import TaskData, load_task
@@ -184,10 +185,13 @@ class Trainer:
     start, loop = self._start(ctx, ckpt, sft_params)
     writer, stop = self._writer(start), StopFlag()
     nonfinite = NonFiniteGuard(c.optim.max_nonfinite_steps)
+    profiler = StepProfiler(self.workdir, c.log.profile_from, c.log.profile_steps)
     try:
       with self.progress.task("GRPO", c.steps, start) as advance:
         for i in range(start, c.steps):
+          profiler.before_step(i + 1)
           loop, row = rl_step(ctx, loop, i)
+          profiler.after_step(i + 1)
           nonfinite.check(row, i + 1)
           if c.eval.every and (i + 1) % c.eval.every == 0 and i + 1 < c.steps:
             for batch in loop.pending:  # the engine serves one caller: let the thread finish
@@ -201,6 +205,7 @@ class Trainer:
           if stop.requested:
             stop_after_checkpoint(ckpt, i + 1, stop.signal_name)
     finally:
+      profiler.close()
       if ctx.rollout_pool is not None:  # on an error, a batch in flight is abandoned
         ctx.rollout_pool.shutdown(wait=False, cancel_futures=True)
       stop.restore()
