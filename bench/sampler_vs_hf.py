@@ -11,12 +11,14 @@ full softmax, which HF ``generate`` does not compute.
 Each side runs in its own worker process, compiled or warmed up once, timed alternately
 (``side_by_side``). Prints new tokens/s of each, and as its last line ``ratio R`` (jaxrl / HF).
 
-``--devices N`` runs jaxrl's side on N host CPU devices (``--xla_force_host_platform_device_count``)
-with the params replicated on a ``data`` mesh of N, as the trainer's JAX engine runs on
-``--config.mesh.data=N``: the model's sharding constraints split the rows over the devices, each
-decoding its share (its own loop, its ops overlapping the other's). HF's side is unchanged (torch
-already runs every op on all cores). On the AVX2 machines two devices ran ~1.3x faster alone but
-gave no reliable gain beside HF's worker (``results/peers.md``, seventh session).
+``--devices N`` runs jaxrl's side on N host CPU devices (``jax_num_cpu_devices``)
+with the params replicated on a ``data`` mesh of N, as the trainer's JAX engine samples under
+``jaxrl-train --cpu_devices=N --config.mesh.data=N``: the model's sharding constraints split the
+rows over the devices, each decoding its share (its own loop, its ops overlapping the other's).
+HF's side is unchanged (torch already runs every op on all cores). On the AVX2 machines two
+devices ran ~1.3x faster alone but gave no reliable gain beside HF's worker; on an Intel Xeon with
+AVX-512 1.2-1.75x alone, ratios 2.50 and 2.72 beside HF (``results/peers.md``, seventh and ninth
+sessions). The embedded default's run is slower on two devices (its model is too small).
 
     PYTHONPATH=. .venv/bin/python bench/sampler_vs_hf.py                    # 64 rows, vocab 2048
     PYTHONPATH=. .venv/bin/python bench/sampler_vs_hf.py --vocab 151936
@@ -69,11 +71,12 @@ def _prompts(args, vocab):
 
 
 def _jaxrl_worker(args):
-  if args.devices > 1:  # before jax starts: the number of host devices is fixed at start-up
-    flag = f"--xla_force_host_platform_device_count={args.devices}"
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
   import jax
   import numpy as np
+
+  # before the backend starts: the number of host devices is fixed then (as jaxrl-train's
+  # --cpu_devices, ``distributed.initialize``)
+  jax.config.update("jax_num_cpu_devices", args.devices)
 
   from jaxrl.parallel import sharding
   from jaxrl.rollout import sampler
