@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import time
 
 import jax
@@ -22,6 +23,8 @@ from jaxrl import rng
 from jaxrl.rl.programs import ForgetConfig
 from jaxrl.rollout.eepo import two_stage_rollouts
 from jaxrl.types import Rollouts
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,19 +72,43 @@ class Batch:
 
 
 class InFlight:
-  """A batch being generated (a future); compared by identity."""
+  """A batch being generated (a future), or one a checkpoint recorded without its rollouts, to be
+  generated again (``deferred``); compared by identity."""
 
-  def __init__(self, issue: Issue, future: concurrent.futures.Future):
+  def __init__(self, issue: Issue, future: concurrent.futures.Future | None):
     self.issue, self._future = issue, future
 
+  @property
+  def deferred(self) -> bool:
+    """Recorded by a checkpoint before it was generated: the loop generates it again."""
+    return self._future is None
+
   def result(self) -> Batch:
+    if self._future is None:
+      raise RuntimeError(f"the batch of step {self.issue.step + 1} was never generated")
     return self._future.result()
+
+  def generated(self, wait: bool) -> Batch | None:
+    """The batch if it was generated (waiting for it when ``wait``); None if it is still running
+    and not waited for, deferred, or its generation failed (logged: the loop regenerates it)."""
+    if self._future is None or not (wait or self._future.done()):
+      return None
+    try:
+      return self._future.result()
+    except Exception as e:  # whatever failed, the batch is generated again, not lost
+      log.warning("the batch of step %d failed (%s: %s)", self.issue.step + 1, type(e).__name__, e)
+      return None
 
   @classmethod
   def done(cls, batch: Batch) -> InFlight:
     future = concurrent.futures.Future()
     future.set_result(batch)
     return cls(batch.issue, future)
+
+  @classmethod
+  def later(cls, issue: Issue) -> InFlight:
+    """A batch decided but not generated: ``rl_step`` generates it when it is next due."""
+    return cls(issue, None)
 
 
 def round_key(seed: int, step: int, round_index: int):

@@ -138,16 +138,44 @@ def _enter_due_phase(ctx: StepContext, loop: LoopState, i: int) -> LoopState:
 
 
 def _issue_due(ctx: StepContext, loop: LoopState, i: int) -> LoopState:
-  """Issue every batch due by step ``i``: up to step i + k (not past the run's last step), all
-  sampled by θ_i, the params step i starts from."""
+  """Issue every batch due by step ``i``: up to step i + k (not past the run's last step, nor past
+  the phase step i is in), all sampled by θ_i, the params step i starts from.
+
+  A phase boundary drains the pipeline: the next phase's first batch is issued at its own first
+  step. The loop's cursor, phase and allocation state are the issue side's; stopping there keeps
+  them the trained phase's while its steps run (dynamic sampling's extra rounds draw from its
+  mixture, E3's epoch ends re-rank its allocation state, which ``start_phase`` has not reset)."""
   last = max(i, min(i + ctx.cfg.rollout.max_staleness, ctx.cfg.steps - 1))
+  following = [p.start for p in ctx.phases if p.start > i]
+  if following:
+    last = min(last, following[0] - 1)
   params = None
-  while (j := loop.pending[-1].issue.step + 1 if loop.pending else i) <= last:
+
+  def sampling_params():
+    nonlocal params
     if params is None:
       params = loop.train.params
       if ctx.rollout_pool is not None:  # the update donates θ_i while the rollout thread reads it
         params = jax.tree.map(jnp.copy, params)
-    loop = _issue(ctx, loop, j, i, params)
+    return params
+
+  loop = _regenerate_deferred(ctx, loop, i, sampling_params)
+  while (j := loop.pending[-1].issue.step + 1 if loop.pending else i) <= last:
+    loop = _issue(ctx, loop, j, i, sampling_params())
+  return loop
+
+
+def _regenerate_deferred(ctx: StepContext, loop: LoopState, i: int, sampling_params) -> LoopState:
+  """Generate again the batches a checkpoint recorded without their rollouts (still running, or
+  failed, when it was written; always after the generated ones): their decisions (questions,
+  counts, τ) as issued, sampled by θ_i."""
+  deferred = [p.issue for p in loop.pending if p.deferred]
+  if not deferred:
+    return loop
+  loop = dataclasses.replace(loop, pending=tuple(p for p in loop.pending if not p.deferred))
+  for issue in deferred:
+    log.info("generating the batch of step %d again, by the params of step %d", issue.step + 1, i)
+    loop = _launch(ctx, loop, dataclasses.replace(issue, version=i), sampling_params())
   return loop
 
 
@@ -167,6 +195,11 @@ def _issue(ctx: StepContext, loop: LoopState, j: int, i: int, params) -> LoopSta
     tau=float(loop.policies.temperature.tau),
     epoch_ended=epoch_before if cursor.epoch(rt.mixture) != epoch_before else -1,
   )
+  return _launch(ctx, dataclasses.replace(loop, cursor=cursor), issue, params)
+
+
+def _launch(ctx: StepContext, loop: LoopState, issue: batches.Issue, params) -> LoopState:
+  """Start generating ``issue``'s batch (inline, or on the rollout thread) after those pending."""
   # EEPO's gate goes through the batches in issue order: each reads the state the last left.
   prev, gate = (loop.pending or (None,))[-1], loop.policies.gate
 
@@ -177,7 +210,7 @@ def _issue(ctx: StepContext, loop: LoopState, j: int, i: int, params) -> LoopSta
     flight = batches.InFlight.done(job())
   else:
     flight = batches.InFlight(issue, ctx.rollout_pool.submit(job))
-  return dataclasses.replace(loop, cursor=cursor, pending=loop.pending + (flight,))
+  return dataclasses.replace(loop, pending=loop.pending + (flight,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,11 +446,19 @@ def _kept(train: TrainState) -> TrainState:
   return dataclasses.replace(train, params=kept)
 
 
-def save_loop(ckpt: Checkpointer, step: int, loop: LoopState, mesh) -> bool:
+def save_loop(ckpt: Checkpointer, step: int, loop: LoopState, mesh, *, wait: bool = True) -> bool:
   """One checkpoint of the loop after ``step`` steps (asynchronous when the checkpointer is).
 
-  Batches in flight are waited for and saved generated: a resumed run trains on exactly them."""
-  done = [p.result() for p in loop.pending]
+  Batches in flight are saved generated (waited for when ``wait``): a resumed run trains on
+  exactly them. From the first one that is not (still running when not waited for, or failed),
+  the checkpoint records their decisions alone, and the resumed run generates them again by its
+  params (``_regenerate_deferred``): a batch's failure never costs the trained step."""
+  done: list[batches.Batch] = []
+  for p in loop.pending:
+    if (batch := p.generated(wait)) is None:
+      break
+    done.append(batch)
+  deferred = [p.issue.to_json() for p in loop.pending[len(done) :]]
   tree = {
     "state": _kept(loop.train),
     "stats": _replicated_global(loop.stats, mesh),
@@ -438,6 +479,8 @@ def save_loop(ckpt: Checkpointer, step: int, loop: LoopState, mesh) -> bool:
       }
       for b in done
     ]
+  if deferred:
+    meta["deferred"] = deferred
   return ckpt.save(step, tree, meta)
 
 
@@ -452,7 +495,8 @@ def restore_loop(
     "stats": jax.tree.map(lambda _: rep, like.stats),
     "policies": jax.tree.map(lambda _: rep, like.policies),
   }
-  saved = ckpt.restore_meta(step).get("pending", [])
+  saved_meta = ckpt.restore_meta(step)
+  saved = saved_meta.get("pending", [])
   if saved:
     tree["pending"] = [
       {
@@ -476,6 +520,8 @@ def restore_loop(
       )
     )
     for p, arrays in zip(saved, tree.get("pending", []))
+  ) + tuple(
+    batches.InFlight.later(batches.Issue.from_json(d)) for d in saved_meta.get("deferred", [])
   )
   cursor = MixtureCursor.from_json(meta["cursor"])
   train = _with_base(tree["state"], like.train, meta, ckpt.directory)

@@ -190,7 +190,11 @@ class Trainer:
       with self.progress.task("GRPO", c.steps, start) as advance:
         for i in range(start, c.steps):
           profiler.before_step(i + 1)
-          loop, row = rl_step(ctx, loop, i)
+          try:
+            loop, row = rl_step(ctx, loop, i)
+          except Exception:
+            _save_trained(ckpt, i, loop, self.mesh)
+            raise
           profiler.after_step(i + 1)
           nonfinite.check(row, i + 1)
           if c.eval.every and (i + 1) % c.eval.every == 0 and i + 1 < c.steps:
@@ -201,7 +205,8 @@ class Trainer:
           log.info("step %d/%d: %s", i + 1, c.steps, _step_line(row))
           advance(i + 1, c.steps, _progress_line(row))
           if (i + 1) % c.checkpoint.every == 0 or i + 1 == c.steps or stop.requested:
-            save_loop(ckpt, i + 1, loop, self.mesh)
+            # A stop does not wait for batches in flight: they are recorded, generated on resume.
+            save_loop(ckpt, i + 1, loop, self.mesh, wait=not stop.requested)
           if stop.requested:
             stop_after_checkpoint(ckpt, i + 1, stop.signal_name)
     finally:
@@ -318,6 +323,22 @@ class Trainer:
       )
     if self.cfg.log.plot and os.path.exists(os.path.join(self.workdir, "metrics.jsonl")):
       plot_run(os.path.join(self.workdir, "metrics.jsonl"), os.path.join(self.workdir, "run.png"))
+
+
+def _save_trained(ckpt: Checkpointer, step: int, loop: LoopState, mesh) -> None:
+  """After step ``step + 1`` failed: checkpoint the ``step`` steps trained since the last save,
+  when its update had not started (the train state it donates is intact): a failed rollout,
+  verifier or rescoring loses no trained step. One process only: a multi-process save is a
+  collective the other processes are not in."""
+  if step == 0 or ckpt.latest_step() == step or jax.process_count() > 1:
+    return
+  if any(x.is_deleted() for x in jax.tree.leaves(loop.train) if isinstance(x, jax.Array)):
+    log.error(
+      "step %d failed in its update: the steps since the last checkpoint are lost", step + 1
+    )
+    return
+  log.warning("step %d failed: checkpointing the %d steps trained before it", step + 1, step)
+  save_loop(ckpt, step, loop, mesh, wait=False)
 
 
 def _progress_line(row: dict) -> str:
