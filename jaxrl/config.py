@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
+import re
 import typing
 from typing import Any, Literal
 
@@ -33,7 +35,11 @@ OldLogpFrom = Literal["rollout", "policy"]
 class ConfigError(ValueError):
   """A broken config: ``field`` is the dotted path of the offending entry."""
 
-  def __init__(self, field: str, message: str):
+  def __init__(self, field: str, message: str | None = None):
+    if message is None:  # rebuilt from its text: ml_collections re-raises a config file's
+      super().__init__(field)  # errors as type(e)(text with the traceback)
+      self.field = ""
+      return
     super().__init__(f"config.{field}: {message}")
     self.field = field
 
@@ -41,6 +47,23 @@ class ConfigError(ValueError):
 def _need(ok: bool, field: str, message: str) -> None:
   if not ok:
     raise ConfigError(field, message)
+
+
+def _need_seconds(value: float, field: str) -> None:
+  """A timeout: a positive, finite number of seconds (an infinite wait never ends)."""
+  _need(0 < value < math.inf, field, f"must be a finite number of seconds > 0, got {value}")
+
+
+# The least address space a verifier worker may be given (reward.memory_limit_mb, its RLIMIT_AS).
+# Measured (CPython 3.11, x86-64, 2 cores): a worker that has imported the math verifier (sympy,
+# latex2sympy, numpy) and scored its warm-up pair peaks at 186 MiB of address space (VmPeak); under
+# a 160 MiB limit it dies while starting, under 192 MiB it starts and scores. numpy's OpenBLAS adds
+# ~40 MiB per thread it starts (one per core, up to 64), so hosts with more cores need more than
+# the 2-core figure. 512 MiB is ~2.7x that figure: room for other builds, a few more threads and
+# the sympy work of real answers; below it a worker would start on few hosts.
+MIN_REWARD_MEMORY_MB = 512
+# The hosts a launched vLLM server may listen on: its endpoints have no authentication.
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +171,11 @@ class DataSection:
 
   def check(self) -> None:
     _need(self.max_heldout >= 0, "data.max_heldout", "must be >= 0")
+    _need(
+      re.fullmatch(r"\w+(\.\w+)*", self.split) is not None,  # the datasets library's rule
+      "data.split",
+      f"{self.split!r} is not a split name (letters, digits, _ and .)",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,11 +185,17 @@ class RewardSection:
   fn: str = ""  # "" = the task's verifier; else "module:function"
   workers: int = 0  # 0 = min(8, CPUs)
   time_limit: float = 5.0  # seconds per answer; over it the answer scores 0 (counted)
-  memory_limit_mb: int = 4096
+  memory_limit_mb: int = 4096  # address space per worker (RLIMIT_AS); >= MIN_REWARD_MEMORY_MB
 
   def check(self) -> None:
     _need(self.workers >= 0, "reward.workers", "must be >= 0 (0 = min(8, CPUs))")
-    _need(self.time_limit > 0, "reward.time_limit", "must be > 0")
+    _need_seconds(self.time_limit, "reward.time_limit")
+    _need(
+      self.memory_limit_mb >= MIN_REWARD_MEMORY_MB,
+      "reward.memory_limit_mb",
+      f"must be >= {MIN_REWARD_MEMORY_MB} (MiB of address space per verifier worker; a worker "
+      f"needs about 200 MiB to start), got {self.memory_limit_mb}",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +208,18 @@ class SFTSection:
   warmup_steps: int = 30
   weight_decay: float = 0.0
   target_loss: float = 0.0  # > 0: stop once the loss (EMA) is below it
+
+  def check(self) -> None:
+    _need(
+      0 < self.learning_rate < math.inf,
+      "sft.learning_rate",
+      f"must be > 0 and finite, got {self.learning_rate}",
+    )
+    _need(
+      0 <= self.weight_decay < math.inf,
+      "sft.weight_decay",
+      f"must be >= 0 and finite, got {self.weight_decay}",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,6 +281,13 @@ class VllmSection:
 
   def check(self) -> None:
     _need(self.sync_every >= 1, "vllm.sync_every", "must be >= 1")
+    _need(self.max_num_seqs >= 1, "vllm.max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+    _need(
+      bool(self.urls) or self.host.lower() in LOOPBACK_HOSTS,
+      "vllm.host",
+      f"{self.host!r}: a launched server listens on loopback only ({', '.join(LOOPBACK_HOSTS)}): "
+      "its endpoints have no authentication (to use a server elsewhere, attach it with vllm.urls)",
+    )
     _need(
       all(p.replace("-", "", 1).isdigit() for p in self.cpus.split(",")) if self.cpus else True,
       "vllm.cpus",
@@ -245,11 +298,8 @@ class VllmSection:
       "vllm.retries",
       "retries and max_restarts must be >= 0",
     )
-    _need(
-      self.startup_timeout > 0 and self.request_timeout > 0,
-      "vllm.request_timeout",
-      "timeouts must be > 0",
-    )
+    _need_seconds(self.startup_timeout, "vllm.startup_timeout")
+    _need_seconds(self.request_timeout, "vllm.request_timeout")
     _need(
       0 <= self.port < 65536,
       "vllm.port",
@@ -275,6 +325,19 @@ class OptimSection:
 
   def check(self) -> None:
     _need(self.max_nonfinite_steps >= 1, "optim.max_nonfinite_steps", "must be >= 1")
+    _need(
+      0 < self.learning_rate < math.inf,
+      "optim.learning_rate",
+      f"must be > 0 and finite, got {self.learning_rate}",
+    )
+    for name in ("b1", "b2"):  # Adam's moment decay rates
+      value = getattr(self, name)
+      _need(0 <= value < 1, f"optim.{name}", f"must be in [0, 1), got {value}")
+    _need(
+      0 <= self.weight_decay < math.inf,
+      "optim.weight_decay",
+      f"must be >= 0 and finite, got {self.weight_decay}",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,6 +373,18 @@ class LossSection:
     _need(self.dual_clip == 0 or self.dual_clip > 1, "loss.dual_clip", "must be 0 (off) or > 1")
     _need(self.mini_batches >= 1, "loss.mini_batches", "must be >= 1")
     _need(self.micro_batches >= 1, "loss.micro_batches", "must be >= 1")
+    # The loss is pg + kl_coef * KL - entropy_coef * H (rl/losses.py): a KL penalty and an
+    # entropy bonus, so both coefficients are >= 0 (0 = off).
+    _need(
+      0 <= self.kl_coef < math.inf,
+      "loss.kl_coef",
+      f"must be >= 0 (the loss adds kl_coef * KL; 0 = off), got {self.kl_coef}",
+    )
+    _need(
+      0 <= self.entropy_coef < math.inf,
+      "loss.entropy_coef",
+      f"must be >= 0 (the loss subtracts entropy_coef * entropy; 0 = off), got {self.entropy_coef}",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,6 +408,13 @@ class EvalSection:
   temperature: float = 1.0
   ks: str = "1,8"
   every: int = 0  # 0 = only before and after training
+
+  def check(self) -> None:
+    _need(
+      0 < self.temperature < math.inf,
+      "eval.temperature",
+      f"must be > 0 and finite, got {self.temperature}",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,7 +457,7 @@ class CheckpointSection:
 
   def check(self) -> None:
     _need(self.every >= 1, "checkpoint.every", "must be >= 1")
-    _need(self.settle_timeout > 0, "checkpoint.settle_timeout", "must be > 0 (seconds)")
+    _need_seconds(self.settle_timeout, "checkpoint.settle_timeout")
     _need(self.keep >= 1, "checkpoint.keep", "must be >= 1")
 
 
@@ -572,6 +654,8 @@ def _check_type(path: str, value: Any, annotation: Any) -> Any:
     isinstance(value, hint) and not (hint is int and isinstance(value, bool))
   ):
     raise ConfigError(path, f"expected {hint.__name__}, got {type(value).__name__} {value!r}")
+  if hint is float and math.isnan(value):
+    raise ConfigError(path, "is NaN: expected a number")
   return value
 
 
@@ -599,7 +683,14 @@ def _build(cls, data: Any, prefix: str):
 def _validate(cfg: Config) -> None:
   """Each section's own checks (``Section.check``), then the checks that span sections."""
   _need(cfg.steps >= 0, "steps", f"must be >= 0, got {cfg.steps}")
+  _need(cfg.seed >= 0, "seed", f"must be >= 0, got {cfg.seed}")
   _need(cfg.batch_questions > 0, "batch_questions", "must be > 0")
+  _need(
+    cfg.rollout.max_staleness <= cfg.steps,
+    "rollout.max_staleness",
+    f"must be <= steps={cfg.steps} (no rollout can be older than the run), "
+    f"got {cfg.rollout.max_staleness}",
+  )
   for f in dataclasses.fields(cfg):
     section = getattr(cfg, f.name)
     if hasattr(section, "check"):

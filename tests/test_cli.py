@@ -72,6 +72,22 @@ def test_print_config_round_trips(tmp_path):
   assert from_configdict(cli.load_config(str(path))) == expected
 
 
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_a_json_config_with_a_non_finite_number_is_refused(tmp_path, constant):
+  from jaxrl.config import ConfigError
+
+  path = tmp_path / "config.json"
+  path.write_text('{"steps": 3, "optim": {"learning_rate": %s, "b1": 0.9}}' % constant)
+  with pytest.raises(ConfigError, match=f"optim.learning_rate: .*{constant}") as e:
+    cli.load_config(str(path))
+  assert e.value.field == "optim.learning_rate"
+  out = _command("jaxrl.main", f"--config={path}", f"--workdir={tmp_path}/run")
+  assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+  line = out.stderr.strip().splitlines()[-1]
+  assert "optim.learning_rate" in line and constant in line, line
+  assert not os.path.exists(tmp_path / "run")
+
+
 def _restored(run, step, abstract):
   ckpt = Checkpointer(os.path.join(run, "checkpoints"), keep=1, async_save=False)
   try:

@@ -1,5 +1,6 @@
 """Config errors fail before any compilation, with one line naming the field and exit code 2."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -36,6 +37,9 @@ def run_main(*flags, workdir):
     (["--config=configs/tiny.py:nosuchvariant"], "nosuchvariant"),
     (["--config=configs/missing.py"], "missing.py"),
     (["--config=tyni"], "no built-in config"),
+    (["--config=tiny:test", "--config.optim.learning_rate=0"], "optim.learning_rate"),
+    (["--config=tiny:test", "--config.vllm.host=0.0.0.0"], "vllm.host"),
+    (["--config=tiny:test", "--config.checkpoint.settle_timeout=inf"], "checkpoint.settle_timeout"),
   ],
 )
 def test_bad_config_exits_2_naming_the_field(tmp_path, flags, field):
@@ -84,3 +88,99 @@ def test_wandb_requested_but_not_installed_is_a_config_error(monkeypatch):
   cd.log.wandb = True
   with pytest.raises(ConfigError, match="log.wandb.*pip install wandb"):
     from_configdict(cd)
+
+
+# (overrides, the field the error names): each value is out of its field's range.
+BAD_VALUES = [
+  ({"optim.learning_rate": 0.0}, "optim.learning_rate"),
+  ({"optim.learning_rate": -1e-4}, "optim.learning_rate"),
+  ({"optim.learning_rate": float("inf")}, "optim.learning_rate"),
+  ({"optim.b1": 1.0}, "optim.b1"),
+  ({"optim.b1": -0.1}, "optim.b1"),
+  ({"optim.b2": 1.0}, "optim.b2"),
+  ({"optim.b2": float("nan")}, "optim.b2"),
+  ({"optim.weight_decay": -0.01}, "optim.weight_decay"),
+  ({"sft.weight_decay": -0.01}, "sft.weight_decay"),
+  ({"sft.learning_rate": 0.0}, "sft.learning_rate"),
+  ({"loss.kl_coef": -0.1}, "loss.kl_coef"),  # the loss adds kl_coef * KL: a penalty
+  ({"loss.entropy_coef": -0.01}, "loss.entropy_coef"),  # it subtracts entropy_coef * H: a bonus
+  ({"eval.temperature": 0.0}, "eval.temperature"),
+  ({"eval.temperature": -1.0}, "eval.temperature"),
+  ({"vllm.max_num_seqs": 0}, "vllm.max_num_seqs"),
+  ({"reward.memory_limit_mb": 0}, "reward.memory_limit_mb"),
+  ({"reward.memory_limit_mb": 128}, "reward.memory_limit_mb"),
+  ({"seed": -1}, "seed"),
+  ({"vllm.startup_timeout": float("inf")}, "vllm.startup_timeout"),
+  ({"vllm.request_timeout": float("inf")}, "vllm.request_timeout"),
+  ({"vllm.request_timeout": float("nan")}, "vllm.request_timeout"),
+  ({"checkpoint.settle_timeout": float("inf")}, "checkpoint.settle_timeout"),
+  ({"reward.time_limit": float("inf")}, "reward.time_limit"),
+  ({"steps": 3, "rollout.max_staleness": 4}, "rollout.max_staleness"),
+  ({"vllm.host": "0.0.0.0"}, "vllm.host"),
+  ({"vllm.host": "10.1.2.3"}, "vllm.host"),
+  ({"modulation.gamma": float("nan")}, "modulation.gamma"),  # NaN: never a setting
+  ({"data.split": "../train"}, "data.split"),
+]
+
+
+def _with(overrides: dict):
+  cd = default_configdict()
+  for dotted, value in overrides.items():
+    *sections, name = dotted.split(".")
+    node = cd
+    for section in sections:
+      node = node[section]
+    node[name] = value
+  return cd
+
+
+@pytest.mark.parametrize("overrides, field", BAD_VALUES, ids=[f for _, f in BAD_VALUES])
+def test_out_of_range_values_are_refused_naming_the_field(overrides, field):
+  with pytest.raises(ConfigError) as e:
+    from_configdict(_with(overrides))
+  assert e.value.field == field, e.value
+
+
+@pytest.mark.parametrize(
+  "overrides",
+  [
+    {"optim.b1": 0.0, "optim.b2": 0.0, "optim.weight_decay": 0.0},
+    {"loss.kl_coef": 0.0, "loss.entropy_coef": 0.0},
+    {"loss.kl_coef": 0.05, "loss.entropy_coef": 0.001},
+    {"steps": 3, "rollout.max_staleness": 3},
+    {"steps": 0, "rollout.max_staleness": 0},
+    {"vllm.host": "::1"},
+    {"vllm.host": "localhost"},
+    {"vllm.host": "0.0.0.0", "vllm.urls": "http://10.0.0.2:8000"},  # attached, not launched
+    {"reward.memory_limit_mb": 512},
+    {"clip.h_target": float("inf"), "eepo.alpha": float("inf")},  # only timeouts must be finite
+  ],
+)
+def test_edge_values_are_accepted(overrides):
+  from_configdict(_with(overrides))
+
+
+def _variant_args(module) -> list[str]:
+  """Every ARG a built-in config takes: each variant alone, and the combinations its get_config
+  documents (tiny: a preset, a size, anneal; the math configs: a method, lora, test)."""
+  variants = list(module.VARIANTS)
+  if hasattr(module, "PRESETS"):  # configs/tiny.py
+    groups = [(None, *module.PRESETS), (None, *module.SIZES), (None, *module.PHASES)]
+  else:  # configs/qwen*.py over jaxrl.paper_configs
+    from jaxrl import paper_configs
+
+    groups = [(None, *paper_configs.METHODS), *[(None, o) for o in paper_configs.OPTIONS]]
+  combos = {",".join(p for p in c if p) for c in itertools.product(*groups)}
+  return sorted(combos | set(variants))
+
+
+def test_every_builtin_config_and_variant_passes_the_checks():
+  from jaxrl.methods import registry
+  from jaxrl.run import cli
+
+  checked = 0
+  for name, path in cli.builtin_configs().items():
+    for arg in _variant_args(cli._load(path)):
+      registry.check(from_configdict(cli.load_config(f"{name}:{arg}")))
+      checked += 1
+  assert checked > 60, checked

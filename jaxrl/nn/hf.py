@@ -9,6 +9,9 @@ after their transfer, for loop and scanned (stacked [L, ...]) params alike: neve
 unless a device's block is one. A block that takes only some columns of HF's rows (e.g. an
 fsdp-split input dim) reads whole rows chunk by chunk: bounded memory, at the price of re-reading
 those rows (from the page cache) once per column block; tests/sharded_load_check.py measures it.
+What the files say is checked before it is used: a header's length against the file's size, each
+tensor's offsets against the file's data, and an index's shard names against its directory (a
+name with ``..`` or an absolute path is refused), each failure a ``ValueError`` naming the file.
 Export writes the same HF layout with numpy only (no torch), which both transformers and a vLLM
 sidecar's ``reload_weights`` read.
 
@@ -50,6 +53,10 @@ _SAFETENSORS_NAMES = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}
 # File rows are read in pieces of about this size when they cannot go straight into the block
 # (a column slice or a cast): host memory then holds the block plus one piece.
 _READ_CHUNK_BYTES = 8 * 2**20
+# The longest safetensors header read (the safetensors library's own limit); a checkpoint's is
+# kilobytes. A header length is also bounded by the file's size, so a corrupt or hostile length
+# is an error naming the file, never an allocation of that size.
+_MAX_HEADER_BYTES = 100_000_000
 
 
 def _is_var(x) -> bool:
@@ -96,25 +103,41 @@ class _SafetensorsFile:
     self.path = path
     self._fd = os.open(path, os.O_RDONLY)
     try:
-      (size,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
-      header = json.loads(os.pread(self._fd, size, 8))
-    except (struct.error, ValueError) as e:
+      file_bytes = os.fstat(self._fd).st_size
+      header, self._base = self._header(file_bytes)
+      self.tensors = {
+        name: _tensor_entry(path, name, info, file_bytes - self._base)
+        for name, info in header.items()
+      }
+    except BaseException:
       os.close(self._fd)
-      raise ValueError(f"{path}: not a safetensors file ({e})") from e
+      raise
+
+  def _header(self, file_bytes: int) -> tuple[dict, int]:
+    """The JSON header (without ``__metadata__``) and where the tensor data starts, the header's
+    length checked against the file's size before anything that long is read."""
+    path = self.path
+    if file_bytes < 8:
+      raise ValueError(f"{path}: not a safetensors file ({file_bytes} bytes, no header length)")
+    (size,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+    if size > file_bytes - 8:
+      raise ValueError(
+        f"{path}: not a safetensors file (a header of {size} bytes, but the file has "
+        f"{file_bytes} bytes)"
+      )
+    if size > _MAX_HEADER_BYTES:
+      raise ValueError(
+        f"{path}: not a safetensors file (a header of {size} bytes, over the format's limit of "
+        f"{_MAX_HEADER_BYTES})"
+      )
+    try:
+      header = json.loads(os.pread(self._fd, size, 8))
+    except ValueError as e:  # JSON or UTF-8
+      raise ValueError(f"{path}: not a safetensors file ({e})") from None
+    if not isinstance(header, dict):
+      raise ValueError(f"{path}: not a safetensors file (its header is not a JSON object)")
     header.pop("__metadata__", None)
-    self._base = 8 + size
-    self.tensors = {}
-    for name, info in header.items():
-      if info["dtype"] not in _SAFETENSORS_DTYPES:
-        raise ValueError(
-          f"{path}: tensor {name!r} has dtype {info['dtype']}, expected one of "
-          f"{sorted(_SAFETENSORS_DTYPES)}"
-        )
-      dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
-      shape, (begin, end) = tuple(info["shape"]), info["data_offsets"]
-      if end - begin != math.prod(shape) * dtype.itemsize:
-        raise ValueError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape}")
-      self.tensors[name] = (dtype, shape, begin)
+    return header, 8 + size
 
   def close(self):
     os.close(self._fd)
@@ -145,14 +168,64 @@ class _SafetensorsFile:
     return out
 
 
+def _tensor_entry(path, name: str, info, data_bytes: int) -> tuple[np.dtype, tuple, int]:
+  """(dtype, shape, data offset) of one header entry, checked: a known dtype, a shape of
+  non-negative ints, and data inside the file's ``data_bytes`` that fit the shape exactly."""
+  try:
+    dtype_name, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+  except (TypeError, KeyError, ValueError):
+    raise ValueError(
+      f"{path}: tensor {name!r} has no dtype, shape and data_offsets [begin, end]"
+    ) from None
+  if dtype_name not in _SAFETENSORS_DTYPES:
+    raise ValueError(
+      f"{path}: tensor {name!r} has dtype {dtype_name}, expected one of "
+      f"{sorted(_SAFETENSORS_DTYPES)}"
+    )
+  if not all(type(n) is int and n >= 0 for n in (*shape, begin, end)):
+    raise ValueError(f"{path}: tensor {name!r} has a shape or data_offsets that are not counts")
+  if not begin <= end <= data_bytes:
+    raise ValueError(
+      f"{path}: tensor {name!r} has data_offsets [{begin}, {end}] outside the file's "
+      f"{data_bytes} bytes of data"
+    )
+  dtype = np.dtype(_SAFETENSORS_DTYPES[dtype_name])
+  if end - begin != math.prod(shape) * dtype.itemsize:
+    raise ValueError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape}")
+  return dtype, shape, begin
+
+
+def _inside(name: str) -> bool:
+  """Whether a file name from an index stays in the index's directory: relative, no ``..``."""
+  parts = pathlib.PurePosixPath(name).parts
+  return bool(name) and not os.path.isabs(name) and ".." not in parts
+
+
+def _index_files(index: pathlib.Path) -> list[str]:
+  """The file names an index's ``weight_map`` lists, each checked to lie in its directory."""
+  try:
+    weight_map = json.loads(index.read_text()).get("weight_map")
+  except (ValueError, AttributeError) as e:
+    raise ValueError(f"{index}: not a JSON object with a weight_map ({e})") from None
+  if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+    raise ValueError(f"{index}: weight_map must map each tensor name to a file name")
+  names = sorted(set(weight_map.values()))
+  for name in names:
+    if not _inside(name):
+      raise ValueError(
+        f"{index}: weight_map names the file {name!r}, outside the checkpoint directory "
+        "(shards lie beside the index)"
+      )
+  return names
+
+
 def _tensor_files(path: pathlib.Path) -> list[pathlib.Path]:
   """The safetensors files of an HF directory (single file or every shard of an index)."""
   single, index = path / "model.safetensors", path / "model.safetensors.index.json"
   if single.exists():
     return [single]
   if index.exists():
-    weight_map = json.loads(index.read_text())["weight_map"]
-    return [path / f for f in sorted(set(weight_map.values()))]
+    return [path / f for f in _index_files(index)]
   raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
 
 

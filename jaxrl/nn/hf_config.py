@@ -143,7 +143,13 @@ def load_model_config(path, **execution) -> ModelConfig:
   config_file = pathlib.Path(path) / "config.json"
   if not config_file.exists():
     raise FileNotFoundError(f"{path}: no config.json")
-  return model_config_from_hf(json.loads(config_file.read_text()), **execution)
+  try:
+    config = json.loads(config_file.read_text())
+  except ValueError as e:  # JSON or UTF-8
+    raise ValueError(f"{config_file}: not valid JSON ({e})") from None
+  if not isinstance(config, dict):
+    raise ValueError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+  return model_config_from_hf(config, **execution)
 
 
 def _rope_parameters(cfg: ModelConfig) -> dict:

@@ -202,25 +202,37 @@ def _disk_rows(path: str, split: str) -> Iterator[tuple[int, object]]:
   return _batches_rows(data.with_format("arrow").iter(batch_size=_BATCH_ROWS))
 
 
-def _hub_parquet(path: str, split: str) -> list[str]:
-  """The parquet files of a hub download: ``data/<split>-*.parquet``, else all of them."""
-  files = sorted(
+def _split_of(path: str) -> str:
+  """The split a parquet file holds, by the Hub's file names: ``SPLIT-00000-of-00002.parquet``,
+  ``SPLIT.parquet`` (a split name has no ``-``)."""
+  return os.path.basename(path).removesuffix(".parquet").split("-")[0]
+
+
+def _parquet_files(path: str) -> list[str]:
+  return sorted(
     os.path.join(root, f)
     for root, _, names in os.walk(path)
     for f in names
     if f.endswith(".parquet")
   )
-  return [p for p in files if os.path.basename(p).startswith(split)] or files
+
+
+def _hub_parquet(path: str, split: str) -> list[str]:
+  """The parquet files of a directory laid out as a hub download: those of ``split`` (named
+  ``<split>-*.parquet`` or ``<split>.parquet``), else all of them."""
+  files = _parquet_files(path)
+  return [p for p in files if _split_of(p) == split] or files
 
 
 def _rows(path: str, split: str) -> tuple[Iterable[tuple[int, object]], str]:
   """(numbered rows, "line" or "row": what the numbers count) of any supported format."""
   if (hub_id := hub.dataset_id(path)) is not None:
-    directory, split = hub.dataset_snapshot(hub_id), hub_id.split or split
-    files = _hub_parquet(directory, "")
-    parquet = [f for f in files if os.path.basename(f).startswith(split)]
+    split = hub_id.split or hub.split_name(split, path)
+    directory = hub.dataset_snapshot(hub_id)
+    files = _parquet_files(directory)
+    parquet = [f for f in files if _split_of(f) == split]
     if not parquet:
-      found = sorted({os.path.basename(f).split("-")[0] for f in files}) or "no parquet files"
+      found = sorted({_split_of(f) for f in files}) or "no parquet files"
       raise ValueError(f"{path}: no {split!r} split in its snapshot {directory} (found: {found})")
     return _parquet_rows(parquet), "row"
   if not os.path.exists(path):
