@@ -53,3 +53,10 @@ def call_count(response: str, answer: str) -> float:
   global _calls
   _calls += 1
   return float(_calls)
+
+
+def raise_on_odd_length(response: str, answer: str) -> float:
+  """Exact match, but raises on a response of odd length: a verifier that fails on some outputs."""
+  if len(response.strip()) % 2:
+    raise ValueError(f"cannot score {response!r}")
+  return exact(response, answer)

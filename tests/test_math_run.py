@@ -68,7 +68,7 @@ def test_qwen7b_config_trains_two_steps_on_a_tiny_checkpoint(tiny):
   rows = read_metrics(str(work))
   assert [r["step"] for r in rows] == [1, 2]
   for r in rows:
-    assert np.isfinite(r["loss"]) and r["reward/timeouts"] == 0 and r["reward/errors"] == 0
+    assert np.isfinite(r["loss"]) and r["verify_timeouts"] == 0 and r["verify_errors"] == 0
   raw = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
   assert [r["compiles_update"] for r in raw] == [1, 1]  # compiled once
   assert "val/pass@1" in rows[0]  # eval.every = 1: validated after step 1

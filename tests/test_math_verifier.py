@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from jaxrl.tasks.rewards.math import MATH_REWARD, MAX_ANSWER_CHARS, WARM_UP, answer_window
+from jaxrl.tasks.rewards import pool as pool_module
 from jaxrl.tasks.rewards.pool import RewardFnError, VerifierPool, load_reward_fn
 
 CHAOS = "reward_fns:chaos"  # tests/reward_fns.py; tests/ is on sys.path under pytest
@@ -160,6 +161,7 @@ def test_many_hanging_answers_cost_one_batch_deadline():
     res = pool.score(responses, ["0.5", "3"] + ["5"] * n_hang)
     elapsed = time.monotonic() - start
     assert res.rewards_R.tolist() == [1.0, 1.0] + [0.0] * n_hang
+    assert res.scored.tolist() == [True, True] + [False] * n_hang  # out of the update
     assert res.timeouts + res.skipped == n_hang and res.timeouts >= 2 and res.errors == 0, res
     assert elapsed < 10 * limit, elapsed
     # The pool is whole again: a normal batch scores normally.
@@ -191,6 +193,7 @@ def test_signal_deaf_hang_is_killed_and_worker_replaced():
     )
     elapsed = time.monotonic() - start
     assert res.rewards_R.tolist() == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+    assert res.scored.tolist() == [True, False, True, False, False, True]
     assert (res.timeouts, res.errors, res.skipped) == (3, 0, 0), res
     assert pool.restarts == 2  # the two deaf hangs; the Python hang's worker lived on
     assert elapsed < 10 * LIMIT_S, elapsed
@@ -202,17 +205,19 @@ def test_crashes_and_bad_returns_are_errors():
   with VerifierPool(CHAOS, num_workers=2, time_limit_s=2.0, memory_limit_mb=1024) as pool:
     res = pool.score(["crash", "a", "exit", "b"], ["x", "a", "x", "b"])
     assert res.rewards_R.tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert res.scored.tolist() == [False, True, False, True]
     assert (res.timeouts, res.errors) == (0, 2) and "worker died" in res.first_error, res
     assert pool.restarts == 2
     res = pool.score(["raise", "string", "nan", "memory", "ok"], ["x", "x", "x", "x", "ok"])
     assert res.rewards_R.tolist() == [0.0, 0.0, 0.0, 0.0, 1.0]
+    assert res.scored.tolist() == [False] * 4 + [True]
     assert (res.timeouts, res.errors) == (0, 4), res
     assert res.first_error == "ValueError: bad response"
     assert res.metrics() == {
-      "reward/timeouts": 0.0,
-      "reward/errors": 4.0,
-      "reward/skipped": 0.0,
-      "reward/truncated": 0.0,
+      "verify_timeouts": 0.0,
+      "verify_errors": 4.0,
+      "verify_skipped": 0.0,
+      "verify_truncated": 0.0,
     }
 
 
@@ -359,3 +364,23 @@ def test_load_reward_fn(tmp_path, monkeypatch):
     load_reward_fn("reward_raises:fn")
   with pytest.raises(RewardFnError, match="has no attribute 'nope'"):
     VerifierPool("reward_fns:nope", num_workers=1)
+
+
+@pytest.mark.parametrize("deaths", [2, 10])
+def test_a_worker_that_dies_while_starting_is_retried_then_a_clear_error(
+  tmp_path, monkeypatch, deaths
+):
+  """Workers that die before saying ready are replaced, up to a bound in a row; past it, an error
+  that says so (a spec or memory limit that can never start a worker)."""
+  counter = tmp_path / "deaths"
+  counter.write_text(str(deaths))
+  monkeypatch.setenv("JAXRL_TEST_START_DEATHS", str(counter))
+  monkeypatch.setenv("JAXRL_TEST_PARENT", str(os.getpid()))
+  with VerifierPool("dies_at_start:exact", num_workers=1, time_limit_s=2.0) as pool:
+    if deaths <= pool_module._START_RETRIES:
+      res = pool.score(["a", "b"], ["a", "x"])
+      assert res.rewards_R.tolist() == [1.0, 0.0] and res.scored.all(), res
+      assert pool.restarts == deaths
+    else:
+      with pytest.raises(RuntimeError, match="died while starting 4 times in a row"):
+        pool.score(["a"], ["a"])

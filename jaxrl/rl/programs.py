@@ -39,8 +39,9 @@ def rl_step_config(cfg: Config) -> step.RLStepConfig:
   mod = cfg.modulation
   return step.RLStepConfig(
     loss=loss,
-    # dynamic sampling pads its trained groups with rows in a group of their own (index B)
-    num_groups=cfg.batch_questions + int(cfg.rollout.dynamic_sampling),
+    # Rows that belong to no question (an answer the verifier did not score, dynamic sampling's
+    # padding) are in a group of their own, index B: no tokens, advantage 0.
+    num_groups=cfg.batch_questions + 1,
     mini_batches=cfg.loss.mini_batches,
     micro_batches=cfg.loss.micro_batches,
     scale_by_std=cfg.loss.scale_by_std,

@@ -18,8 +18,11 @@ from jaxrl.types import Rollouts
 
 
 def informative_groups(rewards_R, group_ids_R, num_groups: int) -> np.ndarray:
-  """bool[num_groups]: the group has rollouts and their rewards are not all equal (§1)."""
+  """bool[num_groups]: the group has rollouts and their rewards are not all equal (§1); rows of
+  no group (ids ≥ num_groups: ``set_aside``) are left out."""
   rewards_R, group_ids_R = np.asarray(rewards_R, np.float64), np.asarray(group_ids_R)
+  kept_R = group_ids_R < num_groups
+  rewards_R, group_ids_R = rewards_R[kept_R], group_ids_R[kept_R]
   high = np.full(num_groups, -np.inf)
   low = np.full(num_groups, np.inf)
   np.maximum.at(high, group_ids_R, rewards_R)
@@ -83,6 +86,24 @@ _ZERO_ON_PAD = (
   "rewards_R",
   "finished_R",
 )
+
+
+def set_aside(rollouts: Rollouts, kept_R: np.ndarray, group: int) -> Rollouts:
+  """``rollouts`` with the rows not ``kept_R`` moved out of the update: in group ``group`` (B,
+  the group of no question), with no tokens and nothing of their own left (as padding rows)."""
+  kept_R = np.asarray(kept_R, bool)
+  if kept_R.all():
+    return rollouts
+  host = _host(rollouts)
+  out_R = ~kept_R
+  zeroed = {}
+  for f in _ZERO_ON_PAD:
+    if (v := getattr(host, f)) is not None:
+      v = v.copy()
+      v[out_R] = 0
+      zeroed[f] = v
+  group_ids_R = np.where(out_R, group, host.group_ids_R).astype(np.int32)
+  return dataclasses.replace(host, **zeroed, group_ids_R=group_ids_R)
 
 
 def _host(rollouts: Rollouts) -> Rollouts:

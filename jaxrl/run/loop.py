@@ -217,8 +217,9 @@ def _launch(ctx: StepContext, loop: LoopState, issue: batches.Issue, params) -> 
 class Arrival:
   """A taken batch, verified: the rows to train on and what the step learned about its data."""
 
-  rollouts: Rollouts  # trained rows, rewards set (dynamic sampling: padded to a fixed count)
-  real_rows: int  # rows before padding
+  # Trained rows, rewards set (dynamic sampling: padded to a fixed count); rows in group B (no
+  # question: padding, unscored answers) carry no tokens.
+  rollouts: Rollouts
   stats: QuestionStats  # every sampled group counted
   verified: dict  # the verifier's counters, summed over rounds
   epochs_ended: tuple[int, ...]
@@ -227,18 +228,23 @@ class Arrival:
   counts_B: np.ndarray  # ... and their allocated G
 
 
-def _verify(ctx: StepContext, qids_B, rollouts: Rollouts):
+def _verify(ctx: StepContext, qids_B, rollouts: Rollouts) -> tuple[Rollouts, dict]:
+  """The rollouts with their rewards, and the verifier's counters. Answers it did not score
+  (timed out, skipped at its deadline, crashed) are set aside: a reward of 0 there would train on
+  a verdict nobody gave. Their rows join the group of no question (index B), out of the update,
+  the statistics and the group's advantage; the rest of their group trains as a smaller group."""
   group_ids_R = np.asarray(rollouts.group_ids_R)
   verified = ctx.task.verify(ctx.task.decode(rollouts), ctx.task.train_answers[qids_B[group_ids_R]])
-  return verified.rewards_R, verified.metrics()
+  scored = dataclasses.replace(rollouts, rewards_R=np.asarray(verified.rewards_R, np.float32))
+  return dynamic.set_aside(scored, verified.scored, len(qids_B)), verified.metrics()
 
 
 def _arrive(ctx: StepContext, loop: LoopState, batch: batches.Batch, i: int):
   """Rewards and statistics of step ``i``'s batch (dynamic sampling: its further rounds, which
   advance the cursor); returns the loop with that cursor and the ``Arrival``."""
   issue = batch.issue
-  rewards_R, verified = _verify(ctx, issue.qids_B, batch.rollouts)
-  rounds = [(issue, dataclasses.replace(batch.rollouts, rewards_R=rewards_R))]
+  first, verified = _verify(ctx, issue.qids_B, batch.rollouts)
+  rounds = [(issue, first)]
   ended = (issue.epoch_ended,) if issue.epoch_ended >= 0 else ()
   if ctx.cfg.rollout.dynamic_sampling:
     loop, rounds, more, ended = _more_rounds(ctx, loop, batch, i, rounds, ended)
@@ -248,9 +254,8 @@ def _arrive(ctx: StepContext, loop: LoopState, batch: batches.Batch, i: int):
     stats = update_stats(stats, r_issue.qids_B, np.asarray(r_out.group_ids_R), r_out.rewards_R, i)
   if not ctx.cfg.rollout.dynamic_sampling:
     rollouts = rounds[0][1]
-    real = len(rollouts.group_ids_R)
     return loop, Arrival(
-      rollouts, real, stats, verified, ended, {}, np.asarray(issue.qids_B), issue.counts_B
+      rollouts, stats, verified, ended, {}, np.asarray(issue.qids_B), issue.counts_B
     )
   return loop, _dynamic_arrival(ctx, batch, rounds, stats, verified, ended)
 
@@ -291,10 +296,10 @@ def _more_rounds(ctx: StepContext, loop: LoopState, batch, i: int, rounds, ended
 
     # Through the rollout thread when there is one: the engine serves one caller at a time.
     out = (job() if ctx.rollout_pool is None else ctx.rollout_pool.submit(job).result()).rollouts
-    rewards_R, v = _verify(ctx, issue.qids_B, out)
+    out, v = _verify(ctx, issue.qids_B, out)
     verified = {k: verified.get(k, 0.0) + v[k] for k in v}
-    rounds.append((issue, dataclasses.replace(out, rewards_R=rewards_R)))
-    found += int(dynamic.informative_groups(rewards_R, out.group_ids_R, b).sum())
+    rounds.append((issue, out))
+    found += int(dynamic.informative_groups(out.rewards_R, out.group_ids_R, b).sum())
   return loop, rounds, verified, ended
 
 
@@ -323,11 +328,10 @@ def _dynamic_arrival(ctx: StepContext, batch, rounds, stats, verified, ended) ->
     dynamic_informative=float(informative),
     dynamic_fill=min(informative, b) / b,
   )
-  real = len(chosen.group_ids_R)
   padded = jax.tree.map(jnp.asarray, dynamic.pad_rows(chosen, rows, b))
   qids_B = np.concatenate([np.asarray(r.qids_B) for r, _ in rounds])[picks]
   counts_B = np.concatenate([np.asarray(r.counts_B) for r, _ in rounds])[picks]
-  return Arrival(padded, real, stats, verified, ended, metrics, qids_B, counts_B)
+  return Arrival(padded, stats, verified, ended, metrics, qids_B, counts_B)
 
 
 def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]:
@@ -365,7 +369,9 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
     policies = dataclasses.replace(
       policies, alloc=methods.on_epoch_end(policies.alloc, got.stats, epoch)
     )
-  real = jax.tree.map(lambda x: np.asarray(x)[: got.real_rows], rollouts)
+  # The rows of the step's questions (not padding, not set aside) are what its metrics describe.
+  in_group_R = np.asarray(rollouts.group_ids_R) < c.batch_questions
+  real = jax.tree.map(lambda x: np.asarray(x)[in_group_R], rollouts)
   record = records.step_record(
     update=update,
     rollouts=real,

@@ -12,6 +12,8 @@ def group_outcomes(rewards_R: np.ndarray, group_ids_R: np.ndarray, num_groups: i
   counts = np.bincount(group_ids_R, minlength=num_groups)
   correct = np.bincount(group_ids_R, weights=rewards_R > 0, minlength=num_groups)
   present = counts > 0
+  if not present.any():  # every answer set aside (the verifier scored none)
+    return dict(frac_all_correct=float("nan"), frac_all_wrong=float("nan"))
   return dict(
     frac_all_correct=float(np.mean((correct == counts)[present])),
     frac_all_wrong=float(np.mean((correct == 0)[present])),
@@ -62,17 +64,19 @@ def step_record(
   ``update``: the train step's metrics on the host; ``decisions``: ``decision_metrics``;
   ``times``: wall-clock (start, batch taken, update start, update done); ``context``: epoch,
   phase, shapes and compile counts; ``verified``: the verifier's counters; ``extra``: the batch's
-  generation (its seconds, EEPO's metrics, staleness, dynamic sampling's)."""
+  generation (its seconds, EEPO's metrics, staleness, dynamic sampling's). ``rollouts``: the rows
+  of the step's questions (NaN rewards when the verifier scored none of them)."""
+  rows = max(len(rewards_R), 1)
   mask = np.asarray(rollouts.mask_RxN)
   tokens = float(mask.sum())
   prompt_tokens = mask.shape[0] * rollouts.prompt_ids_RxP.shape[1]
   t0, t1, t2, t3 = times
   return dict(
     update,
-    reward=float(rewards_R.mean()),
-    pass_rate=float((rewards_R > 0).mean()),
+    reward=float(rewards_R.mean()) if len(rewards_R) else float("nan"),
+    pass_rate=float((rewards_R > 0).mean()) if len(rewards_R) else float("nan"),
     entropy_rollout=entropy,
-    response_len=tokens / len(rewards_R),
+    response_len=tokens / rows,
     **decisions,
     **allocation_metrics(counts_B),
     # the engine's rate while generating; the trainer's wait for the batch (0 when it was ready)

@@ -7,7 +7,9 @@ timer raises in Python code, and the worker lives on) and a hard one in the pare
 (``time_limit_s + kill_grace_s`` after dispatch: the worker is killed with SIGKILL and replaced).
 A batch also has a deadline, so many hanging answers cost about one limit, not one limit per
 answer and worker.
-Every answer that does not finish scores 0 and is counted in ``VerifyResult``.
+Every answer that does not finish (timed out, skipped at the deadline, the function raised or its
+worker died) is counted in ``VerifyResult`` and marked unscored (``scored_R``): the trainer leaves
+it out of the update rather than train on a reward the verifier never gave.
 
 Workers are fresh interpreters (``python -c``), talking to the parent over a socket pair: JAX in
 the parent is not fork-safe, and multiprocessing's spawn and forkserver children import the
@@ -49,6 +51,9 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S = 60.0
+# Workers in a row that may die while starting (a transient: the machine briefly out of memory or
+# processes) before the pool gives up: a spec or limit that cannot work fails every start.
+_START_RETRIES = 3
 _PR_SET_PDEATHSIG = 1
 # Run by a worker's interpreter: the parent's sys.path first (custom reward modules), then the loop.
 _BOOT = (
@@ -56,6 +61,9 @@ _BOOT = (
   "from jaxrl.tasks.rewards.pool import _worker_entry; _worker_entry()"
 )
 _MESSAGE_CHARS = 300
+# One BLAS/OpenMP thread per worker: the workers are the parallelism, and each thread OpenBLAS
+# starts at import reserves ~40 MiB of the worker's address-space limit (one per core otherwise).
+_WORKER_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
 
 
 class RewardFnError(ValueError):
@@ -100,8 +108,16 @@ class VerifyResult:
   skipped: int  # never started before the batch deadline
   truncated: int  # cut by the pool's ``prepare`` (math: the answer window; still scored)
   first_error: str | None = None  # the error of the lowest-index failed answer, for the log
+  scored_R: np.ndarray | None = None  # bool[R]: the function returned a reward; None = all
 
-  def metrics(self, prefix: str = "reward/") -> dict[str, float]:
+  @property
+  def scored(self) -> np.ndarray:
+    """bool[R]: which answers have a reward from the function (timeouts, errors, skips do not)."""
+    if self.scored_R is None:
+      return np.ones(len(self.rewards_R), bool)
+    return np.asarray(self.scored_R, bool)
+
+  def metrics(self, prefix: str = "verify_") -> dict[str, float]:
     """The counters as floats, for the metrics writer."""
     return {
       prefix + k: float(getattr(self, k)) for k in ("timeouts", "errors", "skipped", "truncated")
@@ -287,6 +303,7 @@ class VerifierPool:
     self.per_answer_budget_s = per_answer_budget_s
     self.memory_limit_mb = memory_limit_mb
     self.restarts = 0  # workers replaced after a kill or a crash, over the pool's life
+    self.start_failures = 0  # workers in a row that died before saying ready
     self._workers: list[_Worker] = []
     self._finalizer = weakref.finalize(self, _stop, self._workers, False)
     for _ in range(num_workers):
@@ -309,7 +326,11 @@ class VerifierPool:
         json.dumps(self.warm_up),
       ]
       proc = subprocess.Popen(
-        argv, stdin=subprocess.DEVNULL, pass_fds=(child_sock.fileno(),), start_new_session=True
+        argv,
+        stdin=subprocess.DEVNULL,
+        pass_fds=(child_sock.fileno(),),
+        start_new_session=True,
+        env={**os.environ, **_WORKER_ENV},
       )
     return _Worker(proc, multiprocessing.connection.Connection(parent_sock.detach()))
 
@@ -391,6 +412,7 @@ class _Batch:
     self.pool = pool
     self.texts, self.answers = texts, answers
     self.rewards_R = np.zeros(len(texts), np.float32)
+    self.scored_R = np.zeros(len(texts), bool)
     self.pending = collections.deque(range(len(texts)))
     self.counts = collections.Counter()
     self.errors: dict[int, str] = {}  # answer index -> message
@@ -442,19 +464,32 @@ class _Batch:
       return
     if msg[0] == "ready":
       w.ready = True
+      self.pool.start_failures = 0
     elif msg[0] == "failed":
       raise RewardFnError(msg[1])
     else:
       self._record(w, *msg)
 
   def _died(self, w: _Worker) -> None:
-    """A worker's socket closed: fatal while starting, else its answer is an error; replaced."""
-    if not w.ready:
-      raise RuntimeError(
-        f"a verifier worker died while starting (exit code "
-        f"{w.proc.wait(timeout=5.0)}); its stderr says why"
-      ) from None
+    """A worker's socket closed: replaced; its answer (if it had one) is an error. One that dies
+    while starting is retried, up to ``_START_RETRIES`` times in a row across the pool."""
     code = w.proc.wait(timeout=5.0)
+    if not w.ready:
+      self.pool.start_failures += 1
+      if self.pool.start_failures > _START_RETRIES:
+        raise RuntimeError(
+          f"verifier workers died while starting {self.pool.start_failures} times in a row "
+          f"(last exit code {code}; reward.memory_limit_mb={self.pool.memory_limit_mb}): their "
+          "stderr says why"
+        ) from None
+      log.warning(
+        "a verifier worker died while starting (exit code %s): starting another (%d/%d)",
+        code,
+        self.pool.start_failures,
+        _START_RETRIES,
+      )
+      self.pool._replace(w)
+      return
     if w.task is not None:
       self.counts["errors"] += 1
       self.errors[w.task] = f"worker died (exit code {code})"
@@ -466,6 +501,7 @@ class _Batch:
     w.task, w.deadline = None, math.inf
     if status == "ok":
       self.rewards_R[i] = value
+      self.scored_R[i] = True
     else:
       self.counts[status + "s"] += 1
       if status == "error":
@@ -500,6 +536,7 @@ class _Batch:
       counts["skipped"],
       truncated,
       first_error,
+      self.scored_R,
     )
     if result.timeouts or result.errors or result.skipped:
       log.warning(
