@@ -4,18 +4,37 @@ Every process runs the same program on the global mesh; the jitted steps see glo
 host reads (rollouts to decode and score, metrics) is gathered to every process, so rewards,
 statistics and controller decisions are computed identically everywhere; files are written by
 process 0 only (orbax checkpoints are written by all processes together).
+
+One failure ends every process: a process that fails with an error announces it in the
+coordination service's key-value store (``announce_failure``) and exits; every other process
+watches that store (a thread polling every ``WATCH_INTERVAL_S``), logs the cause (so process 0's
+log names it, whichever process failed) and exits with code 1, even while it waits in a
+collective. A process that dies without a word (SIGKILL, a crash) stops its heartbeats: the
+coordination service ends the others ``heartbeat_timeout_s`` later.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
+import sys
+import threading
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
 log = logging.getLogger(__name__)
+
+# How often each process looks for another's failure, and how long a failing process waits for
+# the others to have read its cause before it exits (process 0 hosts the store: its exit ends it).
+WATCH_INTERVAL_S = 0.5
+ACK_TIMEOUT_S = 10.0
+HEARTBEAT_TIMEOUT_S = 60  # a silent death (SIGKILL) ends the other processes within this
+_FAILED = "jaxrl/failed/"  # + the failing process's index: its cause
+_READ = "jaxrl/read/"  # + a watching process's index: it has read a failure
+_watch: threading.Event | None = None  # set to stop the watcher at a normal exit
 
 ENV = {
   "coordinator": "JAXRL_COORDINATOR",
@@ -30,6 +49,7 @@ def initialize(
   process_id: int = -1,
   cpu_devices: int = 0,
   timeout_s: int = 300,
+  heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S,
 ) -> None:
   """Join the run's processes. ``coordinator`` "host:port" (or $JAXRL_COORDINATOR) with the process
   count and id (or $JAXRL_NUM_PROCESSES / $JAXRL_PROCESS_ID); "auto": let JAX read the cluster
@@ -43,8 +63,13 @@ def initialize(
     process_id = int(os.environ.get(ENV["process_id"], "-1") or -1)
   if not coordinator:
     return
+  timeouts = {"initialization_timeout": timeout_s}
+  # heartbeat_timeout_seconds is in jax.distributed.initialize from jax 0.4.36 on; older ones
+  # keep their own (100 s).
+  if "heartbeat_timeout_seconds" in inspect.signature(jax.distributed.initialize).parameters:
+    timeouts["heartbeat_timeout_seconds"] = heartbeat_timeout_s
   if coordinator == "auto":
-    jax.distributed.initialize(initialization_timeout=timeout_s)
+    jax.distributed.initialize(**timeouts)
   else:
     if num_processes < 1 or not 0 <= process_id < num_processes:
       raise ValueError(
@@ -55,7 +80,7 @@ def initialize(
       coordinator_address=coordinator,
       num_processes=num_processes,
       process_id=process_id,
-      initialization_timeout=timeout_s,
+      **timeouts,
     )
   log.info(
     "process %d of %d, %d local / %d global devices",
@@ -64,6 +89,88 @@ def initialize(
     jax.local_device_count(),
     jax.device_count(),
   )
+  if jax.process_count() > 1:
+    _start_watch()
+
+
+def _client():
+  """The coordination service's client of this process (``jax.distributed``'s own; the key-value
+  store has no public API), or None in a single-process run."""
+  from jax._src import distributed as jax_distributed
+
+  return jax_distributed.global_state.client
+
+
+def _start_watch() -> None:
+  """The watcher thread: another process's announced failure ends this one (see the module)."""
+  global _watch
+  client, me = _client(), jax.process_index()
+  stop = _watch = threading.Event()
+
+  def watch() -> None:
+    while not stop.wait(WATCH_INTERVAL_S):
+      try:
+        failed = [(k, v) for k, v in client.key_value_dir_get(_FAILED) if k != f"{_FAILED}{me}"]
+      except Exception as e:  # the store is gone: process 0 (its host) ended without a word
+        if stop.is_set():
+          return
+        _exit_now(f"lost the coordination service on process 0 ({type(e).__name__}: {e})")
+        return
+      if failed and not stop.is_set():
+        key, cause = failed[0]
+        try:
+          client.key_value_set(f"{_READ}{me}", "1")
+        except Exception:  # the failing process exits after a bounded wait anyway
+          pass
+        _exit_now(f"process {key[len(_FAILED) :]} failed: {cause}")
+        return
+
+  threading.Thread(target=watch, name="jaxrl-failure-watch", daemon=True).start()
+  # Stopped before jax.distributed's own exit handler (registered earlier, so run later) shuts
+  # the client down under it.
+  import atexit
+
+  atexit.register(stop.set)
+
+
+def _exit_now(reason: str) -> None:
+  """Log why this process ends (its log file and stderr) and exit with code 1 at once."""
+  log.error("ending this process: %s", reason)
+  print(f"jaxrl: error: {reason}", file=sys.stderr)
+  _flush_and_exit(1)
+
+
+def _flush_and_exit(code: int) -> None:
+  logging.shutdown()
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except (OSError, ValueError):
+      pass
+  os._exit(code)
+
+
+def watching() -> bool:
+  """Whether this process is one of several, watching for the others' failures."""
+  return _watch is not None
+
+
+def announce_failure(cause: str, code: int) -> None:
+  """This process failed with ``cause``: tell the others (each logs it and exits), wait until they
+  have read it (at most ``ACK_TIMEOUT_S``), and exit with ``code``. A no-op in a single-process
+  run. The exit skips jax.distributed's shutdown barrier, which would wait for the others."""
+  if not watching():  # not a multi-process run (or not joined yet)
+    return
+  _watch.set()
+  client, me = _client(), jax.process_index()
+  try:
+    client.key_value_set(f"{_FAILED}{me}", cause.strip().splitlines()[-1][:2000] if cause else "?")
+    for other in range(jax.process_count()):
+      if other != me:
+        client.blocking_key_value_get(f"{_READ}{other}", int(ACK_TIMEOUT_S * 1000))
+  except Exception as e:  # a store already gone, a process already gone: exit
+    log.warning("could not tell every process about the failure: %s", e)
+  _flush_and_exit(code)
 
 
 def is_main() -> bool:

@@ -137,8 +137,11 @@ def print_help(usage: str, modules, with_configs: bool = True) -> None:
 
 
 def fail(command: str, message) -> None:
-  """One line naming the problem, exit 2."""
+  """One line naming the problem, exit 2 (in a multi-process run, every process ends)."""
+  from jaxrl.parallel import distributed
+
   print(f"{command}: error: {message}", file=sys.stderr)
+  distributed.announce_failure(f"{command}: error: {message}", USAGE_ERROR)
   sys.exit(USAGE_ERROR)
 
 

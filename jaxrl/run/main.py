@@ -55,6 +55,12 @@ _NUM_PROCESSES = flags.DEFINE_integer(
 )
 _PROCESS_ID = flags.DEFINE_integer("process_id", -1, "This process's index ($JAXRL_PROCESS_ID).")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "CPU devices per process (0: JAX's default).")
+_HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
+  "heartbeat_timeout",
+  60,
+  "Seconds after which a process that died without a word (SIGKILL, a crash) ends the other "
+  "processes of a multi-process run (one that fails with an error ends them at once).",
+)
 
 USAGE_ERROR = cli.USAGE_ERROR
 
@@ -133,7 +139,11 @@ def main(argv):
 
   try:
     distributed.initialize(
-      _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _CPU_DEVICES.value
+      _COORDINATOR.value,
+      _NUM_PROCESSES.value,
+      _PROCESS_ID.value,
+      _CPU_DEVICES.value,
+      heartbeat_timeout_s=_HEARTBEAT_TIMEOUT.value,
     )
     cfg = cli.with_local_checkpoint(cfg)  # a Hub id: process 0 downloads, the others wait
   except ValueError as e:  # a bad cluster setting, a HubError
@@ -161,41 +171,49 @@ def _run(cfg, workdir: str) -> int:
   try:
     result = train(cfg, workdir)
   except ConfigError as e:  # found while building the task (e.g. an unknown level in a mixture)
-    print(f"jaxrl: error: {e}", file=sys.stderr)
-    return USAGE_ERROR
+    return _error(USAGE_ERROR, f"jaxrl: error: {e}")
   except SidecarError as e:  # checkpoints up to the last completed save are intact
-    print(
+    return _error(
+      1,
       f"jaxrl: error: vLLM sidecar: {e}\njaxrl: the last checkpoint in {workdir}/checkpoints "
       "is intact; run the same command again to resume.",
-      file=sys.stderr,
     )
-    return 1
-  except CheckpointError as e:  # training went on; only the final write failed (or never ended)
-    print(f"jaxrl: error: {e}", file=sys.stderr)
-    return 1
-  except NonFiniteError as e:
-    print(f"jaxrl: error: {e}", file=sys.stderr)
-    return 1
+  except (CheckpointError, NonFiniteError) as e:  # CheckpointError: the final write failed
+    return _error(1, f"jaxrl: error: {e}")
   except MetricsError as e:  # the step it failed on was not checkpointed: a resume redoes it
-    print(
+    return _error(
+      1,
       f"jaxrl: error: {e}\njaxrl: the last checkpoint in {workdir}/checkpoints is intact; "
       "free space and run the same command again to resume.",
-      file=sys.stderr,
     )
-    return 1
   except Stopped as e:  # SIGINT / SIGTERM: the step finished and its checkpoint is saved
     print(f"\njaxrl: {e}; run the same command again to resume.", file=sys.stderr)
     return 0
   except KeyboardInterrupt:
-    print("\njaxrl: interrupted; run the same command again to resume.", file=sys.stderr)
-    return 130
-  except Exception:  # noqa: BLE001 - a bug or an I/O error: its traceback, and an exit that ends
+    return _error(130, "\njaxrl: interrupted; run the same command again to resume.")
+  except Exception as e:  # noqa: BLE001 - a bug or an I/O error: its traceback, and an exit that ends
+    from jaxrl.parallel import distributed
+
+    if distributed.watching():  # several processes: the traceback, then every process ends
+      import traceback
+
+      traceback.print_exc()
+      _error(1, f"jaxrl: error: {type(e).__name__}: {e}")
     _leave_if_unsettled(1, print_traceback=True)
     raise
   print("\nHeld-out evaluation, SFT warm start vs after RL (percent):\n")
   print(result.table)
   print(f"\nworkdir: {workdir} (metrics.jsonl, tensorboard/, run.png, checkpoints/, results.md)")
   return 0
+
+
+def _error(code: int, text: str) -> int:
+  """Print ``text``; in a multi-process run, end every process (this one with ``code``)."""
+  from jaxrl.parallel import distributed
+
+  print(text, file=sys.stderr)
+  distributed.announce_failure(text, code)
+  return code
 
 
 def _leave(code: int) -> None:
