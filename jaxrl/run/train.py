@@ -4,6 +4,12 @@ checkpoints, metrics and stops. The only stateful code of a run; every file it w
 
 Before RL: the task, its tokenizer, the SFT warm start and a held-out evaluation; after RL: the same
 evaluation and a before/after table (and, from a checkpoint, the trained policy in HF layout).
+
+A run in a workdir that holds checkpoints resumes from the latest, after checking that its config
+is the one that checkpoint records (``run_config``: a changed field a resume may not change is a
+``ConfigError`` naming it, before anything in the workdir is written). The SFT warm start and the
+held-out evaluations are cached in the workdir with the config they were computed from; a cache of
+another config is computed again.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from jaxrl.parallel import distributed, sharding
 from jaxrl.rl.programs import Programs, reference_copy
 from jaxrl.rollout.build import build_engine
 from jaxrl.rollout.collect import Collector
-from jaxrl.run import mfu, sft, weights
+from jaxrl.run import mfu, run_config, sft, weights
 from jaxrl.run.checkpoint import Checkpointer
 from jaxrl.run.compiles import CompileCounter
 from jaxrl.run.eval import EvalResult, comparison_table, engine_sampler, evaluate
@@ -41,7 +47,13 @@ from jaxrl.run.loop import (
 from jaxrl.run.metrics import MetricsWriter, plot_run
 from jaxrl.run.profiling import StepProfiler
 from jaxrl.run.progress import Progress
-from jaxrl.run.stops import NonFiniteGuard, StopFlag, check_saved, stop_after_checkpoint
+from jaxrl.run.stops import (
+  NonFiniteGuard,
+  StopFlag,
+  Stopped,
+  check_saved,
+  stop_after_checkpoint,
+)
 from jaxrl.tasks.task import TaskData, load_task
 
 log = logging.getLogger(__name__)
@@ -75,6 +87,10 @@ class Trainer:
   def __post_init__(self):
     registry.check(self.cfg)
     os.makedirs(self.workdir, exist_ok=True)
+    # The resolved config (Hub ids as commits), recorded in every checkpoint; a resume must match
+    # its latest checkpoint's before config.json (or anything else) is written.
+    self.record = run_config.record(self.cfg)
+    run_config.check_resume(self.record, os.path.join(self.workdir, "checkpoints"))
     if distributed.is_main():
       with open(os.path.join(self.workdir, "config.json"), "w") as f:
         json.dump(to_dict(self.cfg), f, indent=1)
@@ -138,15 +154,19 @@ class Trainer:
         workdir=self.workdir,
         target_loss=c.sft.target_loss,
         progress=advance,
+        key=run_config.sft_key(self.record),
       )
     return params
 
   def evaluate(self, params, name: str) -> EvalResult:
-    """Held-out evaluation, cached as ``eval_{name}.json`` (a resumed run does not redo it)."""
+    """Held-out evaluation, cached as ``eval_{name}.json`` with the config it depends on
+    (``run_config.eval_key``: of the SFT warm start for "sft", else of the RL run): a resumed run
+    does not redo it, a run of another config does."""
     path = os.path.join(self.workdir, f"eval_{name}.json")
-    if os.path.exists(path):
-      with open(path) as f:
-        return EvalResult.from_json(json.load(f))
+    key = run_config.eval_key(self.record, after_rl=name != "sft")
+    cached = _cached_eval(path, key)
+    if cached is not None:
+      return cached
     c, t = self.cfg, self.task
     self.engine.set_weights(params, -1)
     per_call = max(1, c.num_rollouts // c.eval.num_samples)
@@ -173,7 +193,7 @@ class Trainer:
       )
     if distributed.is_main():
       with open(path + ".tmp", "w") as f:
-        json.dump(result.to_json(), f)
+        json.dump({**result.to_json(), EVAL_KEY: key}, f)
       os.replace(path + ".tmp", path)
     return result
 
@@ -194,6 +214,11 @@ class Trainer:
             loop, row = rl_step(ctx, loop, i)
           except Exception:
             _save_trained(ckpt, i, loop, self.mesh)
+            if stop.requested:  # a job-wide signal took the step's sidecar along: a clean stop
+              log.warning("step %d abandoned: %s arrived during it", i + 1, stop.signal_name)
+              if i == start:  # nothing trained since the last checkpoint (or the start)
+                raise Stopped(i) from None
+              stop_after_checkpoint(ckpt, i, stop.signal_name)  # the steps before it are saved
             raise
           profiler.after_step(i + 1)
           nonfinite.check(row, i + 1)
@@ -226,6 +251,7 @@ class Trainer:
       keep=k.keep,
       async_save=k.async_save,
       settle_timeout=k.settle_timeout,
+      record=self.record,
     )
 
   def _start(self, ctx: StepContext, ckpt: Checkpointer, sft_params) -> tuple[int, LoopState]:
@@ -339,6 +365,22 @@ def _save_trained(ckpt: Checkpointer, step: int, loop: LoopState, mesh) -> None:
     return
   log.warning("step %d failed: checkpointing the %d steps trained before it", step + 1, step)
   save_loop(ckpt, step, loop, mesh, wait=False)
+
+
+EVAL_KEY = "config"  # an evaluation cache's key (``run_config.eval_key``), beside its result
+
+
+def _cached_eval(path: str, key: dict) -> EvalResult | None:
+  """The evaluation cached in ``path`` when it was computed for ``key``; else None (why: logged)."""
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    saved = json.load(f)
+  why = run_config.cache_changes(saved.get(EVAL_KEY), key)
+  if why is not None:
+    log.warning("%s does not match this run (%s): evaluating again", path, why)
+    return None
+  return EvalResult.from_json(saved)
 
 
 def _progress_line(row: dict) -> str:

@@ -178,7 +178,10 @@ def _worker_main(
 ) -> None:
   """Worker loop: load the function (and score ``warm_up`` once), say ready, then answer
   (task, response, answer) messages."""
-  signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us, not a stray Ctrl-C
+  # The parent stops us, not a stray Ctrl-C nor a job-wide SIGTERM (a scheduler signals every
+  # process of the job): the trainer finishes its step, our answers included, then closes the pool.
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
   signal.signal(signal.SIGALRM, _on_alarm)
   # math-verify warns once per process that its own timeouts are off: they are, on purpose.
   logging.getLogger("math_verify").setLevel(logging.ERROR)
