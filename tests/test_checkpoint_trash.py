@@ -1,5 +1,6 @@
 """Old checkpoints leave by one rename into ``checkpoints/deleted`` before they are removed, so a
-kill during a deletion never leaves a half-deleted step directory that looks like a checkpoint."""
+kill during a deletion never leaves a half-deleted step directory that looks like a checkpoint. A
+writing checkpointer empties it; a reader leaves it alone."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ def test_old_steps_are_renamed_then_removed_and_leftovers_cleared(tmp_path):
   os.makedirs(leftover)
   with open(os.path.join(leftover, "half"), "w") as f:
     f.write("x")
+  reader = Checkpointer.reader(directory)  # a reader leaves it: the trash may be a live run's
+  assert reader.latest_step() == 4
+  reader.close()
+  assert os.path.exists(os.path.join(leftover, "half"))
   ckpt = Checkpointer(directory, keep=2, async_save=True)
   try:
     assert ckpt.latest_step() == 4 and sorted(os.listdir(directory)) == ["3", "4"]

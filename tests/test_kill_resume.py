@@ -72,7 +72,7 @@ def _steps_done(workdir) -> int:
 
 def _read(workdir, step, part):
   """A sub-tree ("state" params or "stats") of checkpoint ``step`` as numpy arrays."""
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=100, async_save=False)
+  ckpt = Checkpointer.reader(os.path.join(workdir, "checkpoints"))
   try:
     path = os.path.join(workdir, "checkpoints", str(step), "tree")
     meta = ocp.PyTreeCheckpointer().metadata(path).item_metadata[part]

@@ -7,6 +7,15 @@ Every checkpoint records how its params are laid out (``model.PARAM_LAYOUT``) an
 another layout fails by name (``StaleLayout``): restored as it is, a square kernel written [in, out]
 would fit an [out, in] slot, and the run would go on with a transposed model.
 
+A run's checkpoints also record its resolved config (``record``, ``recorded_config``: see
+``run_config``), which a resume is checked against.
+
+Readers of a run (``Checkpointer.reader``: evaluation, export, a resume's checks) open it
+read-only: orbax's own read-only mode (it neither creates the directory nor removes temporary
+directories or old steps) and no emptying of ``deleted/``. A trainer may be writing a checkpoint
+into that directory at the same time: its temporary directory is left as it is, and the write
+completes.
+
 Every call into orbax that may wait for a write (save, wait, close) runs on one helper thread and
 is waited for at most ``settle_timeout`` seconds: on a dead disk or a stalled log sink orbax's
 threads can block forever, and a trainer that hangs is worse than one that says so. A write that
@@ -45,6 +54,21 @@ _abandoned: list[Future] = []  # calls into orbax given up on
 # test with both cores loaded: step 1 present, its metadata gone).
 TRASH = "deleted"
 LAYOUT = "param_layout"  # the metadata key of ``model.PARAM_LAYOUT`` (the Checkpointer's own)
+RECORD = "run_config"  # the metadata key of the run's recorded config (the Checkpointer's own)
+
+
+class _ReadOnlyNotices(logging.Filter):
+  """Drops orbax's warnings that a manager is read-only (and which of its options that turned
+  off): every reader says so, and it is what a reader asks for."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not message.startswith(
+      ("Given directory is read only", "CheckpointManagerOptions.read_only=True")
+    )
+
+
+logging.getLogger("absl").addFilter(_ReadOnlyNotices())
 
 
 def unsettled() -> bool:
@@ -109,19 +133,36 @@ class Checkpointer:
   """A thin wrapper over ``ocp.CheckpointManager`` with one pytree item and one JSON item."""
 
   def __init__(
-    self, directory: str, keep: int, async_save: bool = True, settle_timeout: float | None = None
+    self,
+    directory: str,
+    keep: int,
+    async_save: bool = True,
+    settle_timeout: float | None = None,
+    record: dict | None = None,
+    read_only: bool = False,
   ):
+    """``record``: the run's resolved config, stored in every checkpoint written (``run_config``);
+    ``read_only``: see ``reader``."""
     self.directory = os.path.abspath(directory)
     self.settle_timeout = SETTLE_TIMEOUT_S if settle_timeout is None else float(settle_timeout)
-    # A write that failed (disk full, permissions, a kill) leaves only an orbax tmp directory: it
-    # never counts as a checkpoint, and the next manager removes it.
-    options = ocp.CheckpointManagerOptions(
-      max_to_keep=keep,
-      create=True,
-      enable_async_checkpointing=async_save,
-      cleanup_tmp_directories=True,
-      todelete_subdir=TRASH,
-    )
+    self.read_only = read_only
+    self._record_meta = record
+    if read_only:
+      # Nothing created, cleaned or deleted: orbax's read-only mode turns its cleanup of
+      # temporary directories and its deletions off (checked against orbax-checkpoint 0.12).
+      options = ocp.CheckpointManagerOptions(
+        read_only=True, create=False, save_interval_steps=0, enable_async_checkpointing=False
+      )
+    else:
+      # A write that failed (disk full, permissions, a kill) leaves only an orbax tmp directory:
+      # it never counts as a checkpoint, and the next writing manager removes it.
+      options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep,
+        create=True,
+        enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=True,
+        todelete_subdir=TRASH,
+      )
     self._mgr = ocp.CheckpointManager(self.directory, options=options)
     self._empty_trash()  # what a killed run moved there
     self._orbax = _OrbaxThread()
@@ -132,6 +173,12 @@ class Checkpointer:
     # The last complete checkpoint, kept here so that reporting a write that never settled needs
     # no directory listing (on a hung disk that blocks too).
     self._latest: int | None = self._mgr.latest_step()
+
+  @classmethod
+  def reader(cls, directory: str) -> "Checkpointer":
+    """A checkpointer that only reads ``directory`` (which may not exist: then it has no steps)
+    and writes nothing there, whatever a trainer is writing into it at the same time."""
+    return cls(directory, keep=1, async_save=False, read_only=True)
 
   def latest_step(self) -> int | None:
     """The last checkpoint known complete (a write in flight counts once it has settled)."""
@@ -147,10 +194,14 @@ class Checkpointer:
     checkpoint stays the latest and training goes on. While an earlier write has not settled,
     orbax cannot take another one: the step is recorded as failed without a wait. Returns False
     if this write failed at once."""
+    if self.read_only:
+      raise RuntimeError(f"{self.directory}: opened read-only, checkpoint {step} not written")
     self._settle()
     if self._blocked(step):
       return False
     meta = {**meta, LAYOUT: model.PARAM_LAYOUT}
+    if self._record_meta is not None:
+      meta[RECORD] = self._record_meta
     args = ocp.args.Composite(tree=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta))
     # The synchronous part (device-to-host copies, directories; the whole write when not async)
     # may block on the disk too.
@@ -179,7 +230,7 @@ class Checkpointer:
       self._empty_trash()  # the write (and orbax's renames of old steps) finished: the disk answers
 
   def _empty_trash(self) -> None:
-    if jax.process_index() == 0:
+    if jax.process_index() == 0 and not self.read_only:  # a reader leaves a writer's trash
       shutil.rmtree(os.path.join(self.directory, TRASH), ignore_errors=True)
 
   def _give_up(self, step: int, wait: Future) -> None:
@@ -238,14 +289,19 @@ class Checkpointer:
       step,
       args=ocp.args.Composite(tree=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
     )
-    return out["tree"], _without_layout(out["meta"])
+    return out["tree"], _callers_meta(out["meta"])
 
   def _raw_meta(self, step: int) -> dict:
     return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
   def restore_meta(self, step: int) -> dict:
     """Only the JSON metadata of checkpoint ``step`` (what the array tree's shapes depend on)."""
-    return _without_layout(self._raw_meta(step))
+    return _callers_meta(self._raw_meta(step))
+
+  def recorded_config(self, step: int) -> dict | None:
+    """The run's config as checkpoint ``step`` records it (``run_config.record``); None for a
+    checkpoint written before configs were recorded."""
+    return self._raw_meta(step).get(RECORD)
 
   def _check_layout(self, step: int) -> None:
     """Raise ``StaleLayout`` unless checkpoint ``step``'s params have this jaxrl's layout (one
@@ -293,5 +349,6 @@ class Checkpointer:
       log.warning("closing the checkpoint manager: %s", _brief(error))
 
 
-def _without_layout(meta: dict) -> dict:
-  return {k: v for k, v in meta.items() if k != LAYOUT}
+def _callers_meta(meta: dict) -> dict:
+  """The metadata a caller saved, without the Checkpointer's own keys."""
+  return {k: v for k, v in meta.items() if k not in (LAYOUT, RECORD)}

@@ -8,7 +8,11 @@ benchmark files.
 checkpoint) or one of its ``checkpoints/N``. Each benchmark is a dataset file read with the config's
 field mapping and prompt template (default: ``data.heldout``); n samples per question at
 ``eval.temperature`` plus one greedy answer, scored by the config's verifier. Writes
-``eval_results.json`` and ``eval_results.md`` into ``--out`` (default: ``CHECKPOINT/eval``).
+``eval_results.json`` and ``eval_results.md`` into ``--out`` (default: ``RUN/eval/stepN`` for a
+run's checkpoint N, the latest when given the run; ``CHECKPOINT/eval`` for an HF directory).
+
+A run's checkpoints are read read-only: a run may be evaluated while it trains (and writes its next
+checkpoint); nothing in its ``checkpoints/`` is created, changed or removed.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ _CHECKPOINT = flags.DEFINE_string(
   "checkpoint", None, "HF directory, run directory or run checkpoint."
 )
 _BENCHMARKS = flags.DEFINE_string("benchmarks", "", "NAME=PATH,... (default: data.heldout).")
-_OUT = flags.DEFINE_string("out", "", "Where to write eval_results.{json,md}.")
+_OUT = flags.DEFINE_string(
+  "out", "", "Where to write eval_results.{json,md} (default: RUN/eval/stepN, or HF_DIR/eval)."
+)
 _NUM_SAMPLES = flags.DEFINE_integer(
   "num_samples", 0, "n samples per question (0: eval.num_samples)."
 )
@@ -204,11 +210,16 @@ def main(argv):
     checkpoint = hub.model_snapshot(_CHECKPOINT.value)  # a Hub id: its local snapshot
     if not os.path.exists(checkpoint):
       raise ValueError(f"--checkpoint {checkpoint!r} does not exist")
-    out = _OUT.value or os.path.join(checkpoint, "eval")
+    run = weights.run_checkpoint(checkpoint)
+    if run is None:
+      out = _OUT.value or os.path.join(checkpoint, "eval")
+    else:  # one step, resolved once: a run in progress may write newer ones meanwhile
+      step = weights.checkpoint_step(*run)
+      checkpoint = os.path.join(run[0], str(step))
+      out = _OUT.value or weights.eval_dir(run[0], step)
     # A training run's directory already holds its compiled programs (the sampler among them).
     from jaxrl.run import compile_cache
 
-    run = weights.run_checkpoint(checkpoint)
     compile_cache.enable(cfg.compile_cache, os.path.dirname(run[0]) if run else out)
     summary = evaluate_checkpoint(
       cfg, checkpoint, benchmarks, out, num_samples=_NUM_SAMPLES.value, ks=ks

@@ -6,7 +6,8 @@
 Reads the run's ``config.json`` (the architecture; ``--config`` to use another), writes
 ``config.json`` + safetensors, the tokenizer and ``generation_config.json`` into ``--out``: what
 transformers, vLLM and ``jaxrl-eval`` load. The run's ``WORKDIR/hf`` is the same export of its
-final params.
+final params. The run is only read (it may be training, and writing a checkpoint, meanwhile):
+nothing in its directory is created, changed or removed.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Supervised warm start: teach the tiny model the task format and part of the skill, then stop.
 
-The result is cached in ``WORKDIR/sft`` (orbax), so a resumed or repeated run reuses it.
+The result is cached in ``WORKDIR/sft`` (orbax) with the config it was computed from
+(``run_config.sft_key``), so a resumed or repeated run of that config reuses it; a run of another
+config computes it again.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from jaxrl.nn import lora
 from jaxrl.parallel import distributed, sharding
 from jaxrl.rl import optim
 from jaxrl.rl.programs import Programs
+from jaxrl.run import run_config
 from jaxrl.run.checkpoint import Checkpointer, StaleLayout
 
 log = logging.getLogger(__name__)
 CACHE = "sft"  # the warm start's checkpoint directory in the run's workdir
+KEY = "config"  # the metadata key of the config the cached warm start was computed from
 
 
 def warm_start(
@@ -40,14 +44,16 @@ def warm_start(
   workdir: str,
   target_loss: float = 0.0,
   progress=None,
+  key: dict | None = None,
 ):
-  """Params after SFT (loaded from ``workdir/sft`` if a previous run finished it).
+  """Params after SFT (loaded from ``workdir/sft`` if a previous run of the same ``key``, the
+  fields the warm start is computed from, finished it).
 
   Runs ``steps`` steps, or with ``target_loss`` > 0 stops as soon as the running mean of the loss
   (EMA, 0.1) falls below it: "partly capable" is then a property of the model, not of a step count
   that would land differently for every seed. The learning rate is then constant after warmup.
   """
-  cached = load_cached(workdir, params)
+  cached = load_cached(workdir, params, key)
   if cached is not None:
     return cached
   decay = 0 if target_loss > 0 else max(steps - warmup_steps, 1)
@@ -62,6 +68,8 @@ def warm_start(
     target_loss, progress,
   )  # fmt: skip
   meta = {"steps": done, "final_loss_ema": ema, "seconds": time.time() - t0}
+  if key is not None:
+    meta[KEY] = key
   log.info("SFT warm start done: %d steps, loss (ema) %.4f, %.0fs", done, ema, meta["seconds"])
   ckpt = Checkpointer(os.path.join(workdir, CACHE), keep=1, async_save=False)
   # The base alone (a LoRA model's fresh adapters are not the warm start's): the cache of a full
@@ -71,21 +79,33 @@ def warm_start(
   return state.params, meta
 
 
-def load_cached(workdir: str, like):
+def load_cached(workdir: str, like, key: dict | None = None, read_only: bool = False):
   """(params, meta) of the warm start cached in ``workdir/sft`` onto ``like``'s structure and
-  shardings (a LoRA model's adapters: ``like``'s), or None when there is none (or only one of
-  another params layout: a cache, so it is removed and the warm start runs again)."""
+  shardings (a LoRA model's adapters: ``like``'s), or None when there is none.
+
+  With ``key`` (``run_config.sft_key``), a cache computed from another config counts as none.
+  Such a cache, or one of another params layout, is removed (said in the log) so that the warm
+  start runs again; with ``read_only`` (a reader of the run) nothing is removed, and either is an
+  error (``ValueError``, ``StaleLayout``)."""
   base, adapters = lora.partition(like, "base")
   directory = os.path.join(workdir, CACHE)
-  ckpt = Checkpointer(directory, keep=1, async_save=False)
+  ckpt = Checkpointer.reader(directory)  # the writing checkpointer is opened to save, after SFT
   stale = None
   try:
     step = ckpt.latest_step()
     if step is None:
       return None
-    tree, meta = ckpt.restore(step, {"params": base})
+    why = None if key is None else run_config.cache_changes(ckpt.restore_meta(step).get(KEY), key)
+    if why is not None:
+      stale = f"the SFT warm start cached in {directory} does not match this run: {why}"
+      if read_only:
+        raise ValueError(stale)
+    else:
+      tree, meta = ckpt.restore(step, {"params": base})
   except StaleLayout as e:
-    stale = e
+    if read_only:
+      raise
+    stale = str(e)
   finally:
     ckpt.close()
   if stale is not None:

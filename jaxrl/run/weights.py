@@ -1,6 +1,9 @@
 """Params in and out of a run: read from an HF directory or a run's checkpoint, written in HF layout
 (what transformers, vLLM and ``jaxrl-eval`` load) — at the end of a run (``WORKDIR/hf``) and from
-any checkpoint by ``jaxrl-export``."""
+any checkpoint by ``jaxrl-export``.
+
+Reading a run (its checkpoints, its SFT cache, its tokenizer) writes nothing into its directory:
+the run may be training, and writing a checkpoint, at the same time (``Checkpointer.reader``)."""
 
 from __future__ import annotations
 
@@ -29,6 +32,33 @@ def run_checkpoint(path: str) -> tuple[str, int] | None:
   if step.isdigit() and os.path.basename(parent) == "checkpoints":
     return parent, int(step)
   return None
+
+
+def checkpoint_step(directory: str, step: int) -> int:
+  """``step`` of a run's checkpoints ``directory`` (-1: its latest), read-only; a
+  ``FileNotFoundError`` when there is no such checkpoint."""
+  from jaxrl.run.checkpoint import Checkpointer
+
+  reader = Checkpointer.reader(directory)
+  try:
+    return _existing(reader, step)
+  finally:
+    reader.close()
+
+
+def _existing(ckpt, step: int) -> int:
+  found = ckpt.latest_step() if step < 0 else step
+  if found is None or found not in ckpt.all_steps():
+    missing = "" if found is None else f" {found}"
+    raise FileNotFoundError(f"{ckpt.directory}: no checkpoint{missing}")
+  return found
+
+
+def eval_dir(directory: str, step: int) -> str:
+  """Where ``jaxrl-eval`` writes its results for checkpoint ``step`` of a run's checkpoints
+  ``directory`` by default: ``RUN/eval/stepN``, beside the checkpoints (a step's own directory is
+  deleted when it rotates out)."""
+  return os.path.join(os.path.dirname(os.path.abspath(directory)), "eval", f"step{step}")
 
 
 def _hf_params(cfg, model_cfg, path: str, shardings):
@@ -72,7 +102,7 @@ def run_base(cfg, model_cfg, run_dir: str, shardings):
   from jaxrl.run import sft
 
   params = initial_params(cfg, model_cfg, shardings)
-  cached = sft.load_cached(run_dir, params)
+  cached = sft.load_cached(run_dir, params, read_only=True)
   return params if cached is None else cached[0]
 
 
@@ -88,11 +118,9 @@ def load_params(cfg, path: str, graphdef_and_shardings, model_cfg=None):
   if run is None:
     return _hf_params(cfg, model_cfg, path, shardings)
   directory, step = run
-  ckpt = Checkpointer(directory, keep=1, async_save=False)
+  ckpt = Checkpointer.reader(directory)
   try:
-    step = ckpt.latest_step() if step < 0 else step
-    if step is None or step not in ckpt.all_steps():
-      raise FileNotFoundError(f"{directory}: no checkpoint {'' if step is None else step}".strip())
+    step = _existing(ckpt, step)
     target = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params, shardings
     )
@@ -185,13 +213,23 @@ def _config(run_dir: str, spec: str):
 
 
 def _tokenizer(cfg, run_dir: str):
+  """The run's tokenizer, read: the checkpoint's, or the task's as the run cached it (one built
+  in a temporary directory when the run has none yet)."""
   if cfg.model.checkpoint:
     from jaxrl.tasks.data import math_prompts
 
     return math_prompts.load_tokenizer(cfg.model.checkpoint)
+  import tempfile
+
+  import transformers
+
   from jaxrl.tasks.data.tokenizer import build_tokenizer
 
-  return build_tokenizer(os.path.join(run_dir, "tokenizer"))
+  cached = os.path.join(run_dir, "tokenizer")
+  if os.path.isfile(os.path.join(cached, "tokenizer.json")):
+    return transformers.AutoTokenizer.from_pretrained(cached)
+  with tempfile.TemporaryDirectory() as tmp:
+    return build_tokenizer(tmp)
 
 
 def export(checkpoint: str, out: str, dtype: str = "", config: str = "") -> str:

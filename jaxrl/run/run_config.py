@@ -1,0 +1,272 @@
+"""The config a run's state depends on: what every checkpoint records of it, which fields a resume
+may change, and the keys of the run's caches.
+
+Every checkpoint records the resolved config (``record``): every field, a Hub model as
+``ORG/NAME@COMMIT`` and each Hub dataset's commit. A resume whose config differs from its
+checkpoint's in any field outside ``SAFE`` (another seed, learning rate, loss, staleness, dataset,
+or a Hub id that now resolves to another commit) is refused by name (``check_resume``,
+``ChangedConfig``: exit 2), never continued as a mix of two runs.
+
+The run's caches are keyed the same way, by the fields they are computed from: the SFT warm start
+(``sft_key``) and each held-out evaluation (``eval_key``). A cache whose key differs from the run's
+is computed again, and ``describe`` says which fields differ.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+from jaxrl.config import Config, ConfigError, parse_mixture, to_dict
+
+log = logging.getLogger(__name__)
+
+# What a resume may change: how long, how often, where and how fast the run does things, never what
+# a step computes from its checkpoint. A dotted prefix covers the fields under it.
+SAFE = (
+  # The run's length: going on past the first run's end is what a resume is for. The schedules
+  # over the run's length (E3's annealing start and t_max, the clip's entropy schedule) follow the
+  # new length from the resumed step on.
+  "steps",
+  # Where compiled programs are kept: the programs are the same either way.
+  "compile_cache",
+  # Where metrics go, what is printed, logged as text or profiled: nothing a step computes.
+  "log",
+  # How often, how many and how checkpoints are written, and how long a write may take: not what
+  # they hold.
+  "checkpoint",
+  # Held-out evaluation (its cadence, samples, temperature, k of pass@k): training never reads it,
+  # and every evaluation cache is keyed by these fields (``eval_key``).
+  "eval",
+  # The verifier pool's size: each answer is scored alike by any worker, within the same limits.
+  "reward.workers",
+  # How many consecutive skipped non-finite updates stop the run: a guard, not the update.
+  "optim.max_nonfinite_steps",
+  # Named only in an error message (where to download model.checkpoint from).
+  "model.hub_id",
+  # Where and how a vLLM sidecar is started or reached, and how long and how often its requests
+  # are waited for and retried: the same server serves the same completions.
+  "vllm.python",
+  "vllm.urls",
+  "vllm.host",
+  "vllm.port",
+  "vllm.cpus",
+  "vllm.weights_dir",
+  "vllm.startup_timeout",
+  "vllm.request_timeout",
+  "vllm.retries",
+  "vllm.max_restarts",
+)
+
+# What the SFT warm start is computed from: the initial params (seed, architecture or checkpoint),
+# its corpus (task, data, prompt and response lengths), its optimizer, the log-prob chunk of its
+# loss and the mesh it ran on. Not ``model.lora``: the cache holds the base alone, shared by a full
+# fine-tuning and a LoRA run of the same seed.
+SFT_FIELDS = (
+  "seed",
+  "model",
+  "task",
+  "data",
+  "sft",
+  "rollout.max_new_tokens",
+  "loss.logprob_chunk",
+  "mesh",
+)
+_SFT_IGNORED = ("model.lora", "model.hub_id")
+
+# What a held-out evaluation of given params depends on besides them: the held-out set and its
+# prompts, the sampler (engine, lengths, top-p, the questions per call, the server), the samples,
+# temperature and k, the verifier, and the seed of its random keys.
+EVAL_FIELDS = (
+  "seed",
+  "model",
+  "task",
+  "data",
+  "reward",
+  "eval.num_samples",
+  "eval.temperature",
+  "eval.ks",
+  "batch_questions",
+  "rollout.engine",
+  "rollout.group_size",
+  "rollout.max_new_tokens",
+  "rollout.top_p",
+  "vllm",
+)
+
+REVISION = "revision of "  # the field name of a Hub dataset's commit: "revision of hf:ORG/NAME"
+_SNAPSHOT = re.compile(r"(?:^|/)(models|datasets)--([^/]+?)--([^/]+)/snapshots/([^/]+)")
+
+
+class ChangedConfig(ConfigError):
+  """A resume whose config differs from its checkpoint's in fields a resume may not change."""
+
+  def __init__(self, where: str, step: int, changed: list[tuple[str, object, object]]):
+    pin = _pin_hint(changed)
+    ValueError.__init__(
+      self,
+      f"resuming {where} from step {step} with another config: {describe(changed)}. A resumed "
+      "run keeps the config its checkpoint was trained with: set these back, or start a new "
+      f"--workdir{pin} (a resume may change {', '.join(SAFE)})",
+    )
+    self.field = changed[0][0]
+    self.fields = [name for name, _, _ in changed]
+
+
+def _pin_hint(changed: list[tuple[str, object, object]]) -> str:
+  """How to resume on the recorded commit of a Hub model whose id now resolves to another."""
+  from jaxrl.tasks.data import hub
+
+  for name, old, _ in changed:
+    parsed = hub.model_id(old) if name == "model.checkpoint" and isinstance(old, str) else None
+    if parsed is not None and parsed[1]:
+      return f" (--config.model.checkpoint={old} resumes on the checkpoint's commit)"
+  return ""
+
+
+def snapshot_revision(path: str) -> str | None:
+  """``ORG/NAME@COMMIT`` of a Hugging Face cache snapshot directory (or a path inside one);
+  None for any other path."""
+  match = _SNAPSHOT.search(os.path.abspath(path)) if path else None
+  return f"{match[2]}/{match[3]}@{match[4]}" if match else None
+
+
+def _hub_datasets(cfg: Config) -> list[str]:
+  if cfg.task.name != "math":  # the built-in task reads no dataset
+    return []
+  specs = [name for name, _ in parse_mixture(cfg.data.train, "data.train")] + [cfg.data.heldout]
+  return sorted({s for s in specs if s.startswith("hf:")})
+
+
+def record(cfg: Config) -> dict:
+  """What a checkpoint records of its run's config: every field, and the commit each Hub id
+  resolves to (a Hub model's ``model.checkpoint`` is already its local snapshot, whose directory is
+  the commit; a Hub dataset is resolved here, from the cache, as the task loads it)."""
+  from jaxrl.tasks.data import hub
+
+  revisions = {}
+  if model := snapshot_revision(cfg.model.checkpoint):
+    revisions["model.checkpoint"] = model
+  for spec in _hub_datasets(cfg):
+    found = snapshot_revision(hub.dataset_snapshot(hub.dataset_id(spec)))
+    if found is not None:
+      revisions[spec] = found.rpartition("@")[2]
+  return {"config": to_dict(cfg), "revisions": revisions}
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[prefix + key] = value
+  return out
+
+
+def comparable(rec: dict) -> dict:
+  """A record as one flat dict of this jaxrl's dotted fields: a field it lacks (written before the
+  field existed) at its default, one this jaxrl no longer has left out, a Hub model as
+  ``ORG/NAME@COMMIT`` whatever the cache's path, each Hub dataset's commit as
+  ``revision of hf:ORG/NAME``."""
+  fields = _flat(to_dict(Config()))
+  fields.update({k: v for k, v in _flat(rec.get("config", {})).items() if k in fields})
+  revisions = dict(rec.get("revisions", {}))
+  model = revisions.pop("model.checkpoint", None) or snapshot_revision(fields["model.checkpoint"])
+  if model:
+    fields["model.checkpoint"] = model
+  fields.update({REVISION + spec: commit for spec, commit in revisions.items()})
+  return fields
+
+
+def _covered(name: str, prefixes) -> bool:
+  return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def select(fields: dict, include, exclude=()) -> dict:
+  """The fields under the prefixes ``include`` and not under ``exclude``."""
+  return {k: v for k, v in fields.items() if _covered(k, include) and not _covered(k, exclude)}
+
+
+def changes(old: dict, new: dict) -> list[tuple[str, object, object]]:
+  """(field, old value, new value) for each field that differs between two flat dicts; a Hub
+  dataset's commit only where both know it (a record of an older jaxrl has none)."""
+  out = []
+  for name in sorted(old.keys() | new.keys()):
+    if name.startswith(REVISION) and not (name in old and name in new):
+      continue
+    if old.get(name) != new.get(name):
+      out.append((name, old.get(name), new.get(name)))
+  return out
+
+
+def describe(changed: list[tuple[str, object, object]]) -> str:
+  """``"seed 0 → 1, optim.learning_rate 0.0003 → 0.001"``."""
+  return ", ".join(f"{name} {old!r} → {new!r}" for name, old, new in changed)
+
+
+def resume_changes(saved: dict, now: dict) -> list[tuple[str, object, object]]:
+  """The changes of config from a checkpoint's record to this run's that a resume may not make."""
+  old, new = comparable(saved), comparable(now)
+  return [c for c in changes(old, new) if not _covered(c[0], SAFE)]
+
+
+def check_resume(now: dict, directory: str) -> int | None:
+  """Refuse (``ChangedConfig``) to resume from the latest checkpoint in ``directory`` with a
+  config that differs from the one it records in a field a resume may not change; returns that
+  checkpoint's step (None: nothing to resume). A checkpoint that records no config (an older
+  jaxrl wrote it) is compared with the run's ``config.json``, its last start's config."""
+  from jaxrl.run.checkpoint import Checkpointer
+
+  reader = Checkpointer.reader(directory)
+  try:
+    step = reader.latest_step()
+    saved = None if step is None else reader.recorded_config(step)
+  finally:
+    reader.close()
+  if step is None:
+    return None
+  if saved is None:
+    saved = _config_json(os.path.dirname(directory), step)
+  if saved is not None and (changed := resume_changes(saved, now)):
+    raise ChangedConfig(directory, step, changed)
+  return step
+
+
+def _config_json(workdir: str, step: int) -> dict | None:
+  import json
+
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    log.warning(
+      "checkpoint %d records no config and there is no %s: the resume is unchecked", step, path
+    )
+    return None
+  log.warning("checkpoint %d records no config: the resume is checked against %s", step, path)
+  with open(path) as f:
+    return {"config": json.load(f)}
+
+
+def sft_key(rec: dict) -> dict:
+  """The fields the SFT warm start is computed from (its cache's key)."""
+  return select(comparable(rec), SFT_FIELDS, _SFT_IGNORED)
+
+
+def eval_key(rec: dict, after_rl: bool) -> dict:
+  """The key of a held-out evaluation's cache: the fields its params were computed from (the SFT
+  warm start's, or after RL every field a resume keeps) and those of the evaluation itself."""
+  fields = comparable(rec)
+  if after_rl:
+    params = {k: v for k, v in fields.items() if not _covered(k, SAFE)}
+  else:
+    params = sft_key(rec)
+  return {**params, **select(fields, EVAL_FIELDS, [s for s in SAFE if s != "eval"])}
+
+
+def cache_changes(saved: dict | None, key: dict) -> str | None:
+  """Why a cache keyed ``saved`` is not the one for ``key`` (None: it is)."""
+  if saved is None:
+    return "it records no config (an older jaxrl wrote it)"
+  changed = changes(saved, key)
+  return f"its config differs: {describe(changed)}" if changed else None

@@ -1,0 +1,224 @@
+"""A resume continues the run its checkpoint records, or is refused: every checkpoint records the
+resolved config (Hub ids as commits); a resume that changes a field outside the safe list stops
+with exit 2 naming the fields, before anything in the workdir is written. The SFT warm start and
+the held-out evaluations are cached with the config they were computed from: a cache of another
+config is computed again, never reused."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from run_helpers import ROOT, read_metrics, tiny_config
+
+from jaxrl.config import ConfigError, to_dict
+from jaxrl.run import cli
+from jaxrl.run.checkpoint import Checkpointer
+from jaxrl.run.train import Trainer
+
+FIRST = {"steps": 2, "sft.steps": 4}  # a short run: 4 SFT steps, 2 RL steps, checkpoint at 2
+
+
+def test_a_resume_with_another_config_is_refused_by_name(tmp_path):
+  workdir = tmp_path / "run"
+  Trainer(tiny_config(**FIRST), str(workdir)).run()
+  with open(workdir / "config.json") as f:
+    first = f.read()
+
+  changed = {
+    "seed": 1,
+    "optim.learning_rate": 1e-3,
+    "loss.kl_coef": 0.1,
+    "rollout.max_staleness": 1,
+    "task.num_train_per_level": 9,
+  }
+  with pytest.raises(ConfigError) as refused:
+    Trainer(tiny_config(**FIRST, **changed), str(workdir))
+  message = str(refused.value)
+  for field, value in changed.items():
+    assert f"{field} " in message and repr(value) in message, (field, message)
+  assert refused.value.fields == sorted(changed)
+  assert "steps, compile_cache, log" in message  # what a resume may change instead
+  with open(workdir / "config.json") as f:
+    assert f.read() == first  # nothing written
+
+  # The command: one line, exit 2.
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "jaxrl.main",
+      "--config=configs/tiny.py:test",
+      f"--workdir={workdir}",
+      "--config.steps=2",
+      "--config.sft.steps=4",
+      "--config.optim.learning_rate=0.001",
+    ],
+    cwd=ROOT,
+    env=dict(os.environ, PYTHONPATH=ROOT),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert out.returncode == 2, out.stderr[-3000:]
+  (line,) = [x for x in out.stderr.splitlines() if x.startswith("jaxrl: error:")]
+  assert "optim.learning_rate 0.0003 → 0.001" in line, line
+
+  # What a resume may change: its length, logging, checkpoint and evaluation cadence, workers.
+  safe = {
+    "steps": 3,
+    "log.tensorboard": False,
+    "log.samples_per_step": 1,
+    "checkpoint.every": 5,
+    "checkpoint.keep": 3,
+    "eval.every": 10,
+    "reward.workers": 2,
+    "compile_cache": str(tmp_path / "programs"),
+  }
+  Trainer(tiny_config(**{**FIRST, **safe}), str(workdir)).run()
+  assert [r["step"] for r in read_metrics(workdir)] == [1, 2, 3]
+
+
+def _lay_out(cache, kind: str, repo: str, files: dict, sha: str):
+  """A snapshot of ``repo`` as huggingface_hub leaves it (``refs/main`` → ``snapshots/<sha>``);
+  ``files``: path → rows written as parquet, or text."""
+  root = cache / f"{kind}s--{repo.replace('/', '--')}"
+  snapshot = root / "snapshots" / sha
+  for name, content in files.items():
+    (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(content, list):
+      pq.write_table(pa.Table.from_pylist(content), snapshot / name)
+    else:
+      (snapshot / name).write_text(content)
+  (root / "refs").mkdir(exist_ok=True)
+  (root / "refs" / "main").write_text(sha)
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+  from huggingface_hub import constants
+
+  path = tmp_path / "hub-cache"
+  path.mkdir()
+  monkeypatch.setattr(constants, "HF_HUB_CACHE", str(path))
+  monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+  return path
+
+
+def _hub_config(cache, sha: str):
+  """A math config on a Hub model and a Hub dataset, both at commit ``sha`` (``refs/main``)."""
+  _lay_out(cache, "model", "acme/tiny", {"config.json": "{}"}, sha)
+  rows = [{"problem": "1 + 1?", "answer": "2"}]
+  _lay_out(cache, "dataset", "acme/math", {"data/train-00000-of-00001.parquet": rows}, sha)
+  cfg = tiny_config()
+  cfg = dataclasses.replace(
+    cfg,
+    model=dataclasses.replace(cfg.model, checkpoint="acme/tiny"),
+    task=dataclasses.replace(cfg.task, name="math"),
+    data=dataclasses.replace(cfg.data, train="hf:acme/math:2"),
+  )
+  return cli.with_local_checkpoint(cfg)  # as jaxrl-train resolves it: the snapshot's directory
+
+
+def test_hub_revisions_are_recorded_and_another_one_is_refused(tmp_path, hub_cache):
+  from jaxrl.run import run_config
+
+  old, new = "a" * 40, "b" * 40
+  first = run_config.record(_hub_config(hub_cache, old))
+  assert first["revisions"] == {"model.checkpoint": f"acme/tiny@{old}", "hf:acme/math": old}
+  directory = str(tmp_path / "checkpoints")
+  ckpt = Checkpointer(directory, keep=1, async_save=False, record=first)
+  ckpt.save(1, {"x": jnp.zeros(2)}, {"step": 1})
+  ckpt.close()
+  reader = Checkpointer.reader(directory)
+  assert reader.recorded_config(1) == first and reader.restore_meta(1) == {"step": 1}
+  reader.close()
+  assert run_config.check_resume(first, directory) == 1  # the same config resumes
+
+  # The Hub's main branch moved on: the same ids now resolve to other commits.
+  again = run_config.record(_hub_config(hub_cache, new))
+  with pytest.raises(run_config.ChangedConfig) as refused:
+    run_config.check_resume(again, directory)
+  assert refused.value.fields == ["model.checkpoint", "revision of hf:acme/math"]
+  assert f"'acme/tiny@{old}' → 'acme/tiny@{new}'" in str(refused.value)
+  assert f"--config.model.checkpoint=acme/tiny@{old} resumes" in str(refused.value)
+  # The same commit in another cache (another machine) is the same model.
+  moved = copy.deepcopy(first)
+  moved["config"]["model"]["checkpoint"] = f"/elsewhere/models--acme--tiny/snapshots/{old}"
+  del moved["revisions"]["model.checkpoint"]
+  assert run_config.resume_changes(first, moved) == []
+
+
+def test_a_checkpoint_without_a_recorded_config_is_checked_against_config_json(tmp_path):
+  from jaxrl.run import run_config
+
+  cfg = tiny_config()
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump(to_dict(cfg), f)
+  directory = str(tmp_path / "checkpoints")
+  ckpt = Checkpointer(directory, keep=1, async_save=False)  # records no config
+  ckpt.save(3, {"x": jnp.zeros(2)}, {"step": 3})
+  ckpt.close()
+  assert run_config.check_resume(run_config.record(cfg), directory) == 3
+  other = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, eps_high=0.3))
+  with pytest.raises(ConfigError, match="loss.eps_high 0.28 → 0.3"):
+    run_config.check_resume(run_config.record(other), directory)
+
+
+def _flat(params):
+  return [np.asarray(x) for x in jax.tree.leaves(params)]
+
+
+def _cached_sft(workdir, caplog, **overrides):
+  """(SFT params, held-out evaluation at the warm start, the log) of a run of ``overrides`` in
+  ``workdir``, reusing or recomputing what the workdir caches."""
+  caplog.clear()
+  trainer = Trainer(tiny_config(**{**FIRST, **overrides}), str(workdir))
+  try:
+    with caplog.at_level(logging.INFO):
+      params = trainer.warm_start(trainer.init_params())
+      result = trainer.evaluate(params, "sft")
+  finally:
+    trainer.compiles.stop()
+    trainer.engine.close()
+    trainer.task.close()
+  return params, result, caplog.text
+
+
+def _mtime(path) -> int:
+  return os.stat(path).st_mtime_ns
+
+
+def test_caches_are_keyed_by_the_config_they_were_computed_from(tmp_path, caplog):
+  workdir = tmp_path / "run"
+  params, result, _ = _cached_sft(workdir, caplog)
+  evaluated = _mtime(workdir / "eval_sft.json")
+
+  # Another RL learning rate: neither the warm start nor its evaluation depends on it.
+  again, same, text = _cached_sft(workdir, caplog, **{"optim.learning_rate": 1e-3})
+  assert "SFT warm start loaded" in text and "evaluating again" not in text
+  assert _mtime(workdir / "eval_sft.json") == evaluated and same == result
+  for a, b in zip(_flat(params), _flat(again)):
+    np.testing.assert_array_equal(a, b)
+
+  # Another k of pass@k: the evaluation is computed again (its cache has no pass@4).
+  _, wider, text = _cached_sft(workdir, caplog, **{"eval.num_samples": 4, "eval.ks": "1,4"})
+  assert "evaluating again" in text and "eval.ks '1,2' → '1,4'" in text
+  assert sorted(wider.pass_at) == [1, 4]
+
+  # Another SFT learning rate: the warm start runs again, and says why.
+  other, _, text = _cached_sft(workdir, caplog, **{"sft.learning_rate": 5e-3})
+  assert "sft.learning_rate 0.01 → 0.005" in text and "the SFT warm start runs again" in text
+  assert any(not np.array_equal(a, b) for a, b in zip(_flat(params), _flat(other)))
+  assert "evaluating again" in text  # its evaluation too
