@@ -16,8 +16,8 @@ import time
 import numpy as np
 import pytest
 
-from jaxrl.tasks.rewards.math import MATH_REWARD, MAX_ANSWER_CHARS, WARM_UP, answer_window
 from jaxrl.tasks.rewards import pool as pool_module
+from jaxrl.tasks.rewards.math import MATH_REWARD, MAX_ANSWER_CHARS, WARM_UP, answer_window
 from jaxrl.tasks.rewards.pool import RewardFnError, VerifierPool, load_reward_fn
 
 CHAOS = "reward_fns:chaos"  # tests/reward_fns.py; tests/ is on sys.path under pytest
