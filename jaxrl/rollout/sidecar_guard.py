@@ -1,20 +1,23 @@
 """Runs under the sidecar's own Python (stdlib only): starts the vLLM server as its child and makes
 sure the server's whole process group goes away with it.
 
-  python sidecar_guard.py TRAINER_PID CLEANUP_DIR SERVER_ARGV...
+  python sidecar_guard.py TRAINER_PID CLEANUP_DIR RUNTIME_DIR SERVER_ARGV...
 
 The guard leads its own process group (the launcher starts it in a new session). It stops the
 server when the trainer asks (SIGTERM from ``Sidecar.stop``) and when the trainer *process* dies,
 however it dies: a watcher thread sees the guard re-parented away from TRAINER_PID (polled; not
 ``PR_SET_PDEATHSIG``, which fires when the *thread* that started the guard exits, so a sidecar
 launched from a short-lived thread would be killed at once). A dead trainer cannot remove its tmpfs
-weight directories: the guard removes CLEANUP_DIR then ("" = nothing to remove).
+weight directories: the guard removes CLEANUP_DIR then ("" = nothing to remove). RUNTIME_DIR (the
+server's socket directory, "" = none) is removed whenever the guard exits after its server: nothing
+in it outlives the server.
 
 Stopping: SIGTERM (and SIGCONT, for a stopped server) to the server, which shuts down in well under
 a second; once it has exited, SIGKILL to the rest of the group (vLLM's engine-core and worker
 processes would otherwise outlive a killed API server) except multiprocessing's resource trackers,
-which exit by themselves after unlinking vLLM's shared memory; all of it after a grace period.
-When the server exits by itself (a crash), the same, and the guard exits with the server's code.
+which exit by themselves after unlinking vLLM's shared memory. After a grace period, SIGKILL to
+every process of the group but the guard, which then cleans up and exits. When the server exits by
+itself (a crash), the same, and the guard exits with the server's code.
 """
 
 import os
@@ -46,6 +49,15 @@ def _rest_of_group() -> list[tuple[int, bytes]]:
   return out
 
 
+def _kill_rest_of_group() -> None:
+  """SIGKILL every other process of this group, at once."""
+  for pid, _ in _rest_of_group():
+    try:
+      os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+
+
 def _end_rest_of_group() -> None:
   """SIGKILL what is left of the group once the server has exited, but let multiprocessing's
   resource trackers finish first: they unlink vLLM's shared-memory segments in /dev/shm when the
@@ -74,7 +86,8 @@ def _pin_cpus() -> None:
 
 
 def main() -> int:
-  trainer_pid, cleanup_dir, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+  trainer_pid, cleanup_dir, runtime_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+  argv = sys.argv[4:]
   _pin_cpus()
   stopping = threading.Event()
   server: list[subprocess.Popen] = []  # set once started; the handlers may run before that
@@ -96,7 +109,7 @@ def main() -> int:
           server[0].send_signal(sig)
       except ProcessLookupError:
         pass
-    killer = threading.Timer(_GRACE_SECONDS, os.killpg, (0, signal.SIGKILL))
+    killer = threading.Timer(_GRACE_SECONDS, _kill_rest_of_group)
     killer.daemon = True
     killer.start()
 
@@ -109,6 +122,8 @@ def main() -> int:
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer's Ctrl-C is the trainer's to handle
   threading.Thread(target=watch_trainer, daemon=True).start()
   if stopping.is_set():
+    if runtime_dir:
+      shutil.rmtree(runtime_dir, ignore_errors=True)
     return 1
   server.append(subprocess.Popen(argv))
   if stopping.is_set():  # stopped while the server was being spawned
@@ -116,6 +131,8 @@ def main() -> int:
   code = server[0].wait()
   signal.signal(signal.SIGTERM, signal.SIG_IGN)
   _end_rest_of_group()
+  if runtime_dir:
+    shutil.rmtree(runtime_dir, ignore_errors=True)
   return code if code >= 0 else 128 - code  # killed by signal N: 128 + N, as a shell reports it
 
 

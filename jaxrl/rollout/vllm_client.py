@@ -6,16 +6,26 @@ at the request's temperature (the server runs with ``--logprobs-mode processed_l
 timeout bounds one whole request (responses are not streamed): it must exceed the slowest rollout
 batch, or a busy server counts as hung.
 
+Servers are named by ``http://`` URLs or, for a server on a Unix socket (a launched sidecar),
+``http+unix://`` URLs (``sidecar.unix_url``).
+
 Failures: a connection refused or reset, a timeout or an HTTP 5xx is retried and then raised as
-``ServerError`` (the server is down or hung: the engine restarts it); an HTTP 4xx is raised at once
-as ``RequestError`` (the request itself is wrong: a restart would not help). For tests,
-``VllmClient.on_requests_sent`` is a one-shot hook that fires while a rollout's requests are in
-flight: deterministic fault injection (e.g. SIGKILL the server at that moment).
+``ServerError`` (the server is down or hung: the engine restarts it), for every request, the GETs
+(``/v1/models``, ``/weight_info``) as the POSTs; an HTTP 4xx is raised at once as ``RequestError``
+(the request itself is wrong: a restart would not help). An answer that cannot be right is
+``SidecarError``, naming the server: a token id outside ``[0, vocab_size)`` (JAX would clamp it
+without a word), a log-prob that is not finite or above ``LOGP_SLACK``, as many log-probs as token
+ids or not. For tests, ``VllmClient.on_requests_sent`` is a one-shot hook that fires while a
+rollout's requests are in flight: deterministic fault injection (e.g. SIGKILL the server at that
+moment).
 
 Weight update without NCCL (works on CPU and GPU; ../shared/spec/SIDECAR.md): the trainer writes
 an HF-layout directory, then per server: pause (finish in-flight requests) → ``reload_weights``
 from that directory → reset the prefix cache (cached KV of the old weights) → set the weight
-version → resume → read the version back (``GET /weight_info``).
+version → resume → read the version back (``GET /weight_info``). A LoRA adapter is loaded under
+its name the same way, and then the path the server lists for that name (``GET /v1/models``:
+``root`` of each adapter) must be the directory just written: a server that already held an
+adapter of that name (refusing the load as "already loaded") would otherwise serve the old one.
 
 The NCCL path (GPU only; ``vllm.weight_transfer = "nccl"``, not built: the config refuses it) would
 be: server started with ``--weight-transfer-config '{"backend":"nccl"}'``; once,
@@ -35,13 +45,20 @@ import functools
 import http.client
 import json
 import logging
+import math
+import os
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable
 
+from jaxrl.rollout.sidecar import SidecarError, urlopen
+
 log = logging.getLogger(__name__)
+
+# The largest log-prob accepted for a sampled token: 0 up to float32 rounding of log_softmax.
+LOGP_SLACK = 1e-4
 
 
 class ServerError(RuntimeError):
@@ -71,7 +88,8 @@ def _then(data: bytes, sent: Callable[[], None]) -> Iterable[bytes]:
   sent()
 
 
-def _post(
+def _call(
+  method: str,
   url: str,
   payload: dict | None,
   timeout: float,
@@ -81,12 +99,12 @@ def _post(
   """``sent``: called once the request has been written, before its answer is awaited;
   ``parse``: the answer is JSON (else it is returned as text)."""
   data = None if payload is None else json.dumps(payload).encode()
-  headers = {"Content-Type": "application/json"}
+  headers = {"Content-Type": "application/json"} if method == "POST" else {}
   if sent is not None and data is not None:
     headers["Content-Length"] = str(len(data))  # an iterable body would be sent chunked otherwise
     data = _then(data, sent)
-  req = urllib.request.Request(url, data=data, method="POST", headers=headers)
-  with urllib.request.urlopen(req, timeout=timeout) as r:
+  req = urllib.request.Request(url, data=data, method=method, headers=headers)
+  with urlopen(req, timeout=timeout) as r:
     body = r.read()
   if not parse:  # the LoRA endpoints answer "Success: ..." as plain text
     return body.decode(errors="replace")
@@ -173,12 +191,19 @@ class VllmClient:
     parse: bool = True,
   ):
     """POST with bounded retries; the error names the endpoint and the last failure. ``sent``,
-    ``parse``: see ``_post`` (``sent`` is called at each attempt that gets its request written)."""
+    ``parse``: see ``_call`` (``sent`` is called at each attempt that gets its request written)."""
+    return self._request("POST", url, path, payload, timeout, sent, parse)
+
+  def get(self, url: str, path: str):
+    """GET a JSON answer, with the retries and error classes of ``post``."""
+    return self._request("GET", url, path, None, None, None, True)
+
+  def _request(self, method, url, path, payload, timeout, sent, parse):
     last = None
     for attempt in range(self.retries + 1):
       try:
-        return _post(
-          f"{url}{path}", payload, self.timeout if timeout is None else timeout, sent, parse
+        return _call(
+          method, f"{url}{path}", payload, self.timeout if timeout is None else timeout, sent, parse
         )
       except urllib.error.HTTPError as e:
         detail = e.read()[:500].decode(errors="replace")
@@ -208,11 +233,12 @@ class VllmClient:
     seed: int,
     top_p: float = 1.0,
     model: str | None = None,
+    vocab_size: int | None = None,
   ) -> list[list[Completion]]:
     """``counts[i]`` completions of each token-id prompt (questions with 0 are skipped), in order.
 
     ``temperature = 0`` is greedy: vLLM then accepts only ``n = 1``, and the one answer stands for
-    all ``counts[i]`` rows.
+    all ``counts[i]`` rows. ``vocab_size``: token ids must lie below it (None: not checked).
     """
     greedy = float(temperature) == 0.0
 
@@ -223,27 +249,35 @@ class VllmClient:
       payload = _completion_payload(
         prompts[i], n, temperature, top_p, max_tokens, stop_token_ids, int(seed) + i, model
       )
-      done = self._send(self.urls[i % len(self.urls)], payload, sent)
+      done = self._send(self.urls[i % len(self.urls)], payload, sent, vocab_size)
       return done * int(counts[i]) if greedy else done
 
     wanted = [i for i in range(len(prompts)) if counts[i] > 0]
     return self._gather(one, wanted, len(prompts))
 
-  def _send(self, url: str, payload: dict, sent: Callable[[], None] | None) -> list[Completion]:
+  def _send(
+    self, url: str, payload: dict, sent: Callable[[], None] | None, vocab_size: int | None
+  ) -> list[Completion]:
     """POST one completion request; its ``payload["n"]`` choices, in vLLM's index order."""
     n = payload["n"]
     body = self.post(url, "/v1/completions", payload, sent=sent)
-    choices = sorted(body["choices"], key=lambda c: c["index"])
-    if len(choices) != n:
-      raise ServerError(f"{url}: asked for n={n} completions, got {len(choices)}")
-    return [
-      Completion(
-        list(c["token_ids"]),
-        [float(x) for x in c["logprobs"]["token_logprobs"]],
-        c.get("finish_reason") or "length",
-      )
-      for c in choices
-    ]
+    try:
+      choices = sorted(body["choices"], key=lambda c: c["index"])
+      out = [
+        Completion(
+          [int(t) for t in c["token_ids"]],
+          [float(x) for x in c["logprobs"]["token_logprobs"]],
+          c.get("finish_reason") or "length",
+        )
+        for c in choices
+      ]
+    except (KeyError, TypeError, ValueError) as e:
+      raise SidecarError(f"{url}: a malformed /v1/completions answer ({e!r})") from None
+    if len(out) != n:
+      raise ServerError(f"{url}: asked for n={n} completions, got {len(out)}")
+    for c in out:
+      _check_completion(url, c, vocab_size)
+    return out
 
   def _gather(
     self, one: Callable[..., list[Completion]], wanted: list[int], size: int
@@ -272,17 +306,24 @@ class VllmClient:
 
   # -- weights -------------------------------------------------------------------------------------
 
+  def served(self, url: str) -> dict[str, str | None]:
+    """What the server serves: model name → its path (``root``; an adapter's ``lora_path``)."""
+    body = self.get(url, "/v1/models")
+    try:
+      return {m["id"]: m.get("root") for m in body["data"]}
+    except (KeyError, TypeError) as e:
+      raise ServerError(f"{url}/v1/models: an unexpected answer ({e!r}): {body!r:.300}") from None
+
   def models(self, url: str) -> list[str]:
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=self.timeout) as r:
-      return [m["id"] for m in json.loads(r.read())["data"]]
+    return list(self.served(url))
 
   def weight_version(self, url: str) -> str | None:
     """The version the server reports (``"default"`` until one is set)."""
+    body = self.get(url, "/weight_info")
     try:
-      with urllib.request.urlopen(f"{url}/weight_info", timeout=self.timeout) as r:
-        return json.loads(r.read())["weight_version"]
-    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:
-      raise ServerError(f"{url}/weight_info: {e!r}") from None
+      return body["weight_version"]
+    except (KeyError, TypeError) as e:
+      raise ServerError(f"{url}/weight_info: an unexpected answer ({e!r}): {body!r:.300}") from None
 
   def _verify(self, url: str, version: str) -> None:
     got = self.weight_version(url)
@@ -312,7 +353,13 @@ class VllmClient:
       self.post(url, "/pause?mode=wait", None)
       try:
         adapter = {"lora_name": name, "lora_path": adapter_dir}
-        self._idempotent(url, "/v1/load_lora_adapter", adapter, lambda: name in self.models(url))
+        loaded = lambda: _same_path(self.served(url).get(name), adapter_dir)  # noqa: E731
+        try:
+          self._idempotent(url, "/v1/load_lora_adapter", adapter, loaded)
+        except RequestError as e:
+          self._check_adapter(url, name, adapter_dir, loaded=False)  # a leftover: say so
+          raise e from None
+        self._check_adapter(url, name, adapter_dir, loaded=True)
         self.post(url, "/reset_prefix_cache", None)
         self.post(url, "/update_weight_version", {"new_version": version})
       finally:
@@ -324,6 +371,20 @@ class VllmClient:
       log.info("%s serves %s", url, ", ".join(self.models(url)))  # the base and `name` alone
 
     list(self._pool.map(one, self.urls))
+
+  def _check_adapter(self, url: str, name: str, adapter_dir: str, *, loaded: bool) -> None:
+    """The server serves ``name`` from ``adapter_dir`` (``loaded``: after a load that went
+    through), or does not serve it at all (after a refused load)."""
+    served = self.served(url).get(name)
+    if served is None and not loaded:
+      return
+    if not _same_path(served, adapter_dir):
+      raise SidecarError(
+        f"{url} serves the LoRA adapter {name!r} from {served}, not from {adapter_dir} just "
+        "written: another run's (or an earlier one's) adapter holds that name on this server"
+        if served is not None
+        else f"{url} accepted the LoRA adapter {name!r} ({adapter_dir}) but does not list it"
+      )
 
   def _idempotent(self, url: str, path: str, payload: dict, done: Callable[[], bool]) -> None:
     """A LoRA load or unload: ``post`` retries a timed-out attempt, and when the first went
@@ -361,3 +422,28 @@ class VllmClient:
       self._verify(url, version)
 
     list(self._pool.map(one, self.urls))
+
+
+def _check_completion(url: str, c: Completion, vocab_size: int | None) -> None:
+  """Refuse a completion that cannot be right: out-of-vocabulary ids, impossible log-probs."""
+  if len(c.token_ids) != len(c.logprobs):
+    raise SidecarError(
+      f"{url}: a completion with {len(c.token_ids)} token ids and {len(c.logprobs)} log-probs"
+    )
+  if vocab_size is not None:
+    bad = [t for t in c.token_ids if not 0 <= t < vocab_size]
+    if bad:
+      raise SidecarError(
+        f"{url}: the server sampled token id {bad[0]}, outside the model's vocabulary "
+        f"[0, {vocab_size}): does it serve this run's model?"
+      )
+  bad = [x for x in c.logprobs if not (math.isfinite(x) and x <= LOGP_SLACK)]
+  if bad:
+    raise SidecarError(
+      f"{url}: the server returned a sampled token's log-prob {bad[0]} (a log-prob is finite "
+      "and <= 0)"
+    )
+
+
+def _same_path(served: str | None, written: str) -> bool:
+  return served is not None and os.path.normpath(served) == os.path.normpath(written)

