@@ -62,8 +62,6 @@ def _need_seconds(value: float, field: str) -> None:
 # the 2-core figure. 512 MiB is ~2.7x that figure: room for other builds, a few more threads and
 # the sympy work of real answers; below it a worker would start on few hosts.
 MIN_REWARD_MEMORY_MB = 512
-# The hosts a launched vLLM server may listen on: its endpoints have no authentication.
-LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,8 +256,6 @@ class VllmSection:
   # "" = launch a server (one per process); else comma-separated URLs to attach to, shared by every
   # process (each host's localhost) or one group per process separated by ";"
   urls: str = ""
-  host: str = "127.0.0.1"  # the dev endpoints have no authentication: never 0.0.0.0 by default
-  port: int = 0  # 0 = a free port
   dtype: VllmDtype = ""  # "" = model.dtype
   max_model_len: int = 0  # 0 = prompt length + the longest response of any phase
   max_num_seqs: int = 64
@@ -283,12 +279,6 @@ class VllmSection:
     _need(self.sync_every >= 1, "vllm.sync_every", "must be >= 1")
     _need(self.max_num_seqs >= 1, "vllm.max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
     _need(
-      bool(self.urls) or self.host.lower() in LOOPBACK_HOSTS,
-      "vllm.host",
-      f"{self.host!r}: a launched server listens on loopback only ({', '.join(LOOPBACK_HOSTS)}): "
-      "its endpoints have no authentication (to use a server elsewhere, attach it with vllm.urls)",
-    )
-    _need(
       all(p.replace("-", "", 1).isdigit() for p in self.cpus.split(",")) if self.cpus else True,
       "vllm.cpus",
       f"{self.cpus!r} is not a list of cores such as '1' or '0,2-3'",
@@ -300,11 +290,6 @@ class VllmSection:
     )
     _need_seconds(self.startup_timeout, "vllm.startup_timeout")
     _need_seconds(self.request_timeout, "vllm.request_timeout")
-    _need(
-      0 <= self.port < 65536,
-      "vllm.port",
-      f"must be a port number (0 = any free port), got {self.port}",
-    )
 
 
 @dataclasses.dataclass(frozen=True)

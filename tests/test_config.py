@@ -38,7 +38,6 @@ def run_main(*flags, workdir):
     (["--config=configs/missing.py"], "missing.py"),
     (["--config=tyni"], "no built-in config"),
     (["--config=tiny:test", "--config.optim.learning_rate=0"], "optim.learning_rate"),
-    (["--config=tiny:test", "--config.vllm.host=0.0.0.0"], "vllm.host"),
     (["--config=tiny:test", "--config.checkpoint.settle_timeout=inf"], "checkpoint.settle_timeout"),
   ],
 )
@@ -116,8 +115,6 @@ BAD_VALUES = [
   ({"checkpoint.settle_timeout": float("inf")}, "checkpoint.settle_timeout"),
   ({"reward.time_limit": float("inf")}, "reward.time_limit"),
   ({"steps": 3, "rollout.max_staleness": 4}, "rollout.max_staleness"),
-  ({"vllm.host": "0.0.0.0"}, "vllm.host"),
-  ({"vllm.host": "10.1.2.3"}, "vllm.host"),
   ({"modulation.gamma": float("nan")}, "modulation.gamma"),  # NaN: never a setting
   ({"data.split": "../train"}, "data.split"),
 ]
@@ -149,9 +146,7 @@ def test_out_of_range_values_are_refused_naming_the_field(overrides, field):
     {"loss.kl_coef": 0.05, "loss.entropy_coef": 0.001},
     {"steps": 3, "rollout.max_staleness": 3},
     {"steps": 0, "rollout.max_staleness": 0},
-    {"vllm.host": "::1"},
-    {"vllm.host": "localhost"},
-    {"vllm.host": "0.0.0.0", "vllm.urls": "http://10.0.0.2:8000"},  # attached, not launched
+    {"vllm.urls": "http://10.0.0.2:8000"},  # attached, not launched
     {"reward.memory_limit_mb": 512},
     {"clip.h_target": float("inf"), "eepo.alpha": float("inf")},  # only timeouts must be finite
   ],

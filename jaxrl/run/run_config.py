@@ -49,8 +49,6 @@ SAFE = (
   # are waited for and retried: the same server serves the same completions.
   "vllm.python",
   "vllm.urls",
-  "vllm.host",
-  "vllm.port",
   "vllm.cpus",
   "vllm.weights_dir",
   "vllm.startup_timeout",

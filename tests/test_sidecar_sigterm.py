@@ -1,0 +1,90 @@
+"""A job-wide SIGTERM (a scheduler's `scancel` or preemption signals every process of the job at
+once: trainer, sidecar guard, vLLM server and its engine processes) ends the run as Ctrl-C does:
+a checkpoint of every trained step, nothing left running or in /dev/shm, exit 0, and the same
+command resumes to the end. With k = 1 a batch is in flight on the rollout thread when it lands."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from run_helpers import ROOT
+
+pytestmark = pytest.mark.slow
+
+FLAGS = [
+  "--config=configs/tiny.py:test",
+  "--config.rollout.engine=vllm",
+  "--config.model.hidden_size=64",
+  "--config.model.head_dim=32",
+  "--config.rollout.max_staleness=1",
+  "--config.checkpoint.every=1000",  # only the stop writes a checkpoint
+  "--config.sft.steps=30",
+]
+STEPS = 40
+
+
+def _start(workdir, steps):
+  return subprocess.Popen(
+    [sys.executable, "-m", "jaxrl.main", *FLAGS, f"--workdir={workdir}", f"--config.steps={steps}"],
+    cwd=ROOT,
+    env=dict(os.environ, PYTHONPATH=ROOT),
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+
+
+def _rows(workdir) -> int:
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    return sum(1 for line in f if line.strip())
+
+
+def _checkpoints(workdir) -> list[int]:
+  directory = os.path.join(workdir, "checkpoints")
+  return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
+
+
+def test_sigterm_to_every_process_of_the_job_ends_like_ctrl_c(tmp_path):
+  from jaxrl.rollout.sidecar import owned_pids
+
+  workdir = tmp_path / "run"
+  shm_before = set(glob.glob("/dev/shm/jaxrl-*"))
+  proc = _start(workdir, STEPS)
+  try:
+    while _rows(workdir) < 2:  # two RL steps done: the sidecar is serving, a batch in flight
+      assert proc.poll() is None, proc.stderr.read()[-3000:]
+      time.sleep(0.05)  # polling for an event (a metrics row), not a timing assumption
+    job = [proc.pid, *owned_pids(proc.pid)]
+    assert len(job) > 2  # the trainer, the guard, the server (and its engine processes)
+    for pid in job:
+      try:
+        os.kill(pid, signal.SIGTERM)
+      except ProcessLookupError:
+        pass
+    err = proc.communicate(timeout=300)[1]
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 0, err[-3000:]
+  trained = _rows(workdir)
+  assert 2 <= trained < STEPS
+  assert _checkpoints(workdir)[-1] == trained, (_checkpoints(workdir), trained, err[-3000:])
+  deadline = time.monotonic() + 60
+  while owned_pids(proc.pid) and time.monotonic() < deadline:  # the guard's own grace period
+    time.sleep(0.2)
+  assert not owned_pids(proc.pid)
+  assert set(glob.glob("/dev/shm/jaxrl-*")) <= shm_before
+  # The same command resumes and finishes (a shorter run of the same config: steps may change).
+  again = _start(workdir, trained + 2)
+  err = again.communicate(timeout=600)[1]
+  assert again.returncode == 0, err[-3000:]
+  assert _rows(workdir) == trained + 2
