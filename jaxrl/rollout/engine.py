@@ -28,6 +28,11 @@ class RolloutEngine(Protocol):
 
   def close(self) -> None: ...
 
+  def stop_restarts(self) -> None:
+    """The run is stopping (a signal): a server that fails from now on is not restarted (the
+    signal may have been the whole job's). Called from a signal handler: it only sets a flag."""
+    ...
+
   def generate(
     self,
     prompt_ids_BxP,
@@ -71,6 +76,9 @@ class JaxEngine:
 
   def close(self) -> None:
     self._params = None
+
+  def stop_restarts(self) -> None:
+    """Nothing to restart: the sampler runs in the trainer."""
 
   def generate(
     self,

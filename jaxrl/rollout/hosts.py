@@ -65,6 +65,9 @@ class PerHostEngine:
   def close(self) -> None:
     self.local.close()
 
+  def stop_restarts(self) -> None:
+    self.local.stop_restarts()
+
   def generate(
     self,
     prompt_ids_BxP,

@@ -159,6 +159,7 @@ class VllmEngine:
     self._pushes = 0
     self._run_id = secrets.token_hex(4)  # in adapter names: unique to this engine
     self._closed = False
+    self._no_restarts = False  # the run is stopping: a failed server stays down
     self.push_seconds: list[float] = []
     self.push_bytes: list[int] = []  # bytes written per push (the adapter files alone with LoRA)
     self._base_dir: str | None = None  # adapter pushes: the base the server was started on
@@ -166,6 +167,11 @@ class VllmEngine:
 
   def _adapter_name(self, push: int) -> str:
     return f"policy-{self._run_id}-{push:06d}"
+
+  def stop_restarts(self) -> None:
+    """From now on a failed server is not restarted: the run is stopping on a signal, which a
+    scheduler sends every process of the job, the server's included."""
+    self._no_restarts = True
 
   def _check_open(self, what: str) -> None:
     if self._closed:
@@ -308,6 +314,8 @@ class VllmEngine:
         self._check_open(f"{what} retry")  # failed because the engine was closed under it
         if self.sidecar is None:
           raise SidecarError(f"{what} failed (attached servers are not restarted): {e}") from None
+        if self._no_restarts:
+          raise SidecarError(f"{what} failed while the run stops (no restart): {e}") from None
         failures += 1
         if failures > self.cfg.max_restarts:
           raise SidecarError(

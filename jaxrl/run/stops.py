@@ -78,8 +78,9 @@ class StopFlag:
 
   SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-  def __init__(self):
+  def __init__(self, on_stop=None):
     self.requested = False
+    self._on_stop = on_stop  # called (once, in the handler) when a stop is requested
     self.signal_name = ""
     self._previous = {}
     try:
@@ -93,6 +94,8 @@ class StopFlag:
       raise KeyboardInterrupt
     self.requested = True
     self.signal_name = signal.Signals(signum).name
+    if self._on_stop is not None:
+      self._on_stop()
     log.warning(
       "%s: finishing this step and saving a checkpoint (again to abort)", self.signal_name
     )

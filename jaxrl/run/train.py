@@ -203,7 +203,8 @@ class Trainer:
     ctx = self.step_context(sft_params)
     ckpt = self._checkpointer()
     start, loop = self._start(ctx, ckpt, sft_params)
-    writer, stop = self._writer(start), StopFlag()
+    # A stop restarts no sidecar: the signal may be the whole job's, which ends the server too.
+    writer, stop = self._writer(start), StopFlag(on_stop=self.engine.stop_restarts)
     nonfinite = NonFiniteGuard(c.optim.max_nonfinite_steps)
     profiler = StepProfiler(self.workdir, c.log.profile_from, c.log.profile_steps)
     try:
