@@ -32,6 +32,7 @@ from jaxrl.types import QuestionStats
 B = 8
 NAN = float("nan")
 P1 = [0.258065, 0.193548, 0.01, 0.01]
+U = float(np.finfo(np.float32).eps) / 2  # u = 2⁻²⁴, float32's unit roundoff
 
 
 def oracle_e3_difficulty(reward_sum, seen):
@@ -139,9 +140,14 @@ def test_e3_bounds_table():
 def test_dynamo_priority_example_p1(jit):
   fn = jax.jit(dynamo_priority) if jit else dynamo_priority
   p = fn(np.int32([32, 32, 32, 32]), np.int32([16, 8, 30, 0]))
-  np.testing.assert_allclose(p, P1, rtol=2e-6)
+  # k·(n − k)/(n·(n − 1)): integer products, exact in float32, and one division, correctly
+  # rounded (≤ u relative; the floor 0.01 rounds by as much): rtol 2u, on any CPU. P1 itself is
+  # printed to 6 digits, 2.0e-6 relative from 192/992: an rtol derived from its digits would
+  # have to exceed that, so the exact fractions are compared.
+  np.testing.assert_allclose(p, [256 / 992, 192 / 992, 0.01, 0.01], rtol=2 * U)
+  np.testing.assert_allclose(p, P1, rtol=2.1e-6)  # the worked example's 6 digits (≤ 2.0e-6)
   p = fn(np.int32([3, 0, 4, 20]), np.int32([1, 0, 2, 17]))  # 17/20 == mastered exactly
-  np.testing.assert_allclose(p, [NAN, NAN, 1 / 3, 0.01], rtol=1e-6)
+  np.testing.assert_allclose(p, [NAN, NAN, 1 / 3, 0.01], rtol=2 * U)
 
 
 _DYNAMO_EXAMPLES = [  # D1, D2, D5, D6
@@ -219,6 +225,8 @@ def test_dynamo_priority_matches_oracle():
   seen = rng.integers(0, 40, 256)
   correct = rng.integers(0, seen + 1)
   got = jax.jit(dynamo_priority)(np.int32(seen), np.int32(correct))
+  # Exact integer products and one correctly rounded division (≤ u relative), the same bits on
+  # every CPU: rtol 1e-6 ≈ 17u.
   np.testing.assert_allclose(
     got, oracle_dynamo_priority(seen.tolist(), correct.tolist()), rtol=1e-6
   )

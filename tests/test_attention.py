@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jaxpr_helpers import output_shapes
+from test_model_layouts import U, chain_terms, entropy_atol, grad_rtol, logp_atol
 
 from jaxrl.nn import attention, model
 from jaxrl.rl import losses, step
@@ -35,6 +36,20 @@ def _qkv(t, s, seed=0):
   return q, k, v, valid
 
 
+def _attention_atol(q, k, v):
+  """How far two float32 evaluations of ``_attend`` on these inputs may lie apart, whatever order
+  their sums run in (a sum of n terms rounds within n·u·Σ|terms|: Higham, Accuracy and Stability,
+  §3.1). A score is a dot of E terms times E^-½, the max subtracted: within ε = (E + 2)·u·M of
+  exact, M the largest Σ_e |q_e·k_e|·E^-½. Scores off by ε move each probability by at most 2ε
+  relative; exp (an ulp or two), the sum over the S slots and the division add (S + 4)·u; the mix
+  Σ_s p_s·v_s is a sum of S terms, within S·u·max|v|. So each side is within
+  (2ε + (2S + 4)·u)·max|v| of exact, and the two within twice that."""
+  q64, k64, v64 = (np.abs(np.asarray(x, np.float64)) for x in (q, k, v))
+  e, s = q64.shape[-1], k64.shape[-1]
+  m = np.einsum("btkae,bkes->bkats", q64, k64).max() * e**-0.5
+  return 2 * (2 * (e + 2) * U * m + (2 * s + 4) * U) * v64.max()
+
+
 @pytest.mark.parametrize("start", [0, 7])  # 0: training (S = T); 7: queries after a cache
 @pytest.mark.parametrize("block", [1, 4, 5, 13])
 def test_blocks_equal_one_pass(block, start):
@@ -43,8 +58,11 @@ def test_blocks_equal_one_pass(block, start):
   one_pass = attention._attend(q, k, v, valid, start)
   blocked = attention.attention(q, k, v, valid, start, block)
   assert blocked.shape == one_pass.shape == (B, t, K, REP, E)
-  # Same einsums on slices: only the matmul's summation order may differ.
-  np.testing.assert_allclose(np.asarray(blocked), np.asarray(one_pass), rtol=0, atol=1e-6)
+  # Same einsums on slices: only the matmuls' summation order may differ (XLA's CPU kernels block
+  # [Z, S] and [T, S] products differently, and differently on AVX2, AVX-512 and AMX machines).
+  np.testing.assert_allclose(
+    np.asarray(blocked), np.asarray(one_pass), rtol=0, atol=_attention_atol(q, k, v)
+  )
   assert np.isfinite(np.asarray(blocked)).all()
 
 
@@ -57,10 +75,16 @@ def test_blocks_give_the_same_gradients():
 
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
+  # The backward adds to the forward's sums (E + 2 for the scores, 2S + 4 for the softmax and
+  # the mix, as in ``_attention_atol``) the transposed ones: E for dP = g·Vᵀ, S for the softmax's
+  # Σ_s p·dP, and S or T for dQ = dS·K, dK = dSᵀ·Q, dV = Pᵀ·g; each side within that many u of
+  # the values' scale (inputs and gradients are O(1) here: at least 1), the two within twice it.
+  e, s, t = q.shape[-1], k.shape[-1], q.shape[1]
+  terms = (e + 2) + (2 * s + 4) + e + s + max(s, t)
   for blocked, one_pass in zip(grads(4), grads(64)):
     scale = float(jnp.max(jnp.abs(one_pass)))
     np.testing.assert_allclose(
-      np.asarray(blocked), np.asarray(one_pass), rtol=0, atol=1e-6 * max(scale, 1.0)
+      np.asarray(blocked), np.asarray(one_pass), rtol=0, atol=2 * terms * U * max(scale, 1.0)
     )
 
 
@@ -110,6 +134,17 @@ RESPONSE_IDS = _rng.integers(1, 64, (R, N)).astype(np.int32)
 RESPONSE_MASK = np.arange(N)[None] < np.array([6, 3, 1, 5])[:, None]
 
 
+def _logits(graphdef, params, slots=P + N, rows=None, tokens=None):
+  """The training forward's logits over the prompts ++ ``tokens`` (the fixed responses by
+  default), at the valid positions: their scale enters the bounds."""
+  rows = np.arange(R) if rows is None else rows
+  tokens = RESPONSE_IDS if tokens is None else np.asarray(tokens)
+  ids = np.concatenate([PROMPT_IDS[rows], tokens], 1)[:, :slots]
+  mask = np.concatenate([PROMPT_MASK[rows], np.ones_like(tokens, bool)], 1)[:, :slots]
+  hidden, lm_head, _ = model.forward(graphdef, params, ids, model.positions_from_mask(mask), mask)
+  return np.asarray(hidden @ lm_head.T)[mask]
+
+
 def _models(scan: bool):
   one_pass = dataclasses.replace(BASE, scan_layers=scan, remat="full" if scan else "none")
   blocked = dataclasses.replace(one_pass, attention_block=2)
@@ -145,12 +180,20 @@ def test_model_loss_and_grads_equal_with_blocks(scan):
   grad_fn = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
   (l1, logp1), g1 = grad_fn(params, graphdef)
   (l2, logp2), g2 = grad_fn(params, blocked_graphdef)
-  np.testing.assert_allclose(np.asarray(logp2), np.asarray(logp1), rtol=0, atol=1e-5)
-  np.testing.assert_allclose(float(l2), float(l1), rtol=1e-5)
+  # Blocks change the order of the attention's sums and so, through the rounding of what they
+  # pass on, every later value: the bounds of a whole forward and backward (test_model_layouts).
+  slots, cfg = P + N, BASE
+  z_scale = float(np.max(np.abs(_logits(graphdef, params)))) / 0.9
+  np.testing.assert_allclose(
+    np.asarray(logp2), np.asarray(logp1), rtol=0, atol=logp_atol(cfg, slots, z_scale)
+  )
+  # The loss: per-token terms of scale ~1 (ratios, advantages, λ·entropy), so the gradient's bound.
+  rtol = grad_rtol(cfg, slots, R * slots)
+  np.testing.assert_allclose(float(l2), float(l1), rtol=rtol, atol=rtol)
   for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1), strict=True):
     scale = float(jnp.max(jnp.abs(b)))
     assert scale > 0
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=rtol * scale)
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan-remat"])
@@ -179,9 +222,17 @@ def test_sampler_equal_with_blocks(scan):
   one_pass, blocked = outs
   np.testing.assert_array_equal(np.asarray(blocked.tokens_RxN), np.asarray(one_pass.tokens_RxN))
   assert len(np.unique(np.asarray(one_pass.tokens_RxN))) > 5  # real samples
-  for name in ("behaviour_logp_RxN", "entropy_RxN"):
+  # Bounds of two forwards summing in other orders (test_model_layouts), over P + 7 slots, at the
+  # scale of the sampled sequences' logits (τ = 1).
+  slots = P + 7
+  z = _logits(graphdef, params, slots, np.repeat(np.arange(R), counts), one_pass.tokens_RxN)
+  z_scale = float(np.max(np.abs(z)))
+  for name, atol in (
+    ("behaviour_logp_RxN", logp_atol(cfg, slots, z_scale)),
+    ("entropy_RxN", entropy_atol(cfg, slots, z_scale)),
+  ):
     np.testing.assert_allclose(
-      np.asarray(getattr(blocked, name)), np.asarray(getattr(one_pass, name)), rtol=0, atol=1e-5
+      np.asarray(getattr(blocked, name)), np.asarray(getattr(one_pass, name)), rtol=0, atol=atol
     )
 
 
@@ -205,7 +256,11 @@ def test_prefill_attends_to_the_prompt_slots_only(scan):
   assert not any(slots in shape for shape in dots), dots  # never [.., P, S]
   hidden, cache = jax.jit(prefill)(params)
   no_cache, _, _ = model.forward(graphdef, params, PROMPT_IDS, positions, jnp.asarray(PROMPT_MASK))
-  np.testing.assert_allclose(np.asarray(hidden), np.asarray(no_cache), rtol=0, atol=1e-5)
+  # The same sums in two programs (jitted with a cache, eager without), which XLA may block and
+  # fuse differently: two forwards within the final norm's output, less the head's D terms.
+  scale = float(np.max(np.abs(np.asarray(no_cache))))
+  atol = 2 * (chain_terms(cfg, P) - cfg.hidden_size) * U * scale
+  np.testing.assert_allclose(np.asarray(hidden), np.asarray(no_cache), rtol=0, atol=atol)
   assert np.asarray(cache.k)[..., :P].any()  # the prompt's keys are in the cache (keys [.., E, S])
   assert not np.asarray(cache.k)[..., P:].any()  # and nothing past them
 
@@ -218,7 +273,8 @@ def test_block_size_must_be_positive():
 @pytest.mark.parametrize("concat_halves", [True, False])
 def test_rope_forms_are_hfs_rotation(concat_halves):
   """Both layouts of ``rope`` rotate (x1, x2) by HF's angles: against a float64 rotate-half, at
-  positions up to 40k (large angles), values and gradients; and the two agree to the last bits."""
+  positions up to 40k (large angles), values and gradients; and the two agree to the rounding of
+  their products."""
   rng = np.random.default_rng(3)
   b, t, h, e = 2, 5, 3, 16
   x = rng.normal(size=(b, t, h, e)).astype(np.float32)
@@ -229,12 +285,21 @@ def test_rope_forms_are_hfs_rotation(concat_halves):
   x1, x2 = x[..., : e // 2].astype(np.float64), x[..., e // 2 :].astype(np.float64)
   expected = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   rot = jax.jit(lambda x: attention.rope(x, positions, inv_freq, concat_halves=concat_halves))
-  np.testing.assert_allclose(np.asarray(rot(jnp.asarray(x))), expected, rtol=0, atol=2e-6)
+  # Elementwise, no sums: an output x1·c − x2·s (or x2·c + x1·s) takes c and s within 2u
+  # absolute (XLA's float32 cos and sin, the same code on every CPU, are within 0.55u of float64's
+  # at these float32 angles), two products and a difference (or FMAs) within u·(|x1| + |x2|) each:
+  # within 4u·(|x1| + |x2|) of the float64 value.
+  atol = 4 * U * float(np.max(np.abs(x1) + np.abs(x2)))
+  np.testing.assert_allclose(np.asarray(rot(jnp.asarray(x))), expected, rtol=0, atol=atol)
   # The rotation is orthogonal: the gradient of <rope(x), w> is rope's transpose applied to w.
   w = rng.normal(size=x.shape).astype(np.float32)
   w1, w2 = w[..., : e // 2].astype(np.float64), w[..., e // 2 :].astype(np.float64)
   expected_grad = np.concatenate([w1 * cos + w2 * sin, w2 * cos - w1 * sin], axis=-1)
   grad = jax.grad(lambda x: jnp.sum(rot(x) * w))(jnp.asarray(x))
-  np.testing.assert_allclose(np.asarray(grad), expected_grad, rtol=0, atol=2e-6)
+  atol = 4 * U * float(np.max(np.abs(w1) + np.abs(w2)))
+  np.testing.assert_allclose(np.asarray(grad), expected_grad, rtol=0, atol=atol)
+  # The two forms take the same c and s and differ only in how the products and the difference
+  # round (FMA contraction): each within 2u·(|x1·c| + |x2·s|) of exact, the two within twice it.
   other = attention.rope(jnp.asarray(x), positions, inv_freq, concat_halves=not concat_halves)
-  np.testing.assert_allclose(np.asarray(rot(jnp.asarray(x))), np.asarray(other), rtol=0, atol=1e-6)
+  atol = 4 * U * float(np.max(np.abs(x1 * cos) + np.abs(x2 * sin)))
+  np.testing.assert_allclose(np.asarray(rot(jnp.asarray(x))), np.asarray(other), rtol=0, atol=atol)

@@ -27,6 +27,18 @@ from jaxrl.rl.losses import (
 
 EPS_LOW, EPS_HIGH, KL_COEF = 0.2, 0.28, 0.05
 T_MAX = 9
+U = float(np.finfo(np.float32).eps) / 2  # u = 2⁻²⁴, float32's unit roundoff
+# A float32 per-token term of the loss (ρ = exp(ℓ − ℓ_old), ρ·A, the clip, a KL estimate, the
+# divisions by the row norm and the denominator) rounds within this many u of its magnitude.
+TERM_ULPS = 10
+
+
+def sum_tol(n_terms, magnitude):
+  """How far a float32 sum of ``n_terms`` such terms, of absolute sum ``magnitude``, may lie from
+  the float64 value whatever order XLA's CPU reduction adds them in (its vectorisation differs
+  on AVX2, AVX-512 and AMX machines): n·u·Σ|terms| for the sum (Higham, Accuracy and Stability,
+  §3.1), TERM_ULPS·u·Σ|terms| for the terms themselves."""
+  return (n_terms + TERM_ULPS) * U * magnitude
 
 
 # ---------------------------------------------------------------- oracles (float64, loops)
@@ -69,6 +81,9 @@ def oracle_loss(b, cfg, eps_low, eps_high, kl_coef, ent_coef):
   total = 0.0
   g_logp, g_ent = np.zeros((R, T)), np.zeros((R, T))
   m = dict(tokens=0, clipped=0, dual=0, ratio=0.0, kl=0.0, ent=0.0, pg=0.0)
+  # Σ|term| of each sum, the scale of its float32 rounding: the loss's (every term it adds), the
+  # policy-gradient part's, and the KL's (of exp(d), d and 1 for k3, where they cancel).
+  m.update(loss_mag=0.0, pg_mag=0.0, kl_mag=0.0)
   for r in rows:
     norm = {
       "token-mean": 1.0,
@@ -87,19 +102,22 @@ def oracle_loss(b, cfg, eps_low, eps_high, kl_coef, ent_coef):
       dual = cfg.dual_clip is not None and a < 0 and cfg.dual_clip * a > obj
       if dual:
         obj, grad_obj = cfg.dual_clip * a, 0.0
-      kl = dkl = 0.0
+      kl = dkl = kl_mag = 0.0
       if cfg.use_kl:
         d = ref - lp
-        kl, dkl = {
-          "k1": (-d, 1.0),
-          "k2": (0.5 * d * d, -d),
-          "k3": (math.exp(d) - d - 1, 1 - math.exp(d)),
+        kl, dkl, kl_mag = {
+          "k1": (-d, 1.0, abs(d)),
+          "k2": (0.5 * d * d, -d, 0.5 * d * d),
+          "k3": (math.exp(d) - d - 1, 1 - math.exp(d), math.exp(d) + abs(d) + 1),
         }[cfg.kl_estimator]
       if denom > 0:
         total += (-obj + kl_coef * kl - ent_coef * h) / norm / denom
         g_logp[r, t] = (-grad_obj + kl_coef * dkl) / norm / denom
         g_ent[r, t] = -ent_coef / norm / denom
         m["pg"] += -obj / norm / denom
+        m["pg_mag"] += abs(obj) / norm / denom
+        m["loss_mag"] += (abs(obj) + kl_coef * kl_mag + ent_coef * abs(h)) / norm / denom
+      m["kl_mag"] += kl_mag
       m["tokens"] += 1
       m["clipped"] += clipped < unclipped
       m["dual"] += dual
@@ -149,6 +167,12 @@ def make_batch(seed, R=12, T=7, pad_rows=2):
   )
 
 
+def _as_float32(x):
+  """A batch entry as the library gets it (float arrays rounded to float32), in float64."""
+  x = np.asarray(x)
+  return x.astype(np.float32).astype(np.float64) if x.dtype.kind == "f" else x
+
+
 def as_jnp(b):
   f = lambda k: jnp.asarray(b[k], jnp.float32)
   return dict(
@@ -189,12 +213,18 @@ def test_group_advantages_match_oracle(scale_by_std):
     want = oracle_advantages(
       b["rewards"], b["gids"], b["num_groups"], scale_by_std, valid=b["valid"]
     )
+    # Integer rewards: counts and sums are exact in any order; the one rounded sum is Σ(r − mean)²
+    # over a group's ≤ 6 members. With the mean, the difference, the square, the variance's
+    # division, sqrt, + eps and the final division, an advantage is within ~20u ≈ 1.2e-6 of its
+    # magnitude (≤ 2), inside rtol 1e-6 + atol 1e-6 (and the same on every CPU: XLA's scatter-add
+    # runs in index order).
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
     assert np.all(np.asarray(got)[~b["valid"]] == 0)
 
 
 def test_group_advantages_small_cases():
-  # Sizes 3, 1, 2 (uneven, one singleton) with default all-valid mask.
+  # Sizes 3, 1, 2 (uneven, one singleton) with default all-valid mask. Worked values: a handful
+  # of float32 operations each, within a few u (rtol 1e-6 ≈ 17u).
   adv = np.asarray(group_advantages([1.0, 0.0, 0.0, 1.0, 0.5, 1.5], [0, 0, 0, 1, 2, 2], 3))
   s3, s2 = math.sqrt(1 / 3) + 1e-6, math.sqrt(0.5) + 1e-6
   np.testing.assert_allclose(
@@ -218,6 +248,17 @@ _R, _NG = 16, 5
 _adv_jit = jax.jit(group_advantages, static_argnames=("num_groups", "scale_by_std"))
 
 
+def _adv_error(max_abs_reward):
+  """A bound on |float32 advantage − exact| for integer rewards of magnitude ≤ ``max_abs_reward``
+  and ranges ≤ 5, in groups of n ≤ 16 (so σ ≥ 1/4 when not constant, |A| ≤ (n − 1)/√n < 3.75).
+  Counts and sums are integers, exact; the mean rounds by ≤ u·max|r|, and r − mean by ≤ 5u more:
+  Δd ≤ (max|r| + 5)·u. Σd² then moves by ≤ 2·Δd·Σ|d| + (n + 1)·u·Σd², and Σ|d| ≤ √(n·Σd²) with
+  Σd² ≥ (n − 1)/16 gives Σ|d|/Σd² < 6: relatively ≤ 12·Δd + 17u; σ (a division, sqrt, + eps) ≤
+  half that + 3u. So |ΔA| ≤ Δd/σ + |A|·Δσ/σ + u·|A| ≤ 4·Δd + 3.75·(6·Δd + 12.5u)."""
+  dd = (max_abs_reward + 5) * U
+  return 4 * dd + 3.75 * (6 * dd + 12.5 * U)
+
+
 @settings(max_examples=150, deadline=None)
 @given(
   gids=st.lists(st.integers(0, _NG - 1), min_size=_R, max_size=_R),
@@ -230,20 +271,23 @@ def test_group_advantages_properties(gids, rewards, valid, shift):
   g, v = np.array(gids, np.int32), np.array(valid)
   adv = np.asarray(_adv_jit(r, g, num_groups=_NG, scale_by_std=True, valid_R=v))
   dr = np.asarray(_adv_jit(r, g, num_groups=_NG, scale_by_std=False, valid_R=v))
-  np.testing.assert_allclose(adv, oracle_advantages(r, g, _NG, True, valid=v), atol=1e-5)
-  np.testing.assert_allclose(dr, oracle_advantages(r, g, _NG, False, valid=v), atol=1e-5)
+  err = _adv_error(3)  # 1.5e-5; Dr.GRPO's r − mean is within its Δd alone
+  np.testing.assert_allclose(adv, oracle_advantages(r, g, _NG, True, valid=v), rtol=0, atol=err)
+  np.testing.assert_allclose(dr, oracle_advantages(r, g, _NG, False, valid=v), rtol=0, atol=err)
   for k in range(_NG):
     sel = v & (g == k)
     if sel.sum() >= 2 and r[sel].max() > r[sel].min():
-      # Integer rewards: std ≥ 0.25, so the eps shrinkage is ≤ 4e-6.
-      assert abs(adv[sel].mean()) < 1e-5 and abs(dr[sel].mean()) < 1e-5
-      assert abs(adv[sel].std(ddof=1) - 1.0) < 1e-5
+      # Exactly, the advantages have mean 0 and std σ/(σ + eps) ≥ 1 − 4e-6 (integer rewards:
+      # σ ≥ 0.25); each is within err of exact, which moves the mean by ≤ err and the std(ddof=1)
+      # by ≤ √(n/(n − 1))·err ≤ 1.04·err.
+      assert abs(adv[sel].mean()) <= err and abs(dr[sel].mean()) <= err
+      assert abs(adv[sel].std(ddof=1) - 1.0) <= 4e-6 + 1.04 * err
     else:
       assert np.all(adv[sel] == 0) and np.all(dr[sel] == 0)
   assert np.all(adv[~v] == 0)
-  # Shifting every reward leaves the advantages unchanged.
+  # Shifting every reward leaves the advantages unchanged: each side within its bound of exact.
   shifted = np.asarray(_adv_jit(r + shift, g, num_groups=_NG, scale_by_std=True, valid_R=v))
-  np.testing.assert_allclose(shifted, adv, atol=1e-5)
+  np.testing.assert_allclose(shifted, adv, rtol=0, atol=err + _adv_error(3 + abs(shift)))
 
 
 # ---------------------------------------------------------------- loss vs oracle
@@ -268,24 +312,32 @@ def test_grpo_loss_matches_oracle(aggregation, dual_clip, kl, ent_coef, informat
   b = make_batch(7, R=20)
   hp = LossHparams.create(EPS_LOW, EPS_HIGH, KL_COEF, ent_coef)
   loss, metrics, (g_logp, g_ent), denom = run_loss(as_jnp(b), hp, cfg)
-  w_loss, w_glogp, w_gent, w_denom, wm = oracle_loss(b, cfg, EPS_LOW, EPS_HIGH, KL_COEF, ent_coef)
+  # The oracle on the float32 inputs the library gets, so only float32 arithmetic is measured.
+  b32 = {k: _as_float32(v) for k, v in b.items()}
+  w_loss, w_glogp, w_gent, w_denom, wm = oracle_loss(b32, cfg, EPS_LOW, EPS_HIGH, KL_COEF, ent_coef)
   assert wm["clipped"] > 0 and (dual_clip is None or wm["dual"] > 0)  # the cases are exercised
   assert float(denom) == w_denom
-  np.testing.assert_allclose(float(loss), w_loss, rtol=1e-5, atol=1e-7)
+  n = wm["tokens"]  # every sum below runs over at most the n tokens
+  np.testing.assert_allclose(float(loss), w_loss, rtol=0, atol=sum_tol(n, wm["loss_mag"]))
+  # Per token, no sum: TERM_ULPS·u ≈ 6e-7 of each value (k3's 1 − e^d cancels, but is scaled by
+  # β/(norm·denom) far below atol).
   np.testing.assert_allclose(np.asarray(g_logp), w_glogp, rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(np.asarray(g_ent), w_gent, rtol=1e-5, atol=1e-7)
   fin = finalize_metrics(metrics)
-  n = wm["tokens"]
   assert float(fin["token_count"]) == n
+  # Counts of the same float32 decisions (the oracle's inputs are the library's): one division.
   np.testing.assert_allclose(float(fin["clip_frac"]), wm["clipped"] / n, rtol=1e-6)
   np.testing.assert_allclose(float(fin["dual_clip_frac"]), wm["dual"] / n, rtol=1e-6)
-  np.testing.assert_allclose(float(fin["ratio_mean"]), wm["ratio"] / n, rtol=1e-5)
-  np.testing.assert_allclose(float(fin["kl"]), wm["kl"] / n, rtol=1e-5, atol=1e-7)
-  np.testing.assert_allclose(float(fin["entropy"]), wm["ent"] / n, rtol=1e-5)
-  np.testing.assert_allclose(float(fin["pg_loss"]), wm["pg"], rtol=1e-5, atol=1e-7)
-  np.testing.assert_allclose(
-    float(fin["pg_loss"] + fin["kl_loss"] + fin["entropy_loss"]), float(loss), rtol=1e-6, atol=1e-7
-  )
+  # Sums of positive terms (ρ, entropies) are within sum_tol of themselves; the KL's terms
+  # cancel (k3, k1's signs): the scale is kl_mag; the surrogate's signs cancel too: pg_mag.
+  np.testing.assert_allclose(float(fin["ratio_mean"]), wm["ratio"] / n, rtol=sum_tol(n, 1.0))
+  kl_tol = sum_tol(n, wm["kl_mag"] / n)
+  np.testing.assert_allclose(float(fin["kl"]), wm["kl"] / n, rtol=0, atol=kl_tol)
+  np.testing.assert_allclose(float(fin["entropy"]), wm["ent"] / n, rtol=sum_tol(n, 1.0))
+  np.testing.assert_allclose(float(fin["pg_loss"]), wm["pg"], rtol=0, atol=sum_tol(n, wm["pg_mag"]))
+  # The loss is these three float32 values added in the program's order, which the eager sum
+  # here repeats: the same additions of the same values, bit for bit.
+  assert float(fin["pg_loss"] + fin["kl_loss"] + fin["entropy_loss"]) == float(loss)
 
 
 @pytest.mark.parametrize("aggregation", AGGS)
@@ -299,8 +351,13 @@ def test_micro_batches_equal_one_batch(aggregation):
     max_response_len=T_MAX,
   )
   hp = LossHparams.create(EPS_LOW, EPS_HIGH, KL_COEF, 0.01)
-  j = as_jnp(make_batch(3, R=16))
+  b = make_batch(3, R=16)
+  j = as_jnp(b)
   loss, metrics, (g_logp, g_ent), denom = run_loss(j, hp, cfg)
+  # Σ|term| of each sum, from the oracle on the same float32 inputs.
+  b32 = {k: _as_float32(v) for k, v in b.items()}
+  *_, wm = oracle_loss(b32, cfg, EPS_LOW, EPS_HIGH, KL_COEF, 0.01)
+  n = wm["tokens"]
   acc_loss, acc_metrics = 0.0, LossMetrics.zeros()
   acc_glogp, acc_gent = [], []
   for i in range(4):
@@ -309,12 +366,27 @@ def test_micro_batches_equal_one_batch(aggregation):
     acc_loss, acc_metrics = acc_loss + l, acc_metrics + m
     acc_glogp.append(gl)
     acc_gent.append(ge)
-  assert abs(float(acc_loss) - float(loss)) <= 1e-6
+  # The same terms summed in 4 parts and then across them: each side within sum_tol (n + 3
+  # terms for the accumulation) of exact, the two within twice it.
+  assert abs(float(acc_loss) - float(loss)) <= 2 * sum_tol(n + 3, wm["loss_mag"])
+  # Per-token gradients are elementwise (no sum crosses rows): the same operations on the same
+  # values, hence equal bit for bit; the atol only states that.
   np.testing.assert_allclose(np.concatenate(acc_glogp), np.asarray(g_logp), rtol=0, atol=1e-6)
   np.testing.assert_allclose(np.concatenate(acc_gent), np.asarray(g_ent), rtol=0, atol=1e-6)
+  # Metrics: sums over the tokens (finalize_metrics divides by the exact count), their scale the
+  # oracle's: Σ|term| per sum, or the count itself for the counts and positive sums (ρ, H ≤ 3).
+  scale = {
+    "pg_loss": wm["pg_mag"],
+    "kl_loss": KL_COEF * wm["kl_mag"] / float(denom),
+    "entropy_loss": 0.01 * 3 * n / float(denom),
+    "kl": wm["kl_mag"] / n,
+    "ratio_mean": wm["ratio"] / n,
+    "entropy": 3.0,
+  }
   for k, v in finalize_metrics(metrics).items():
+    atol = 2 * sum_tol(n + 3, scale.get(k, 1.0))
     np.testing.assert_allclose(
-      float(finalize_metrics(acc_metrics)[k]), float(v), rtol=1e-5, atol=1e-7, err_msg=k
+      float(finalize_metrics(acc_metrics)[k]), float(v), rtol=0, atol=atol, err_msg=k
     )
 
 

@@ -44,6 +44,63 @@ def oracle_modulate(adv, logp, old, ent, mask, eps_low, eps_high, alpha=0.4, gam
 
 
 MODULATE = jax.jit(dynamo_modulate)
+U = float(np.finfo(np.float32).eps) / 2  # u = 2⁻²⁴, float32's unit roundoff
+
+
+def _f32(x):
+  """Values (arrays or scalars) as the library gets them: rounded to float32, held in float64."""
+  return np.asarray(np.asarray(x, np.float32), np.float64)
+
+
+def _assert_within(actual, expected, bound, what=""):
+  """|actual − expected| ≤ bound, elementwise (``bound`` an array or a scalar)."""
+  excess = np.abs(np.asarray(actual, np.float64) - np.asarray(expected, np.float64)) - bound
+  assert np.all(excess <= 0), (what, float(np.max(excess)))
+
+
+def modulate_error_bound(adv, logp, old, ent, mask, eps_low, eps_high, alpha, gamma, tau):
+  """Elementwise |float32 dynamo_modulate − exact| for float32 inputs, to first order, step by
+  step as the library computes (a float32 operation rounds within u of its result; XLA's exp
+  within 3u; the row mean of t1 is a sum of ≤ T terms, within T·u·Σ|t1| in any order: Higham,
+  Accuracy and Stability, §3.1 — the one sum here whose order a CPU may change). Maxima, minima
+  and the masks are exact. f's sigmoid of slope γ amplifies the error of x = Ξ/max Ξ by |f'(x)| =
+  (1 − λ)·γ·s·(1 − s). Also asserts that no token's clip decision (ρ against 1 ± ε) lies within
+  ρ's rounding of its threshold, so the branches taken are the oracle's on any CPU."""
+  a = np.asarray(adv, np.float64)[:, None] * np.ones_like(mask)
+  on = mask > 0
+  lp, o, h = (np.where(on, x, 0.0) for x in (logp, old, ent))
+  rho = np.exp(lp - o)
+  e_rho = (np.abs(lp - o) + 4) * U * rho
+  hi, lo = 1 + eps_high, 1 - eps_low
+  near = on & (((a > 0) & (np.abs(rho - hi) <= e_rho)) | ((a < 0) & (np.abs(rho - lo) <= e_rho)))
+  assert not near.any(), "a clip decision lies within rounding of its threshold"
+  keep = ((a > 0) & (rho <= hi)) | ((a < 0) & (rho >= lo))
+  xi = np.where(keep, rho * a, 0.0)
+  e_xi = np.where(keep, (e_rho + U * rho) * np.abs(a), 0.0)
+  t1 = np.exp(lp) * (lp + h)
+  e_t1 = 5 * U * np.abs(t1)
+  n = np.maximum(mask.sum(1, keepdims=True), 1)
+  mean = (t1 * mask).sum(1, keepdims=True) / n
+  e_mean = (
+    (e_t1 * mask).sum(1, keepdims=True) + n * U * (np.abs(t1) * mask).sum(1, keepdims=True)
+  ) / n
+  e_mean += U * np.abs(mean)
+  dev = t1 - mean
+  e_dev = e_t1 + e_mean + U * np.abs(dev)
+  big = np.abs(xi * dev) * mask
+  e_big = (np.abs(xi) * e_dev + np.abs(dev) * e_xi + U * big) * mask
+  den = big.max() + 1e-8
+  x = big / den
+  e_x = (e_big + x * (e_big.max() + U * den)) / den + U * x
+  s = 1 / (1 + np.exp(gamma * (x - tau)))
+  f = (1 - alpha) + alpha * s
+  e_f = alpha * gamma * s * (1 - s) * (e_x + U * np.abs(x - tau)) + 8 * U * f
+  h_on = h[on]
+  rng = h_on.max() - h_on.min() + 1e-8 if on.any() else 1.0
+  g = np.where(a > 0, 1 + alpha * (h_on.max() - h) / rng if on.any() else 1.0, 1.0)
+  e_g = np.where(a > 0, 4 * U * g, 0.0)
+  out = a * f * g
+  return (np.abs(a) * (e_f * g + f * e_g) + 2 * U * np.abs(out)) * mask
 
 
 def _random_batch(seed, equal_entropy=False):
@@ -86,6 +143,8 @@ def test_worked_example_m1():
     0.28,
   )
   expected = [[1.377778, 1.111111, 1.4], [-0.301339, -0.314332, 0.0]]
+  # Worked values printed to 6 decimals (≤ 5e-7), a few float32 operations each (the sigmoid's
+  # slope γ·α/4 = 5 times a few u): atol 1e-5 holds with room on any CPU.
   np.testing.assert_allclose(np.asarray(out), expected, rtol=0, atol=1e-5)
 
 
@@ -94,15 +153,21 @@ def test_worked_example_m1():
 @pytest.mark.parametrize("gamma,tau", [(50.0, 0.9), (5.0, 0.3)])  # the soft one varies f widely
 def test_matches_python_loop_oracle(seed, equal_entropy, gamma, tau):
   adv, logp, old, ent, mask, logp_in, ent_in = _random_batch(seed, equal_entropy)
-  expected = oracle_modulate(adv, logp, old, ent, mask, 0.2, 0.28, 0.4, gamma, tau)
+  # The oracle on the float32 inputs and hyperparameters the library gets: only float32
+  # arithmetic separates them, within ``modulate_error_bound``.
+  args = tuple(_f32(x) for x in (adv, logp, old, ent)) + (mask,)
+  hyper = tuple(float(_f32(x)) for x in (0.2, 0.28, 0.4, gamma, tau))
+  expected = oracle_modulate(*args, *hyper)
   out = np.asarray(_call(adv, logp_in, old, ent_in, mask, gamma=gamma, tau=tau))
   assert out.shape == (R, T) and np.all(np.isfinite(out))
-  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+  _assert_within(out, expected, modulate_error_bound(*args, *hyper))
   assert np.all(out[mask == 0] == 0) and np.all(out[2] == 0)  # masked tokens and A = 0
   assert np.all(np.sign(out[mask > 0]) == np.sign(np.broadcast_to(adv[:, None], (R, T))[mask > 0]))
   # f ∈ [1−α, 1] and g ∈ [1, 1+α]: |A_final/A| ∈ [0.6, 1.4]; A < 0 gets no compensation (≤ 1).
   on = (mask > 0) & (adv[:, None] != 0)
   ratio = out[on] / np.broadcast_to(adv[:, None], (R, T))[on]
+  # f·g within its bounds exactly; A·f·g rounds twice, A/adv once more (float32 vs float64 adv),
+  # and f, g a few times each: 1e-6 ≈ 17u leaves room for all of them.
   assert np.all(ratio >= 0.6 - 1e-6) and np.all(ratio <= 1.4 + 1e-6)
   assert np.all(out[3][mask[3] > 0] / adv[3] <= 1 + 1e-6)
   if equal_entropy:  # no entropy range: g ≡ 1, so nothing grows
@@ -113,13 +178,15 @@ def test_hyperparameters_are_traced_and_used():
   adv, logp, old, ent, mask, _, _ = _random_batch(7)
   chex.clear_trace_counter()
   modulate = jax.jit(chex.assert_max_traces(dynamo_modulate, n=1))  # a second trace raises
+  args = tuple(_f32(x) for x in (adv, logp, old, ent)) + (mask,)
   for eps_low, eps_high, alpha in [(0.2, 0.28, 0.4), (0.1, 0.1, 0.2), (0.3, 0.5, 0.0)]:
     out = np.asarray(_call(adv, logp, old, ent, mask, eps_low, eps_high, alpha, fn=modulate))
-    expected = oracle_modulate(adv, logp, old, ent, mask, eps_low, eps_high, alpha)
-    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
-  # α = 0: both factors are exactly 1.
+    hyper = tuple(float(_f32(x)) for x in (eps_low, eps_high, alpha, 50.0, 0.9))
+    expected = oracle_modulate(*args, *hyper)
+    _assert_within(out, expected, modulate_error_bound(*args, *hyper))
+  # α = 0: both factors are exactly 1 (f = 1 + 0·s, g = 1 + 0·…), so A·f·g is float32(A) exactly.
   out = np.asarray(_call(adv, logp, old, ent, mask, 0.2, 0.28, 0.0))
-  np.testing.assert_allclose(out, adv[:, None] * mask, rtol=1e-6, atol=0)
+  np.testing.assert_allclose(out, _f32(adv)[:, None] * mask, rtol=0, atol=0)
 
 
 def test_all_masked_batch_is_zero_and_finite():
@@ -190,7 +257,7 @@ def test_grpo_uses_per_token_advantages():
 
   value, grad = jax.value_and_grad(loss)(logp)
   a, lp, lo, m = (np.asarray(x, np.float64) for x in (adv_rxt, logp, old, mask))
-  total, g = 0.0, np.zeros((R, T))
+  total, magnitude, g = 0.0, 0.0, np.zeros((R, T))
   for i in range(R):
     for t in range(T):
       if not m[i, t]:
@@ -198,8 +265,15 @@ def test_grpo_uses_per_token_advantages():
       rho = math.exp(lp[i, t] - lo[i, t])
       clipped = min(max(rho, 0.8), 1.28)
       total += min(rho * a[i, t], clipped * a[i, t])
+      magnitude += abs(min(rho * a[i, t], clipped * a[i, t]))
       # The unclipped branch is the active min (or ties) iff the clip does not bind.
       if rho * a[i, t] <= clipped * a[i, t]:
         g[i, t] = -rho * a[i, t] / m.sum()
-  np.testing.assert_allclose(float(value), -total / m.sum(), rtol=1e-5)
+  # The same float32 inputs on both sides. The value sums n signed per-token terms (ρ = exp of a
+  # difference, the clip, ·A: ≤ 6u each): within (n + 6)·u·Σ|terms| in any order (Higham,
+  # Accuracy and Stability, §3.1), divided by the exact count. A gradient entry is elementwise,
+  # −ρ·A/n: within a few u of itself (rtol 1e-5 ≈ 170u).
+  n = m.sum()
+  atol = (n + 6) * U * magnitude / n
+  np.testing.assert_allclose(float(value), -total / n, rtol=0, atol=atol)
   np.testing.assert_allclose(np.asarray(grad), g, rtol=1e-5, atol=1e-7)

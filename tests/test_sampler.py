@@ -17,6 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jaxpr_helpers import output_shapes  # noqa: E402
+from test_model_layouts import U, chain_terms, entropy_atol, logp_atol  # noqa: E402
 
 from jaxrl.nn import model  # noqa: E402
 from jaxrl.rollout import sampler  # noqa: E402
@@ -119,11 +120,20 @@ def test_logp_and_entropy_equal_training_forward(tiny, tau):
   mask = np.asarray(out.mask_RxN)
   want_logp = np.take_along_axis(logp_ref, tokens[..., None], -1)[..., 0]
   want_entropy = -(np.exp(logp_ref) * logp_ref).sum(-1)
+  # Two float32 forwards (the cached decode, the training forward) of the same sums in other
+  # orders, over P + N slots; the reference's log-softmax runs in float64 (test_model_layouts).
+  z_scale = float(np.max(np.abs(_teacher_forced_logits(tiny, out)[mask]))) / tau
   np.testing.assert_allclose(
-    np.asarray(out.behaviour_logp_RxN)[mask], want_logp[mask], atol=1e-5, rtol=0
+    np.asarray(out.behaviour_logp_RxN)[mask],
+    want_logp[mask],
+    atol=logp_atol(CFG, P + N, z_scale),
+    rtol=0,
   )
   np.testing.assert_allclose(
-    np.asarray(out.entropy_RxN)[mask], want_entropy[mask], atol=1e-5, rtol=0
+    np.asarray(out.entropy_RxN)[mask],
+    want_entropy[mask],
+    atol=entropy_atol(CFG, P + N, z_scale),
+    rtol=0,
   )
   assert np.all(np.asarray(out.behaviour_logp_RxN)[~mask] == 0)
   assert np.all(np.asarray(out.entropy_RxN)[~mask] == 0)
@@ -149,15 +159,20 @@ def test_decode_segments_equal_one_loop(tiny, monkeypatch):
   jax.clear_caches()  # the constant is read at trace time
   one_loop = _gen(tiny, [2, 1, 3], key=3, n=n, eos=CFG.vocab_size)
   np.testing.assert_array_equal(segmented.tokens_RxN, one_loop.tokens_RxN)
-  for got, want in [
-    (segmented.behaviour_logp_RxN, one_loop.behaviour_logp_RxN),
-    (segmented.entropy_RxN, one_loop.entropy_RxN),
+  # float32: the softmax sums over fewer (masked, exactly 0) slots in another order, and the
+  # rounding of that passes on: two forwards over P + n slots (test_model_layouts).
+  logits = _teacher_forced_logits(tiny, segmented)
+  z_scale = float(np.max(np.abs(logits)))
+  for got, want, atol in [
+    (segmented.behaviour_logp_RxN, one_loop.behaviour_logp_RxN, logp_atol(CFG, P + n, z_scale)),
+    (segmented.entropy_RxN, one_loop.entropy_RxN, entropy_atol(CFG, P + n, z_scale)),
   ]:
-    # float32: the softmax sums over fewer (masked, exactly 0) slots in another order
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
-  logp_ref = _np_log_softmax(_teacher_forced_logits(tiny, segmented))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=atol)
+  logp_ref = _np_log_softmax(logits)
   want_logp = np.take_along_axis(logp_ref, np.asarray(segmented.tokens_RxN)[..., None], -1)[..., 0]
-  np.testing.assert_allclose(segmented.behaviour_logp_RxN, want_logp, rtol=0, atol=1e-5)
+  np.testing.assert_allclose(
+    segmented.behaviour_logp_RxN, want_logp, rtol=0, atol=logp_atol(CFG, P + n, z_scale)
+  )
 
 
 def test_per_row_eos_stop(tiny):
@@ -291,9 +306,21 @@ def test_same_key_same_samples(tiny):
   assert not np.array_equal(a.tokens_RxN, c.tokens_RxN)
 
 
+def _assert_argmax_is_decided(logits, mask, gap):
+  """Greedy choices of two programs agree on every CPU only if, at each step, the top logit leads
+  the next by more than twice the programs' logits ``gap`` (each logit may move by it)."""
+  top2 = np.sort(np.asarray(logits, np.float64), axis=-1)[..., -2:][np.asarray(mask, bool)]
+  lead = float(np.min(top2[:, 1] - top2[:, 0]))
+  assert lead > 2 * gap, (lead, gap)
+
+
 def test_tiny_top_p_is_greedy(tiny):
   nucleus = _gen(tiny, [2, 1, 3], key=9, tau=1.0, top_p=1e-6)
   greedy = _gen(tiny, [2, 1, 3], tau=1.0, greedy=True)
+  # Two sampler programs (their forwards may sum in other orders): each choice must be decided.
+  logits = _teacher_forced_logits(tiny, greedy)
+  gap = 2 * chain_terms(CFG, P + N) * U * float(np.max(np.abs(logits)))
+  _assert_argmax_is_decided(logits, greedy.mask_RxN, gap)
   np.testing.assert_array_equal(nucleus.tokens_RxN, greedy.tokens_RxN)
   np.testing.assert_array_equal(nucleus.mask_RxN, greedy.mask_RxN)
   # logp stays that of the full softmax(z/τ), not of the one-token nucleus (which would be 0).
@@ -323,6 +350,10 @@ def test_one_step_samples_follow_softmax_at_tau(tiny):
   z = np.asarray(_full_logits(*tiny, ids, mask)[0, -1], np.float64)
   probs = np.exp(_np_log_softmax(z / tau))
   wrong_tau = np.exp(_np_log_softmax(z / 0.8))
+  # The sampler's logits (a cached prefill) and these (the training forward) are two forwards: a
+  # probability moves by up to 2× their logits' gap, relative, besides the sampler's own sums.
+  logits_gap = 2 * chain_terms(CFG, 4) * U * float(np.max(np.abs(z))) / tau
+  mass_error = 2 * logits_gap + (2 * CFG.vocab_size + 6) * U
 
   out = _gen(tiny, [rows], key=11, tau=tau, prompts=prompt, p=4, n=1, eos=-1)
   hist = np.bincount(np.asarray(out.tokens_RxN)[:, 0], minlength=CFG.vocab_size)
@@ -334,7 +365,9 @@ def test_one_step_samples_follow_softmax_at_tau(tiny):
   # top-p: nothing outside the nucleus, and inside it the renormalised softmax(z/τ).
   top_p = 0.5
   order = np.argsort(-probs)
-  inside = order[(np.cumsum(probs[order]) - probs[order]) < top_p]
+  mass_before = np.cumsum(probs[order]) - probs[order]
+  inside = order[mass_before < top_p]
+  _assert_nucleus_is_decided(mass_before, top_p, mass_error)
   out = _gen(tiny, [rows], key=12, tau=tau, top_p=top_p, prompts=prompt, p=4, n=1, eos=-1)
   hist = np.bincount(np.asarray(out.tokens_RxN)[:, 0], minlength=CFG.vocab_size)
   assert hist[np.setdiff1d(np.arange(CFG.vocab_size), inside)].sum() == 0
@@ -364,18 +397,32 @@ def test_inverse_cdf_draws_follow_softmax_across_blocks():
   assert _chi2(hist, shifted, rows)[0] > 3 * _chi2_upper(df)  # the test has power
 
 
-# (vocabulary, logit scale, the path that finds the nucleus): peaked, the first top-k tier holds
-# it; flatter, the second tier; flat, no tier does and the vocabulary is sorted.
-NUCLEUS_PATHS = [(300, 6.0, "top-64"), (2048, 2.0, "top-1024"), (300, 0.1, "sort")]
+def _assert_nucleus_is_decided(mass_before, top_p, error):
+  """Whether a token is in the nucleus compares its exclusive mass (the float32 sampler's, another
+  sum than the float64 oracle's) with top_p: the oracle's nucleus is the sampler's on any CPU only
+  if no exclusive mass lies within the sampler's rounding ``error`` of top_p."""
+  margin = float(np.min(np.abs(mass_before - top_p)))
+  assert margin > error, (margin, error)
 
 
-@pytest.mark.parametrize("v, scale, path", NUCLEUS_PATHS)
-def test_nucleus_draws_stay_inside_the_nucleus(v, scale, path):
-  rows, top_p = 40_000, 0.9
+# (vocabulary, logit scale, top_p, the path that finds the nucleus): peaked, the first top-k tier
+# holds it; flatter, the second tier; flat, no tier does and the vocabulary is sorted. The flatter
+# one's top_p is 0.5, not 0.9: at 0.9 a token's exclusive mass lies 2.5e-6 from top_p, inside the
+# rounding of a 1,024-term cumulative sum (at 0.5 the nearest lies 5.1e-4 away).
+NUCLEUS_PATHS = [(300, 6.0, 0.9, "top-64"), (2048, 2.0, 0.5, "top-1024"), (300, 0.1, 0.9, "sort")]
+
+
+@pytest.mark.parametrize("v, scale, top_p, path", NUCLEUS_PATHS)
+def test_nucleus_draws_stay_inside_the_nucleus(v, scale, top_p, path):
+  rows = 40_000
   z_V = np.random.default_rng(4).normal(0.0, scale, v)
   probs = np.exp(_np_log_softmax(z_V))
   order = np.argsort(-probs)
-  inside = order[(np.cumsum(probs[order]) - probs[order]) < top_p]
+  mass_before = np.cumsum(probs[order]) - probs[order]
+  inside = order[mass_before < top_p]
+  # The sampler's masses: z rounded to float32 (probabilities off by ≤ 2u·max|z| relative), a
+  # log-sum-exp over V terms, an exp, a cumulative sum of at most V terms less one: (2V + 6)·u.
+  _assert_nucleus_is_decided(mass_before, top_p, (2 * v + 6 + 2 * np.max(np.abs(z_V))) * U)
   tiers = [t for t in sampler._NUCLEUS_CANDIDATES if t < v]
   holds = [f"top-{t}" for t in tiers if len(inside) <= t]
   assert path == (holds[0] if holds else "sort"), (len(inside), tiers)
@@ -426,5 +473,10 @@ def test_greedy_equals_hf_generate(tmp_path):
     )
   hf_tokens = hf_out[:, ids.shape[1] :].numpy()
   hf_tokens = np.pad(hf_tokens, ((0, 0), (0, new - hf_tokens.shape[1])), constant_values=PAD)
+  # Two frameworks' forwards, each summing in its own CPU kernels' order: each choice must be
+  # decided by more than their logits' gap (two float32 forwards, test_model_layouts).
+  logits = _teacher_forced_logits((graphdef, params), out)
+  gap = 2 * chain_terms(cfg, ids.shape[1] + new) * U * float(np.max(np.abs(logits)))
+  _assert_argmax_is_decided(logits, out.mask_RxN, gap)
   np.testing.assert_array_equal(np.asarray(out.tokens_RxN), hf_tokens)
   assert len(set(hf_tokens.ravel().tolist())) > 3  # not a degenerate repeat of one token

@@ -42,8 +42,10 @@ def test_sharded_step_equals_single_device(lora):
     assert specs["['layers'][0]['self_attn']['q_proj_lora_b'].value"] == "P('tensor', None)"
     assert specs["['layers'][0]['mlp']['up_proj_lora_a'].value"] == "P(None, 'fsdp')"
   assert result["same_fingerprint"], result
-  assert result["sgd_leaf_rel_diff"] <= 1e-5, result
-  assert result["adam_tree_rel_diff"] <= 1e-5, result
+  # Each difference within its bound, derived in sharded_step_check.py from the sums the mesh
+  # reorders (the gradients' chain of sums, Adam's slope lr/ε, the metrics' terms' magnitudes).
+  assert result["sgd_leaf_ratio"] <= 1, result
+  assert result["adam_leaf_ratio"] <= 1, result
   assert result["kl"] > 0, result  # the reference path is exercised
-  for name, diff in result["metric_rel_diff"].items():
-    assert diff <= 1e-5, (name, result)
+  for name, ratio in result["metric_ratio"].items():
+    assert ratio <= 1, (name, result)
