@@ -163,3 +163,17 @@ def test_no_test_imports_a_command_module():
         continue
       offenders += [f"{name}: {m}" for m in modules if m in COMMAND_MODULES]
   assert not offenders
+
+
+def test_a_config_json_with_fields_this_jaxrl_removed_still_loads(tmp_path):
+  """A run's config.json written by an earlier jaxrl (with vllm.host and vllm.port, which a
+  launched server on a Unix socket no longer has) loads, the removed fields dropped."""
+  from jaxrl.config import default_configdict, from_configdict, to_dict
+  from jaxrl.run import json_config
+
+  old = to_dict(from_configdict(default_configdict()))
+  old["vllm"].update(host="127.0.0.1", port=0)
+  path = tmp_path / "config.json"
+  path.write_text(json.dumps(old))
+  cfg = from_configdict(json_config.get_config(str(path)))
+  assert cfg.vllm.urls == "" and not hasattr(cfg.vllm, "host")

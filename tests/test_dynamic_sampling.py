@@ -67,6 +67,23 @@ def test_gather_and_pad_keep_each_group_whole_and_pad_rows_carry_nothing():
   assert np.all(adv[9:] == 0)
 
 
+def test_groups_whose_answers_were_all_set_aside_come_last_and_pad_from_a_round():
+  """A group with no scored answer (every row set aside) is chosen only after every group with
+  rows; a step whose chosen groups have no rows at all still gets its fixed row count."""
+  informative = np.array([False, False, True, False])
+  present = np.array([False, True, True, True])
+  np.testing.assert_array_equal(dynamic.select_groups(informative, 3, present), [2, 1, 3])
+  np.testing.assert_array_equal(dynamic.select_groups(informative, 4, present), [2, 1, 3, 0])
+  rng = np.random.default_rng(2)
+  first = _round(rng, [2, 2])
+  aside = dynamic.set_aside(first, np.zeros(4, bool), 2)  # the verifier scored nothing
+  assert not dynamic.groups_present(aside.group_ids_R, 2).any()
+  chosen = dynamic.gather_groups([aside], [(0, 0), (0, 1)])
+  assert len(chosen.group_ids_R) == 0
+  padded = dynamic.pad_rows(chosen, 4, 2, template=aside)
+  assert padded.group_ids_R.tolist() == [2] * 4 and not padded.mask_RxN.any()
+
+
 def test_trained_rows_bound_the_chosen_groups():
   # B = 4 questions, G_i <= 12, R = 32 per round, 3 rounds, rows split in multiples of 8.
   assert dynamic.trained_rows(4, 12, 32, 3, 8) == 48

@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import threading
+import time
 
 import jax
 import numpy as np
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.5
 ACK_TIMEOUT_S = 10.0
 HEARTBEAT_TIMEOUT_S = 60  # a silent death (SIGKILL) ends the other processes within this
+STORE_LOST_S = 10.0  # the store unreachable this long (not one slow answer): process 0 is gone
 _FAILED = "jaxrl/failed/"  # + the failing process's index: its cause
 _READ = "jaxrl/read/"  # + a watching process's index: it has read a failure
 _watch: threading.Event | None = None  # set to stop the watcher at a normal exit
@@ -108,14 +110,20 @@ def _start_watch() -> None:
   stop = _watch = threading.Event()
 
   def watch() -> None:
+    unreachable_since = None
     while not stop.wait(WATCH_INTERVAL_S):
       try:
         failed = [(k, v) for k, v in client.key_value_dir_get(_FAILED) if k != f"{_FAILED}{me}"]
-      except Exception as e:  # the store is gone: process 0 (its host) ended without a word
+        unreachable_since = None
+      except Exception as e:  # unreachable: a slow moment, or process 0 (its host) is gone
         if stop.is_set():
           return
-        _exit_now(f"lost the coordination service on process 0 ({type(e).__name__}: {e})")
-        return
+        now = time.monotonic()
+        unreachable_since = unreachable_since or now
+        if now - unreachable_since >= STORE_LOST_S:
+          _exit_now(f"lost the coordination service on process 0 ({type(e).__name__}: {e})")
+          return
+        continue
       if failed and not stop.is_set():
         key, cause = failed[0]
         try:
@@ -165,9 +173,11 @@ def announce_failure(cause: str, code: int) -> None:
   client, me = _client(), jax.process_index()
   try:
     client.key_value_set(f"{_FAILED}{me}", cause.strip().splitlines()[-1][:2000] if cause else "?")
+    deadline = time.monotonic() + ACK_TIMEOUT_S  # one wait for all of them
     for other in range(jax.process_count()):
       if other != me:
-        client.blocking_key_value_get(f"{_READ}{other}", int(ACK_TIMEOUT_S * 1000))
+        left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        client.blocking_key_value_get(f"{_READ}{other}", left_ms)
   except Exception as e:  # a store already gone, a process already gone: exit
     log.warning("could not tell every process about the failure: %s", e)
   _flush_and_exit(code)

@@ -30,13 +30,26 @@ def informative_groups(rewards_R, group_ids_R, num_groups: int) -> np.ndarray:
   return high > low
 
 
-def select_groups(informative: np.ndarray, batch: int) -> np.ndarray:
+def select_groups(informative: np.ndarray, batch: int, present: np.ndarray | None = None):
   """Indices into the drawn groups (in draw order) of the ``batch`` groups a step trains on: the
-  first informative ones, then, if fewer than ``batch``, the first non-informative ones."""
+  first informative ones, then, if fewer than ``batch``, the first non-informative ones with
+  rows (``present``: not every answer set aside), then the empty ones."""
   informative = np.asarray(informative, bool)
-  chosen = np.flatnonzero(informative)[:batch]
-  fill = np.flatnonzero(~informative)[: batch - len(chosen)]
-  return np.concatenate([chosen, fill]).astype(np.int64)
+  present = np.ones_like(informative) if present is None else np.asarray(present, bool)
+  order = np.concatenate(
+    [
+      np.flatnonzero(informative),
+      np.flatnonzero(~informative & present),
+      np.flatnonzero(~informative & ~present),
+    ]
+  )
+  return order[:batch].astype(np.int64)
+
+
+def groups_present(group_ids_R, num_groups: int) -> np.ndarray:
+  """bool[num_groups]: the group has rows (ids ≥ num_groups, set aside, are no group's)."""
+  group_ids_R = np.asarray(group_ids_R)
+  return np.bincount(group_ids_R[group_ids_R < num_groups], minlength=num_groups) > 0
 
 
 def trained_rows(
@@ -62,15 +75,17 @@ def gather_groups(rounds: list[Rollouts], picks: list[tuple[int, int]]) -> Rollo
   return _concat(parts)
 
 
-def pad_rows(rollouts: Rollouts, rows: int, group: int) -> Rollouts:
-  """``rollouts`` padded to ``rows`` with token-less copies of its first row in group ``group``
-  (a real prompt keeps the padding rows' attention finite; their mask keeps them out of the loss)."""
+def pad_rows(rollouts: Rollouts, rows: int, group: int, template: Rollouts | None = None):
+  """``rollouts`` padded to ``rows`` with token-less copies of the first row of ``template``
+  (default: ``rollouts``; a step whose chosen groups have no rows pads from a round's) in group
+  ``group`` (a real prompt keeps the padding rows' attention finite; their mask keeps them out of
+  the loss)."""
   pad = rows - len(rollouts.group_ids_R)
   if pad < 0:
     raise ValueError(f"{len(rollouts.group_ids_R)} rows of the chosen groups exceed {rows} rows")
   if pad == 0:
     return rollouts
-  filler = _take(_host(rollouts), np.zeros(pad, np.int64))
+  filler = _take(_host(template if template is not None else rollouts), np.zeros(pad, np.int64))
   zeros = {f: np.zeros_like(v) for f in _ZERO_ON_PAD if (v := getattr(filler, f)) is not None}
   filler = dataclasses.replace(filler, **zeros, group_ids_R=np.full(pad, group, np.int32))
   return _concat([_host(rollouts), filler])

@@ -303,6 +303,8 @@ class VllmEngine:
     while True:
       try:
         if start:
+          if self._no_restarts:  # a server gone after the stop signal stays gone
+            raise SidecarError(f"{what}: the run is stopping; no vLLM server is started")
           self._start(model_dir, version, loads)
           start = False
           if done_by_start:

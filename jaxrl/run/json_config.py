@@ -6,8 +6,25 @@ Numbers must be finite: ``NaN``, ``Infinity`` and ``-Infinity`` (which Python's 
 by default) are a ``ConfigError`` naming the field."""
 
 import json
+import logging
 
 from jaxrl.config import ConfigError, default_configdict
+
+log = logging.getLogger(__name__)
+
+# Fields that a run's config.json written by an earlier jaxrl may hold and this one no longer has:
+# dropped on load (logged), so that older runs still evaluate, export and resume.
+REMOVED = {
+  "vllm.host": "a launched vLLM server listens on a private Unix socket, not a TCP host",
+  "vllm.port": "a launched vLLM server listens on a private Unix socket, not a TCP port",
+}
+
+
+def drop_removed(flat: dict, where: str) -> dict:
+  """``flat`` (dotted field → value) without the ``REMOVED`` fields."""
+  for field in REMOVED.keys() & flat.keys():
+    log.warning("%s: ignoring %s (%s)", where, field, REMOVED[field])
+  return {k: v for k, v in flat.items() if k not in REMOVED}
 
 
 class _NonFinite:
@@ -24,7 +41,7 @@ def get_config(path: str):
     raise ValueError(
       f"{path}: expected a JSON object of config sections, got {type(data).__name__}"
     )
-  flat = _flatten(data)
+  flat = drop_removed(flatten(data), path)
   for field, value in flat.items():
     if isinstance(value, _NonFinite):
       raise ConfigError(field, f"is {value.text} in {path}: a JSON config takes finite numbers")
@@ -33,11 +50,23 @@ def get_config(path: str):
   return c
 
 
-def _flatten(data: dict, prefix: str = "") -> dict:
+def unflatten(flat: dict) -> dict:
+  """The nested sections of a dotted ``flat`` dict."""
+  out: dict = {}
+  for key, value in flat.items():
+    *sections, name = key.split(".")
+    node = out
+    for s in sections:
+      node = node.setdefault(s, {})
+    node[name] = value
+  return out
+
+
+def flatten(data: dict, prefix: str = "") -> dict:
   out = {}
   for key, value in data.items():
     if isinstance(value, dict):
-      out.update(_flatten(value, f"{prefix}{key}."))
+      out.update(flatten(value, f"{prefix}{key}."))
     else:
       out[f"{prefix}{key}"] = value
   return out

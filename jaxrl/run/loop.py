@@ -309,7 +309,8 @@ def _dynamic_arrival(ctx: StepContext, batch, rounds, stats, verified, ended) ->
   pc, methods = ctx.runtime(batch.issue.phase).phase.cfg, ctx.runtime(batch.issue.phase).methods
   b = c.batch_questions
   flags = [dynamic.informative_groups(out.rewards_R, out.group_ids_R, b) for _, out in rounds]
-  picks = dynamic.select_groups(np.concatenate(flags), b)
+  present = [dynamic.groups_present(out.group_ids_R, b) for _, out in rounds]
+  picks = dynamic.select_groups(np.concatenate(flags), b, np.concatenate(present))
   outs = [out for _, out in rounds]
   if not batch.issue.fresh:  # the whole batch is rescored under θ_i, extra rounds included
     outs = [dataclasses.replace(o, prox_logp_RxN=None) for o in outs]
@@ -328,7 +329,7 @@ def _dynamic_arrival(ctx: StepContext, batch, rounds, stats, verified, ended) ->
     dynamic_informative=float(informative),
     dynamic_fill=min(informative, b) / b,
   )
-  padded = jax.tree.map(jnp.asarray, dynamic.pad_rows(chosen, rows, b))
+  padded = jax.tree.map(jnp.asarray, dynamic.pad_rows(chosen, rows, b, template=outs[0]))
   qids_B = np.concatenate([np.asarray(r.qids_B) for r, _ in rounds])[picks]
   counts_B = np.concatenate([np.asarray(r.counts_B) for r, _ in rounds])[picks]
   return Arrival(padded, stats, verified, ended, metrics, qids_B, counts_B)

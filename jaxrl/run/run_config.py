@@ -242,8 +242,11 @@ def _config_json(workdir: str, step: int) -> dict | None:
     )
     return None
   log.warning("checkpoint %d records no config: the resume is checked against %s", step, path)
+  from jaxrl.run import json_config
+
   with open(path) as f:
-    return {"config": json.load(f)}
+    flat = json_config.drop_removed(json_config.flatten(json.load(f)), path)
+  return {"config": json_config.unflatten(flat)}
 
 
 def sft_key(rec: dict) -> dict:

@@ -214,19 +214,18 @@ class Trainer:
           try:
             loop, row = rl_step(ctx, loop, i)
           except Exception:
-            _save_trained(ckpt, i, loop, self.mesh)
-            if stop.requested:  # a job-wide signal took the step's sidecar along: a clean stop
-              log.warning("step %d abandoned: %s arrived during it", i + 1, stop.signal_name)
-              if i == start:  # nothing trained since the last checkpoint (or the start)
-                raise Stopped(i) from None
-              stop_after_checkpoint(ckpt, i, stop.signal_name)  # the steps before it are saved
+            _after_failed_step(ckpt, start, i, loop, stop, self.mesh)
             raise
           profiler.after_step(i + 1)
           nonfinite.check(row, i + 1)
           if c.eval.every and (i + 1) % c.eval.every == 0 and i + 1 < c.steps:
             for batch in loop.pending:  # the engine serves one caller: let the thread finish
-              batch.result()
-            row.update(self._validate(loop.train.params, i + 1))
+              batch.generated(wait=True)  # a failed one is generated again when due
+            try:
+              row.update(self._validate(loop.train.params, i + 1))
+            except Exception:
+              _save_trained(ckpt, i + 1, loop, self.mesh)  # the step trained: keep it
+              raise
           writer.write(i + 1, row, row.pop("samples", ()))
           log.info("step %d/%d: %s", i + 1, c.steps, _step_line(row))
           advance(i + 1, c.steps, _progress_line(row))
@@ -352,20 +351,37 @@ class Trainer:
       plot_run(os.path.join(self.workdir, "metrics.jsonl"), os.path.join(self.workdir, "run.png"))
 
 
-def _save_trained(ckpt: Checkpointer, step: int, loop: LoopState, mesh) -> None:
-  """After step ``step + 1`` failed: checkpoint the ``step`` steps trained since the last save,
-  when its update had not started (the train state it donates is intact): a failed rollout,
-  verifier or rescoring loses no trained step. One process only: a multi-process save is a
-  collective the other processes are not in."""
-  if step == 0 or ckpt.latest_step() == step or jax.process_count() > 1:
+def _after_failed_step(ckpt: Checkpointer, start: int, i: int, loop: LoopState, stop, mesh) -> None:
+  """Step ``i + 1`` failed: checkpoint the steps trained before it. When a stop was requested
+  (a job-wide signal that took the step's sidecar along) and they are safe, end as stopped;
+  otherwise the caller re-raises the error (in a multi-process run: every process ends)."""
+  saved = i == start or _save_trained(ckpt, i, loop, mesh)
+  if not (stop.requested and saved and jax.process_count() == 1):
     return
+  log.warning("step %d abandoned: %s arrived during it", i + 1, stop.signal_name, exc_info=True)
+  if i == start:  # nothing trained since the last checkpoint (or the start)
+    raise Stopped(i)
+  stop_after_checkpoint(ckpt, i, stop.signal_name)
+
+
+def _save_trained(ckpt: Checkpointer, step: int, loop: LoopState, mesh) -> bool:
+  """After a failure past step ``step``: checkpoint the ``step`` steps trained since the last
+  save, when the train state is intact (no update under way donated it): a failed rollout,
+  verifier, rescoring or evaluation loses no trained step. One process only: a multi-process
+  save is a collective the other processes are not in. Whether step ``step`` is checkpointed."""
+  ckpt.wait()  # a save of this step may still be settling
+  if ckpt.latest_step() == step and step not in ckpt.failed:
+    return True
+  if step == 0 or jax.process_count() > 1:
+    return False
   if any(x.is_deleted() for x in jax.tree.leaves(loop.train) if isinstance(x, jax.Array)):
     log.error(
-      "step %d failed in its update: the steps since the last checkpoint are lost", step + 1
+      "the train state after step %d was consumed: the steps since the last checkpoint are lost",
+      step,
     )
-    return
-  log.warning("step %d failed: checkpointing the %d steps trained before it", step + 1, step)
-  save_loop(ckpt, step, loop, mesh, wait=False)
+    return False
+  log.warning("checkpointing the %d steps trained before the failure", step)
+  return save_loop(ckpt, step, loop, mesh, wait=False)
 
 
 EVAL_KEY = "config"  # an evaluation cache's key (``run_config.eval_key``), beside its result
