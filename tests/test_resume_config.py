@@ -222,3 +222,20 @@ def test_caches_are_keyed_by_the_config_they_were_computed_from(tmp_path, caplog
   assert "sft.learning_rate 0.01 → 0.005" in text and "the SFT warm start runs again" in text
   assert any(not np.array_equal(a, b) for a, b in zip(_flat(params), _flat(other)))
   assert "evaluating again" in text  # its evaluation too
+
+
+def test_a_longer_resume_may_not_move_the_annealing_phase():
+  """`steps` may change on resume, but not where it puts a phase boundary (the annealing phase
+  starts at a fraction of the steps unless set): that would switch a run back and forth."""
+  from jaxrl.run import run_config
+
+  cfg = tiny_config("e3,test,anneal", steps=10)
+  pinned = tiny_config("e3,test,anneal", steps=10, **{"anneal_phase.start": 6})
+  saved = run_config.record(cfg)
+  assert (
+    run_config.resume_changes(saved, run_config.record(dataclasses.replace(cfg, steps=10))) == []
+  )
+  moved = run_config.resume_changes(saved, run_config.record(dataclasses.replace(cfg, steps=20)))
+  assert [c[0] for c in moved] == ["phase starts (from steps and the schedules)"], moved
+  longer = dataclasses.replace(pinned, steps=20)  # a set start does not move
+  assert run_config.resume_changes(run_config.record(pinned), run_config.record(longer)) == []

@@ -150,7 +150,12 @@ def record(cfg: Config) -> dict:
     found = snapshot_revision(hub.dataset_snapshot(hub.dataset_id(spec)))
     if found is not None:
       revisions[spec] = found.rpartition("@")[2]
-  return {"config": to_dict(cfg), "revisions": revisions}
+  from jaxrl.methods.phases import run_phases
+
+  # Where the phases start follows from other fields (`steps`, which a resume may change, among
+  # them): recorded as resolved, so that a resume cannot move a boundary the run has crossed.
+  starts = [p.start for p in run_phases(cfg)]
+  return {"config": to_dict(cfg), "revisions": revisions, "phase_starts": starts}
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -207,7 +212,11 @@ def describe(changed: list[tuple[str, object, object]]) -> str:
 def resume_changes(saved: dict, now: dict) -> list[tuple[str, object, object]]:
   """The changes of config from a checkpoint's record to this run's that a resume may not make."""
   old, new = comparable(saved), comparable(now)
-  return [c for c in changes(old, new) if not _covered(c[0], SAFE)]
+  out = [c for c in changes(old, new) if not _covered(c[0], SAFE)]
+  starts = saved.get("phase_starts"), now.get("phase_starts")
+  if None not in starts and starts[0] != starts[1]:  # e.g. `steps` moved the annealing phase
+    out.append(("phase starts (from steps and the schedules)", starts[0], starts[1]))
+  return out
 
 
 def check_resume(now: dict, directory: str) -> int | None:
