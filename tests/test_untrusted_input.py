@@ -184,6 +184,20 @@ def test_a_local_parquet_directory_matches_the_split_by_name(tmp_path):
   assert _load(str(tmp_path), split="train_sft") == ["s0", "s1"]
 
 
+def test_a_local_parquet_directory_of_other_splits_is_refused_not_mixed(tmp_path):
+  """No file of the asked split and files of several other names: an error naming them, never
+  every file (a test split's rows would train); one unnamed split's parts are its rows."""
+  for name, rows in (("train_0.parquet", _rows("t", 1)), ("test_0.parquet", _rows("x", 1))):
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / name)
+  with pytest.raises(ValueError, match="test_0"):
+    _load(str(tmp_path))
+  parts = tmp_path / "parts"
+  parts.mkdir()
+  for i in range(2):
+    pq.write_table(pa.Table.from_pylist(_rows(f"p{i}", 1)), parts / f"part-{i:05d}.parquet")
+  assert sorted(_load(str(parts))) == ["p00", "p10"]
+
+
 def test_a_revision_cannot_climb_out_of_the_cache():
   for spec in ("acme/tiny@../../x", "acme/tiny@refs/../../x", "acme/tiny@/abs"):
     with pytest.raises(hub.HubError, match="revision"):

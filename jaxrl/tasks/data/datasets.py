@@ -219,9 +219,18 @@ def _parquet_files(path: str) -> list[str]:
 
 def _hub_parquet(path: str, split: str) -> list[str]:
   """The parquet files of a directory laid out as a hub download: those of ``split`` (named
-  ``<split>-*.parquet`` or ``<split>.parquet``), else all of them."""
+  ``<split>-*.parquet`` or ``<split>.parquet``); with none of that name, all of them when they
+  are one unnamed split (``part-*.parquet``), never files of several other names (another split's
+  rows, a test set among them, must not leak in)."""
   files = _parquet_files(path)
-  return [p for p in files if _split_of(p) == split] or files
+  chosen = [p for p in files if _split_of(p) == split]
+  names = sorted({_split_of(p) for p in files})
+  if chosen or len(names) <= 1:
+    return chosen or files
+  raise ValueError(
+    f"{path}: no parquet file of split {split!r} (files named as splits {names}): set data.split "
+    "to one of them or point at that split's files"
+  )
 
 
 def _rows(path: str, split: str) -> tuple[Iterable[tuple[int, object]], str]:
