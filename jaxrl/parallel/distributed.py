@@ -204,6 +204,14 @@ def to_host(tree):
   return jax.tree.map(one, tree)
 
 
+def from_main(tree):
+  """Process 0's value of ``tree`` (host arrays) on every process: for what a wall clock can
+  make differ between them (the verifier's time limits), so every process takes the same path."""
+  if jax.process_count() == 1:
+    return tree
+  return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))
+
+
 def main_first(fn):
   """``fn()`` on process 0, then on the others (e.g. building a cache the others then read)."""
   if is_main():

@@ -235,8 +235,12 @@ def _verify(ctx: StepContext, qids_B, rollouts: Rollouts) -> tuple[Rollouts, dic
   the statistics and the group's advantage; the rest of their group trains as a smaller group."""
   group_ids_R = np.asarray(rollouts.group_ids_R)
   verified = ctx.task.verify(ctx.task.decode(rollouts), ctx.task.train_answers[qids_B[group_ids_R]])
-  scored = dataclasses.replace(rollouts, rewards_R=np.asarray(verified.rewards_R, np.float32))
-  return dynamic.set_aside(scored, verified.scored, len(qids_B)), verified.metrics()
+  # Each process verifies every row, under its own clock: process 0's verdicts are everyone's.
+  rewards_R, scored_R = distributed.from_main(
+    (np.asarray(verified.rewards_R, np.float32), verified.scored.astype(np.int32))
+  )
+  scored = dataclasses.replace(rollouts, rewards_R=rewards_R)
+  return dynamic.set_aside(scored, scored_R.astype(bool), len(qids_B)), verified.metrics()
 
 
 def _arrive(ctx: StepContext, loop: LoopState, batch: batches.Batch, i: int):
