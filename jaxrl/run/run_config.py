@@ -19,6 +19,7 @@ import os
 import re
 
 from jaxrl.config import Config, ConfigError, parse_mixture, to_dict
+from jaxrl.run import json_config
 
 log = logging.getLogger(__name__)
 
@@ -158,23 +159,15 @@ def record(cfg: Config) -> dict:
   return {"config": to_dict(cfg), "revisions": revisions, "phase_starts": starts}
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-  out = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      out.update(_flat(value, f"{prefix}{key}."))
-    else:
-      out[prefix + key] = value
-  return out
-
-
 def comparable(rec: dict) -> dict:
   """A record as one flat dict of this jaxrl's dotted fields: a field it lacks (written before the
   field existed) at its default, one this jaxrl no longer has left out, a Hub model as
   ``ORG/NAME@COMMIT`` whatever the cache's path, each Hub dataset's commit as
   ``revision of hf:ORG/NAME``."""
-  fields = _flat(to_dict(Config()))
-  fields.update({k: v for k, v in _flat(rec.get("config", {})).items() if k in fields})
+  fields = json_config.flatten(to_dict(Config()))
+  fields.update(
+    {k: v for k, v in json_config.flatten(rec.get("config", {})).items() if k in fields}
+  )
   revisions = dict(rec.get("revisions", {}))
   model = revisions.pop("model.checkpoint", None) or snapshot_revision(fields["model.checkpoint"])
   if model:
@@ -251,8 +244,6 @@ def _config_json(workdir: str, step: int) -> dict | None:
     )
     return None
   log.warning("checkpoint %d records no config: the resume is checked against %s", step, path)
-  from jaxrl.run import json_config
-
   with open(path) as f:
     flat = json_config.drop_removed(json_config.flatten(json.load(f)), path)
   return {"config": json_config.unflatten(flat)}
