@@ -26,7 +26,7 @@ VARIANTS = PRESETS + SIZES + PHASES  # listed by --help
 
 
 def _apply_preset(c, name: str) -> None:
-  """The methods of the four papers, each alone and all together (ALGORITHMS.md §3-§7)."""
+  """The methods of the four papers, each alone and all together (docs/algorithms.md §3-§7)."""
   if name in ("e3", "all"):
     c.allocation.method = "e3"  # difficulty-ranked budgets, bounds widen per epoch
     c.temperature.method = "e3"  # entropy targeting (+ annealing after 60% of the steps)

@@ -12,7 +12,7 @@ Layers, lowest first (a module imports only from its own layer and the ones belo
   rollout/                            the JAX sampler, the vLLM sidecar, EEPO's two-stage rollouts
   run/                                CLI, trainer and loop, SFT, eval, plan, checkpoints, metrics
 
-The reference functions of ALGORITHMS.md §0 are importable from ``jaxrl.allocation``,
+The reference functions of docs/algorithms.md §0 are importable from ``jaxrl.allocation``,
 ``jaxrl.schedules``, ``jaxrl.losses`` and ``jaxrl.metrics``. Commands (``run/cli.py`` holds what they
 share): ``jaxrl-train`` (``python -m jaxrl.main``) trains, ``jaxrl-eval`` (``python -m jaxrl.eval``)
 evaluates a checkpoint, ``jaxrl-export`` (``python -m jaxrl.export``) writes any checkpoint in HF

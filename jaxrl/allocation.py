@@ -1,4 +1,4 @@
-"""The public names of ALGORITHMS.md §0 under ``jaxrl.allocation``; they live in ``jaxrl.methods.allocation``."""
+"""Reference functions (docs/algorithms.md §0) re-exported from ``jaxrl.methods.allocation``."""
 
 from jaxrl.methods.allocation import (  # noqa: F401  (public re-exports)
   Allocator,

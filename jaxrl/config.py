@@ -18,7 +18,7 @@ from typing import Any, Literal
 # (losses, model, engines) reads them from here (``typing.get_args``).
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
-# ALGORITHMS.md §9; auto = tis for rollout.engine=vllm, none for the JAX sampler
+# docs/algorithms.md §9; auto = tis for rollout.engine=vllm, none for the JAX sampler
 BehaviourCorrection = Literal["auto", "none", "tis", "mis", "seq-mis"]
 Remat = Literal["none", "full", "dots", "offload"]
 LoraTarget = Literal["q", "k", "v", "o", "gate", "up", "down"]  # projections an adapter sits on
@@ -230,10 +230,10 @@ class RolloutSection:
   temperature: float = 1.0
   top_p: float = 1.0
   # k: a step trains on rollouts sampled by params at most k updates older than its own; k >= 1
-  # generates the next steps' rollouts while the current update runs (ALGORITHMS.md §9)
+  # generates the next steps' rollouts while the current update runs (docs/algorithms.md §9)
   max_staleness: int = 0
-  # DAPO's dynamic sampling (§10): draw rounds of batch_questions until that many groups have a
-  # learning signal (rewards not all equal), at most max_rounds rounds per step
+  # DAPO's dynamic sampling (docs/algorithms.md §10): draw rounds of batch_questions until that
+  # many groups have a learning signal (rewards not all equal), at most max_rounds rounds per step
   dynamic_sampling: bool = False
   max_rounds: int = 4
 
@@ -341,7 +341,7 @@ class LossSection:
   mini_batches: int = 1  # optimizer updates per step; > 1 makes later updates off-policy
   micro_batches: int = 1  # gradient accumulation within each mini-batch
   logprob_chunk: int = 128  # tokens per chunk of the fused log-prob (bench/fused_logprob.py)
-  # Weights on the per-token objective for rollouts sampled by another policy μ (ALGORITHMS.md §9)
+  # Per-token objective weights for rollouts sampled by another policy μ (docs/algorithms.md §9)
   behaviour_correction: BehaviourCorrection = "auto"
   tis_cap: float = 2.0  # tis: weights truncated at this
   mis_low: float = 0.5  # mis, seq-mis: weights outside [mis_low, mis_high] mask the token

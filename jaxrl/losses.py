@@ -1,4 +1,4 @@
-"""The public names of ALGORITHMS.md §0 under ``jaxrl.losses``; they live in ``jaxrl.rl.losses``."""
+"""Reference functions (docs/algorithms.md §0) re-exported from ``jaxrl.rl.losses``."""
 
 from jaxrl.rl.losses import (  # noqa: F401  (public re-exports)
   LossConfig,

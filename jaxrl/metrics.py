@@ -1,4 +1,4 @@
-"""The public names of ALGORITHMS.md §0 under ``jaxrl.metrics``; they live in ``jaxrl.rl.passk``."""
+"""Reference functions (docs/algorithms.md §0) under ``jaxrl.metrics``; from ``jaxrl.rl.passk``."""
 
 from jaxrl.rl.passk import (  # noqa: F401  (public re-exports)
   pass_at_k,

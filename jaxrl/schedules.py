@@ -1,4 +1,4 @@
-"""The public names of ALGORITHMS.md §0 under ``jaxrl.schedules``; they live in ``jaxrl.methods.schedules``."""
+"""Reference functions (docs/algorithms.md §0) re-exported from ``jaxrl.methods.schedules``."""
 
 from jaxrl.methods.schedules import (  # noqa: F401  (public re-exports)
   adaptive_clip,

@@ -62,7 +62,7 @@ class Rollouts:
 
   Engines return every field up to ``finished_R``; the collector adds the proximal log-probs and
   the loop the verifier's rewards (``dataclasses.replace``) before the update, which reads both.
-  The three log-probs of ALGORITHMS.md §9 are ℓ_μ (``behaviour_logp_RxN``), ℓ_prox
+  The three log-probs of docs/algorithms.md §9 are ℓ_μ (``behaviour_logp_RxN``), ℓ_prox
   (``prox_logp_RxN``) and ℓ (the update's own forward)."""
 
   prompt_ids_RxP: Array  # i32, left-padded
@@ -80,7 +80,7 @@ class Rollouts:
 
 @pytree_dataclass
 class QuestionStats:
-  """Per-question statistics (ALGORITHMS.md §2), as columns indexed by question id."""
+  """Per-question statistics (docs/algorithms.md §2), as columns indexed by question id."""
 
   seen_Q: Array  # i32 rollouts so far
   correct_Q: Array  # i32 rollouts with reward > 0

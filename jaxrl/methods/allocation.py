@@ -1,4 +1,4 @@
-"""Rollout allocation: how many rollouts G_i each question of a step gets (ALGORITHMS.md §3, §4).
+"""Rollout allocation: the rollouts G_i each question of a step gets (docs/algorithms.md §3, §4).
 
 The reference functions (``e3_difficulty``, ``e3_allocate``, ``e3_bounds``, ``dynamo_priority``,
 ``dynamo_allocate``) are the only implementation of each formula; the optax-style allocators below
@@ -26,7 +26,7 @@ def e3_difficulty(reward_sum, seen) -> Array:
   seen_N = jnp.asarray(seen)
   num = reward_sum_N.shape[0]
   avg_N = jnp.where(seen_N > 0, reward_sum_N / jnp.maximum(seen_N, 1).astype(jnp.float32), 0.0)
-  # Stable sort keeps equal averages in id order, as the spec's tie rule requires.
+  # Stable sort: equal averages keep id order (the tie rule of docs/algorithms.md §3).
   order_N = jnp.argsort(avg_N, descending=True, stable=True)
   position_N = jnp.zeros((num,), jnp.int32).at[order_N].set(jnp.arange(num, dtype=jnp.int32))
   return position_N.astype(jnp.float32) / num
@@ -126,7 +126,7 @@ class Allocator(NamedTuple):
   on_epoch_end: Callable[[object, QuestionStats, object], object]  # (state, stats, epoch) -> state
   allocate: Callable[[object, QuestionStats, Array], Array]  # (state, stats, ids_B) -> G_B
   # The largest G_i it ever gives (None: up to all R of a step): bounds the rows a step trains on
-  # when dynamic sampling keeps groups from several rounds (ALGORITHMS.md §10).
+  # when dynamic sampling keeps groups from several rounds (docs/algorithms.md §10).
   max_count: int | None = None
 
 

@@ -54,7 +54,7 @@ class Methods:
     if cfg.temperature.method == "e3" and cfg.clip.method == "adaptive":
       log.warning(
         "temperature.method=e3 and clip.method=adaptive both steer entropy; running both "
-        "(ALGORITHMS.md §7 allows it), but their effects are confounded"
+        "(docs/algorithms.md §7 allows it), but their effects are confounded"
       )
     self.allocate = jax.jit(self.allocator.allocate)
     self.on_epoch_end = jax.jit(self.allocator.on_epoch_end)

@@ -1,15 +1,15 @@
 """Entropy-steering schedules and controllers: E3 temperature, adaptive clip-higher, EEPO gate.
 
-The reference formulas of ALGORITHMS.md §0 (`e3_temperature`, `e3_entropy_target`, `adaptive_clip`,
-`eepo_gate`) are plain functions of arrays; the controllers below are built on them, never beside
-them. Controllers look like optax (STYLE.md §4): a factory closes over the static hyperparameters
-and returns a NamedTuple of pure functions over a small pytree state, so the trainer can run them
-inside its jitted step; every value they hand out is a traced f32 array.
+The reference formulas of docs/algorithms.md §0 (`e3_temperature`, `e3_entropy_target`,
+`adaptive_clip`, `eepo_gate`) are plain functions of arrays; the controllers below are built on
+them, never beside them. Controllers look like optax: a factory closes over the static
+hyperparameters and returns a NamedTuple of pure functions over a small pytree state, so the
+trainer can run them inside its jitted step; every value they hand out is a traced f32 array.
 
 Step indexing: steps are 1-based (t = 1 is the first training step), as in the papers. Each state
 holds ``step`` = the number of steps whose entropy it has observed. Protocols per step t:
 
-* temperature (E3 §3): ``tau_t = ctl.current(state)`` samples step t; after the step,
+* temperature (E3 §4.2): ``tau_t = ctl.current(state)`` samples step t; after the step,
   ``state = ctl.update(state, h_t)`` with h_t the token-weighted mean entropy of step t's batch at
   tau_t under the sampling params. That update produces tau_{t+1} (Eq. 4 with target(t) and H_t); at
   t = 1 it records H_init = H_1 and keeps tau. ``ctl.target(state)`` is target(t) of the step just
@@ -17,8 +17,8 @@ holds ``step`` = the number of steps whose entropy it has observed. Protocols pe
 * clip (Entropy Scheduling Algorithm 1): h_t (token mean at tau under θ_old) is known once step t's
   rollouts exist, before its gradient update. ``state = ctl.update(state, h_t)`` first, then
   ``eps_high_t = ctl.current(state)``: the window W_t = {t−w+1 … t} includes step t itself. This is
-  the only order that reproduces ALGORITHMS.md S1 (at t = 5 the window {3,4,5} has mean .383 < .4,
-  so ε_high rises; the window {2,3,4} would have lowered it).
+  the only order that reproduces example S1 of docs/algorithms.md §6 (at t = 5 the window {3,4,5}
+  has mean .383 < .4, so ε_high rises; the window {2,3,4} would have lowered it).
 * EEPO gate: ``fire, state = ctl.gate(state, h_stage1_t)``; the current step's stage-1 entropy is
   part of the window.
 

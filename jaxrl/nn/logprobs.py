@@ -93,7 +93,7 @@ def logp_log1m_p_from_logits(logits_UxV, tokens_U, tau):
   """Return (log p(token), log(1 − p(token))) of softmax(logits/τ) per row, in float32.
 
   For p ≥ ½, log(1 − p) is logsumexp over the other logits minus logsumexp over all of them
-  (ALGORITHMS.md §5): finite, with a finite nonzero gradient (−p on the token's logit), even where
+  (docs/algorithms.md §5): finite, with a nonzero gradient (−p on the token's logit), even where
   p rounds to 1 and log(1 − exp(log p)) is −inf. For p < ½ that difference cancels (absolute error
   ≈ ulp(logsumexp), a large relative error when p is small), so log1p(−p) is used there instead.
   """

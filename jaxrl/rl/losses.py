@@ -1,4 +1,4 @@
-"""GRPO objective: group advantages, the clipped surrogate, KL and entropy terms (ALGORITHMS.md §1).
+"""GRPO objective: group advantages, clipped surrogate, KL and entropy (docs/algorithms.md §1).
 
 Everything here is a pure function of arrays plus a static `LossConfig`; the hyperparameters that
 schedules change every step (ε_low, ε_high, β, λ) arrive as the traced `LossHparams` pytree, so a

@@ -1,4 +1,4 @@
-"""Unbiased pass@k (ALGORITHMS.md §8) for evaluation: host-side Python / numpy, never jitted.
+"""Unbiased pass@k (docs/algorithms.md §8) for evaluation: host-side Python / numpy, never jitted.
 
 pass@k = 1 − C(n−c, k)/C(n, k) for n samples of which c are correct. The binomial ratio overflows
 for realistic n, so it is computed as the product Π_{i=n−c+1..n} (1 − k/i), every factor in [0, 1].

@@ -87,7 +87,7 @@ def step_hparams(cfg: Config, tau, eps_high) -> step.StepHparams:
 
 @dataclasses.dataclass(frozen=True)
 class ForgetConfig:
-  """Static arguments of EEPO's forgetting step (ALGORITHMS.md §5)."""
+  """Static arguments of EEPO's forgetting step (docs/algorithms.md §5)."""
 
   logprob_chunk: int
   lr: float
@@ -124,6 +124,8 @@ def differentiating_options(mesh) -> dict[str, str]:
   live until scheduling. Programs without barriers compile the same either way."""
   if mesh.devices.flat[0].platform != "cpu":
     return {}
+  # A pass's name, not an option: XLA skips the passes it names and ignores a name it lacks (a
+  # later XLA that renames the pass costs CPU memory, never an error); same name in jax 0.10-0.11.
   return {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
 

@@ -1,4 +1,4 @@
-"""Per-question statistics (ALGORITHMS.md §2): columns over question ids, updated every step."""
+"""Per-question statistics (docs/algorithms.md §2): columns by question id, updated every step."""
 
 from __future__ import annotations
 

@@ -305,7 +305,7 @@ def rl_update(
     out = jax.tree.map(lambda x: jnp.mean(x, axis=0), outs)  # metrics averaged over the updates
     out["nonfinite_updates"] = skipped
   out["informative_frac"] = jnp.mean(per_row["informative"].astype(jnp.float32))
-  # ALGORITHMS.md §9: how far the engine's policy μ is from the update's start, every mode
+  # docs/algorithms.md §9: how far the engine's policy μ is from the update's start, every mode
   out.update(
     losses.behaviour_metrics(
       batch.prox_logp_RxN, batch.behaviour_logp_RxN, batch.mask_RxN, **_behaviour_args(cfg, hp)
@@ -360,10 +360,10 @@ def eepo_forget(
   """EEPO's forgetting step on the rollout copy: θ' = θ + η·∇L, one plain SGD ascent step (over
   the ``trainable`` part of θ: with LoRA, the adapters).
 
-  L is the unlearning objective of ALGORITHMS.md §5 over the stage-1 responses at τ (log(1-p)
-  computed stably by the fused path); no optimizer state. ``micro`` > 1 accumulates L and ∇L over
-  that many strided row chunks (``_split_micro``) in sequence, as ``rl_update``'s micro-batches:
-  the same θ' with the activation memory of R/micro rows. Returns (θ', L).
+  L is the unlearning objective (docs/algorithms.md §5) over the stage-1 responses at τ
+  (log(1-p) computed stably by the fused path); no optimizer state. ``micro`` > 1 accumulates L
+  and ∇L over that many strided row chunks (``_split_micro``) in sequence, as ``rl_update``'s
+  micro-batches: the same θ' with the activation memory of R/micro rows. Returns (θ', L).
   """
   rows = (prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN, response_mask_RxN)
 

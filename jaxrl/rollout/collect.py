@@ -1,5 +1,6 @@
-"""A step's rollouts with the log-probs of ALGORITHMS.md §9: the engine's own (ℓ_μ, behaviour) and
-the trainer's (ℓ_prox, under the params the update starts from), with entropies at τ.
+"""A step's rollouts with the log-probs of docs/algorithms.md §9: the engine's own (ℓ_μ,
+behaviour) and the trainer's (ℓ_prox, under the params the update starts from), with entropies
+at τ.
 
 ``Collector`` is the one place that turns host rows into device rows for the rescoring and
 forgetting programs (rows sharded over the data axes, ``step.sequential_chunks`` sequential

@@ -1,5 +1,5 @@
-"""Dynamic sampling (ALGORITHMS.md §10, DAPO §3.3): which of the groups drawn in a step's rounds it
-trains on, laid out in a fixed number of rows.
+"""Dynamic sampling (docs/algorithms.md §10, DAPO §3.3): which of the groups drawn in a step's
+rounds it trains on, laid out in a fixed number of rows.
 
 A step draws rounds of B questions until B groups have a learning signal (rewards not all equal)
 or the rounds run out; it trains on the first B informative groups in draw order, filled up with

@@ -1,4 +1,4 @@
-"""EEPO's two-stage rollouts (ALGORITHMS.md §5): sample → gate → forget → sample.
+"""EEPO's two-stage rollouts (docs/algorithms.md §5): sample → gate → forget → sample.
 
 Stage 1 samples half of each question's rollouts (``eepo_stage1_counts``: exactly R/2 rows); the
 gate reads their entropy; when it fires, one ascent step on the unlearning objective gives θ', the

@@ -1,5 +1,5 @@
-"""A step's batch from issue to arrival (ALGORITHMS.md §9): what is decided when its generation is
-issued, the generation itself, and the batch in flight.
+"""A step's batch from issue to arrival (docs/algorithms.md §9): what is decided when its
+generation is issued, the generation itself, and the batch in flight.
 
 With ``rollout.max_staleness = k`` the batch that step j trains on is issued at step j − k (at
 the start of the step, before its update), so it is sampled by the params of that step: at most k

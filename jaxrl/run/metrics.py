@@ -1,6 +1,6 @@
 """Run metrics: pass@k, and the writers (JSONL, TensorBoard, optional W&B) plus the run plot.
 
-``pass_at_k`` is the public reference function of ALGORITHMS.md §8 (it lives in ``jaxrl.rl.passk``).
+``pass_at_k`` is the reference function of docs/algorithms.md §8 (it lives in ``jaxrl.rl.passk``).
 """
 
 from __future__ import annotations
