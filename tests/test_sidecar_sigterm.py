@@ -8,8 +8,8 @@ generated again on resume."""
 
 from __future__ import annotations
 
-import glob
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,7 +36,7 @@ def _start(workdir, steps):
   return subprocess.Popen(
     [sys.executable, "-m", "jaxrl.main", *FLAGS, f"--workdir={workdir}", f"--config.steps={steps}"],
     cwd=ROOT,
-    env=dict(os.environ, PYTHONPATH=ROOT),
+    env=dict(os.environ, PYTHONPATH=ROOT, PYTHONFAULTHANDLER="1"),  # SIGABRT: every thread's stack
     stdout=subprocess.DEVNULL,
     stderr=subprocess.PIPE,
     text=True,
@@ -56,6 +56,15 @@ def _checkpoints(workdir) -> list[int]:
   return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
 
 
+def _weights_roots(workdir) -> set[str]:
+  """The weights directories this run's servers were started on (other runs on the machine have
+  their own: a test beside this one may hold some under /dev/shm at the same time)."""
+  log_txt = (workdir / "vllm.log").read_text(errors="replace")
+  return {
+    os.path.dirname(m) for m in re.findall(r"^=== jaxrl: start .* --model (\S+)", log_txt, re.M)
+  }
+
+
 def _cmdline(pid: int) -> bytes:
   try:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -72,11 +81,21 @@ def _signal(pids, sig) -> None:
       pass
 
 
+def _communicate(proc, timeout: float) -> str:
+  """The run's stderr once it has exited; a run still going after ``timeout`` fails the test with
+  every thread's stack (faulthandler, on SIGABRT) and the log's tail."""
+  try:
+    return proc.communicate(timeout=timeout)[1]
+  except subprocess.TimeoutExpired:
+    proc.send_signal(signal.SIGABRT)
+    err = proc.communicate()[1]
+    pytest.fail(f"the run did not end {timeout:.0f} s after SIGTERM:\n{err[-12000:]}")
+
+
 def test_sigterm_to_every_process_of_the_job_ends_like_ctrl_c(tmp_path):
   from jaxrl.rollout.sidecar import owned_pids
 
   workdir = tmp_path / "run"
-  shm_before = set(glob.glob("/dev/shm/jaxrl-*"))
   proc = _start(workdir, STEPS)
   try:
     while _rows(workdir) < 2:  # two RL steps done: the sidecar is serving, a batch in flight
@@ -89,7 +108,7 @@ def test_sigterm_to_every_process_of_the_job_ends_like_ctrl_c(tmp_path):
     _signal(server, signal.SIGSTOP)  # the next rollout waits on a server that cannot answer
     _signal(job, signal.SIGTERM)  # what a scheduler does: every process of the job at once
     _signal(server, signal.SIGCONT)  # (the scheduler never froze it)
-    err = proc.communicate(timeout=300)[1]
+    err = _communicate(proc, timeout=300)
   finally:
     if proc.poll() is None:
       proc.kill()
@@ -103,7 +122,8 @@ def test_sigterm_to_every_process_of_the_job_ends_like_ctrl_c(tmp_path):
   while owned_pids(proc.pid) and time.monotonic() < deadline:  # the guard's own grace period
     time.sleep(0.2)
   assert not owned_pids(proc.pid)
-  assert set(glob.glob("/dev/shm/jaxrl-*")) <= shm_before
+  roots = _weights_roots(workdir)
+  assert roots and not [r for r in roots if os.path.exists(r)]
   # The same command resumes and finishes (a shorter run of the same config: steps may change).
   again = _start(workdir, trained + 2)
   err = again.communicate(timeout=600)[1]
