@@ -1,5 +1,5 @@
 """The training–inference mismatch on this CPU and what each behaviour correction does about it
-(ALGORITHMS.md §9), with the tiny model through a real vLLM sidecar.
+(docs/algorithms.md §9), with the tiny model through a real vLLM sidecar.
 
 ``--part mismatch``: one batch of rollouts (64 questions × 8) from the SFT warm start, sampled by
 the server and rescored by the trainer, for server/trainer dtypes float32/float32,

@@ -1,4 +1,4 @@
-"""Allocation (ALGORITHMS.md §3, §4): worked examples, python-loop oracles, properties, policies.
+"""Allocation (docs/algorithms.md §3, §4): worked examples, python-loop oracles, properties, policies.
 
 The oracles below are written from the spec text with plain Python numbers and loops; the library
 computes in float32 with sorts and cumulative sums. Random comparisons use inputs on which the two
@@ -103,7 +103,7 @@ def oracle_dynamo_allocate(priority, budget, g_min, g_max):
   return g
 
 
-# Worked examples (ALGORITHMS.md), eager and jitted.
+# Worked examples (docs/algorithms.md), eager and jitted.
 
 _E3_EXAMPLES = [  # A1-A4
   ([0.1, 0.3, 0.6, 0.9], [6, 7, 9, 10]),

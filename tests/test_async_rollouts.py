@@ -1,4 +1,4 @@
-"""Asynchronous rollouts with the JAX sampler (``rollout.max_staleness`` = k, ALGORITHMS.md §9):
+"""Asynchronous rollouts with the JAX sampler (``rollout.max_staleness`` = k, docs/algorithms.md §9):
 staleness bounded by k, runs deterministic, a save and restore with batches in flight exact, and
 EEPO's gate carried through the batches in issue order. (k = 0 is pinned bit for bit by the golden
 step in tests/test_train.py; subprocess kill/resume in tests/test_kill_resume.py.)"""

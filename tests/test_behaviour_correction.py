@@ -1,4 +1,4 @@
-"""Behaviour log-probs and their correction (ALGORITHMS.md §9) through the public names: the worked
+"""Behaviour log-probs and their correction (docs/algorithms.md §9) through the public names: the worked
 example, properties of the weights, the identity when μ = π_prox, traced thresholds, the config."""
 
 from __future__ import annotations

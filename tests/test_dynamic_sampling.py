@@ -1,4 +1,4 @@
-"""Dynamic sampling (ALGORITHMS.md §10): the choice of groups, the fixed row layout, and whole
+"""Dynamic sampling (docs/algorithms.md §10): the choice of groups, the fixed row layout, and whole
 steps through ``rl_step`` (every trained group informative when the fill is 1, nothing recompiled
 across rounds, every drawn question counted)."""
 

@@ -1,4 +1,4 @@
-"""EEPO unlearning loss (ALGORITHMS.md §5) and the fused log(1 − p) path it trains through.
+"""EEPO unlearning loss (docs/algorithms.md §5) and the fused log(1 − p) path it trains through.
 
 Oracles are float64 numpy: log(1 − p) as log Σ_{j≠a} e^{z_j} − log Σ_j e^{z_j}, and its analytic
 gradient (q_j − p_j off the token, −p_a on it, q = softmax over the other logits).

@@ -1,4 +1,4 @@
-"""GRPO loss and advantages against float64 Python-loop oracles (ALGORITHMS.md §1).
+"""GRPO loss and advantages against float64 Python-loop oracles (docs/algorithms.md §1).
 
 The oracles loop over rollouts and tokens and share no code with jaxrl.losses; gradients are
 checked against hand-derived per-token derivatives, and micro-batch accumulation against one batch.

@@ -1,4 +1,4 @@
-"""DynaMO advantage modulation (ALGORITHMS.md §4, Eq. 8–14) against a float64 Python-loop oracle.
+"""DynaMO advantage modulation (docs/algorithms.md §4, Eq. 8–14) against a float64 Python-loop oracle.
 
 Also checks that `grpo_loss(..., adv_RxT=...)` uses per-token advantages: the broadcast sequence
 advantage gives exactly the adv_R path, a non-uniform one matches a token loop of the surrogate.

@@ -1,4 +1,4 @@
-"""pass@k: the ALGORITHMS.md §8 examples, an exact-fraction oracle, and the vectorised form."""
+"""pass@k: the docs/algorithms.md §8 examples, an exact-fraction oracle, and the vectorised form."""
 
 import math
 from fractions import Fraction

@@ -1,4 +1,4 @@
-"""Schedules and controllers (jaxrl.schedules) against ALGORITHMS.md §3/§5/§6 and Python loops.
+"""Schedules and controllers (jaxrl.schedules) against docs/algorithms.md §3/§5/§6 and Python loops.
 
 Tolerances: these are scalar float32 formulas and recurrences (no sums over arrays but a window's
 mean of ≤ 6 entries), the same bits on every x86 CPU kind CI runs (IEEE operations, XLA's own
