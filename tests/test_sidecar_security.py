@@ -15,9 +15,11 @@ and dev endpoints; the launcher starts it through a stand-in interpreter, so the
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import os
+import platform
 import signal
 import socket
 import stat
@@ -507,6 +509,33 @@ def test_a_killed_trainer_leaves_no_socket_directory(fakes, tmp_path, monkeypatc
     time.sleep(0.2)
   assert not group_members(int(group)) and not owned_pids(int(trainer))
   assert not os.path.exists(runtime)
+
+
+_TGKILL = {"x86_64": 234, "aarch64": 131}.get(platform.machine())  # the syscall's number
+
+
+@pytest.mark.skipif(_TGKILL is None, reason="tgkill's syscall number is known for x86-64 and arm64")
+def test_a_sigterm_the_guards_other_thread_takes_stops_the_server(fakes, tmp_path, monkeypatch):
+  """The kernel hands a process-directed signal to any thread that does not block it (after a
+  SIGSTOP / SIGCONT, to whichever wakes first). A SIGTERM the guard's watcher thread takes stops
+  the server like one its main thread takes; here it is sent to that thread alone."""
+  _, python = fakes
+  state = tmp_path / "state"
+  state.mkdir()
+  (state / "spec.json").write_text("{}")
+  monkeypatch.setenv("FAKE_VLLM_DIR", str(state))
+  sidecar = Sidecar(LaunchConfig(python=python, log_dir=str(tmp_path), startup_timeout=60.0))
+  sidecar.start(str(tmp_path))
+  guard = sidecar.proc
+  try:
+    others = [int(t) for t in os.listdir(f"/proc/{guard.pid}/task") if int(t) != guard.pid]
+    assert others  # the thread that watches the trainer
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.syscall(_TGKILL, guard.pid, others[0], signal.SIGTERM) == 0, ctypes.get_errno()
+    guard.wait(timeout=60)  # a bound for the failure only: the guard polls its server every 0.25 s
+    assert not group_members(guard.pid)
+  finally:
+    sidecar.close()
 
 
 # -- 2: weights directories --------------------------------------------------------------------

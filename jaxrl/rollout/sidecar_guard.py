@@ -95,8 +95,8 @@ def main() -> int:
   def stop(orphaned: bool) -> None:
     """Ask the server to exit; SIGKILL the whole group if it has not after the grace period.
 
-    Never waits on the server itself: the main thread is blocked in ``server.wait()`` holding
-    Popen's wait lock, so a wait here would only spin until its timeout.
+    Never waits on the server itself: it runs in the main thread's signal handler, between the
+    main thread's polls of the server.
     """
     if stopping.is_set():
       return
@@ -128,7 +128,12 @@ def main() -> int:
   server.append(subprocess.Popen(argv))
   if stopping.is_set():  # stopped while the server was being spawned
     server[0].send_signal(signal.SIGTERM)
-  code = server[0].wait()
+  # Polled, not one blocking wait: the kernel may hand SIGTERM to the watcher thread (after a
+  # SIGSTOP/SIGCONT, to whichever thread wakes first), and Python runs the handler only when the
+  # main thread next executes bytecode. Blocked in waitpid, it would never see the signal, and the
+  # server it should stop could wait forever on a request of the trainer's.
+  while (code := server[0].poll()) is None:
+    time.sleep(_POLL_SECONDS)
   signal.signal(signal.SIGTERM, signal.SIG_IGN)
   _end_rest_of_group()
   if runtime_dir:

@@ -71,6 +71,19 @@ class Batch:
   metrics: dict  # EEPO's metrics, the generation's seconds
 
 
+# How often the main thread, waiting for a batch, returns to Python: a SIGINT / SIGTERM the kernel
+# hands to another thread (the rollout thread, an XLA worker) runs its handler only then, and the
+# handler is what stops the rollout thread restarting a server the job's signal has just ended.
+_SIGNAL_POLL_SECONDS = 0.5
+
+
+def _waited(future: concurrent.futures.Future):
+  """``future.result()``, waited for in slices so that the main thread's signal handlers run."""
+  while not concurrent.futures.wait([future], timeout=_SIGNAL_POLL_SECONDS).done:
+    pass
+  return future.result()
+
+
 class InFlight:
   """A batch being generated (a future), or one a checkpoint recorded without its rollouts, to be
   generated again (``deferred``); compared by identity."""
@@ -86,7 +99,7 @@ class InFlight:
   def result(self) -> Batch:
     if self._future is None:
       raise RuntimeError(f"the batch of step {self.issue.step + 1} was never generated")
-    return self._future.result()
+    return _waited(self._future)
 
   def generated(self, wait: bool) -> Batch | None:
     """The batch if it was generated (waiting for it when ``wait``); None if it is still running
@@ -94,7 +107,7 @@ class InFlight:
     if self._future is None or not (wait or self._future.done()):
       return None
     try:
-      return self._future.result()
+      return _waited(self._future)
     except Exception as e:  # whatever failed, the batch is generated again, not lost
       log.warning("the batch of step %d failed (%s: %s)", self.issue.step + 1, type(e).__name__, e)
       return None
