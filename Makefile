@@ -27,7 +27,7 @@ VLLM_REQUIREMENTS := requirements-vllm.txt
 PLATFORM := no NVIDIA GPU: CPU builds
 endif
 
-.PHONY: run test lint bench vllm-env clean-venv
+.PHONY: run test lint bench gpu-check vllm-env clean-venv
 
 $(VENV)/.runtime: $(REQUIREMENTS) requirements.txt
 	@echo "jaxrl: $(PLATFORM): installing $(REQUIREMENTS) into $(VENV)"
@@ -40,7 +40,7 @@ $(VENV)/.dev: requirements-dev.txt $(VENV)/.runtime
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $@
 
-# The vLLM sidecar's own environment (see ../shared/spec/SIDECAR.md). On CPU, PyPI's
+# The vLLM sidecar's own environment (docs/sidecar.md). On CPU, PyPI's
 # torchvision/torchaudio/torchcodec are CUDA builds that break transformers' model imports: removed.
 $(VLLM_VENV)/.stamp: $(VLLM_REQUIREMENTS)
 	@echo "jaxrl: $(PLATFORM): installing $(VLLM_REQUIREMENTS) into $(VLLM_VENV)"
@@ -87,6 +87,11 @@ bench: $(VENV)/.dev
 	$(PY) bench/sampler_vs_hf.py --out bench/results/peers.jsonl
 	$(PY) bench/sampler_vs_hf.py --vocab 151936 --repeats 3 --out bench/results/peers.jsonl
 	$(PY) bench/decode_step.py --out bench/results/decode_step.jsonl
+
+# On a GPU host, with the Python that has its JAX (no venv is built): `make gpu-check PY=python3`,
+# then `make gpu-check PY=python3 ARGS="--stages 6"` (bench/gpu_check.py says what each stage measures).
+gpu-check:
+	$(PY) bench/gpu_check.py $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV) $(VLLM_VENV)

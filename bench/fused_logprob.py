@@ -25,6 +25,7 @@ import numpy as np
 from jaxrl.nn.logprobs import DEFAULT_CHUNK_SIZE, fused_logprobs_entropy, naive_logprobs_entropy
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAIVE = "naive [B,T,V]"
 
 
 def parse_args():
@@ -53,17 +54,19 @@ def make_step(fn):
   return jax.jit(jax.value_and_grad(objective, argnums=(0, 1)))
 
 
-def main():
-  """Compile every variant, time them round-robin, print and save the table."""
-  args = parse_args()
+def compare(B: int, T: int, D: int, V: int, tau: float, chunks, repeats: int) -> dict:
+  """Compile the naive variant and one fused variant per chunk size, time them round-robin
+  (``repeats`` calls each after a warm-up): ``{"variants": {name: {"temp_bytes", "times",
+  "rel_diff"}}, "naive": name}`` (rel_diff: the largest difference from the naive outputs,
+  relative to their largest entry)."""
   k_h, k_w, k_t = jax.random.split(jax.random.key(0), 3)
-  hidden_BxTxD = jax.random.normal(k_h, (args.B, args.T, args.D), jnp.float32)
-  lm_head_VxD = jax.random.normal(k_w, (args.V, args.D), jnp.float32) / np.sqrt(args.D)
-  tokens_BxT = jax.random.randint(k_t, (args.B, args.T), 0, args.V)
-  call_args = (hidden_BxTxD, lm_head_VxD, tokens_BxT, jnp.float32(args.tau))
+  hidden_BxTxD = jax.random.normal(k_h, (B, T, D), jnp.float32)
+  lm_head_VxD = jax.random.normal(k_w, (V, D), jnp.float32) / np.sqrt(D)
+  tokens_BxT = jax.random.randint(k_t, (B, T), 0, V)
+  call_args = (hidden_BxTxD, lm_head_VxD, tokens_BxT, jnp.float32(tau))
 
-  variants = {"naive [B,T,V]": naive_logprobs_entropy}
-  for chunk in args.chunk:
+  variants = {NAIVE: naive_logprobs_entropy}
+  for chunk in chunks:
     variants[f"fused, chunk {chunk}"] = lambda *a, c=chunk: fused_logprobs_entropy(*a, chunk_size=c)
 
   compiled, temp_bytes, outputs = {}, {}, {}
@@ -73,36 +76,54 @@ def main():
     outputs[name] = jax.block_until_ready(compiled[name](*call_args))  # warm-up
 
   times = {name: [] for name in variants}
-  for _ in range(args.repeats):
+  for _ in range(repeats):
     for name in variants:
       start = time.perf_counter()
       jax.block_until_ready(compiled[name](*call_args))
       times[name].append(time.perf_counter() - start)
 
-  naive = "naive [B,T,V]"
-  naive_leaves = jax.tree.leaves(outputs[naive])
-  naive_time = statistics.median(times[naive])
+  naive_leaves = jax.tree.leaves(outputs[NAIVE])
+  out = {}
+  for name in variants:
+    rel_diff = max(
+      float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+      for a, b in zip(jax.tree.leaves(outputs[name]), naive_leaves)
+    )
+    out[name] = {"temp_bytes": int(temp_bytes[name]), "times": times[name], "rel_diff": rel_diff}
+  return {"variants": out, "naive": NAIVE}
+
+
+def table_rows(result: dict) -> list[str]:
+  """The markdown table of ``compare``'s result: header and one row per variant."""
+  variants, naive = result["variants"], result["variants"][result["naive"]]
+  naive_time = statistics.median(naive["times"])
+  lines = [
+    "| variant | XLA temp (MiB) | naive / variant | median time (s) | variant / naive "
+    "| min time (s) | max rel. diff vs naive |",
+    "|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  for name, v in variants.items():
+    median = statistics.median(v["times"])
+    lines.append(
+      f"| {name} | {v['temp_bytes'] / 2**20:.1f} | "
+      f"{naive['temp_bytes'] / v['temp_bytes']:.1f}x | {median:.3f} | "
+      f"{median / naive_time:.2f} | {min(v['times']):.3f} | {v['rel_diff']:.1e} |"
+    )
+  return lines
+
+
+def main():
+  """Compile every variant, time them round-robin, print and save the table."""
+  args = parse_args()
+  result = compare(args.B, args.T, args.D, args.V, args.tau, args.chunk, args.repeats)
   lines = [
     f"B={args.B} T={args.T} D={args.D} V={args.V} tau={args.tau}, value_and_grad of "
     f"sum(logp)+sum(entropy) w.r.t. hidden and lm_head; median of {args.repeats} after warm-up; "
     f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cores, "
     f"{platform.machine()}).",
     "",
-    "| variant | XLA temp (MiB) | naive / variant | median time (s) | variant / naive "
-    "| min time (s) | max rel. diff vs naive |",
-    "|---|---:|---:|---:|---:|---:|---:|",
+    *table_rows(result),
   ]
-  for name in variants:
-    rel_diff = max(
-      float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
-      for a, b in zip(jax.tree.leaves(outputs[name]), naive_leaves)
-    )
-    median = statistics.median(times[name])
-    lines.append(
-      f"| {name} | {temp_bytes[name] / 2**20:.1f} | "
-      f"{temp_bytes[naive] / temp_bytes[name]:.1f}x | {median:.3f} | "
-      f"{median / naive_time:.2f} | {min(times[name]):.3f} | {rel_diff:.1e} |"
-    )
   table = "\n".join(lines) + "\n"
   print(table)
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -28,9 +28,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.side_by_side import machine  # noqa: E402
-from jaxrl.config import from_configdict  # noqa: E402
+from jaxrl.config import LossConfig, from_configdict  # noqa: E402
 from jaxrl.nn import arch, model  # noqa: E402
 from jaxrl.rl import programs  # noqa: E402
+from jaxrl.rl.losses import LossHparams  # noqa: E402
 from jaxrl.rollout.build import build_engine  # noqa: E402
 from jaxrl.run import cli  # noqa: E402
 from jaxrl.tasks.task import load_task  # noqa: E402
@@ -81,8 +82,8 @@ def update_times(repeats: int, workdir: str) -> dict[int, list[float]]:
     mcfg = arch.model_config(cfg, task.vocab_size)
     graphdef, params = model.create(mcfg, 0)
     progs = programs.Programs.for_run(cfg, graphdef, params, mesh)
-    update = progs.update(programs.rl_step_config(cfg))
-    hp = programs.step_hparams(cfg, 1.0, cfg.loss.eps_high)
+    update = progs.update(LossConfig.from_config(cfg))
+    hp = LossHparams.from_config(cfg, 1.0, cfg.loss.eps_high)
     state = progs.init_state(params)
     state, _ = update(state, batch, hp, None)  # compile
     jax.block_until_ready(state)

@@ -63,28 +63,29 @@ def parse_args(argv=None):
   return args
 
 
-def _prompts(args, vocab):
+def prompts(num_prompts: int, prompt_len: int, vocab: int):
+  """Random prompt ids [B, P] (every prompt P tokens long), the same on both sides."""
   import numpy as np
 
   rng = np.random.default_rng(0)
-  return rng.integers(0, vocab, (args.rows // args.group, args.prompt_len)).astype(np.int32)
+  return rng.integers(0, vocab, (num_prompts, prompt_len)).astype(np.int32)
 
 
-def _jaxrl_worker(args):
+def _prompts(args, vocab):
+  return prompts(args.rows // args.group, args.prompt_len, vocab)
+
+
+# ``jaxrl_generate_fn`` and ``hf_generate_fn`` are also bench/gpu_check.py's.
+
+
+def jaxrl_generate_fn(cfg, graphdef, params, prompts_BxP, group: int, new_tokens: int, top_p):
+  """A call that samples ``group`` responses of ``new_tokens`` tokens to each prompt with the JAX
+  sampler (τ = 1, a fresh key per call) and waits for them."""
   import jax
   import numpy as np
 
-  # before the backend starts: the number of host devices is fixed then (as jaxrl-train's
-  # --cpu_devices, ``distributed.initialize``)
-  jax.config.update("jax_num_cpu_devices", args.devices)
-
-  from jaxrl.parallel import sharding
   from jaxrl.rollout import sampler
 
-  cfg, graphdef, params = side_by_side.jaxrl_model(args.size, args.vocab)
-  if args.devices > 1:
-    params = jax.device_put(params, sharding.replicated(sharding.make_mesh(args.devices, 1, 1)))
-  prompts_BxP = _prompts(args, cfg.vocab_size)
   B = prompts_BxP.shape[0]
   calls = iter(range(1 << 30))
 
@@ -94,12 +95,12 @@ def _jaxrl_worker(args):
       params,
       prompts_BxP,
       np.ones_like(prompts_BxP, bool),
-      np.full((B,), args.group, np.int32),
+      np.full((B,), group, np.int32),
       jax.random.key(next(calls)),
       1.0,
-      args.top_p,
-      num_rollouts=args.rows,
-      max_new_tokens=args.new_tokens,
+      top_p,
+      num_rollouts=B * group,
+      max_new_tokens=new_tokens,
       eos_id=cfg.vocab_size - 1,
       pad_id=0,
       model_cfg=cfg,
@@ -109,11 +110,14 @@ def _jaxrl_worker(args):
   return one
 
 
-def _hf_worker(args):
+def hf_generate_fn(net, prompts_BxP, group: int, new_tokens: int, top_p, **generate_kwargs):
+  """A call of HF ``generate`` on ``net`` (on its device) with the same work: ``group`` samples of
+  exactly ``new_tokens`` tokens per prompt from the full softmax (top_k off); then waits for the
+  device. ``generate_kwargs`` add to the call (e.g. ``cache_implementation="static"``)."""
   import torch
 
-  net = side_by_side.hf_model(args.size, args.vocab).eval()
-  prompts = torch.as_tensor(_prompts(args, net.config.vocab_size)).long()
+  device = next(net.parameters()).device
+  prompts = torch.as_tensor(prompts_BxP, device=device).long()
 
   @torch.no_grad()
   def one():
@@ -122,17 +126,44 @@ def _hf_worker(args):
       attention_mask=torch.ones_like(prompts),
       do_sample=True,
       temperature=1.0,
-      top_p=args.top_p,
+      top_p=top_p,
       top_k=0,
-      num_return_sequences=args.group,
-      max_new_tokens=args.new_tokens,
-      min_new_tokens=args.new_tokens,
+      num_return_sequences=group,
+      max_new_tokens=new_tokens,
+      min_new_tokens=new_tokens,
       eos_token_id=None,
       pad_token_id=0,
       use_cache=True,
+      **generate_kwargs,
     )
+    if device.type == "cuda":
+      torch.cuda.synchronize()
 
   return one
+
+
+def _jaxrl_worker(args):
+  import jax
+
+  # before the backend starts: the number of host devices is fixed then (as jaxrl-train's
+  # --cpu_devices, ``distributed.initialize``)
+  jax.config.update("jax_num_cpu_devices", args.devices)
+
+  from jaxrl.parallel import sharding
+
+  cfg, graphdef, params = side_by_side.jaxrl_model(args.size, args.vocab)
+  if args.devices > 1:
+    params = jax.device_put(params, sharding.replicated(sharding.make_mesh(args.devices, 1, 1)))
+  prompts_BxP = _prompts(args, cfg.vocab_size)
+  return jaxrl_generate_fn(
+    cfg, graphdef, params, prompts_BxP, args.group, args.new_tokens, args.top_p
+  )
+
+
+def _hf_worker(args):
+  net = side_by_side.hf_model(args.size, args.vocab).eval()
+  prompts_BxP = _prompts(args, net.config.vocab_size)
+  return hf_generate_fn(net, prompts_BxP, args.group, args.new_tokens, args.top_p)
 
 
 def measure(args, argv) -> dict:

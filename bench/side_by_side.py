@@ -56,7 +56,8 @@ def jaxrl_model(size: str, vocab: int | None = None, remat: str = "none"):
   d, layers, heads, kv, e, f, v = MODEL_SIZES[size]
   cfg = model.ModelConfig(
     vocab_size=vocab or v, hidden_size=d, intermediate_size=f, num_layers=layers,
-    num_heads=heads, num_kv_heads=kv, head_dim=e, remat=remat,
+    num_heads=heads, num_kv_heads=kv, head_dim=e, remat=remat, rope_theta=1e6,
+    tie_embeddings=False,
   )  # fmt: skip
   graphdef, params = model.create(cfg, 0)
   return cfg, graphdef, params

@@ -75,6 +75,7 @@ def main():
     num_heads=4,
     num_kv_heads=2,
     head_dim=32,
+    rope_theta=1e6,
     tie_embeddings=False,
   )
   graphdef, params = model.create(cfg, 0)

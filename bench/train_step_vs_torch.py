@@ -64,13 +64,16 @@ def parse_args(argv=None):
 
 
 # The two workers: each builds its model and batch and returns (one update, one peak matmul).
+# ``batch_arrays``, ``jaxrl_update_fn`` and ``torch_update_fn`` are also bench/gpu_check.py's.
 
 
-def _batch_arrays(args, vocab, seed=0):
+def batch_arrays(rows: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0) -> dict:
+  """The update's batch as numpy arrays: random prompts and responses (every response N tokens
+  long), behaviour log-probs and 0/1 rewards in groups of 8."""
   import numpy as np
 
   rng = np.random.default_rng(seed)
-  R, P, N = args.rows, args.prompt_len, args.response_len
+  R, P, N = rows, prompt_len, response_len
   group = min(8, R)
   return dict(
     prompt_ids_RxP=rng.integers(0, vocab, (R, P)).astype(np.int32),
@@ -84,26 +87,24 @@ def _batch_arrays(args, vocab, seed=0):
   )
 
 
-def _jaxrl_worker(args):
+def jaxrl_update_fn(graphdef, params, b: dict, response_len: int):
+  """A call that runs one GRPO update of the trainer's own program (``Programs.update``: AdamW at
+  lr 1e-6, grad-norm clip 1) on the batch ``b`` (``batch_arrays``) and waits for it; the train
+  state (built from ``params``) lives in the closure and is donated step to step."""
   import jax
-  import jax.numpy as jnp
   import numpy as np
 
-  from jaxrl.nn import model
+  from jaxrl.config import LossConfig
   from jaxrl.parallel import sharding
-  from jaxrl.rl import losses, optim, step
+  from jaxrl.rl import optim
+  from jaxrl.rl.losses import LossHparams
   from jaxrl.rl.programs import Programs
   from jaxrl.types import Rollouts
 
-  mcfg, graphdef, params = side_by_side.jaxrl_model(args.size, remat=args.remat)
-  vocab = mcfg.vocab_size
-  n_params = model.num_params(params)
   mesh = sharding.make_mesh(1, 1, 1)
   programs = Programs(graphdef, params, mesh, optim.adamw(1e-6, 0, grad_clip=1.0))
   state = programs.init_state(params)
-  del params
-  b = _batch_arrays(args, vocab)
-  R, P = args.rows, args.prompt_len
+  R, P = b["prompt_ids_RxP"].shape
   batch = Rollouts(
     prompt_ids_RxP=b["prompt_ids_RxP"],
     prompt_mask_RxP=np.ones((R, P), bool),
@@ -111,23 +112,37 @@ def _jaxrl_worker(args):
     mask_RxN=b["mask_RxN"],
     behaviour_logp_RxN=b["old_logp_RxN"],
     entropy_RxN=np.zeros_like(b["old_logp_RxN"]),
-    lengths_R=np.full((R,), args.response_len, np.int32),
+    lengths_R=np.full((R,), response_len, np.int32),
     group_ids_R=b["group_ids_R"],
     finished_R=np.ones((R,), bool),
     prox_logp_RxN=b["old_logp_RxN"],
     rewards_R=b["rewards_R"],
   )
   batch = sharding.shard_batch(batch, mesh)
-  step_cfg = step.RLStepConfig(
-    loss=losses.LossConfig(max_response_len=args.response_len), num_groups=b["num_groups"]
+  update = programs.update(
+    LossConfig(num_groups=b["num_groups"], max_response_len=response_len, informative_only=False)
   )
-  hp = step.StepHparams(loss=losses.LossHparams.create(), tau=jnp.float32(1.0))
-  update = programs.update(step_cfg)
+  hp = LossHparams.create(tau=1.0)
 
   def one():
     nonlocal state
     state, metrics = update(state, batch, hp, None)
     jax.block_until_ready((state, metrics))
+
+  return one
+
+
+def _jaxrl_worker(args):
+  import jax
+  import jax.numpy as jnp
+
+  from jaxrl.nn import model
+
+  mcfg, graphdef, params = side_by_side.jaxrl_model(args.size, remat=args.remat)
+  n_params = model.num_params(params)
+  b = batch_arrays(args.rows, args.prompt_len, args.response_len, mcfg.vocab_size)
+  one = jaxrl_update_fn(graphdef, params, b, args.response_len)
+  del params
 
   def peak():
     x = jnp.ones((PEAK_N, PEAK_N), jnp.float32)
@@ -138,18 +153,19 @@ def _jaxrl_worker(args):
   return one, peak(), n_params
 
 
-def _torch_worker(args):
+def torch_update_fn(net, b: dict, *, autocast_dtype=None, compile_model: bool = False):
+  """A call that runs one update of the PyTorch peer on ``net`` (an HF causal LM in train mode, on
+  its device) and the batch ``b`` (``batch_arrays``): the clipped GRPO objective, ``backward``,
+  global-norm clip 1, ``torch.optim.AdamW`` at lr 1e-6; then waits for the device.
+  ``autocast_dtype``: the forward and loss under ``torch.autocast`` (mixed precision over the
+  params' own dtype); ``compile_model``: the model's forward through ``torch.compile``."""
   import torch
 
-  net = side_by_side.hf_model(args.size).train()
-  net.config.use_cache = False
-  if args.remat == "full":
-    net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-  vocab = net.config.vocab_size
-  n_params = sum(p.numel() for p in net.parameters())
+  device = next(net.parameters()).device
   opt = torch.optim.AdamW(net.parameters(), lr=1e-6, betas=(0.9, 0.99), weight_decay=0.0)
-  b = {k: torch.as_tensor(v) for k, v in _batch_arrays(args, vocab).items() if k != "num_groups"}
-  P, N = args.prompt_len, args.response_len
+  forward = torch.compile(net) if compile_model else net
+  b = {k: torch.as_tensor(v, device=device) for k, v in b.items() if k != "num_groups"}
+  P, N = b["prompt_ids_RxP"].shape[1], b["tokens_RxN"].shape[1]
   input_ids = torch.cat([b["prompt_ids_RxP"], b["tokens_RxN"]], 1).long()
   targets = b["tokens_RxN"].long()
   mask = b["mask_RxN"].float()
@@ -160,27 +176,43 @@ def _torch_worker(args):
     # GRPO: (r - mean_group) / (std_group + 1e-6), as jaxrl's group_advantages
     g = int(groups.max()) + 1
     r = b["rewards_R"]
-    mean = torch.zeros(g).index_add_(0, groups, r) / torch.bincount(groups, minlength=g)
-    var = torch.zeros(g).index_add_(0, groups, (r - mean[groups]) ** 2) / torch.bincount(
-      groups, minlength=g
-    )
+    zeros = torch.zeros(g, device=device)
+    mean = zeros.index_add(0, groups, r) / torch.bincount(groups, minlength=g)
+    var = zeros.index_add(0, groups, (r - mean[groups]) ** 2) / torch.bincount(groups, minlength=g)
     return (r - mean[groups]) / (var.sqrt()[groups] + 1e-6)
 
   def one():
     opt.zero_grad(set_to_none=True)
-    logits = net(input_ids=input_ids).logits[:, P - 1 : P + N - 1].float()
-    logp_all = torch.log_softmax(logits, -1)
-    logp = logp_all.gather(-1, targets[..., None])[..., 0]
-    with torch.no_grad():  # the entropy metric, as TRL/verl log it
-      entropy = -(logp_all.exp() * logp_all).sum(-1)
-      _ = (entropy * mask).sum() / mask.sum()
-    ratio = torch.exp(logp - b["old_logp_RxN"])
-    adv = advantages()[:, None]
-    obj = torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
-    loss = -(obj * mask).sum() / mask.sum()
+    with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+      logits = forward(input_ids=input_ids).logits[:, P - 1 : P + N - 1].float()
+      logp_all = torch.log_softmax(logits, -1)
+      logp = logp_all.gather(-1, targets[..., None])[..., 0]
+      with torch.no_grad():  # the entropy metric, as TRL/verl log it
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        _ = (entropy * mask).sum() / mask.sum()
+      ratio = torch.exp(logp - b["old_logp_RxN"])
+      adv = advantages()[:, None]
+      obj = torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+      loss = -(obj * mask).sum() / mask.sum()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
     opt.step()
+    if device.type == "cuda":
+      torch.cuda.synchronize()
+
+  return one
+
+
+def _torch_worker(args):
+  import torch
+
+  net = side_by_side.hf_model(args.size).train()
+  net.config.use_cache = False
+  if args.remat == "full":
+    net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+  n_params = sum(p.numel() for p in net.parameters())
+  b = batch_arrays(args.rows, args.prompt_len, args.response_len, net.config.vocab_size)
+  one = torch_update_fn(net, b)
 
   def peak():
     x = torch.ones(PEAK_N, PEAK_N)

@@ -18,8 +18,10 @@ from typing import Any, Literal
 # (losses, model, engines) reads them from here (``typing.get_args``).
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
-# docs/algorithms.md §9; auto = tis for rollout.engine=vllm, none for the JAX sampler
-BehaviourCorrection = Literal["auto", "none", "tis", "mis", "seq-mis"]
+# docs/algorithms.md §9: the update's corrections, and auto (tis for rollout.engine=vllm, none for
+# the JAX sampler; ``resolved_correction``)
+Correction = Literal["none", "tis", "mis", "seq-mis"]
+BehaviourCorrection = Literal["auto", Correction]
 Remat = Literal["none", "full", "dots", "offload"]
 LoraTarget = Literal["q", "k", "v", "o", "gate", "up", "down"]  # projections an adapter sits on
 Dtype = Literal["float32", "bfloat16"]
@@ -348,6 +350,8 @@ class LossSection:
   mis_high: float = 2.0
 
   def check(self) -> None:
+    """The values that become ``rl.losses.LossHparams`` (traced, so checked here only); what
+    becomes the static ``LossConfig`` is checked where it is built (its ``__post_init__``)."""
     _need(self.eps_low >= 0 and self.eps_high >= 0, "loss.eps_low", "clip ranges must be >= 0")
     _need(self.tis_cap > 0, "loss.tis_cap", "must be > 0")
     _need(
@@ -355,9 +359,6 @@ class LossSection:
       "loss.mis_low",
       f"need 0 < mis_low <= 1 <= mis_high, got {self.mis_low}, {self.mis_high}",
     )
-    _need(self.dual_clip == 0 or self.dual_clip > 1, "loss.dual_clip", "must be 0 (off) or > 1")
-    _need(self.mini_batches >= 1, "loss.mini_batches", "must be >= 1")
-    _need(self.micro_batches >= 1, "loss.micro_batches", "must be >= 1")
     # The loss is pg + kl_coef * KL - entropy_coef * H (rl/losses.py): a KL penalty and an
     # entropy bonus, so both coefficients are >= 0 (0 = off).
     _need(
@@ -562,6 +563,77 @@ class AnnealPhaseSection:
   max_new_tokens: int = 0  # 0 = keep (paper: 4k → 16k)
 
 
+def resolved_correction(mode: BehaviourCorrection, engine: Engine) -> Correction:
+  """``loss.behaviour_correction`` with ``auto`` resolved: tis for a vLLM sidecar (other kernels
+  and dtypes than the trainer's), none for the JAX sampler (the trainer's own policy)."""
+  if mode == "auto":
+    return "tis" if engine == "vllm" else "none"
+  return mode
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """What shapes the compiled GRPO update (docs/algorithms.md §1.5): hashable, a static argument
+  of the jitted update, so a change builds a new program. What a step may change without one is
+  ``rl.losses.LossHparams`` (traced).
+
+  ``from_config`` builds it from a (phase's) ``Config``, the only place that maps sections to it;
+  the defaults are the ``loss``, ``modulation`` and ``rollout`` sections' own. Each check of these
+  fields is here, in ``__post_init__``, which the config's validation runs too. ``num_groups`` and
+  ``max_response_len`` are shapes: 0 where only ``grpo_loss`` reads the config."""
+
+  aggregation: Aggregation = LossSection.aggregation
+  dual_clip: float = LossSection.dual_clip  # 0 = off; c > 1 floors the objective at c·A for A < 0
+  kl_estimator: KLEstimator = LossSection.kl_estimator
+  use_kl: bool = LossSection.kl_coef > 0  # the reference pass; its weight β is traced
+  informative_only: bool = LossSection.informative_only
+  scale_by_std: bool = LossSection.scale_by_std
+  behaviour_correction: Correction = resolved_correction(
+    LossSection.behaviour_correction, RolloutSection.engine
+  )
+  modulation: bool = ModulationSection.enabled  # DynaMO's token-level advantage modulation (§4.3)
+  mini_batches: int = LossSection.mini_batches
+  micro_batches: int = LossSection.micro_batches
+  logprob_chunk: int = LossSection.logprob_chunk
+  num_groups: int = 0  # groups of a step's rows: the questions, and one for rows of none
+  max_response_len: int = 0  # N, the T_max of seq-mean-token-sum-norm
+
+  def __post_init__(self):
+    hints = typing.get_type_hints(LossConfig)
+    for f in dataclasses.fields(self):  # allowed values (Literal) and types
+      _check_type(f"loss.{f.name}", getattr(self, f.name), hints[f.name])
+    _need(self.dual_clip == 0 or self.dual_clip > 1, "loss.dual_clip", "must be 0 (off) or > 1")
+    _need(self.mini_batches >= 1, "loss.mini_batches", "must be >= 1")
+    _need(self.micro_batches >= 1, "loss.micro_batches", "must be >= 1")
+    _need(
+      self.aggregation != "seq-mean-token-sum-norm" or self.max_response_len > 0,
+      "loss.aggregation",
+      "seq-mean-token-sum-norm divides by the longest response: needs max_response_len > 0",
+    )
+
+  @classmethod
+  def from_config(cls, cfg: Config) -> LossConfig:
+    """The update's static part for ``cfg``: a phase's config gives that phase's shapes."""
+    loss = cfg.loss
+    return cls(
+      aggregation=loss.aggregation,
+      dual_clip=loss.dual_clip,
+      kl_estimator=loss.kl_estimator,
+      use_kl=loss.kl_coef > 0,
+      informative_only=loss.informative_only,
+      scale_by_std=loss.scale_by_std,
+      behaviour_correction=resolved_correction(loss.behaviour_correction, cfg.rollout.engine),
+      modulation=cfg.modulation.enabled,
+      mini_batches=loss.mini_batches,
+      micro_batches=loss.micro_batches,
+      logprob_chunk=loss.logprob_chunk,
+      # Rows that belong to no question (an answer the verifier did not score, dynamic
+      # sampling's padding) are in a group of their own, index B: no tokens, advantage 0.
+      num_groups=cfg.batch_questions + 1,
+      max_response_len=cfg.rollout.max_new_tokens,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   seed: int = 0
@@ -680,6 +752,7 @@ def _validate(cfg: Config) -> None:
     section = getattr(cfg, f.name)
     if hasattr(section, "check"):
       section.check()
+  LossConfig.from_config(cfg)  # the update's static fields, checked where they are built
   _check_batch_shapes(cfg)
   _check_math_task(cfg)
   _check_eval(cfg)

@@ -25,6 +25,8 @@ def config(scan: bool) -> model.ModelConfig:
     num_heads=2,
     num_kv_heads=1,
     head_dim=16,
+    rope_theta=1e6,
+    tie_embeddings=False,
     scan_layers=scan,
   )
 

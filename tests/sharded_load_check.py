@@ -46,6 +46,8 @@ CFG = model.ModelConfig(
   num_heads=8,
   num_kv_heads=4,
   head_dim=128,
+  rope_theta=1e6,
+  tie_embeddings=False,
   qkv_bias=False,
 )
 SHARD_BYTES = 64 * 2**20

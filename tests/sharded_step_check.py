@@ -15,7 +15,6 @@ import json  # noqa: E402
 import sys  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
@@ -84,7 +83,7 @@ def _metric_scales(graphdef, params, batch, hp, groups, trainable_ref):
     per_row = (np.where(mask > 0, x, 0.0).sum(1) / np.maximum(mask.sum(1), 1))[rows]
     return float(per_row.sum() / max(rows.sum(), 1))
 
-  beta, lam = float(hp.loss.kl_coef), float(hp.loss.entropy_coef)
+  beta, lam = float(hp.kl_coef), float(hp.entropy_coef)
   pg, kl_loss, ent_loss = agg(rho * np.abs(adv)), beta * agg(kl_terms), lam * agg(h)
   tokens = max(mask.sum(), 1)
   return {
@@ -105,6 +104,8 @@ def main():
     num_heads=4,
     num_kv_heads=2,
     head_dim=16,
+    rope_theta=1e6,
+    tie_embeddings=False,
     lora_rank=4 if "--lora" in sys.argv else 0,
   )
   graphdef, params = model.create(mcfg, 0)
@@ -123,17 +124,16 @@ def main():
     rewards_R=rng.integers(0, 2, R).astype(np.float32),
     group_ids_R=np.repeat(np.arange(B), R // B).astype(np.int32),
   )
-  cfg = step.RLStepConfig(
-    loss=losses.LossConfig(aggregation="seq-mean-token-mean", use_kl=True, kl_estimator="k3"),
+  cfg = losses.LossConfig(
+    aggregation="seq-mean-token-mean",
+    use_kl=True,
+    kl_estimator="k3",
+    informative_only=False,
     num_groups=B,
     micro_batches=2,
   )
-  f32 = jnp.float32
-  hp = step.StepHparams(
-    loss=losses.LossHparams(
-      eps_low=f32(0.2), eps_high=f32(0.28), kl_coef=f32(0.05), entropy_coef=f32(0.01)
-    ),
-    tau=f32(0.8),
+  hp = losses.LossHparams.create(
+    eps_low=0.2, eps_high=0.28, kl_coef=0.05, entropy_coef=0.01, tau=0.8
   )
   one, eight = sharding.make_mesh(1, 1, 1), sharding.make_mesh(1, 4, 2)
   # The mesh splits the sums (the fsdp and tensor shards' partial dots, the all-reduces) into

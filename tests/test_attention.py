@@ -126,6 +126,8 @@ BASE = model.ModelConfig(
   num_heads=4,
   num_kv_heads=2,
   head_dim=8,
+  rope_theta=1e6,
+  tie_embeddings=False,
 )
 R, P, N = 4, 5, 6
 PROMPT_IDS = _rng.integers(1, 64, (R, P)).astype(np.int32)
@@ -158,13 +160,8 @@ def _models(scan: bool):
 def test_model_loss_and_grads_equal_with_blocks(scan):
   (_, graphdef), (_, blocked_graphdef), params = _models(scan)
   denom = jnp.float32(RESPONSE_MASK.sum())
-  hp = losses.LossHparams(
-    eps_low=jnp.float32(0.2),
-    eps_high=jnp.float32(0.28),
-    kl_coef=jnp.float32(0.0),
-    entropy_coef=jnp.float32(0.01),
-  )
-  cfg = losses.LossConfig(aggregation="token-mean")
+  hp = losses.LossHparams.create(eps_low=0.2, eps_high=0.28, kl_coef=0.0, entropy_coef=0.01)
+  cfg = losses.LossConfig(aggregation="token-mean", informative_only=False)
   old_logp = jnp.asarray(-_rng.random((R, N)), jnp.float32)
   adv = jnp.asarray([1.0, -1.0, 0.5, -0.5], jnp.float32)
 

@@ -13,8 +13,7 @@ import pytest
 from run_helpers import tiny_config
 
 from jaxrl import losses
-from jaxrl.config import ConfigError
-from jaxrl.rl.programs import behaviour_correction, rl_step_config
+from jaxrl.config import ConfigError, LossConfig
 
 DIFF = np.array([[0.0, 0.5, -1.0, 1.2]], np.float32)  # ℓ_prox − ℓ_μ of the worked example
 BEHAVIOUR = np.array([[-1.0, -2.0, -0.5, -3.0]], np.float32)
@@ -103,7 +102,7 @@ def _loss_inputs(seed):
 @pytest.mark.parametrize("mode", ["tis", "mis", "seq-mis"])
 def test_corrections_are_the_identity_when_behaviour_equals_prox(mode):
   logp, old, adv, mask = _loss_inputs(3)
-  hp, cfg = losses.LossHparams.create(), losses.LossConfig()
+  hp, cfg = losses.LossHparams.create(), losses.LossConfig(informative_only=False)
   denom = jnp.sum(mask.astype(jnp.float32))
 
   def loss(lp, w=None):
@@ -125,7 +124,7 @@ def test_corrections_are_the_identity_when_behaviour_equals_prox(mode):
 def test_weights_scale_the_surrogate_only():
   logp, old, adv, mask = _loss_inputs(4)
   hp = losses.LossHparams.create(kl_coef=0.1, entropy_coef=0.01)
-  cfg = losses.LossConfig(use_kl=True)
+  cfg = losses.LossConfig(use_kl=True, informative_only=False)
   denom = jnp.sum(mask.astype(jnp.float32))
   ent, ref = jnp.ones_like(logp), logp - 0.2
   zero = jnp.zeros_like(logp)
@@ -169,7 +168,7 @@ def test_rl_update_with_tis(tmp_path):
   batch = make_batch(np.random.default_rng(0))
 
   def update(mode, b, hp):
-    cfg = step.RLStepConfig(loss=losses.LossConfig(behaviour_correction=mode), num_groups=2)
+    cfg = losses.LossConfig(behaviour_correction=mode, informative_only=False, num_groups=2)
     state = step.init_state(jax.tree.map(jnp.copy, params), tx)
     new, out = jax.jit(functools.partial(step.rl_update, graphdef, tx, cfg))(state, b, hp)
     return [np.asarray(x) for x in jax.tree.leaves(new.params)], out
@@ -203,14 +202,12 @@ def test_rl_update_with_tis(tmp_path):
 
 
 def test_config_resolves_auto_and_checks_thresholds():
-  assert behaviour_correction(tiny_config("test")) == "none"
-  assert behaviour_correction(tiny_config("test", **{"rollout.engine": "vllm"})) == "tis"
-  assert (
-    rl_step_config(
-      tiny_config("test", **{"loss.behaviour_correction": "mis"})
-    ).loss.behaviour_correction
-    == "mis"
-  )
+  def resolved(**fields):
+    return LossConfig.from_config(tiny_config("test", **fields)).behaviour_correction
+
+  assert resolved() == "none"
+  assert resolved(**{"rollout.engine": "vllm"}) == "tis"
+  assert resolved(**{"loss.behaviour_correction": "mis"}) == "mis"
   with pytest.raises(ConfigError, match="loss.mis_low"):
     tiny_config("test", **{"loss.mis_low": 1.5})
   with pytest.raises(ConfigError, match="behaviour_correction"):

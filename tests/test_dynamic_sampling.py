@@ -11,8 +11,9 @@ from run_helpers import TIMING, rollouts, tiny_config
 from test_loop import _context
 
 from jaxrl import losses
+from jaxrl.rl.step import logp_responses_chunked
 from jaxrl.rollout import dynamic
-from jaxrl.run.loop import initial_loop, rl_step
+from jaxrl.run.loop import compile_counter, initial_loop, rl_step
 
 
 def test_select_groups_takes_the_first_informative_then_fills_in_draw_order():
@@ -127,8 +128,6 @@ def test_dynamic_steps_train_only_informative_groups_when_full(tmp_path):
 def test_dynamic_sampling_with_variable_groups_is_one_compiled_update(tmp_path):
   """E3 allocation (G_i up to its cap) + EEPO: trained groups padded to one static row count; the
   compiled update and sampler are reused by every step and round (jax.monitoring trace counts)."""
-  from jaxrl.run.compiles import CompileCounter
-
   cfg = tiny_config(
     "e3,test",
     steps=5,
@@ -139,11 +138,7 @@ def test_dynamic_sampling_with_variable_groups_is_one_compiled_update(tmp_path):
       "sft.steps": 0,
     },
   )
-  counter = CompileCounter(
-    compiles_update="rl_update",
-    compiles_sampler="sample_program",
-    compiles_logp="logp_responses_chunked",
-  ).start()
+  counter = compile_counter(compiles_logp=logp_responses_chunked).start()
   try:
     ctx, params = _context(cfg, tmp_path / "tokenizer")
     ctx.compiles = counter

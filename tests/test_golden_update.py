@@ -19,10 +19,12 @@ import numpy as np
 import pytest
 from run_helpers import rollouts, tiny_config
 
+from jaxrl.config import LossConfig
 from jaxrl.nn import model
 from jaxrl.parallel import sharding
 from jaxrl.rl import optim
-from jaxrl.rl.programs import Programs, rl_step_config, step_hparams
+from jaxrl.rl.losses import LossHparams
+from jaxrl.rl.programs import Programs
 
 # Matmul rounding differs by CPU and one Adam step at lr 1e-2 amplifies it. No bound can be
 # derived through that step: Adam's first update is lr·g/(|g| + ε), so a weight whose gradient
@@ -91,16 +93,16 @@ def run_golden_update():
   )
   mcfg = model.ModelConfig(
     vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-    num_kv_heads=1, head_dim=16,
+    num_kv_heads=1, head_dim=16, rope_theta=1e6, tie_embeddings=False,
   )  # fmt: skip
   graphdef, params = model.create(mcfg, 0)
   mesh = sharding.make_mesh(1, 1, 1)
   programs = Programs(graphdef, params, mesh, optim.from_config(cfg.optim))
   ref = jax.tree.map(jnp.copy, params)
   state = programs.init_state(params)
-  update = programs.update(rl_step_config(cfg))
+  update = programs.update(LossConfig.from_config(cfg))
   batch = sharding.shard_batch(_batch(mcfg.vocab_size), mesh)
-  state, metrics = update(state, batch, step_hparams(cfg, 0.9, cfg.loss.eps_high), ref)
+  state, metrics = update(state, batch, LossHparams.from_config(cfg, 0.9, cfg.loss.eps_high), ref)
   return {k: float(v) for k, v in metrics.items()}
 
 

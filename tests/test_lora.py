@@ -90,10 +90,14 @@ def _update(cfg: model.ModelConfig, kl_coef=0.0, trainable=None, seed=0):
   graphdef, params = model.create(cfg, seed)
   tx = optim.adamw(1e-2, 0)
   trainable = trainable or lora.policy_trainable(params)
-  loss_cfg = losses.LossConfig(aggregation="token-mean", use_kl=kl_coef > 0)
-  step_cfg = step.RLStepConfig(loss=loss_cfg, num_groups=2, mini_batches=2)
-  hp = hparams()
-  hp = dataclasses.replace(hp, loss=dataclasses.replace(hp.loss, kl_coef=jnp.float32(kl_coef)))
+  step_cfg = losses.LossConfig(
+    aggregation="token-mean",
+    use_kl=kl_coef > 0,
+    informative_only=False,
+    num_groups=2,
+    mini_batches=2,
+  )
+  hp = dataclasses.replace(hparams(), kl_coef=jnp.float32(kl_coef))
   state = step.init_state(params, tx, trainable)
   update = jax.jit(functools.partial(step.rl_update, graphdef, tx, step_cfg, trainable=trainable))
   batch = make_batch(np.random.default_rng(seed))
@@ -158,10 +162,10 @@ def test_the_kl_reference_is_the_base_model():
   graphdef, params, state, new, m = _update(LORA, kl_coef=0.1)
   g0, base = model.create(MCFG, 0)
   tx = optim.adamw(1e-2, 0)
-  loss_cfg = losses.LossConfig(aggregation="token-mean", use_kl=True)
-  step_cfg = step.RLStepConfig(loss=loss_cfg, num_groups=2, mini_batches=2)
-  hp = hparams()
-  hp = dataclasses.replace(hp, loss=dataclasses.replace(hp.loss, kl_coef=jnp.float32(0.1)))
+  step_cfg = losses.LossConfig(
+    aggregation="token-mean", use_kl=True, informative_only=False, num_groups=2, mini_batches=2
+  )
+  hp = dataclasses.replace(hparams(), kl_coef=jnp.float32(0.1))
   # The same update with the reference given as a separate copy of the base (rank-0 tree of the
   # same weights, merged with zero adapters so it fits the graph): identical metrics.
   ref = lora.combine(jax.tree.map(jnp.zeros_like, lora.partition(params, "adapters")[0]), base)

@@ -88,7 +88,7 @@ def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path, layout):
 def test_adapter_names_follow_the_hf_modules():
   cfg = model.ModelConfig(
     vocab_size=16, hidden_size=8, intermediate_size=12, num_layers=2, num_heads=2,
-    num_kv_heads=1, head_dim=4, lora_rank=2, lora_targets=("v", "up"), scan_layers=True,
+    num_kv_heads=1, head_dim=4, rope_theta=1e6, tie_embeddings=False, lora_rank=2, lora_targets=("v", "up"), scan_layers=True,
   )  # fmt: skip
   _, params = model.create(cfg, 0)
   tensors = dict(jaxrl_peft.adapter_tensors(params))

@@ -39,6 +39,8 @@ LOOP = model.ModelConfig(
   num_heads=4,
   num_kv_heads=2,
   head_dim=8,
+  rope_theta=1e6,
+  tie_embeddings=False,
 )
 SCAN = dataclasses.replace(LOOP, scan_layers=True)
 # The name of jax.checkpoint's primitive in a jaxpr (it has changed across jax versions).
@@ -249,14 +251,10 @@ def test_scan_rl_update_equals_loop(models):
     rewards_R=np.array([1, 0, 0, 1], np.float32),
     group_ids_R=np.array([0, 0, 1, 1], np.int32),
   )
-  f32 = jnp.float32
-  hp = step.StepHparams(
-    loss=losses.LossHparams(
-      eps_low=f32(0.2), eps_high=f32(0.28), kl_coef=f32(0.0), entropy_coef=f32(0.01)
-    ),
-    tau=f32(0.9),
+  hp = losses.LossHparams.create(
+    eps_low=0.2, eps_high=0.28, kl_coef=0.0, entropy_coef=0.01, tau=0.9
   )
-  cfg = step.RLStepConfig(loss=losses.LossConfig(aggregation="seq-mean-token-mean"), num_groups=2)
+  cfg = losses.LossConfig(aggregation="seq-mean-token-mean", informative_only=False, num_groups=2)
   tx = optax.sgd(0.5)  # the update is the gradient itself, compared leaf by leaf
   out = {}
   for k in ("loop", "scan"):
@@ -331,8 +329,8 @@ def _update_temp_bytes(cfg) -> int:
   programs = Programs(graphdef, params, sharding.make_mesh(1, 1, 1), optax.adamw(1e-3))
   n = 256
   batch = plan.abstract_rollouts(8, 32, n)
-  step_cfg = step.RLStepConfig(loss=losses.LossConfig(max_response_len=n), num_groups=1)
-  hp = step.StepHparams(loss=losses.LossHparams.create(), tau=jnp.float32(1.0))
+  step_cfg = losses.LossConfig(informative_only=False, max_response_len=n, num_groups=1)
+  hp = losses.LossHparams.create(tau=1.0)
   state = jax.eval_shape(programs.init_state, params)
   compiled = programs.update(step_cfg).lower(state, batch, hp, None).compile()
   return compiled.memory_analysis().temp_size_in_bytes

@@ -1,9 +1,11 @@
 """DynaMO advantage modulation (docs/algorithms.md §4, Eq. 8–14) against a float64 Python-loop oracle.
 
 Also checks that `grpo_loss(..., adv_RxT=...)` uses per-token advantages: the broadcast sequence
-advantage gives exactly the adv_R path, a non-uniform one matches a token loop of the surrogate.
+advantage gives exactly the adv_R path, a non-uniform one matches a token loop of the surrogate;
+and that α changes between two steps of the run's update without a recompile (§1.5).
 """
 
+import dataclasses
 import math
 
 import chex
@@ -11,8 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from run_helpers import rollouts, tiny_config
 
+from jaxrl.nn import model
+from jaxrl.parallel import sharding
+from jaxrl.rl import optim
 from jaxrl.rl.losses import LossConfig, LossHparams, dynamo_modulate, grpo_loss, loss_denominator
+from jaxrl.rl.programs import Programs
+from jaxrl.run.loop import compile_counter
 
 R, T = 6, 7
 
@@ -221,8 +229,10 @@ def _loss_inputs(seed):
 @pytest.mark.parametrize(
   "cfg",
   [
-    LossConfig(),
-    LossConfig(aggregation="seq-mean-token-mean", dual_clip=3.0, use_kl=True),
+    LossConfig(informative_only=False),
+    LossConfig(
+      aggregation="seq-mean-token-mean", dual_clip=3.0, use_kl=True, informative_only=False
+    ),
     LossConfig(aggregation="seq-mean-token-sum-norm", max_response_len=T, informative_only=True),
   ],
 )
@@ -247,7 +257,7 @@ def test_grpo_broadcast_adv_rxt_equals_adv_r_path(cfg):
 def test_grpo_uses_per_token_advantages():
   adv, logp, old, ent, mask, ref, informative = _loss_inputs(11)
   adv_rxt = dynamo_modulate(adv, logp, old, ent, mask, 0.2, 0.28)
-  cfg, hp = LossConfig(), LossHparams.create()
+  cfg, hp = LossConfig(informative_only=False), LossHparams.create()
   denom = loss_denominator(mask, informative, cfg)
   # Padding garbage in adv_RxT must not leak: NaN on masked positions.
   adv_in = jnp.where(mask > 0, adv_rxt, jnp.nan)
@@ -277,3 +287,43 @@ def test_grpo_uses_per_token_advantages():
   atol = (n + 6) * U * magnitude / n
   np.testing.assert_allclose(float(value), -total / n, rtol=0, atol=atol)
   np.testing.assert_allclose(np.asarray(grad), g, rtol=1e-5, atol=1e-7)
+
+
+def test_alpha_changes_between_steps_without_a_recompile():
+  """DynaMO's α, γ and τ_s are traced (``LossHparams``, docs/algorithms.md §1.5): a new α between
+  two steps of the run's update program reaches the loss and compiles nothing."""
+  cfg = tiny_config("test", **{"modulation.enabled": True, "rollout.max_new_tokens": 5})
+  mcfg = model.ModelConfig(
+    vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+    num_kv_heads=1, head_dim=16,
+  )  # fmt: skip
+  graphdef, params = model.create(mcfg, 0)
+  programs = Programs(graphdef, params, sharding.make_mesh(1, 1, 1), optim.from_config(cfg.optim))
+  update = programs.update(LossConfig.from_config(cfg))
+  rng = np.random.default_rng(3)
+  rows, p, n = cfg.num_rollouts, 4, 5
+  mask = np.arange(n)[None, :] < rng.integers(2, n + 1, (rows, 1))
+  batch = rollouts(
+    prompt_ids_RxP=rng.integers(0, 32, (rows, p)).astype(np.int32),
+    prompt_mask_RxP=np.ones((rows, p), bool),
+    tokens_RxN=rng.integers(0, 32, (rows, n)).astype(np.int32),
+    mask_RxN=mask,
+    behaviour_logp_RxN=np.where(mask, -rng.random((rows, n)) * 3 - 0.5, 0.0),
+    rewards_R=np.tile([1.0, 0.0, 0.0, 1.0], rows // 4),  # every group informative
+    group_ids_R=np.repeat(np.arange(cfg.batch_questions), cfg.rollout.group_size),
+  )
+  counter = compile_counter().start()
+  pg_losses = []
+  try:
+    for alpha in (0.4, 0.8):
+      step_cfg = dataclasses.replace(
+        cfg, modulation=dataclasses.replace(cfg.modulation, alpha=alpha)
+      )
+      hp = LossHparams.from_config(step_cfg, 1.0, cfg.loss.eps_high)
+      _, metrics = update(programs.init_state(params), batch, hp)  # the state is donated
+      pg_losses.append(float(metrics["pg_loss"]))
+  finally:
+    counter.stop()
+  assert pg_losses[0] != pg_losses[1], pg_losses  # α reached the modulated advantages
+  assert update._cache_size() == 1
+  assert counter.counts()["compiles_update"] == 1

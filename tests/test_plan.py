@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from run_helpers import ROOT, tiny_config
 
-from jaxrl.config import from_configdict
+from jaxrl.config import LossConfig, from_configdict
 from jaxrl.nn import hf_config, model
 from jaxrl.run import cli, plan, plan_report
 
@@ -96,6 +96,8 @@ def test_checkpoint_config_json_wins_over_the_section(tmp_path):
     num_heads=4,
     num_kv_heads=2,
     head_dim=12,
+    rope_theta=1e6,
+    tie_embeddings=False,
   )
   (tmp_path / "config.json").write_text(json.dumps(hf_config.hf_config_from_model(arch)))
   p = plan.build(small(1, **{"model.checkpoint": str(tmp_path)}), compile_steps=False)
@@ -236,7 +238,7 @@ def test_plan_compiles_the_very_programs_the_trainer_runs(tmp_path, monkeypatch)
     trainer.engine.close()
   ran = trainer.programs
   assert ran is made[-1] and planned is not ran
-  update_key = ("update", programs.rl_step_config(cfg))
+  update_key = ("update", LossConfig.from_config(cfg))
   forget_key = ("forget", programs.ForgetConfig.from_config(cfg))
   assert {update_key, forget_key} <= set(planned.built()) & set(ran.built())
   for key in (update_key, forget_key):

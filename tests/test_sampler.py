@@ -33,6 +33,8 @@ CFG = model.ModelConfig(
   num_heads=4,
   num_kv_heads=2,
   head_dim=8,
+  rope_theta=1e6,
+  tie_embeddings=False,
 )
 # Three prompts of different lengths (7, 3, 5), left-padded to P = 7.
 PROMPTS = [[5, 9, 12, 3, 7, 11, 4], [7, 3, 10], [14, 8, 8, 6, 2]]
@@ -202,7 +204,7 @@ def test_no_recompilation_when_counts_temperature_or_top_p_change(tiny):
   # n = N - 1 is a length no other test samples: the first call of each mode must trace, which
   # shows the counter sees the sampler's traces; the value-only changes after it must not.
   n = N - 1
-  counter = CompileCounter(compiles="sample_program").start()
+  counter = CompileCounter(compiles=sampler.sample_program.__name__).start()
   try:
     for traced, greedy in enumerate((False, True), start=1):
       _gen(tiny, [2, 1, 3], n=n, greedy=greedy)

@@ -478,7 +478,8 @@ from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine
 work, python = sys.argv[1], sys.argv[2]
 tok = build_tokenizer(os.path.join(work, "tokenizer"))
 cfg = model.ModelConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_layers=1,
-                        num_heads=2, num_kv_heads=1, head_dim=32, tie_embeddings=False)
+                        num_heads=2, num_kv_heads=1, head_dim=32, rope_theta=1e6,
+                        tie_embeddings=False)
 engine = VllmEngine(cfg, tok, EngineConfig(launch=LaunchConfig(python=python, log_dir=work,
                                                                max_model_len=32)),
                     workdir=work, max_new_tokens=8, eos_id=tok.eos_token_id,

@@ -308,6 +308,8 @@ def _model_cfg(lora: bool):
     num_heads=2,
     num_kv_heads=1,
     head_dim=32,
+    rope_theta=1e6,
+    tie_embeddings=False,
     lora_rank=4 if lora else 0,
   )
 

@@ -1,9 +1,9 @@
 """The GRPO update: mini-batches are sequential optimizer steps, micro-batches accumulate exactly."""
 
+import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from run_helpers import rollouts
@@ -20,6 +20,8 @@ MCFG = model.ModelConfig(
   num_heads=2,
   num_kv_heads=1,
   head_dim=16,
+  rope_theta=1e6,
+  tie_embeddings=False,
 )
 
 
@@ -36,12 +38,8 @@ def make_batch(rng, R=8, P=5, N=4, groups=2):
 
 
 def hparams():
-  f32 = jnp.float32
-  return step.StepHparams(
-    loss=losses.LossHparams(
-      eps_low=f32(0.2), eps_high=f32(0.28), kl_coef=f32(0.0), entropy_coef=f32(0.0)
-    ),
-    tau=f32(0.9),
+  return losses.LossHparams.create(
+    eps_low=0.2, eps_high=0.28, kl_coef=0.0, entropy_coef=0.0, tau=0.9
   )
 
 
@@ -50,11 +48,12 @@ def test_mini_batches_are_sequential_updates_on_strided_rows():
   graphdef, params = model.create(MCFG, 0)
   tx = optax.adam(1e-2)
   batch = make_batch(np.random.default_rng(0))
-  loss_cfg = losses.LossConfig(aggregation="token-mean")
   # Dr.GRPO advantages (r - group mean): the rewards [1, 0, 0, 1] of each group have the same mean
   # on even and odd rows, so each half's own advantages equal the whole batch's.
-  two = step.RLStepConfig(loss=loss_cfg, num_groups=2, mini_batches=2, scale_by_std=False)
-  one = step.RLStepConfig(loss=loss_cfg, num_groups=2, scale_by_std=False)
+  one = losses.LossConfig(
+    aggregation="token-mean", informative_only=False, num_groups=2, scale_by_std=False
+  )
+  two = dataclasses.replace(one, mini_batches=2)
   state = step.init_state(params, tx)
   s_two, m_two = jax.jit(functools.partial(step.rl_update, graphdef, tx, two))(
     state, batch, hparams()
@@ -85,8 +84,8 @@ def test_micro_batches_give_the_same_update():
   batch = make_batch(np.random.default_rng(1))
   out = []
   for micro in (1, 4):
-    cfg = step.RLStepConfig(
-      loss=losses.LossConfig(aggregation="seq-mean-token-mean"), num_groups=2, micro_batches=micro
+    cfg = losses.LossConfig(
+      aggregation="seq-mean-token-mean", informative_only=False, num_groups=2, micro_batches=micro
     )
     s, m = jax.jit(functools.partial(step.rl_update, graphdef, tx, cfg))(
       step.init_state(params, tx), batch, hparams()

@@ -1,6 +1,7 @@
 """Attention arithmetic of the decoder: RoPE (frequencies from ``model.rope_inv_freq``), and
 grouped-query softmax attention of T queries to S slots, block by block for long T and as
-products and sums for one query (a decode step).
+products and sums for one query (a decode step); on an NVIDIA GPU, cuDNN's fused attention
+(``jax.nn.dot_product_attention``) where it takes the call (``fused_implementation``).
 
 Pure functions of arrays; ``model.Attention`` projects, caches and calls them. Keys arrive as
 [B, K, E, S] and values as [B, K, S, E], the KV cache's layout (``jaxrl.nn.kv_cache``).
@@ -8,10 +9,15 @@ Pure functions of arrays; ``model.Attention`` projects, caches and calls them. K
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import jax
 import jax.numpy as jnp
 
 from jaxrl.types import Array
+
+log = logging.getLogger(__name__)
 
 
 def rope(
@@ -111,9 +117,19 @@ def attention(
   each is rematerialised, so the forward keeps only its output and the backward recomputes one
   block's [B, H, Z, S] scores at a time: memory O(block · S) instead of O(T · S). The n blocks
   are of equal size Z (``block_size``), so fewer than n queries are padded (blocks of ``block``
-  would pad T = 544 to 1,024 at block 512: almost twice the attention's work).
+  would pad T = 544 to 1,024 at block 512: almost twice the attention's work). Where cuDNN's
+  fused attention takes the call (``fused_implementation``: an NVIDIA GPU, bf16/fp16, queries
+  from slot 0) it runs instead, in one pass: it never holds the scores.
   """
   b, t = q_BxTxKxAxE.shape[:2]
+  implementation = fused_implementation(q_BxTxKxAxE, k_BxKxExS, start)
+  if implementation is not None:
+    try:
+      return fused_attention(q_BxTxKxAxE, k_BxKxExS, v_BxKxSxE, kv_valid_BxS, implementation)
+    except (NotImplementedError, ValueError, RuntimeError) as e:
+      # jax checks what cuDNN takes when it traces the call; a limit this jax has and
+      # ``fused_implementation`` does not know falls back here, said once per shape.
+      _warn_fallback(f"{implementation} attention refused {q_BxTxKxAxE.shape}: {e}")
   block = block_size(t, block)
   if block == t:
     return _attend(q_BxTxKxAxE, k_BxKxExS, v_BxKxSxE, kv_valid_BxS, start)
@@ -132,3 +148,79 @@ def attention(
   )
   out = jnp.swapaxes(out_YxBxZxKxAxE, 0, 1).reshape(b, n * block, *q.shape[2:])
   return out[:, :t]
+
+
+# cuDNN's fused (flash) attention never holds the [B, H, T, S] scores (what the blocks above are
+# for) and skips the slot blocks above the diagonal. jax 0.10's checks of what it takes
+# (``check_layout`` and ``check_is_flash_attention`` in its cudnn/fused_attention_stablehlo.py):
+# float16/bfloat16 only, head dim a multiple of 8 and at most 128 (256 from Hopper on: 128 holds
+# everywhere), even T and S when a mask (which it receives as a bias) is differentiated. Its
+# causal mask lets query t see slots <= t, so only queries from slot 0 over their own T slots fit
+# (the training forward, a prefill); a decode step (T = 1 after a cache) keeps the products and
+# sums above.
+_FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
+_FUSED_MAX_HEAD_DIM = 128
+
+
+@functools.cache
+def _on_cuda() -> bool:
+  """Whether JAX's default backend is an NVIDIA GPU: cuDNN exists there only (a ROCm GPU's
+  backend is "gpu" too, but has no "cuda" devices)."""
+  if jax.default_backend() != "gpu":
+    return False
+  try:
+    return bool(jax.devices("cuda"))
+  except RuntimeError:
+    return False
+
+
+def fused_implementation(q_BxTxKxAxE: Array, k_BxKxExS: Array, start) -> str | None:
+  """``jax.nn.dot_product_attention``'s implementation for this call ("cudnn" on an NVIDIA GPU
+  when cuDNN takes it), or None: the blocked path (CPUs, float32, a decode step)."""
+  t, e = q_BxTxKxAxE.shape[1], q_BxTxKxAxE.shape[-1]
+  from_slot_zero = isinstance(start, int) and start == 0 and k_BxKxExS.shape[-1] == t
+  supported = (
+    from_slot_zero
+    and t > 1
+    and t % 2 == 0
+    and q_BxTxKxAxE.dtype in _FUSED_DTYPES
+    and e % 8 == 0
+    and e <= _FUSED_MAX_HEAD_DIM
+  )
+  return "cudnn" if supported and _on_cuda() else None
+
+
+@functools.cache
+def _warn_fallback(message: str) -> None:
+  log.warning("%s; blocked attention instead", message)
+
+
+def fused_attention(
+  q_BxTxKxAxE: Array, k_BxKxExS: Array, v_BxKxSxE: Array, kv_valid_BxS: Array, implementation: str
+) -> Array:
+  """``attention`` of T queries from slot 0 to their own T slots (S = T) as one
+  ``jax.nn.dot_product_attention`` call: [B, T, K, A, E].
+
+  Padding is a boolean mask [B, 1, T, S] (slots the row marks valid), causality ``is_causal``:
+  rows are padded on the left (prompts) and the right (responses), which the call's
+  ``query_seq_lengths`` / ``key_value_seq_lengths`` (valid prefixes) cannot say. Query heads
+  k·A + a share kv head k, HF's grouping and the call's. A query that sees no valid slot (a left
+  pad) gets some finite mix; its row is never read (no valid query attends to a pad, the loss
+  masks pads)."""
+  b, t, k, a, e = q_BxTxKxAxE.shape
+  q_BxTxHxE = q_BxTxKxAxE.reshape(b, t, k * a, e)
+  k_BxSxKxE = jnp.transpose(k_BxKxExS, (0, 3, 1, 2))
+  v_BxSxKxE = jnp.swapaxes(v_BxKxSxE, 1, 2)
+  s = k_BxSxKxE.shape[1]
+  # cuDNN takes the mask as an additive bias at the full [T, S] (broadcast, not [B, 1, 1, S]);
+  # boolean, so that jax (from 0.11) skips the bias gradient nobody can ask for
+  valid_Bx1xTxS = jnp.broadcast_to(kv_valid_BxS.astype(bool)[:, None, None, :], (b, 1, t, s))
+  out_BxTxHxE = jax.nn.dot_product_attention(
+    q_BxTxHxE,
+    k_BxSxKxE,
+    v_BxSxKxE,
+    mask=valid_Bx1xTxS,
+    is_causal=True,
+    implementation=implementation,
+  )
+  return out_BxTxHxE.reshape(b, t, k, a, e)

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.config import LoraTarget, Remat
+from jaxrl.config import LoraSection, LoraTarget, ModelSection, Remat
 from jaxrl.nn.attention import attention, rope
 from jaxrl.nn.kv_cache import KVCache, keys_layout
 from jaxrl.parallel.sharding import activation_mesh, constrain
@@ -44,7 +44,7 @@ from jaxrl.types import Array
 
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16")
-LORA_TARGETS = typing.get_args(LoraTarget)  # ``ModelConfig.lora_targets``: projections' short names
+LORA_TARGETS = typing.get_args(LoraTarget)  # the projections an adapter may sit on (short names)
 # How params are laid out, recorded in every checkpoint (``jaxrl.run.checkpoint``): a checkpoint of
 # another layout is refused by name, never restored transposed (a square kernel would fit).
 PARAM_LAYOUT = "matrices [out, in]"
@@ -70,7 +70,8 @@ class ModelConfig:
   """Architecture (the fields of an HF ``config.json``) and how to execute it.
 
   The execution fields (``dtype``, ``param_dtype``, ``scan_layers``, ``remat``) never change the
-  function computed, only precision, memory and compile time.
+  function computed, only precision, memory and compile time. A field that the config's ``model``
+  section has too defaults to that section's value (``config.ModelSection``, the one source).
   """
 
   vocab_size: int
@@ -80,12 +81,12 @@ class ModelConfig:
   num_heads: int
   num_kv_heads: int
   head_dim: int
-  rope_theta: float = 1_000_000.0
-  rms_norm_eps: float = 1e-6
-  qkv_bias: bool = True  # Qwen2: True; Qwen3, Llama: False
-  qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
-  tie_embeddings: bool = False
-  dtype: str = "float32"  # compute dtype of activations and matmuls
+  rope_theta: float = ModelSection.rope_theta
+  rms_norm_eps: float = ModelSection.rms_norm_eps
+  qkv_bias: bool = ModelSection.qkv_bias  # Qwen2: True; Qwen3, Llama: False
+  qk_norm: bool = ModelSection.qk_norm  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+  tie_embeddings: bool = ModelSection.tie_embeddings
+  dtype: str = ModelSection.dtype  # compute dtype of activations and matmuls
   # RoPE frequency scaling, as HF ``rope_parameters``: "linear" divides every frequency by
   # ``rope_factor``; "llama3" divides the low ones, keeps the high ones, interpolates between.
   rope_type: str = "default"
@@ -93,12 +94,13 @@ class ModelConfig:
   rope_low_freq_factor: float = 1.0
   rope_high_freq_factor: float = 4.0
   rope_original_max_positions: int = 8192
-  param_dtype: str = "float32"  # storage dtype of the params (and so of grads and AdamW moments)
-  scan_layers: bool = False  # stack the layers on a leading axis and lax.scan over them
-  remat: str = "none"  # per layer: one of REMAT_POLICIES (see _remat_policy)
+  # storage dtype of the params (and so of grads and AdamW moments)
+  param_dtype: str = ModelSection.param_dtype
+  scan_layers: bool = ModelSection.scan_layers  # stack the layers on one axis, lax.scan over them
+  remat: str = ModelSection.remat  # per layer: one of REMAT_POLICIES (see _remat_policy)
   # Queries per attention block: longer inputs attend block by block (scores [B, H, block, S]
   # instead of [B, H, T, S]); T <= block (decode, short prompts) takes the one-block path.
-  attention_block: int = 512
+  attention_block: int = ModelSection.attention_block
   # Architecture: the longest context the checkpoint declares (HF max_position_embeddings); only
   # carried through to the exported config.json, never used in the computation.
   max_position_embeddings: int = 32768
@@ -106,9 +108,9 @@ class ModelConfig:
   # A [r, in] and B [out, r] float32 params named ``<proj>_lora_a`` / ``<proj>_lora_b`` beside the
   # kernel; B starts at zero, so a fresh adapter computes the base model exactly (``jaxrl.nn.lora``
   # splits them from the base for training, checkpoints and export).
-  lora_rank: int = 0
-  lora_alpha: float = 16.0
-  lora_targets: tuple[str, ...] = LORA_TARGETS
+  lora_rank: int = LoraSection.rank
+  lora_alpha: float = LoraSection.alpha
+  lora_targets: tuple[str, ...] = LoraSection().target_names()
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:

@@ -58,6 +58,8 @@ def initialize(
   (SLURM, TPU pods, ...); nothing: a single process. ``cpu_devices`` > 0: that many CPU devices per
   process (tests and planning)."""
   if cpu_devices:
+    # The CPU backend's device count (public config, read when that backend starts): asked for by
+    # tests and planning only; a GPU or TPU backend leaves it unused.
     jax.config.update("jax_num_cpu_devices", cpu_devices)
   coordinator = coordinator or os.environ.get(ENV["coordinator"], "")
   num_processes = num_processes or int(os.environ.get(ENV["num_processes"], "0") or 0)
@@ -98,9 +100,17 @@ def initialize(
 def _client():
   """The coordination service's client of this process (``jax.distributed``'s own; the key-value
   store has no public API), or None in a single-process run."""
-  from jax._src import distributed as jax_distributed
+  # The one private name jaxrl reads (multi-process runs only), the same in jax 0.10-0.11: a jax
+  # that moves it fails here by name, not later inside the failure watch.
+  try:
+    from jax._src import distributed as jax_distributed
 
-  return jax_distributed.global_state.client
+    return jax_distributed.global_state.client
+  except (ImportError, AttributeError) as e:
+    raise RuntimeError(
+      f"jax {jax.__version__} has no jax._src.distributed.global_state.client, which jaxrl's "
+      f"multi-process failure watch uses ({e})"
+    ) from e
 
 
 def _start_watch() -> None:

@@ -1,9 +1,10 @@
 """GRPO objective: group advantages, clipped surrogate, KL and entropy (docs/algorithms.md §1).
 
-Everything here is a pure function of arrays plus a static `LossConfig`; the hyperparameters that
-schedules change every step (ε_low, ε_high, β, λ) arrive as the traced `LossHparams` pytree, so a
-new value never recompiles. The loss is written as numerator / denominator with the denominator
-computed once over the whole step's batch (`loss_denominator`): summing `grpo_loss` over
+Everything here is a pure function of arrays plus the static `LossConfig` (`jaxrl.config`); the
+hyperparameters that schedules change every step (ε_low, ε_high, β, λ, τ, DynaMO's α, γ, τ_s, the
+behaviour-weight thresholds) arrive as the traced `LossHparams` pytree, so a new value never
+recompiles (docs/algorithms.md §1.5). The loss is written as numerator / denominator with the
+denominator computed once over the whole step's batch (`loss_denominator`): summing `grpo_loss` over
 micro-batches that share that denominator gives exactly the loss and gradient of one big batch.
 Metrics are returned as additive sums and counts for the same reason; `finalize_metrics` turns
 them into means once all micro-batches are summed.
@@ -15,18 +16,13 @@ feeds `grpo_loss(..., adv_RxT=...)`, and EEPO's unlearning loss (§5) for the ro
 from __future__ import annotations
 
 import dataclasses
-import typing
+import functools
 
 import jax
 import jax.numpy as jnp
 
-from jaxrl.config import Aggregation, BehaviourCorrection, KLEstimator
+from jaxrl.config import Config, LossConfig, LossSection, ModulationSection, RolloutSection
 from jaxrl.nn.logprobs import logp_log1m_p_from_logits
-
-AGGREGATIONS = typing.get_args(Aggregation)  # the values config.loss.aggregation accepts
-KL_ESTIMATORS = typing.get_args(KLEstimator)
-# "auto" is resolved from the engine by the config (rl.programs.rl_step_config), never seen here.
-BEHAVIOUR_CORRECTIONS = tuple(m for m in typing.get_args(BehaviourCorrection) if m != "auto")
 
 
 def _valid_or_all(valid_R, n):
@@ -77,62 +73,55 @@ def group_advantages(rewards_R, group_ids_R, num_groups, scale_by_std=True, eps=
   return jnp.where(keep_R, dev_R, 0.0)
 
 
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-  """Static loss choices (hashable; a change recompiles), fixed for a run."""
-
-  aggregation: str = "token-mean"
-  dual_clip: float | None = None  # c > 1; lower-bounds the objective by c·A when A < 0
-  kl_estimator: str = "k3"
-  use_kl: bool = False
-  informative_only: bool = False
-  max_response_len: int = 0  # T_max of Dr.GRPO's seq-mean-token-sum-norm
-  behaviour_correction: str = "none"  # §9: none | tis | mis | seq-mis
-
-  def __post_init__(self):
-    if self.behaviour_correction not in BEHAVIOUR_CORRECTIONS:
-      raise ValueError(
-        f"behaviour_correction {self.behaviour_correction!r} not in {BEHAVIOUR_CORRECTIONS}"
-      )
-    if self.aggregation not in AGGREGATIONS:
-      raise ValueError(f"aggregation {self.aggregation!r} not in {AGGREGATIONS}")
-    if self.kl_estimator not in KL_ESTIMATORS:
-      raise ValueError(f"kl_estimator {self.kl_estimator!r} not in {KL_ESTIMATORS}")
-    if self.dual_clip is not None and not self.dual_clip > 1.0:
-      raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
-    if self.aggregation == "seq-mean-token-sum-norm" and self.max_response_len <= 0:
-      raise ValueError("seq-mean-token-sum-norm needs max_response_len > 0")
+def _f32_field(value):
+  """A field defaulting to ``value`` as an f32 array (a Python float would be weak-typed: a second
+  trace once an array arrives)."""
+  return dataclasses.field(default_factory=functools.partial(jnp.float32, value))
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LossHparams:
-  """Traced f32 scalars that schedules may change every step without recompiling."""
+  """The update's traced f32 scalars: a schedule or a controller may change any of them every
+  step, and nothing recompiles (docs/algorithms.md §1.5). Defaults: the config sections' own."""
 
-  eps_low: jax.Array
-  eps_high: jax.Array
-  kl_coef: jax.Array
-  entropy_coef: jax.Array
-  # §9's behaviour-weight thresholds (f32 arrays by default too: a Python float would be weak-typed)
-  tis_cap: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(2.0))
-  mis_low: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(0.5))
-  mis_high: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(2.0))
+  eps_low: jax.Array = _f32_field(LossSection.eps_low)
+  eps_high: jax.Array = _f32_field(LossSection.eps_high)
+  kl_coef: jax.Array = _f32_field(LossSection.kl_coef)  # β
+  entropy_coef: jax.Array = _f32_field(LossSection.entropy_coef)  # λ
+  tis_cap: jax.Array = _f32_field(LossSection.tis_cap)  # §9's behaviour-weight thresholds
+  mis_low: jax.Array = _f32_field(LossSection.mis_low)
+  mis_high: jax.Array = _f32_field(LossSection.mis_high)
+  # τ: divides the logits in every scoring pass (the rescoring, the reference and the update)
+  tau: jax.Array = _f32_field(RolloutSection.temperature)
+  modulation_alpha: jax.Array = _f32_field(ModulationSection.alpha)  # DynaMO's α, γ, τ_s (§4.3)
+  modulation_gamma: jax.Array = _f32_field(ModulationSection.gamma)
+  modulation_tau: jax.Array = _f32_field(ModulationSection.tau)
 
   @classmethod
-  def create(
-    cls,
-    eps_low=0.2,
-    eps_high=0.28,
-    kl_coef=0.0,
-    entropy_coef=0.0,
-    tis_cap=2.0,
-    mis_low=0.5,
-    mis_high=2.0,
-  ):
-    """Build from numbers as f32 arrays (Python floats would be weak-typed: a second trace)."""
-    f = lambda x: jnp.asarray(x, jnp.float32)
-    return cls(
-      f(eps_low), f(eps_high), f(kl_coef), f(entropy_coef), f(tis_cap), f(mis_low), f(mis_high)
+  def create(cls, *values, **named) -> LossHparams:
+    """From numbers, in field order (ε_low, ε_high, β, λ, …) or by name; each an f32 array, the
+    rest at their defaults."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    given = {**dict(zip(names, values)), **named}
+    return cls(**{k: jnp.asarray(v, jnp.float32) for k, v in given.items()})
+
+  @classmethod
+  def from_config(cls, cfg: Config, tau, eps_high) -> LossHparams:
+    """A step's values: the config's, with the temperature τ and ε_high the controllers chose."""
+    loss, mod = cfg.loss, cfg.modulation
+    return cls.create(
+      eps_low=loss.eps_low,
+      eps_high=eps_high,
+      kl_coef=loss.kl_coef,
+      entropy_coef=loss.entropy_coef,
+      tis_cap=loss.tis_cap,
+      mis_low=loss.mis_low,
+      mis_high=loss.mis_high,
+      tau=tau,
+      modulation_alpha=mod.alpha,
+      modulation_gamma=mod.gamma,
+      modulation_tau=mod.tau,
     )
 
 
@@ -245,7 +234,7 @@ def _clipped_objective(logp_RxT, old_RxT, adv_RxT, hp: LossHparams, cfg: LossCon
   obj_RxT = jnp.minimum(unclipped_RxT, clipped_RxT)
   is_clipped_RxT = clipped_RxT < unclipped_RxT
   is_dual_RxT = jnp.zeros_like(is_clipped_RxT)
-  if cfg.dual_clip is not None:
+  if cfg.dual_clip:
     floor_RxT = cfg.dual_clip * adv_RxT
     is_dual_RxT = (adv_RxT < 0) & (floor_RxT > obj_RxT)
     obj_RxT = jnp.where(is_dual_RxT, floor_RxT, obj_RxT)
@@ -361,7 +350,9 @@ def _kept_RxT(d_RxT, on_RxT, mode, cap, m_low, m_high):
   if mode == "seq-mis":
     s_R = jnp.exp(jnp.sum(d_RxT, axis=1) / jnp.maximum(jnp.sum(on_RxT, axis=1), 1))
     return jnp.broadcast_to(((s_R >= m_low) & (s_R <= m_high))[:, None], d_RxT.shape)
-  return jnp.ones_like(on_RxT)
+  if mode == "none":
+    return jnp.ones_like(on_RxT)
+  raise ValueError(f"behaviour correction {mode!r}: not a correction (config.Correction)")
 
 
 def behaviour_weights(
@@ -372,8 +363,6 @@ def behaviour_weights(
   ``mode`` (static): ``none`` → 1; ``tis`` → min(w, cap); ``mis`` → w inside [m_low, m_high], else
   0; ``seq-mis`` → 1 for every token of a response whose s = exp(mean_t(ℓ_prox − ℓ_μ)) is inside
   [m_low, m_high], else 0. Masked positions get 0. Thresholds may be traced scalars."""
-  if mode not in BEHAVIOUR_CORRECTIONS:
-    raise ValueError(f"behaviour correction {mode!r} not in {BEHAVIOUR_CORRECTIONS}")
   d_RxT, on_RxT = _log_ratio(logp_prox, logp_behaviour, mask)
   kept_RxT = _kept_RxT(d_RxT, on_RxT, mode, cap, m_low, m_high)
   if mode == "tis":

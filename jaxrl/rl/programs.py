@@ -2,7 +2,7 @@
 
 ``Programs`` holds what every jitted step of a run shares (the model's graphdef, the mesh, the
 optimizer, the train state's shardings) and builds each jitted function once per static
-configuration: the GRPO update per ``RLStepConfig`` (one per phase), π_old rescoring per log-prob
+configuration: the GRPO update per ``LossConfig`` (one per phase), π_old rescoring per log-prob
 chunk, EEPO's forgetting step per ``ForgetConfig``. ``Trainer`` and ``plan.build`` both construct
 their programs here, so the plan compiles exactly the functions, static arguments, donations and
 output shardings that run. (The JAX sampler's jitted body lives with the sampler,
@@ -15,74 +15,19 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import optax
 
-from jaxrl.config import Config
+from jaxrl.config import Config, LossConfig
 from jaxrl.nn import lora
 from jaxrl.parallel import sharding
-from jaxrl.rl import losses, optim, step
+from jaxrl.rl import optim, step
 from jaxrl.types import TrainState
-
-
-def rl_step_config(cfg: Config) -> step.RLStepConfig:
-  """The static structure of a phase's GRPO update (part of its compiled function)."""
-  loss = losses.LossConfig(
-    aggregation=cfg.loss.aggregation,
-    dual_clip=cfg.loss.dual_clip or None,
-    kl_estimator=cfg.loss.kl_estimator,
-    use_kl=cfg.loss.kl_coef > 0,
-    informative_only=cfg.loss.informative_only,
-    max_response_len=cfg.rollout.max_new_tokens,
-    behaviour_correction=behaviour_correction(cfg),
-  )
-  mod = cfg.modulation
-  return step.RLStepConfig(
-    loss=loss,
-    # Rows that belong to no question (an answer the verifier did not score, dynamic sampling's
-    # padding) are in a group of their own, index B: no tokens, advantage 0.
-    num_groups=cfg.batch_questions + 1,
-    mini_batches=cfg.loss.mini_batches,
-    micro_batches=cfg.loss.micro_batches,
-    scale_by_std=cfg.loss.scale_by_std,
-    logprob_chunk=cfg.loss.logprob_chunk,
-    modulation=mod.enabled,
-    modulation_alpha=mod.alpha,
-    modulation_gamma=mod.gamma,
-    modulation_tau=mod.tau,
-  )
 
 
 def reference_copy(cfg: Config) -> bool:
   """Whether the update gets a frozen copy of the warm-start params as its KL reference: with KL,
   unless the model has LoRA adapters (then the reference is the policy with them switched off)."""
   return cfg.loss.kl_coef > 0 and not cfg.model.lora.rank
-
-
-def behaviour_correction(cfg: Config) -> str:
-  """``loss.behaviour_correction`` with ``auto`` resolved: tis for a vLLM sidecar (other kernels
-  and dtypes than the trainer's), none for the JAX sampler (the trainer's own policy)."""
-  mode = cfg.loss.behaviour_correction
-  if mode == "auto":
-    return "tis" if cfg.rollout.engine == "vllm" else "none"
-  return mode
-
-
-def step_hparams(cfg: Config, tau, eps_high) -> step.StepHparams:
-  """The step's traced knobs: changing them never recompiles."""
-  f32 = jnp.float32
-  return step.StepHparams(
-    loss=losses.LossHparams(
-      eps_low=f32(cfg.loss.eps_low),
-      eps_high=f32(eps_high),
-      kl_coef=f32(cfg.loss.kl_coef),
-      entropy_coef=f32(cfg.loss.entropy_coef),
-      tis_cap=f32(cfg.loss.tis_cap),
-      mis_low=f32(cfg.loss.mis_low),
-      mis_high=f32(cfg.loss.mis_high),
-    ),
-    tau=f32(tau),
-  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,14 +119,14 @@ class Programs:
       ),
     )
 
-  def update(self, step_cfg: step.RLStepConfig):
-    """The GRPO update ``(state, batch, hparams, ref_params) → (state, metrics)``; the state is
-    donated (updated in place) and keeps its shardings."""
+  def update(self, loss_cfg: LossConfig):
+    """The GRPO update ``(state, batch, LossHparams, ref_params) → (state, metrics)``; the state
+    is donated (updated in place) and keeps its shardings."""
     return self._once(
-      ("update", step_cfg),
+      ("update", loss_cfg),
       lambda: jax.jit(
         functools.partial(
-          step.rl_update, self.graphdef, self.tx, step_cfg, trainable=self.trainable
+          step.rl_update, self.graphdef, self.tx, loss_cfg, trainable=self.trainable
         ),
         donate_argnums=(0,),
         out_shardings=(self.state_shardings, None),

@@ -1,8 +1,9 @@
 """Jitted steps: scoring responses, the GRPO update, and the supervised (SFT) update.
 
 Everything here is a pure function of arrays; ``jaxrl.run.train`` owns the loop and side effects.
-Hyperparameters that schedules change (ε_low, ε_high, KL and entropy coefficients, τ) arrive as
-traced arrays in ``StepHparams`` so changing them never recompiles.
+The update's structure is the static ``LossConfig``; the values schedules change (ε_low, ε_high,
+KL and entropy coefficients, τ, DynaMO's α, γ, τ_s) arrive as traced arrays in ``LossHparams``,
+so changing them never recompiles (docs/algorithms.md §1.5).
 """
 
 from __future__ import annotations
@@ -17,15 +18,8 @@ import optax
 from jaxrl.nn import lora, model
 from jaxrl.nn.logprobs import fused_log1m_p, fused_logprobs_entropy
 from jaxrl.rl import losses
+from jaxrl.rl.losses import LossConfig, LossHparams
 from jaxrl.types import Array, Rollouts, TrainState, pytree_dataclass
-
-
-@pytree_dataclass
-class StepHparams:
-  """Traced per-step knobs."""
-
-  loss: losses.LossHparams
-  tau: Array  # f32[] temperature that divides the logits in every scoring pass
 
 
 def response_hidden(
@@ -159,31 +153,32 @@ def _grad_of_part(fn, trainable: lora.Trainable):
   return value_and_grad
 
 
-@dataclasses.dataclass(frozen=True)
-class RLStepConfig:
-  """Static structure of the GRPO update (hashable: part of the compiled function)."""
+@pytree_dataclass
+class UpdateRows:
+  """The per-row inputs of one GRPO update, split along R into mini- and micro-batches
+  (``_split_micro``). An optional field is None when the ``LossConfig`` has no use for it; None is
+  part of the pytree's structure, so whether it is there is static."""
 
-  loss: losses.LossConfig
-  num_groups: int
-  mini_batches: int = 1  # optimizer updates per step (strided row subsets, _split_micro)
-  micro_batches: int = 1  # gradient-accumulation chunks per mini-batch
-  scale_by_std: bool = True
-  logprob_chunk: int = 128
-  modulation: bool = False  # DynaMO token-level advantage modulation
-  modulation_alpha: float = 0.4
-  modulation_gamma: float = 50.0
-  modulation_tau: float = 0.9
+  prompt_ids_RxP: Array  # i32, left-padded
+  prompt_mask_RxP: Array  # bool
+  tokens_RxN: Array  # i32 response tokens
+  mask_RxN: Array  # bool
+  old_logp_RxN: Array  # f32 ℓ_prox, under the params the update starts from (§9)
+  adv_R: Array  # f32 group advantages, over the whole step's batch (§1.1)
+  informative_R: Array  # bool: the row's group has rewards not all equal
+  ref_logp_RxN: Array | None = None  # f32 the KL reference's log-probs (``use_kl``)
+  behaviour_w_RxN: Array | None = None  # f32 §9's w̃ (a ``behaviour_correction`` other than none)
 
 
-def _row_inputs(graphdef, cfg: RLStepConfig, batch: Rollouts, hp: StepHparams, ref_params) -> dict:
+def _row_inputs(graphdef, cfg: LossConfig, batch: Rollouts, hp: LossHparams, ref_params):
   """Per-row inputs of the GRPO loss: advantages and informative flags over the whole batch
-  (groups may straddle mini- and micro-batches), and the KL reference's log-probs."""
+  (groups may straddle mini- and micro-batches), the KL reference's log-probs and §9's weights."""
   adv_R = losses.group_advantages(
     batch.rewards_R, batch.group_ids_R, cfg.num_groups, scale_by_std=cfg.scale_by_std
   )
-  ref_logp = jnp.zeros_like(batch.prox_logp_RxN)
-  if cfg.loss.use_kl:
-    ref_logp, _ = logp_responses(
+  ref_logp_RxN = None
+  if cfg.use_kl:
+    ref_logp_RxN, _ = logp_responses(
       graphdef,
       ref_params,
       batch.prompt_ids_RxP,
@@ -193,57 +188,53 @@ def _row_inputs(graphdef, cfg: RLStepConfig, batch: Rollouts, hp: StepHparams, r
       hp.tau,
       cfg.logprob_chunk,
     )
-    ref_logp = jax.lax.stop_gradient(ref_logp)
-  rows = dict(
-    prompt_ids=batch.prompt_ids_RxP,
-    prompt_mask=batch.prompt_mask_RxP,
-    response_ids=batch.tokens_RxN,
-    mask=batch.mask_RxN,
-    old_logp=batch.prox_logp_RxN,
-    adv=adv_R,
-    informative=losses.informative_rollouts(batch.rewards_R, batch.group_ids_R, cfg.num_groups),
-    ref_logp=ref_logp,
-  )
-  if cfg.loss.behaviour_correction != "none":  # "none" leaves the objective exactly as it was
-    rows["behaviour_w"] = losses.behaviour_weights(
+    ref_logp_RxN = jax.lax.stop_gradient(ref_logp_RxN)
+  behaviour_w_RxN = None
+  if cfg.behaviour_correction != "none":  # "none" leaves the objective exactly as it was
+    behaviour_w_RxN = losses.behaviour_weights(
       batch.prox_logp_RxN, batch.behaviour_logp_RxN, batch.mask_RxN, **_behaviour_args(cfg, hp)
     )
-  return rows
-
-
-def _behaviour_args(cfg: RLStepConfig, hp: StepHparams) -> dict:
-  lh = hp.loss
-  return dict(
-    mode=cfg.loss.behaviour_correction, cap=lh.tis_cap, m_low=lh.mis_low, m_high=lh.mis_high
+  return UpdateRows(
+    prompt_ids_RxP=batch.prompt_ids_RxP,
+    prompt_mask_RxP=batch.prompt_mask_RxP,
+    tokens_RxN=batch.tokens_RxN,
+    mask_RxN=batch.mask_RxN,
+    old_logp_RxN=batch.prox_logp_RxN,
+    adv_R=adv_R,
+    informative_R=losses.informative_rollouts(batch.rewards_R, batch.group_ids_R, cfg.num_groups),
+    ref_logp_RxN=ref_logp_RxN,
+    behaviour_w_RxN=behaviour_w_RxN,
   )
 
 
-def _micro_loss(graphdef, cfg: RLStepConfig, hp: StepHparams):
+def _behaviour_args(cfg: LossConfig, hp: LossHparams) -> dict:
+  return dict(mode=cfg.behaviour_correction, cap=hp.tis_cap, m_low=hp.mis_low, m_high=hp.mis_high)
+
+
+def _micro_loss(graphdef, cfg: LossConfig, hp: LossHparams):
   """``loss(params, rows, denom) → (loss, metrics)`` of one micro-batch: a partial sum of its
   mini-batch's loss (the denominator is the mini-batch's)."""
 
-  def loss(params, mb, denom):
-    logp, ent = logp_responses(
+  def loss(params, mb: UpdateRows, denom):
+    logp_RxN, ent_RxN = logp_responses(
       graphdef,
       params,
-      mb["prompt_ids"],
-      mb["prompt_mask"],
-      mb["response_ids"],
-      mb["mask"],
+      mb.prompt_ids_RxP,
+      mb.prompt_mask_RxP,
+      mb.tokens_RxN,
+      mb.mask_RxN,
       hp.tau,
       cfg.logprob_chunk,
     )
-    adv_RxT = None
-    if cfg.modulation:  # DynaMO: min/max statistics are over this micro-batch
-      lh = hp.loss
-      adv_RxT = losses.dynamo_modulate(
-        mb["adv"], logp, mb["old_logp"], ent, mb["mask"], lh.eps_low, lh.eps_high,
-        cfg.modulation_alpha, cfg.modulation_gamma, cfg.modulation_tau,
+    adv_RxN = None
+    if cfg.modulation:  # DynaMO (§4.3): min/max statistics are over this micro-batch
+      adv_RxN = losses.dynamo_modulate(
+        mb.adv_R, logp_RxN, mb.old_logp_RxN, ent_RxN, mb.mask_RxN, hp.eps_low, hp.eps_high,
+        hp.modulation_alpha, hp.modulation_gamma, hp.modulation_tau,
       )  # fmt: skip
-    ref_logp = mb["ref_logp"] if cfg.loss.use_kl else None
     return losses.grpo_loss(
-      logp, mb["old_logp"], mb["adv"], mb["mask"], ent, ref_logp, mb["informative"], denom,
-      hp.loss, cfg.loss, adv_RxT=adv_RxT, behaviour_w_RxT=mb.get("behaviour_w"),
+      logp_RxN, mb.old_logp_RxN, mb.adv_R, mb.mask_RxN, ent_RxN, mb.ref_logp_RxN,
+      mb.informative_R, denom, hp, cfg, adv_RxT=adv_RxN, behaviour_w_RxT=mb.behaviour_w_RxN,
     )  # fmt: skip
 
   return loss
@@ -252,10 +243,10 @@ def _micro_loss(graphdef, cfg: RLStepConfig, hp: StepHparams):
 def rl_update(
   graphdef,
   tx: optax.GradientTransformation,
-  cfg: RLStepConfig,
+  cfg: LossConfig,
   state: TrainState,
   batch: Rollouts,
-  hp: StepHparams,
+  hp: LossHparams,
   ref_params=None,
   *,
   trainable: lora.Trainable = "all",
@@ -271,13 +262,15 @@ def rl_update(
   mini-batch gradient. With one mini-batch the update is on-policy (ρ = 1, the clip never binds);
   later mini-batches see ρ ≠ 1, where ε_low/ε_high act.
   """
-  if cfg.loss.use_kl and ref_params is None:
+  if cfg.num_groups < 1:
+    raise ValueError("rl_update: LossConfig.num_groups must count the batch's groups (>= 1)")
+  if cfg.use_kl and ref_params is None:
     ref_params = lora.without_adapters(state.params)
   per_row = _row_inputs(graphdef, cfg, batch, hp, ref_params)
   grad_fn = _grad_of_part(_micro_loss(graphdef, cfg, hp), trainable)
 
-  def one_update(state, rows):
-    denom = losses.loss_denominator(rows["mask"], rows["informative"], cfg.loss)
+  def one_update(state, rows: UpdateRows):
+    denom = losses.loss_denominator(rows.mask_RxN, rows.informative_R, cfg)
     (loss, metrics), grads = accumulate(
       lambda mb: grad_fn(state.params, mb, denom), rows, cfg.micro_batches
     )
@@ -304,7 +297,7 @@ def rl_update(
     skipped = jnp.sum(outs.pop("nonfinite_updates"))
     out = jax.tree.map(lambda x: jnp.mean(x, axis=0), outs)  # metrics averaged over the updates
     out["nonfinite_updates"] = skipped
-  out["informative_frac"] = jnp.mean(per_row["informative"].astype(jnp.float32))
+  out["informative_frac"] = jnp.mean(per_row.informative_R.astype(jnp.float32))
   # docs/algorithms.md §9: how far the engine's policy μ is from the update's start, every mode
   out.update(
     losses.behaviour_metrics(

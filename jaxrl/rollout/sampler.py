@@ -314,7 +314,7 @@ def sample_program(
 ):
   """Jitted body of ``generate`` (no host-side checks): expand, prefill, decode, assemble.
 
-  The name is load-bearing: compile counting matches ``sample_program`` and ``--plan`` lowers it.
+  The trainer counts its traces (``run/loop.py: COUNTED_PROGRAMS``) and ``--plan`` lowers it.
   """
   (R, N), P = (num_rollouts, max_new_tokens), prompt_ids_BxP.shape[1]
   tau = jnp.asarray(temperature, jnp.float32)
@@ -376,8 +376,8 @@ def generate(
   <|eot_id|> and <|end_of_text|>); the stop token is part of the response.
 
   Compiles once per (shapes, num_rollouts, max_new_tokens, eos/pad ids, model_cfg, greedy); counts,
-  temperature, top_p and key are traced. Its traces are counted by name (``sample_program``) through
-  ``jaxrl.run.compiles.CompileCounter``.
+  temperature, top_p and key are traced. Its traces are counted (``sample_program``, through
+  ``jaxrl.run.compiles.CompileCounter``).
   """
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")

@@ -19,15 +19,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.config import Config
+from jaxrl.config import Config, LossConfig
 from jaxrl.methods.phases import Phase, phase_at
 from jaxrl.methods.policies import Methods, PolicyStates
 from jaxrl.nn import lora
 from jaxrl.parallel import distributed, sharding
-from jaxrl.rl.programs import Programs, rl_step_config, step_hparams
+from jaxrl.rl.losses import LossHparams
+from jaxrl.rl.programs import Programs
 from jaxrl.rl.stats import init_stats, update_stats
+from jaxrl.rl.step import rl_update
 from jaxrl.rollout import dynamic
 from jaxrl.rollout.collect import Collector, token_mean_entropy
+from jaxrl.rollout.sampler import sample_program
 from jaxrl.run import batches, mfu, records
 from jaxrl.run.checkpoint import Checkpointer
 from jaxrl.run.compiles import CompileCounter
@@ -62,6 +65,17 @@ class PhaseRuntime:
   methods: Methods
   update: object  # the phase's jitted GRPO update (Programs.update)
   mixture: Mixture
+
+
+# The programs whose compiles a step's row counts (``compiles_*``), held by reference: JAX names a
+# trace after the function traced, so the count follows a rename (tests/test_compile_counts.py).
+COUNTED_PROGRAMS = {"compiles_update": rl_update, "compiles_sampler": sample_program}
+
+
+def compile_counter(**more) -> CompileCounter:
+  """A counter of the traces of ``COUNTED_PROGRAMS`` and of ``more`` (metric → function)."""
+  programs = {**COUNTED_PROGRAMS, **more}
+  return CompileCounter(**{metric: fn.__name__ for metric, fn in programs.items()})
 
 
 @dataclasses.dataclass
@@ -105,7 +119,7 @@ class StepContext:
           pc.rollout.group_size,
           pc.rollout.max_new_tokens,
         )
-      update = self.programs.update(rl_step_config(pc))
+      update = self.programs.update(LossConfig.from_config(pc))
       self._runtimes[index] = PhaseRuntime(phase, Methods(pc, self.vocab_size), update, mixture)
     return self._runtimes[index]
 
@@ -357,7 +371,7 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
   # controller's measured entropy, known before this step's update.
   h_t = token_mean_entropy(rollouts)
   clip_state = methods.update_clip(policies.clip, h_t)
-  hp = step_hparams(c, tau, methods.clip.current(clip_state))
+  hp = LossHparams.from_config(c, tau, methods.clip.current(clip_state))
   t2 = time.time()
   train, update = rt.update(
     loop.train, sharding.shard_batch(rollouts, ctx.programs.mesh), hp, ctx.ref_params

@@ -22,20 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
-from jaxrl.config import Config, ConfigError
+from jaxrl.config import Config, ConfigError, LossConfig
 from jaxrl.methods import registry
 from jaxrl.methods.phases import run_phases
 from jaxrl.nn import arch, lora, model
 from jaxrl.nn.attention import block_size
 from jaxrl.parallel import sharding
 from jaxrl.rl import step
-from jaxrl.rl.programs import (
-  ForgetConfig,
-  Programs,
-  reference_copy,
-  rl_step_config,
-  step_hparams,
-)
+from jaxrl.rl.losses import LossHparams
+from jaxrl.rl.programs import ForgetConfig, Programs, reference_copy
 from jaxrl.types import Rollouts
 
 GiB = 1024**3
@@ -379,7 +374,7 @@ def _analyse(name: str, lower) -> Compiled:
 def lower_train_step(pc: Config, programs: Programs, params):
   """The phase's GRPO update, the very program ``Trainer`` runs (``Programs.update``), lowered on
   abstract inputs of the phase's shapes."""
-  update = programs.update(rl_step_config(pc))
+  update = programs.update(LossConfig.from_config(pc))
   state_sh = programs.state_shardings
   state = _shaped(
     jax.eval_shape(
@@ -387,7 +382,7 @@ def lower_train_step(pc: Config, programs: Programs, params):
     ),
     state_sh,
   )
-  hp = jax.eval_shape(lambda: step_hparams(pc, pc.rollout.temperature, pc.loss.eps_high))
+  hp = jax.eval_shape(lambda: LossHparams.from_config(pc, pc.rollout.temperature, pc.loss.eps_high))
   ref = _shaped(params, state_sh.params) if reference_copy(pc) else None
   batch = abstract_batch(pc, sharding.batch_sharding(programs.mesh))
   return update.lower(state, batch, hp, ref)

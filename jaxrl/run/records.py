@@ -39,8 +39,8 @@ def decision_metrics(methods, policies, tau, hp) -> dict:
     tau_next=float(temp.tau),
     tau_clamped=float(temp.clamped),
     entropy_target=float(methods.temperature.target(temp)),
-    eps_low=float(hp.loss.eps_low),
-    eps_high=float(hp.loss.eps_high),
+    eps_low=float(hp.eps_low),
+    eps_high=float(hp.eps_high),
     clip_target=float(methods.clip.target(policies.clip)),
   )
 

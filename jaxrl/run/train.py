@@ -34,11 +34,11 @@ from jaxrl.rollout.build import build_engine
 from jaxrl.rollout.collect import Collector
 from jaxrl.run import mfu, run_config, sft, weights
 from jaxrl.run.checkpoint import Checkpointer
-from jaxrl.run.compiles import CompileCounter
 from jaxrl.run.eval import EvalResult, comparison_table, engine_sampler, evaluate
 from jaxrl.run.loop import (
   LoopState,
   StepContext,
+  compile_counter,
   initial_loop,
   restore_loop,
   rl_step,
@@ -120,9 +120,7 @@ class Trainer:
     )
     self.progress = Progress(enabled=self.cfg.log.progress)
     # Compiled versions of the train step and the JAX sampler, counted from here (evals included).
-    self.compiles = CompileCounter(
-      compiles_update="rl_update", compiles_sampler="sample_program"
-    ).start()
+    self.compiles = compile_counter().start()
     for phase in run_phases(self.cfg):  # a bad mixture fails here, before anything compiles
       self.task.mixture(phase.mixture, "anneal_phase.mixture")
 
