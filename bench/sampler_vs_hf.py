@@ -15,10 +15,8 @@ Each side runs in its own worker process, compiled or warmed up once, timed alte
 with the params replicated on a ``data`` mesh of N, as the trainer's JAX engine samples under
 ``jaxrl-train --cpu_devices=N --config.mesh.data=N``: the model's sharding constraints split the
 rows over the devices, each decoding its share (its own loop, its ops overlapping the other's).
-HF's side is unchanged (torch already runs every op on all cores). On the AVX2 machines two
-devices ran ~1.3x faster alone but gave no reliable gain beside HF's worker; on an Intel Xeon with
-AVX-512 1.2-1.75x alone, ratios 2.50 and 2.72 beside HF (``results/peers.md``, seventh and ninth
-sessions). The embedded default's run is slower on two devices (its model is too small).
+HF's side is unchanged (torch already runs every op on all cores); the figures are in
+``results/peers.md``. The embedded default's run is slower on two devices (its model is too small).
 
     PYTHONPATH=. .venv/bin/python bench/sampler_vs_hf.py                    # 64 rows, vocab 2048
     PYTHONPATH=. .venv/bin/python bench/sampler_vs_hf.py --vocab 151936

@@ -15,9 +15,8 @@ not fit in 24 GiB at once: ``--sequential`` (the default there) runs one worker,
 ``--remat full`` recomputes each layer in the backward on both sides (jaxrl ``model.remat=full``;
 HF activation checkpointing per decoder layer, non-reentrant, as PyTorch recommends), so the 0.5B
 step fits in 24 GiB at 512 and 2,048 tokens. jaxrl's layers stay unrolled here (loop mode); its
-update keeps only each layer's input since the programs keep XLA's optimization barriers on CPU
-(``results/peers.md``, eighth session: temp 5.25 GiB at 0.5B, 8 × 544 tokens; 13.5 GiB before,
-when CSE merged the recomputation back into the forward).
+update keeps only each layer's input because the programs keep XLA's optimization barriers on CPU
+(without them CSE merges the recomputation back into the forward).
 
     PYTHONPATH=. .venv/bin/python bench/train_step_vs_torch.py --size 5m
     PYTHONPATH=. .venv/bin/python bench/train_step_vs_torch.py --size 0.5b --rows 8 --repeats 3
