@@ -453,6 +453,36 @@ def test_the_client_speaks_http_over_a_unix_socket(serve, tmp_path):
     client.weight_version(gone)
 
 
+def test_an_answer_sent_before_the_body_is_read_is_the_answer(tmp_path):
+  """A server that answers from the headers alone and closes (an unknown route's 404) while the
+  body is still being written: the client reports that answer (RequestError, HTTP 404), not the
+  body's broken pipe as a server failure."""
+  path = str(tmp_path / "early.sock")
+  listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+  listener.bind(path)
+  listener.listen(1)
+
+  def answer_and_close():
+    conn, _ = listener.accept()
+    with conn:
+      head = b""
+      while b"\r\n\r\n" not in head:
+        head += conn.recv(4096)
+      conn.sendall(
+        b"HTTP/1.1 404 Not Found\r\nContent-Length: 9\r\nConnection: close\r\n\r\nnot found"
+      )
+
+  server = threading.Thread(target=answer_and_close)
+  server.start()
+  client = VllmClient([sc.unix_url(path)], timeout=30.0, retries=0)
+  try:  # a body larger than the socket's buffers: its write is still under way at the close
+    with pytest.raises(RequestError, match="HTTP 404: not found"):
+      client.post(sc.unix_url(path), "/v1/load_lora_adapter", {"lora_path": "x" * (4 << 20)})
+  finally:
+    server.join()
+    listener.close()
+
+
 def test_the_launched_server_listens_on_a_private_unix_socket_alone(launched, params, tmp_path):
   """The stand-in server started by the real launcher: its API is a Unix socket in a 0700
   directory of this user's, it holds no TCP socket, vLLM's internal sockets and temporary files

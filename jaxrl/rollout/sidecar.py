@@ -78,6 +78,16 @@ class _UnixConnection(http.client.HTTPConnection):
       raise
     self.sock = sock
 
+  def send(self, data) -> None:
+    """A server may answer from the headers alone and close (404 on a route it does not serve)
+    before the body is written: the body's write then fails with EPIPE, but the answer is
+    already in the socket. Let ``getresponse`` read it; a server that closed without one is
+    still an error there (``RemoteDisconnected``)."""
+    try:
+      super().send(data)
+    except (BrokenPipeError, ConnectionResetError):
+      pass
+
 
 class _UnixHandler(urllib.request.AbstractHTTPHandler):
   """urllib's handler for ``http+unix`` URLs: the same requests, errors (``URLError`` for a
