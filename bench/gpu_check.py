@@ -52,6 +52,8 @@ REPO_ROOT = os.path.dirname(BENCH)
 TESTS = os.path.join(REPO_ROOT, "tests")
 sys.path.insert(0, BENCH)
 
+import side_by_side  # noqa: E402
+
 STAGES = {
   1: "correctness on the device",
   2: "the embedded default learns",
@@ -139,15 +141,6 @@ def _run_group(cmd: list[str], timeout: float) -> str | None:
   return None if rc == 0 else f"exit code {rc}"
 
 
-def _git(*args) -> str | None:
-  try:
-    return subprocess.run(
-      ["git", "-C", REPO_ROOT, *args], capture_output=True, text=True, check=True
-    ).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return None
-
-
 def run_stage(name: str, args, run: dict) -> dict:
   """Stage ``name`` ("env" or a number) in a child process; its record (an error included)."""
   path = os.path.join(args.out, f".stage-{name}.json")
@@ -179,8 +172,7 @@ def main(argv=None):
   os.makedirs(args.out, exist_ok=True)
   run = {
     "run": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    "commit": _git("rev-parse", "HEAD"),
-    "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+    "commit": side_by_side.code_version(),  # "+dirty": jaxrl/ has uncommitted changes
     "smoke": args.smoke,
     "repeats": args.repeats,
     "sizes": args.sizes.split(","),
@@ -884,7 +876,7 @@ def _env_md(run: dict, env: dict) -> list[str]:
   lines = [
     "# jaxrl on one GPU: `bench/gpu_check.py`",
     "",
-    f"Run {run['run']}, commit `{run['commit']}`{' (uncommitted changes)' if run['dirty'] else ''}"
+    f"Run {run['run']}, commit `{run['commit']}`"
     f"{', **--smoke** (tiny shapes)' if run['smoke'] else ''}; medians of {run['repeats']}.",
     "",
   ]

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import gpu_check  # noqa: E402
 
-RUN = {"run": "2026-01-01T00:00:00+00:00", "commit": "abc", "dirty": False, "smoke": True}
+RUN = {"run": "2026-01-01T00:00:00+00:00", "commit": "abc", "smoke": True}
 RUN["repeats"] = 2
 
 
