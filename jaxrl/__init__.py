@@ -10,7 +10,10 @@ Layers, lowest first (a module imports only from its own layer and the ones belo
   methods/                            allocation, schedules, controllers (registry), phases
   tasks/                              datasets, prompts, verifiers, the reward pool
   rollout/                            the JAX sampler, the vLLM sidecar, EEPO's two-stage rollouts
-  run/                                CLI, trainer and loop, SFT, eval, plan, checkpoints, metrics
+  workdir/                            a run's files: checkpoints, metric writers, log, compile cache,
+                                      profiler traces
+  run/                                the commands, the trainer and its loop, SFT, held-out
+                                      evaluation, --plan, params in and out (weights)
 
 The reference functions of docs/algorithms.md §0 are importable from ``jaxrl.allocation``,
 ``jaxrl.schedules``, ``jaxrl.losses`` and ``jaxrl.metrics``. Commands (``run/cli.py`` holds what they

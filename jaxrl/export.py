@@ -1,6 +1,6 @@
-"""``python -m jaxrl.export``: a run's checkpoint in HF layout (``jaxrl.run.export_main``)."""
+"""``python -m jaxrl.export``: a run's checkpoint in HF layout (``jaxrl.run.export_cli``)."""
 
-from jaxrl.run.export_main import run
+from jaxrl.run.export_cli import run
 
 if __name__ == "__main__":
   run()

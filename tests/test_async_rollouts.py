@@ -12,8 +12,8 @@ import pytest
 from run_helpers import TIMING, tiny_config
 from test_loop import _context
 
-from jaxrl.run.checkpoint import Checkpointer
 from jaxrl.run.loop import initial_loop, restore_loop, rl_step, save_loop
+from jaxrl.workdir.checkpoint import Checkpointer
 
 
 def _steps(ctx, loop, first, last):
@@ -25,7 +25,7 @@ def _steps(ctx, loop, first, last):
 
 
 def _leaves(loop):
-  return [np.asarray(x) for x in jax.tree.leaves((loop.train, loop.stats, loop.policies))]
+  return [np.asarray(x) for x in jax.tree.leaves((loop.train, loop.stats, loop.controllers))]
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -73,7 +73,7 @@ def test_save_and_restore_with_batches_in_flight_is_exact(tmp_path):
   half, first_rows = _steps(ctx, copy(start), 0, 3)
   assert [b.issue.step for b in (p.result() for p in half.pending)] == [3, 4]
   # EEPO's gate went through the two batches in flight too: one stage-1 reading per batch.
-  assert int(half.policies.gate.count) == 3
+  assert int(half.controllers.gate.count) == 3
   assert int(half.pending[-1].result().gate.count) == 5
   ckpt = Checkpointer(str(tmp_path / "checkpoints"), keep=2, async_save=False)
   try:

@@ -24,8 +24,8 @@ import pytest
 from run_helpers import ROOT, read_metrics
 from stalled_log import stall_absl_errors
 
-from jaxrl.run import checkpoint
-from jaxrl.run.checkpoint import Checkpointer
+from jaxrl.workdir import checkpoint
+from jaxrl.workdir.checkpoint import Checkpointer
 
 LIMIT = 100_000  # bytes: below the tree's data file in the unit test
 RUN_LIMIT = 50_000  # bytes: below a run's checkpoint data file (hidden 256) and its log.txt

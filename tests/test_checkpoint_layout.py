@@ -15,7 +15,7 @@ from flax import nnx
 
 from jaxrl.nn import model
 from jaxrl.run import sft
-from jaxrl.run.checkpoint import LAYOUT, Checkpointer, StaleLayout
+from jaxrl.workdir.checkpoint import LAYOUT, Checkpointer, StaleLayout
 
 # One square kernel: the case where a restore by shape alone would silently transpose the model.
 SQUARE = {"params": {"q_proj": np.arange(16, dtype=np.float32).reshape(4, 4)}}

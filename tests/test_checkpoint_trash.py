@@ -9,7 +9,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.run.checkpoint import TRASH, Checkpointer
+from jaxrl.workdir.checkpoint import TRASH, Checkpointer
 
 
 def test_old_steps_are_renamed_then_removed_and_leftovers_cleared(tmp_path):

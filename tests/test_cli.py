@@ -15,8 +15,8 @@ from safetensors import safe_open
 from jaxrl.config import from_configdict
 from jaxrl.nn import hf
 from jaxrl.run import cli, weights
-from jaxrl.run.checkpoint import Checkpointer
 from jaxrl.run.train import Trainer
+from jaxrl.workdir.checkpoint import Checkpointer
 
 
 def _command(module, *flags, cwd=ROOT):
@@ -140,7 +140,7 @@ def test_export_writes_any_checkpoint_in_hf_layout(tmp_path):
 # into one process (pytest collects every test file in each worker) they collide with a
 # DuplicateFlagError. What tests use lives in the library modules (run_log, weights, cli).
 COMMAND_MODULES = {"jaxrl.main", "jaxrl.eval", "jaxrl.export"} | {
-  f"jaxrl.run.{name}" for name in ("main", "eval_main", "export_main")
+  f"jaxrl.run.{name}" for name in ("train_cli", "eval_cli", "export_cli")
 }
 
 

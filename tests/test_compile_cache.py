@@ -1,10 +1,10 @@
-"""Where a run keeps its compiled programs (``jaxrl.run.compile_cache.cache_dir``). That a resumed run
+"""Where a run keeps its compiled programs (``jaxrl.workdir.compile_cache.cache_dir``). That a resumed run
 loads them and still ends bitwise where an uninterrupted run ends is tested by the kill/resume test,
 whose runs share one cache: the uninterrupted run fills it, the resumed runs read it."""
 
 import os
 
-from jaxrl.run.compile_cache import cache_dir
+from jaxrl.workdir.compile_cache import cache_dir
 
 
 def test_default_is_in_the_workdir(monkeypatch):

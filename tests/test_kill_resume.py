@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 import pytest
 from run_helpers import ROOT
 
-from jaxrl.run.checkpoint import Checkpointer
+from jaxrl.workdir.checkpoint import Checkpointer
 
 pytestmark = pytest.mark.slow
 STEPS, KILLS = 14, 10

@@ -21,6 +21,7 @@ LAYERS = (
   ("jaxrl.methods",),
   ("jaxrl.tasks",),
   ("jaxrl.rollout",),
+  ("jaxrl.workdir",),
   ("jaxrl.run",),
   (
     "jaxrl.main",

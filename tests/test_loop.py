@@ -57,7 +57,7 @@ def test_one_step_is_a_pure_function_of_the_loop_state(tmp_path):
   r, b = cfg.num_rollouts, cfg.batch_questions
   assert int(first.train.step) == 1 and first.cursor.drawn == b
   assert int(np.sum(first.stats.seen_Q)) == r and int(np.sum(first.stats.last_step_Q == 0)) == b
-  assert int(first.policies.gate.count) == 1 and row["eepo_gate"] in (0.0, 1.0)
+  assert int(first.controllers.gate.count) == 1 and row["eepo_gate"] in (0.0, 1.0)
   assert sum(np.asarray(row["alloc_hist"]) * np.arange(len(row["alloc_hist"]))) == r
   assert "compiles_update" not in row  # no compile counter was given: nothing read behind our back
   second, _ = rl_step(ctx, first, 1)

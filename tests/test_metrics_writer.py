@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from jaxrl.run.metrics import MetricsError, MetricsWriter, read_jsonl
+from jaxrl.workdir.metric_writers import MetricsError, MetricsWriter, read_jsonl
 
 # 60 scalars: a 0.7 KB JSON line.
 ROW = {f"k{i}": 0.5 for i in range(60)}

@@ -15,9 +15,9 @@ from test_async_rollouts import _leaves, _steps
 from test_loop import _context
 
 from jaxrl.run import batches
-from jaxrl.run.checkpoint import Checkpointer
 from jaxrl.run.loop import initial_loop, restore_loop, save_loop
 from jaxrl.run.train import Trainer
+from jaxrl.workdir.checkpoint import Checkpointer
 
 
 def _failed(issue) -> batches.InFlight:
@@ -43,7 +43,7 @@ def test_a_batch_in_flight_that_failed_or_runs_does_not_stop_the_save(tmp_path, 
   assert [q.step for q in issues] == [2, 3]
   broken = (_failed if fault == "failed" else _running)(issues[0])
   loop = loop.__class__(
-    loop.train, loop.stats, loop.policies, loop.cursor, loop.phase, (broken, loop.pending[1])
+    loop.train, loop.stats, loop.controllers, loop.cursor, loop.phase, (broken, loop.pending[1])
   )
   ckpt = Checkpointer(str(tmp_path / "checkpoints"), keep=2, async_save=False)
   try:

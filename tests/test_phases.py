@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from run_helpers import read_metrics, tiny_config
 
-from jaxrl.config import ConfigError
+from jaxrl.config import ConfigError, annealing
 from jaxrl.methods.phases import anneal_start, phase_at, run_phases
 from jaxrl.run.train import Trainer
 from jaxrl.tasks.data.cursor import Cursor, Mixture, MixtureCursor, next_batch, next_mixture_batch
@@ -76,7 +76,7 @@ def test_annealing_config_scales_group_size_length_and_bounds():
       "anneal_phase.max_new_tokens": 9,
     },
   )
-  a = cfg.annealing()
+  a = annealing(cfg)
   assert (a.rollout.group_size, a.rollout.max_new_tokens) == (16, 9)
   assert a.num_rollouts == 4 * cfg.num_rollouts
   # Bounds keep their shape around the new G (×4): DynaMO [2, 8] → [8, 32], E3 floor/cap 2/12 → 8/48.

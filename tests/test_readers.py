@@ -25,8 +25,8 @@ from jaxrl.config import from_configdict, to_dict
 from jaxrl.nn import arch, lora, model
 from jaxrl.parallel import sharding
 from jaxrl.run import cli, weights
-from jaxrl.run.checkpoint import TRASH, Checkpointer
 from jaxrl.tasks.data.tokenizer import build_tokenizer
+from jaxrl.workdir.checkpoint import TRASH, Checkpointer
 
 
 class HeldCommit:

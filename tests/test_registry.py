@@ -10,7 +10,7 @@ from run_helpers import read_metrics, tiny_config
 
 from jaxrl.config import ConfigError
 from jaxrl.methods import allocation, registry
-from jaxrl.methods.policies import Methods
+from jaxrl.methods.controllers import Methods
 from jaxrl.run.train import Trainer
 
 

@@ -24,8 +24,8 @@ from run_helpers import ROOT, read_metrics, tiny_config
 
 from jaxrl.config import ConfigError, to_dict
 from jaxrl.run import cli
-from jaxrl.run.checkpoint import Checkpointer
 from jaxrl.run.train import Trainer
+from jaxrl.workdir.checkpoint import Checkpointer
 
 FIRST = {"steps": 2, "sft.steps": 4}  # a short run: 4 SFT steps, 2 RL steps, checkpoint at 2
 

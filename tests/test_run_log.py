@@ -1,4 +1,4 @@
-"""The run's log file (``jaxrl.run.run_log.RunLog``): a file that cannot be written any more (a real
+"""The run's log file (``jaxrl.workdir.run_log.RunLog``): a file that cannot be written any more (a real
 EFBIG, ``file_size_limit``) is said once and dropped; a bad record is not mistaken for that."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from jaxrl.run.run_log import RunLog
+from jaxrl.workdir.run_log import RunLog
 
 
 @pytest.fixture

@@ -1,1 +1,1 @@
-"""The four papers' policies: allocation, schedules and controllers, their registry, and phases."""
+"""The four papers' methods: allocation, schedules and their controllers, their registry, and phases."""

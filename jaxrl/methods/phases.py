@@ -1,6 +1,6 @@
 """Training phases: the main phase from step 0 and the optional annealing phase (ES §5).
 
-A phase is a start step, the run's config inside it (``Config.annealing``: group size, response
+A phase is a start step, the run's config inside it (``jaxrl.config.annealing``: group size, response
 length, allocation bounds) and the data mixture it samples. The loop asks ``phase_at(step)`` and
 switches when the answer changes; a phase switch is the only point where shapes change.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxrl.config import Config
+from jaxrl.config import Config, annealing
 from jaxrl.methods import schedules
 
 
@@ -38,7 +38,7 @@ def run_phases(cfg: Config) -> tuple[Phase, ...]:
   main = Phase(0, 0, cfg, "", "main")
   if not cfg.anneal_phase.enabled:
     return (main,)
-  return main, Phase(1, anneal_start(cfg), cfg.annealing(), cfg.anneal_phase.mixture, "annealing")
+  return main, Phase(1, anneal_start(cfg), annealing(cfg), cfg.anneal_phase.mixture, "annealing")
 
 
 def phase_at(phases: tuple[Phase, ...], step: int) -> Phase:

@@ -45,7 +45,7 @@ from jaxrl.types import Array
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16")
 LORA_TARGETS = typing.get_args(LoraTarget)  # the projections an adapter may sit on (short names)
-# How params are laid out, recorded in every checkpoint (``jaxrl.run.checkpoint``): a checkpoint of
+# How params are laid out, recorded in every checkpoint (``jaxrl.workdir.checkpoint``): a checkpoint of
 # another layout is refused by name, never restored transposed (a square kernel would fit).
 PARAM_LAYOUT = "matrices [out, in]"
 LEGACY_PARAM_LAYOUT = "kernels [in, out]"  # checkpoints written before the layout was recorded

@@ -16,7 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxrl.methods.policies import eepo_stage1_counts
+from jaxrl.methods.controllers import eepo_stage1_counts
 from jaxrl.rl.programs import ForgetConfig
 from jaxrl.rollout.collect import Collector, token_mean_entropy
 from jaxrl.types import Rollouts

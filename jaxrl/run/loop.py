@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config import Config, LossConfig
+from jaxrl.methods.controllers import ControllerStates, Methods
 from jaxrl.methods.phases import Phase, phase_at
-from jaxrl.methods.policies import Methods, PolicyStates
 from jaxrl.nn import lora
 from jaxrl.parallel import distributed, sharding
 from jaxrl.rl.losses import LossHparams
@@ -32,11 +32,11 @@ from jaxrl.rollout import dynamic
 from jaxrl.rollout.collect import Collector, token_mean_entropy
 from jaxrl.rollout.sampler import sample_program
 from jaxrl.run import batches, mfu, records
-from jaxrl.run.checkpoint import Checkpointer
 from jaxrl.run.compiles import CompileCounter
 from jaxrl.tasks.data.cursor import Mixture, MixtureCursor, next_mixture_batch
 from jaxrl.tasks.task import TaskData
 from jaxrl.types import QuestionStats, Rollouts, TrainState, pytree_dataclass, static_field
+from jaxrl.workdir.checkpoint import Checkpointer
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class LoopState:
 
   train: TrainState
   stats: QuestionStats
-  policies: PolicyStates  # the gate's state is the one after the last trained batch
+  controllers: ControllerStates  # the gate's state is the one after the last trained batch
   cursor: MixtureCursor = static_field()  # after the last issued batch
   phase: int = static_field()  # of the last issued batch
   # Batches issued for the next steps (``batches.InFlight``, in step order): none between steps
@@ -59,7 +59,7 @@ class LoopState:
 
 @dataclasses.dataclass(frozen=True)
 class PhaseRuntime:
-  """What a phase samples and compiles with: its policies, its train step, its data mixture."""
+  """What a phase samples and compiles with: its controllers, its train step, its data mixture."""
 
   phase: Phase
   methods: Methods
@@ -69,6 +69,10 @@ class PhaseRuntime:
 
 # The programs whose compiles a step's row counts (``compiles_*``), held by reference: JAX names a
 # trace after the function traced, so the count follows a rename (tests/test_compile_counts.py).
+# The checkpoint item that holds ``ControllerStates``: a name in the checkpoint format, so it stays
+# what checkpoints already on disk call it.
+CONTROLLERS = "policies"
+
 COUNTED_PROGRAMS = {"compiles_update": rl_update, "compiles_sampler": sample_program}
 
 
@@ -142,10 +146,10 @@ def _enter_due_phase(ctx: StepContext, loop: LoopState, i: int) -> LoopState:
   epoch = loop.cursor.epoch(ctx.runtime(loop.phase).mixture)
   rt = ctx.runtime(phase.index)
   num_q = len(ctx.task.train_answers)
-  alloc = rt.methods.start_phase(loop.policies.alloc, loop.stats, epoch, num_q)
+  alloc = rt.methods.start_phase(loop.controllers.alloc, loop.stats, epoch, num_q)
   return dataclasses.replace(
     loop,
-    policies=dataclasses.replace(loop.policies, alloc=alloc),
+    controllers=dataclasses.replace(loop.controllers, alloc=alloc),
     cursor=MixtureCursor.start(rt.mixture, epoch0=epoch),
     phase=phase.index,
   )
@@ -199,14 +203,14 @@ def _issue(ctx: StepContext, loop: LoopState, j: int, i: int, params) -> LoopSta
   c, rt = ctx.cfg, ctx.runtime(loop.phase)
   epoch_before = loop.cursor.epoch(rt.mixture)
   qids_B, cursor = next_mixture_batch(loop.cursor, c.seed, rt.mixture, c.batch_questions)
-  counts_B = rt.methods.allocate(loop.policies.alloc, loop.stats, jnp.asarray(qids_B))
+  counts_B = rt.methods.allocate(loop.controllers.alloc, loop.stats, jnp.asarray(qids_B))
   issue = batches.Issue(
     step=j,
     version=i,
     phase=loop.phase,
     qids_B=np.asarray(qids_B, np.int32),
     counts_B=np.asarray(counts_B, np.int32),
-    tau=float(loop.policies.temperature.tau),
+    tau=float(loop.controllers.temperature.tau),
     epoch_ended=epoch_before if cursor.epoch(rt.mixture) != epoch_before else -1,
   )
   return _launch(ctx, dataclasses.replace(loop, cursor=cursor), issue, params)
@@ -215,7 +219,7 @@ def _issue(ctx: StepContext, loop: LoopState, j: int, i: int, params) -> LoopSta
 def _launch(ctx: StepContext, loop: LoopState, issue: batches.Issue, params) -> LoopState:
   """Start generating ``issue``'s batch (inline, or on the rollout thread) after those pending."""
   # EEPO's gate goes through the batches in issue order: each reads the state the last left.
-  prev, gate = (loop.pending or (None,))[-1], loop.policies.gate
+  prev, gate = (loop.pending or (None,))[-1], loop.controllers.gate
 
   def job():
     return batches.generate(ctx, issue, params, prev.result().gate if prev else gate)
@@ -293,7 +297,7 @@ def _more_rounds(ctx: StepContext, loop: LoopState, batch, i: int, rounds, ended
     loop = dataclasses.replace(loop, cursor=cursor)
     if cursor.epoch(mixture) != epoch_before:
       ended += (epoch_before,)
-    counts_B = rt.methods.allocate(loop.policies.alloc, loop.stats, jnp.asarray(qids_B))
+    counts_B = rt.methods.allocate(loop.controllers.alloc, loop.stats, jnp.asarray(qids_B))
     issue = dataclasses.replace(
       batch.issue,
       version=i,
@@ -362,7 +366,7 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
   loop = dataclasses.replace(loop, pending=loop.pending[1:])
   t1 = time.time()
   c, rt = ctx.cfg, ctx.runtime(batch.issue.phase)
-  methods, policies, tau = rt.methods, loop.policies, batch.issue.tau
+  methods, ctl, tau = rt.methods, loop.controllers, batch.issue.tau
   loop, got = _arrive(ctx, loop, batch, i)
   rollouts = got.rollouts
   if not batch.issue.fresh:  # sampled by older params: ℓ_prox and entropies under θ_i (§9)
@@ -370,7 +374,7 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
   # Entropy of the rollouts at τ under the params the update starts from: E3's H_t and the clip
   # controller's measured entropy, known before this step's update.
   h_t = token_mean_entropy(rollouts)
-  clip_state = methods.update_clip(policies.clip, h_t)
+  clip_state = methods.update_clip(ctl.clip, h_t)
   hp = LossHparams.from_config(c, tau, methods.clip.current(clip_state))
   t2 = time.time()
   train, update = rt.update(
@@ -378,16 +382,14 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
   )
   update = distributed.to_host(update)
   t3 = time.time()
-  policies = dataclasses.replace(
-    policies,
-    temperature=methods.update_temperature(policies.temperature, h_t),
+  ctl = dataclasses.replace(
+    ctl,
+    temperature=methods.update_temperature(ctl.temperature, h_t),
     clip=clip_state,
     gate=batch.gate,
   )
   for epoch in got.epochs_ended:  # a pass over the data ended: E3 re-ranks
-    policies = dataclasses.replace(
-      policies, alloc=methods.on_epoch_end(policies.alloc, got.stats, epoch)
-    )
+    ctl = dataclasses.replace(ctl, alloc=methods.on_epoch_end(ctl.alloc, got.stats, epoch))
   # The rows of the step's questions (not padding, not set aside) are what its metrics describe.
   in_group_R = np.asarray(rollouts.group_ids_R) < c.batch_questions
   real = jax.tree.map(lambda x: np.asarray(x)[in_group_R], rollouts)
@@ -397,7 +399,7 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
     rewards_R=real.rewards_R,
     entropy=h_t,
     num_groups=c.batch_questions,
-    decisions=records.decision_metrics(methods, policies, tau, hp),
+    decisions=records.decision_metrics(methods, ctl, tau, hp),
     counts_B=batch.issue.counts_B,
     times=(t0, t1, t2, t3),
     context=_context(ctx, ctx.runtime(loop.phase), loop.cursor),
@@ -413,7 +415,7 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
   record["samples"] = records.sample_rows(
     ctx.task, real, got.qids_B, got.counts_B, tau, c.log.samples_per_step
   )
-  return dataclasses.replace(loop, train=train, stats=got.stats, policies=policies), record
+  return dataclasses.replace(loop, train=train, stats=got.stats, controllers=ctl), record
 
 
 def _mfu(ctx: StepContext, phase: int, seconds: float) -> dict:
@@ -487,7 +489,7 @@ def save_loop(ckpt: Checkpointer, step: int, loop: LoopState, mesh, *, wait: boo
   tree = {
     "state": _kept(loop.train),
     "stats": _replicated_global(loop.stats, mesh),
-    "policies": _replicated_global(loop.policies, mesh),
+    CONTROLLERS: _replicated_global(loop.controllers, mesh),
   }
   meta = {"cursor": loop.cursor.to_json(), "phase": loop.phase, "step": step}
   if lora.has_adapters(loop.train.params):
@@ -514,11 +516,11 @@ def restore_loop(
 ) -> LoopState:
   """The loop saved after ``step`` steps; ``like`` gives the structure (a fresh ``initial_loop``)."""
   rep = sharding.replicated(mesh)
-  tree = {"state": _kept(like.train), "stats": like.stats, "policies": like.policies}
+  tree = {"state": _kept(like.train), "stats": like.stats, CONTROLLERS: like.controllers}
   target = {
     "state": _kept(state_shardings),
     "stats": jax.tree.map(lambda _: rep, like.stats),
-    "policies": jax.tree.map(lambda _: rep, like.policies),
+    CONTROLLERS: jax.tree.map(lambda _: rep, like.controllers),
   }
   saved_meta = ckpt.restore_meta(step)
   saved = saved_meta.get("pending", [])
@@ -526,7 +528,7 @@ def restore_loop(
     tree["pending"] = [
       {
         "rollouts": {k: np.zeros(shape, dtype) for k, (shape, dtype) in p["fields"].items()},
-        "gate": like.policies.gate,
+        "gate": like.controllers.gate,
       }
       for p in saved
     ]
@@ -550,7 +552,7 @@ def restore_loop(
   )
   cursor = MixtureCursor.from_json(meta["cursor"])
   train = _with_base(tree["state"], like.train, meta, ckpt.directory)
-  return LoopState(train, tree["stats"], tree["policies"], cursor, meta["phase"], pending)
+  return LoopState(train, tree["stats"], tree[CONTROLLERS], cursor, meta["phase"], pending)
 
 
 def _with_base(restored: TrainState, like: TrainState, meta: dict, where: str) -> TrainState:

@@ -31,9 +31,9 @@ def allocation_metrics(counts_B) -> dict:
   )
 
 
-def decision_metrics(methods, policies, tau, hp) -> dict:
+def decision_metrics(methods, controllers, tau, hp) -> dict:
   """τ, ε and the controllers' targets: every decision of the step, after its updates."""
-  temp = policies.temperature
+  temp = controllers.temperature
   return dict(
     tau=float(tau),
     tau_next=float(temp.tau),
@@ -41,7 +41,7 @@ def decision_metrics(methods, policies, tau, hp) -> dict:
     entropy_target=float(methods.temperature.target(temp)),
     eps_low=float(hp.eps_low),
     eps_high=float(hp.eps_high),
-    clip_target=float(methods.clip.target(policies.clip)),
+    clip_target=float(methods.clip.target(controllers.clip)),
   )
 
 

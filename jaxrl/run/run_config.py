@@ -217,7 +217,7 @@ def check_resume(now: dict, directory: str) -> int | None:
   config that differs from the one it records in a field a resume may not change; returns that
   checkpoint's step (None: nothing to resume). A checkpoint that records no config (an older
   jaxrl wrote it) is compared with the run's ``config.json``, its last start's config."""
-  from jaxrl.run.checkpoint import Checkpointer
+  from jaxrl.workdir.checkpoint import Checkpointer
 
   reader = Checkpointer.reader(directory)
   try:

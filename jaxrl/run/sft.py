@@ -19,7 +19,7 @@ from jaxrl.parallel import distributed, sharding
 from jaxrl.rl import optim
 from jaxrl.rl.programs import Programs
 from jaxrl.run import run_config
-from jaxrl.run.checkpoint import Checkpointer, StaleLayout
+from jaxrl.workdir.checkpoint import Checkpointer, StaleLayout
 
 log = logging.getLogger(__name__)
 CACHE = "sft"  # the warm start's checkpoint directory in the run's workdir

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import signal
 
-from jaxrl.run.checkpoint import Checkpointer, CheckpointError
+from jaxrl.workdir.checkpoint import Checkpointer, CheckpointError
 
 log = logging.getLogger(__name__)
 

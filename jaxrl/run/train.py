@@ -33,8 +33,7 @@ from jaxrl.rl.programs import Programs, reference_copy
 from jaxrl.rollout.build import build_engine
 from jaxrl.rollout.collect import Collector
 from jaxrl.run import mfu, run_config, sft, weights
-from jaxrl.run.checkpoint import Checkpointer
-from jaxrl.run.eval import EvalResult, comparison_table, engine_sampler, evaluate
+from jaxrl.run.heldout import EvalResult, comparison_table, engine_sampler, evaluate
 from jaxrl.run.loop import (
   LoopState,
   StepContext,
@@ -44,8 +43,6 @@ from jaxrl.run.loop import (
   rl_step,
   save_loop,
 )
-from jaxrl.run.metrics import MetricsWriter, plot_run
-from jaxrl.run.profiling import StepProfiler
 from jaxrl.run.progress import Progress
 from jaxrl.run.stops import (
   NonFiniteGuard,
@@ -55,6 +52,9 @@ from jaxrl.run.stops import (
   stop_after_checkpoint,
 )
 from jaxrl.tasks.task import TaskData, load_task
+from jaxrl.workdir.checkpoint import Checkpointer
+from jaxrl.workdir.metric_writers import MetricsWriter, plot_run
+from jaxrl.workdir.profiling import StepProfiler
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ def run_checkpoint(path: str) -> tuple[str, int] | None:
 def checkpoint_step(directory: str, step: int) -> int:
   """``step`` of a run's checkpoints ``directory`` (-1: its latest), read-only; a
   ``FileNotFoundError`` when there is no such checkpoint."""
-  from jaxrl.run.checkpoint import Checkpointer
+  from jaxrl.workdir.checkpoint import Checkpointer
 
   reader = Checkpointer.reader(directory)
   try:
@@ -110,7 +110,7 @@ def load_params(cfg, path: str, graphdef_and_shardings, model_cfg=None):
   """Params of an HF directory or a jaxrl run checkpoint, on the given shardings (a LoRA run's:
   its adapters on its rebuilt base, ``run_base``)."""
   from jaxrl.nn import arch, lora
-  from jaxrl.run.checkpoint import Checkpointer
+  from jaxrl.workdir.checkpoint import Checkpointer
 
   abstract_params, shardings = graphdef_and_shardings
   model_cfg = model_cfg or arch.model_config(cfg)

@@ -1,6 +1,6 @@
-"""Run metrics: pass@k, and the writers (JSONL, TensorBoard, optional W&B) plus the run plot.
+"""The metric writers of a run (JSONL, TensorBoard, optional W&B) and the run's plot.
 
-``pass_at_k`` is the reference function of docs/algorithms.md §8 (it lives in ``jaxrl.rl.passk``).
+pass@k itself, the reference function of docs/algorithms.md §8, is ``jaxrl.metrics.pass_at_k``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import time
 from typing import Mapping
 
 import numpy as np
-
-from jaxrl.rl.passk import pass_at_k, pass_at_k_array  # noqa: F401  (public re-export)
 
 log = logging.getLogger(__name__)
 

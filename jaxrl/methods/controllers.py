@@ -1,6 +1,6 @@
-"""The four papers' policies, built once from the config and composed in the loop.
+"""The four papers' controllers, built once from the config and composed in the loop.
 
-Each policy is a pure optax-style object from ``jaxrl.allocation`` / ``jaxrl.schedules``; this module
+Each controller is a pure optax-style object from ``jaxrl.allocation`` / ``jaxrl.schedules``; this module
 only chooses them from the config, holds their states in one checkpointable pytree, and jits their
 per-step decisions (so a new value never recompiles). The loop in ``jaxrl.run.train`` calls, per step:
 
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 @pytree_dataclass
-class PolicyStates:
+class ControllerStates:
   """Every controller's state; saved in each checkpoint."""
 
   alloc: Any
@@ -39,7 +39,7 @@ class PolicyStates:
 
 @dataclasses.dataclass
 class Methods:
-  """The run's policies and their jitted decision functions."""
+  """The run's controllers (allocator, temperature, clip, EEPO gate) and their jitted decisions."""
 
   cfg: Config
   vocab_size: int
@@ -62,8 +62,8 @@ class Methods:
     self.update_clip = jax.jit(self.clip.update)
     self.gate = jax.jit(self.gate_ctl.gate)
 
-  def init(self, num_questions: int) -> PolicyStates:
-    return PolicyStates(
+  def init(self, num_questions: int) -> ControllerStates:
+    return ControllerStates(
       alloc=self.allocator.init(num_questions),
       temperature=self.temperature.init(),
       clip=self.clip.init(),

@@ -1,6 +1,7 @@
-"""Typed, frozen run configuration, converted once from an ``ml_collections.ConfigDict``.
+"""The config's schema: every section as a frozen dataclass with its defaults and its own checks,
+the ``Config`` that holds them, and ``ConfigError``.
 
-Config files (``configs/*.py``) stay Python and return a ConfigDict; ``from_configdict`` turns it
+Config files (``configs/*.py``) stay Python and return a ConfigDict; ``jaxrl.config.build`` turns it
 into these dataclasses at the boundary and validates it before anything is compiled. Every problem
 raises ``ConfigError`` naming the dotted field; ``jaxrl.main`` prints that one line and exits 2.
 """
@@ -418,7 +419,7 @@ class LogSection:
   # and on CPU no train_mfu.
   peak_tflops: float = 0.0
   # A jax.profiler trace of RL steps profile_from .. profile_from + profile_steps - 1 (1-based, as
-  # logged) in WORKDIR/profile: every program's ops, host and device (jaxrl/run/profiling.py).
+  # logged) in WORKDIR/profile: every program's ops, host and device (jaxrl/workdir/profiling.py).
   profile_from: int = 0  # 0: no trace
   profile_steps: int = 3
 
@@ -563,83 +564,12 @@ class AnnealPhaseSection:
   max_new_tokens: int = 0  # 0 = keep (paper: 4k → 16k)
 
 
-def resolved_correction(mode: BehaviourCorrection, engine: Engine) -> Correction:
-  """``loss.behaviour_correction`` with ``auto`` resolved: tis for a vLLM sidecar (other kernels
-  and dtypes than the trainer's), none for the JAX sampler (the trainer's own policy)."""
-  if mode == "auto":
-    return "tis" if engine == "vllm" else "none"
-  return mode
-
-
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-  """What shapes the compiled GRPO update (docs/algorithms.md §1.5): hashable, a static argument
-  of the jitted update, so a change builds a new program. What a step may change without one is
-  ``rl.losses.LossHparams`` (traced).
-
-  ``from_config`` builds it from a (phase's) ``Config``, the only place that maps sections to it;
-  the defaults are the ``loss``, ``modulation`` and ``rollout`` sections' own. Each check of these
-  fields is here, in ``__post_init__``, which the config's validation runs too. ``num_groups`` and
-  ``max_response_len`` are shapes: 0 where only ``grpo_loss`` reads the config."""
-
-  aggregation: Aggregation = LossSection.aggregation
-  dual_clip: float = LossSection.dual_clip  # 0 = off; c > 1 floors the objective at c·A for A < 0
-  kl_estimator: KLEstimator = LossSection.kl_estimator
-  use_kl: bool = LossSection.kl_coef > 0  # the reference pass; its weight β is traced
-  informative_only: bool = LossSection.informative_only
-  scale_by_std: bool = LossSection.scale_by_std
-  behaviour_correction: Correction = resolved_correction(
-    LossSection.behaviour_correction, RolloutSection.engine
-  )
-  modulation: bool = ModulationSection.enabled  # DynaMO's token-level advantage modulation (§4.3)
-  mini_batches: int = LossSection.mini_batches
-  micro_batches: int = LossSection.micro_batches
-  logprob_chunk: int = LossSection.logprob_chunk
-  num_groups: int = 0  # groups of a step's rows: the questions, and one for rows of none
-  max_response_len: int = 0  # N, the T_max of seq-mean-token-sum-norm
-
-  def __post_init__(self):
-    hints = typing.get_type_hints(LossConfig)
-    for f in dataclasses.fields(self):  # allowed values (Literal) and types
-      _check_type(f"loss.{f.name}", getattr(self, f.name), hints[f.name])
-    _need(self.dual_clip == 0 or self.dual_clip > 1, "loss.dual_clip", "must be 0 (off) or > 1")
-    _need(self.mini_batches >= 1, "loss.mini_batches", "must be >= 1")
-    _need(self.micro_batches >= 1, "loss.micro_batches", "must be >= 1")
-    _need(
-      self.aggregation != "seq-mean-token-sum-norm" or self.max_response_len > 0,
-      "loss.aggregation",
-      "seq-mean-token-sum-norm divides by the longest response: needs max_response_len > 0",
-    )
-
-  @classmethod
-  def from_config(cls, cfg: Config) -> LossConfig:
-    """The update's static part for ``cfg``: a phase's config gives that phase's shapes."""
-    loss = cfg.loss
-    return cls(
-      aggregation=loss.aggregation,
-      dual_clip=loss.dual_clip,
-      kl_estimator=loss.kl_estimator,
-      use_kl=loss.kl_coef > 0,
-      informative_only=loss.informative_only,
-      scale_by_std=loss.scale_by_std,
-      behaviour_correction=resolved_correction(loss.behaviour_correction, cfg.rollout.engine),
-      modulation=cfg.modulation.enabled,
-      mini_batches=loss.mini_batches,
-      micro_batches=loss.micro_batches,
-      logprob_chunk=loss.logprob_chunk,
-      # Rows that belong to no question (an answer the verifier did not score, dynamic
-      # sampling's padding) are in a group of their own, index B: no tokens, advantage 0.
-      num_groups=cfg.batch_questions + 1,
-      max_response_len=cfg.rollout.max_new_tokens,
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class Config:
   seed: int = 0
   steps: int = 200  # RL steps
   batch_questions: int = 16  # B: questions per RL step
-  # Compiled programs kept across runs (jaxrl.run.compile_cache): "" = WORKDIR/compile_cache (or JAX's
+  # Compiled programs kept across runs (jaxrl.workdir.compile_cache): "" = WORKDIR/compile_cache (or JAX's
   # own $JAX_COMPILATION_CACHE_DIR when set), "off", or a directory shared by several runs.
   compile_cache: str = ""
   model: ModelSection = ModelSection()
@@ -667,32 +597,6 @@ class Config:
     """R: rollouts per step (static)."""
     return self.batch_questions * self.rollout.group_size
 
-  def annealing(self) -> "Config":
-    """The run's config inside the annealing phase: the phase's group size and response length, and
-    every allocation bound scaled by G_anneal / G so the allocators keep their shape around the new G.
-    """
-    p = self.anneal_phase
-    g = p.group_size or self.rollout.group_size
-    ratio = g / self.rollout.group_size
-    lo = lambda b: max(1, min(g, int(b * ratio)))  # scaled bounds still contain G
-    hi = lambda b: max(g, -(-int(b * g) // self.rollout.group_size))
-    a = self.allocation
-    return dataclasses.replace(
-      self,
-      anneal_phase=dataclasses.replace(p, enabled=False),
-      rollout=dataclasses.replace(
-        self.rollout, group_size=g, max_new_tokens=p.max_new_tokens or self.rollout.max_new_tokens
-      ),
-      allocation=dataclasses.replace(
-        a,
-        g_min=lo(a.g_min),
-        g_max=hi(a.g_max),
-        e3=dataclasses.replace(
-          a.e3, g_min_floor=lo(a.e3.g_min_floor), g_max_cap=hi(a.e3.g_max_cap)
-        ),
-      ),
-    )
-
   @property
   def eval_ks(self) -> tuple[int, ...]:
     return tuple(int(k) for k in self.eval.ks.split(","))
@@ -714,191 +618,3 @@ def _check_type(path: str, value: Any, annotation: Any) -> Any:
   if hint is float and math.isnan(value):
     raise ConfigError(path, "is NaN: expected a number")
   return value
-
-
-def _build(cls, data: Any, prefix: str):
-  if not hasattr(data, "keys"):
-    raise ConfigError(prefix.rstrip("."), f"expected a section, got {data!r}")
-  hints = typing.get_type_hints(cls)
-  names = {f.name for f in dataclasses.fields(cls)}
-  for key in data.keys():
-    if key not in names:
-      raise ConfigError(prefix + key, f"unknown field (known: {', '.join(sorted(names))})")
-  kwargs = {}
-  for f in dataclasses.fields(cls):
-    if f.name not in data:
-      continue
-    hint = hints[f.name]
-    path = prefix + f.name
-    if dataclasses.is_dataclass(hint):
-      kwargs[f.name] = _build(hint, data[f.name], path + ".")
-    else:
-      kwargs[f.name] = _check_type(path, data[f.name], hint)
-  return cls(**kwargs)
-
-
-def _validate(cfg: Config) -> None:
-  """Each section's own checks (``Section.check``), then the checks that span sections."""
-  _need(cfg.steps >= 0, "steps", f"must be >= 0, got {cfg.steps}")
-  _need(cfg.seed >= 0, "seed", f"must be >= 0, got {cfg.seed}")
-  _need(cfg.batch_questions > 0, "batch_questions", "must be > 0")
-  _need(
-    cfg.rollout.max_staleness <= cfg.steps,
-    "rollout.max_staleness",
-    f"must be <= steps={cfg.steps} (no rollout can be older than the run), "
-    f"got {cfg.rollout.max_staleness}",
-  )
-  for f in dataclasses.fields(cfg):
-    section = getattr(cfg, f.name)
-    if hasattr(section, "check"):
-      section.check()
-  LossConfig.from_config(cfg)  # the update's static fields, checked where they are built
-  _check_batch_shapes(cfg)
-  _check_math_task(cfg)
-  _check_eval(cfg)
-  _check_methods(cfg)
-  if cfg.anneal_phase.enabled:
-    _validate_anneal_phase(cfg)
-
-
-def _check_batch_shapes(cfg: Config) -> None:
-  """R rollouts split into mini- and micro-batches, each split over the data axes."""
-  chunks = cfg.loss.mini_batches * cfg.loss.micro_batches
-  _need(
-    cfg.num_rollouts % chunks == 0,
-    "loss.micro_batches",
-    f"R = batch_questions*group_size = {cfg.num_rollouts} is not divisible by "
-    f"mini_batches*micro_batches = {chunks}",
-  )
-  rows = cfg.mesh.data * cfg.mesh.fsdp
-  _need(
-    (cfg.num_rollouts // chunks) % rows == 0,
-    "batch_questions",
-    f"a micro-batch of {cfg.num_rollouts // chunks} rollouts is not divisible "
-    f"over the data axes (data*fsdp = {rows})",
-  )
-  _need(
-    cfg.sft.batch_size % rows == 0,
-    "sft.batch_size",
-    f"{cfg.sft.batch_size} is not divisible over the data axes (data*fsdp = {rows})",
-  )
-  _need(
-    not cfg.eepo.enabled or cfg.num_rollouts % 2 == 0,
-    "eepo.enabled",
-    f"EEPO splits the step's R = {cfg.num_rollouts} rollouts into two equal stages: R must be even",
-  )
-  _need(
-    not cfg.eepo.enabled or (cfg.num_rollouts // 2) % rows == 0,
-    "eepo.enabled",
-    f"an EEPO stage of R/2 = {cfg.num_rollouts // 2} rollouts is not divisible over the data "
-    f"axes (data*fsdp = {rows})",
-  )
-
-
-def _check_math_task(cfg: Config) -> None:
-  if cfg.task.name != "math":
-    return
-  _need(
-    bool(cfg.model.checkpoint),
-    "model.checkpoint",
-    "the math task starts from a pretrained HF checkpoint: set model.checkpoint",
-  )
-  _need(
-    bool(cfg.data.train),
-    "data.train",
-    "the math task needs a training set: data.train = PATH[:WEIGHT],...",
-  )
-  _need(
-    cfg.sft.steps == 0,
-    "sft.steps",
-    "the math task has no SFT corpus (it starts from a pretrained checkpoint): set sft.steps=0",
-  )
-
-
-def _check_eval(cfg: Config) -> None:
-  try:
-    ks = cfg.eval_ks
-  except ValueError:
-    raise ConfigError(
-      "eval.ks", f"expected comma-separated integers, got {cfg.eval.ks!r}"
-    ) from None
-  _need(
-    all(1 <= k <= cfg.eval.num_samples for k in ks),
-    "eval.ks",
-    f"every k must be in [1, eval.num_samples={cfg.eval.num_samples}], got {ks}",
-  )
-
-
-def _check_methods(cfg: Config) -> None:
-  """The methods' bounds must contain the rollout section's group size and temperature."""
-  a, g = cfg.allocation, cfg.rollout.group_size
-  _need(
-    a.g_min <= g <= a.g_max,
-    "allocation.g_max",
-    f"the mean group size rollout.group_size={g} must lie in "
-    f"[g_min, g_max] = [{a.g_min}, {a.g_max}]",
-  )
-  _need(
-    a.e3.g_min_floor <= g <= a.e3.g_max_cap,
-    "allocation.e3.g_min_floor",
-    "need e3.g_min_floor <= rollout.group_size <= e3.g_max_cap",
-  )
-  t = cfg.temperature
-  _need(
-    t.tau_min <= cfg.rollout.temperature <= t.tau_max,
-    "rollout.temperature",
-    f"must lie in [temperature.tau_min, temperature.tau_max] = [{t.tau_min}, {t.tau_max}]",
-  )
-
-
-def parse_mixture(spec: str, field: str) -> tuple[tuple[str, float], ...]:
-  """``"A:2,B"`` → ``(("A", 2.0), ("B", 1.0))``: pool names with weights (default 1); a Hub
-  dataset ``hf:ORG/NAME[:CONFIG][:SPLIT][:WEIGHT]`` keeps its colons."""
-  out = []
-  for part in filter(None, (x.strip() for x in spec.split(","))):
-    name, sep, weight = part.rpartition(":") if ":" in part else (part, "", "1")
-    try:
-      w = float(weight)
-    except ValueError:
-      w = -1.0
-      if part.startswith("hf:"):  # hf:ORG/NAME[:CONFIG][:SPLIT]: colons that are not a weight
-        name, w = part, 1.0
-    if not name.strip() or not w > 0:
-      raise ConfigError(field, f"expected NAME or NAME:WEIGHT with WEIGHT > 0, got {part!r}")
-    out.append((name.strip(), w))
-  return tuple(out)
-
-
-def _validate_anneal_phase(cfg: Config) -> None:
-  p = cfg.anneal_phase
-  if p.start < 0:
-    raise ConfigError(
-      "anneal_phase.start", f"must be >= 0 (0 = where the entropy schedule anneals), got {p.start}"
-    )
-  for name in ("group_size", "max_new_tokens"):
-    if getattr(p, name) < 0:
-      raise ConfigError(f"anneal_phase.{name}", f"must be >= 0 (0 = keep), got {getattr(p, name)}")
-  parse_mixture(p.mixture, "anneal_phase.mixture")
-  try:
-    _validate(cfg.annealing())
-  except ConfigError as e:  # the same checks, in the phase's shapes: name the phase field
-    raise ConfigError("anneal_phase.group_size", f"in the annealing phase, {e}") from None
-
-
-def from_configdict(config_dict) -> Config:
-  """Validated ``Config`` from a ConfigDict (or nested dict); raises ``ConfigError``."""
-  data = config_dict.to_dict() if hasattr(config_dict, "to_dict") else dict(config_dict)
-  cfg = _build(Config, data, "")
-  _validate(cfg)
-  return cfg
-
-
-def to_dict(cfg: Config) -> dict:
-  return dataclasses.asdict(cfg)
-
-
-def default_configdict():
-  """A ConfigDict holding every field at its default: config files start from it and override."""
-  import ml_collections
-
-  return ml_collections.ConfigDict(to_dict(Config()))

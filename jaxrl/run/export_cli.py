@@ -16,7 +16,8 @@ import sys
 
 from absl import app, flags
 
-from jaxrl.run import cli, run_log, weights
+from jaxrl.run import cli, weights
+from jaxrl.workdir import run_log
 
 _CHECKPOINT = flags.DEFINE_string(
   "checkpoint", None, "A run directory (its latest checkpoint) or RUN/checkpoints/N."

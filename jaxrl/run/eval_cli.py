@@ -27,7 +27,8 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxrl.run import cli, run_log, weights
+from jaxrl.run import cli, weights
+from jaxrl.workdir import run_log
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config",
@@ -143,7 +144,7 @@ def _engine_and_params(cfg, checkpoint: str, out_dir: str):
 def _evaluate_benchmark(cfg, engine, tokenizer, scorer, name, path, num_samples, ks) -> dict:
   """One benchmark file: avg@n, pass@k and greedy accuracy, with what was dropped or cut."""
   from jaxrl import rng
-  from jaxrl.run.eval import engine_sampler, evaluate
+  from jaxrl.run.heldout import engine_sampler, evaluate
   from jaxrl.tasks import math_task
   from jaxrl.tasks.data import datasets
   from jaxrl.tasks.data.prompts import decode_responses
@@ -218,7 +219,7 @@ def main(argv):
       checkpoint = os.path.join(run[0], str(step))
       out = _OUT.value or weights.eval_dir(run[0], step)
     # A training run's directory already holds its compiled programs (the sampler among them).
-    from jaxrl.run import compile_cache
+    from jaxrl.workdir import compile_cache
 
     compile_cache.enable(cfg.compile_cache, os.path.dirname(run[0]) if run else out)
     summary = evaluate_checkpoint(

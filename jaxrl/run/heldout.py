@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from jaxrl.run.metrics import pass_at_k_array
+from jaxrl.rl.passk import pass_at_k_array
 
 
 @dataclasses.dataclass(frozen=True)

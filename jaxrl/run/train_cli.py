@@ -15,7 +15,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxrl.run import cli, run_log
+from jaxrl.run import cli
+from jaxrl.workdir import run_log
 
 USAGE = """Train a policy by RL (GRPO and the methods of E3, DynaMO, EEPO, Entropy Scheduling).
 
@@ -153,7 +154,7 @@ def main(argv):
   workdir = os.path.abspath(_WORKDIR.value)
   os.makedirs(workdir, exist_ok=True)
   run_log.setup(workdir)
-  from jaxrl.run import compile_cache
+  from jaxrl.workdir import compile_cache
 
   compile_cache.enable(cfg.compile_cache, workdir)
   _leave(_run(cfg, workdir))
@@ -163,10 +164,10 @@ def _run(cfg, workdir: str) -> int:
   """Train; the process's exit code (0 after printing the results)."""
   from jaxrl.config import ConfigError
   from jaxrl.rollout.sidecar import SidecarError
-  from jaxrl.run.checkpoint import CheckpointError
-  from jaxrl.run.metrics import MetricsError
   from jaxrl.run.stops import NonFiniteError, Stopped
   from jaxrl.run.train import train
+  from jaxrl.workdir.checkpoint import CheckpointError
+  from jaxrl.workdir.metric_writers import MetricsError
 
   try:
     result = train(cfg, workdir)
@@ -226,7 +227,7 @@ def _leave_if_unsettled(code: int, print_traceback: bool = False) -> None:
   daemons, blocked (e.g. on a dead disk), and a normal exit would wait for them forever. Exit
   handlers are skipped: the trainer has already closed its engine, writers and pools, and every
   log handler flushes each record."""
-  from jaxrl.run import checkpoint
+  from jaxrl.workdir import checkpoint
 
   if not checkpoint.unsettled():
     return

@@ -1,0 +1,52 @@
+"""Typed, frozen run configuration, converted once from an ``ml_collections.ConfigDict``.
+
+``schema``: the sections, ``Config`` and ``ConfigError``; ``build``: ConfigDict → validated
+``Config`` (``from_configdict``); ``loss``: the update's static part (``LossConfig``);
+``mixture``: ``NAME[:WEIGHT],...`` specs; ``phases``: the config inside the annealing phase.
+"""
+
+from jaxrl.config.build import default_configdict, from_configdict, to_dict  # noqa: F401
+from jaxrl.config.loss import LossConfig, resolved_correction  # noqa: F401
+from jaxrl.config.mixture import parse_mixture  # noqa: F401
+from jaxrl.config.phases import annealing  # noqa: F401
+from jaxrl.config.schema import (  # noqa: F401
+  MIN_REWARD_MEMORY_MB,
+  Aggregation,
+  AllocationSection,
+  AnnealPhaseSection,
+  BehaviourCorrection,
+  CheckpointSection,
+  ClipSection,
+  Config,
+  ConfigError,
+  Correction,
+  DataSection,
+  Dtype,
+  DynamoAllocationSection,
+  E3AllocationSection,
+  EEPOSection,
+  Engine,
+  EvalSection,
+  KLEstimator,
+  LogSection,
+  LoraSection,
+  LoraSync,
+  LoraTarget,
+  LossSection,
+  MeshSection,
+  ModelSection,
+  ModulationSection,
+  OldLogpFrom,
+  OptimSection,
+  Overlength,
+  Remat,
+  RewardSection,
+  RolloutSection,
+  SFTSection,
+  TaskName,
+  TaskSection,
+  TemperatureSection,
+  VllmDtype,
+  VllmSection,
+  WeightTransfer,
+)

@@ -1,0 +1,184 @@
+"""A ConfigDict (or nested dict) into a validated ``Config``: types and allowed values per field,
+each section's own checks, then the checks that span sections (batch shapes, the math task, eval,
+the methods' bounds, the annealing phase in its own shapes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+from jaxrl.config.loss import LossConfig
+from jaxrl.config.mixture import parse_mixture
+from jaxrl.config.phases import annealing
+from jaxrl.config.schema import Config, ConfigError, _check_type, _need
+
+
+def _build(cls, data: Any, prefix: str):
+  if not hasattr(data, "keys"):
+    raise ConfigError(prefix.rstrip("."), f"expected a section, got {data!r}")
+  hints = typing.get_type_hints(cls)
+  names = {f.name for f in dataclasses.fields(cls)}
+  for key in data.keys():
+    if key not in names:
+      raise ConfigError(prefix + key, f"unknown field (known: {', '.join(sorted(names))})")
+  kwargs = {}
+  for f in dataclasses.fields(cls):
+    if f.name not in data:
+      continue
+    hint = hints[f.name]
+    path = prefix + f.name
+    if dataclasses.is_dataclass(hint):
+      kwargs[f.name] = _build(hint, data[f.name], path + ".")
+    else:
+      kwargs[f.name] = _check_type(path, data[f.name], hint)
+  return cls(**kwargs)
+
+
+def _validate(cfg: Config) -> None:
+  """Each section's own checks (``Section.check``), then the checks that span sections."""
+  _need(cfg.steps >= 0, "steps", f"must be >= 0, got {cfg.steps}")
+  _need(cfg.seed >= 0, "seed", f"must be >= 0, got {cfg.seed}")
+  _need(cfg.batch_questions > 0, "batch_questions", "must be > 0")
+  _need(
+    cfg.rollout.max_staleness <= cfg.steps,
+    "rollout.max_staleness",
+    f"must be <= steps={cfg.steps} (no rollout can be older than the run), "
+    f"got {cfg.rollout.max_staleness}",
+  )
+  for f in dataclasses.fields(cfg):
+    section = getattr(cfg, f.name)
+    if hasattr(section, "check"):
+      section.check()
+  LossConfig.from_config(cfg)  # the update's static fields, checked where they are built
+  _check_batch_shapes(cfg)
+  _check_math_task(cfg)
+  _check_eval(cfg)
+  _check_methods(cfg)
+  if cfg.anneal_phase.enabled:
+    _validate_anneal_phase(cfg)
+
+
+def _check_batch_shapes(cfg: Config) -> None:
+  """R rollouts split into mini- and micro-batches, each split over the data axes."""
+  chunks = cfg.loss.mini_batches * cfg.loss.micro_batches
+  _need(
+    cfg.num_rollouts % chunks == 0,
+    "loss.micro_batches",
+    f"R = batch_questions*group_size = {cfg.num_rollouts} is not divisible by "
+    f"mini_batches*micro_batches = {chunks}",
+  )
+  rows = cfg.mesh.data * cfg.mesh.fsdp
+  _need(
+    (cfg.num_rollouts // chunks) % rows == 0,
+    "batch_questions",
+    f"a micro-batch of {cfg.num_rollouts // chunks} rollouts is not divisible "
+    f"over the data axes (data*fsdp = {rows})",
+  )
+  _need(
+    cfg.sft.batch_size % rows == 0,
+    "sft.batch_size",
+    f"{cfg.sft.batch_size} is not divisible over the data axes (data*fsdp = {rows})",
+  )
+  _need(
+    not cfg.eepo.enabled or cfg.num_rollouts % 2 == 0,
+    "eepo.enabled",
+    f"EEPO splits the step's R = {cfg.num_rollouts} rollouts into two equal stages: R must be even",
+  )
+  _need(
+    not cfg.eepo.enabled or (cfg.num_rollouts // 2) % rows == 0,
+    "eepo.enabled",
+    f"an EEPO stage of R/2 = {cfg.num_rollouts // 2} rollouts is not divisible over the data "
+    f"axes (data*fsdp = {rows})",
+  )
+
+
+def _check_math_task(cfg: Config) -> None:
+  if cfg.task.name != "math":
+    return
+  _need(
+    bool(cfg.model.checkpoint),
+    "model.checkpoint",
+    "the math task starts from a pretrained HF checkpoint: set model.checkpoint",
+  )
+  _need(
+    bool(cfg.data.train),
+    "data.train",
+    "the math task needs a training set: data.train = PATH[:WEIGHT],...",
+  )
+  _need(
+    cfg.sft.steps == 0,
+    "sft.steps",
+    "the math task has no SFT corpus (it starts from a pretrained checkpoint): set sft.steps=0",
+  )
+
+
+def _check_eval(cfg: Config) -> None:
+  try:
+    ks = cfg.eval_ks
+  except ValueError:
+    raise ConfigError(
+      "eval.ks", f"expected comma-separated integers, got {cfg.eval.ks!r}"
+    ) from None
+  _need(
+    all(1 <= k <= cfg.eval.num_samples for k in ks),
+    "eval.ks",
+    f"every k must be in [1, eval.num_samples={cfg.eval.num_samples}], got {ks}",
+  )
+
+
+def _check_methods(cfg: Config) -> None:
+  """The methods' bounds must contain the rollout section's group size and temperature."""
+  a, g = cfg.allocation, cfg.rollout.group_size
+  _need(
+    a.g_min <= g <= a.g_max,
+    "allocation.g_max",
+    f"the mean group size rollout.group_size={g} must lie in "
+    f"[g_min, g_max] = [{a.g_min}, {a.g_max}]",
+  )
+  _need(
+    a.e3.g_min_floor <= g <= a.e3.g_max_cap,
+    "allocation.e3.g_min_floor",
+    "need e3.g_min_floor <= rollout.group_size <= e3.g_max_cap",
+  )
+  t = cfg.temperature
+  _need(
+    t.tau_min <= cfg.rollout.temperature <= t.tau_max,
+    "rollout.temperature",
+    f"must lie in [temperature.tau_min, temperature.tau_max] = [{t.tau_min}, {t.tau_max}]",
+  )
+
+
+def _validate_anneal_phase(cfg: Config) -> None:
+  p = cfg.anneal_phase
+  if p.start < 0:
+    raise ConfigError(
+      "anneal_phase.start", f"must be >= 0 (0 = where the entropy schedule anneals), got {p.start}"
+    )
+  for name in ("group_size", "max_new_tokens"):
+    if getattr(p, name) < 0:
+      raise ConfigError(f"anneal_phase.{name}", f"must be >= 0 (0 = keep), got {getattr(p, name)}")
+  parse_mixture(p.mixture, "anneal_phase.mixture")
+  try:
+    _validate(annealing(cfg))
+  except ConfigError as e:  # the same checks, in the phase's shapes: name the phase field
+    raise ConfigError("anneal_phase.group_size", f"in the annealing phase, {e}") from None
+
+
+def from_configdict(config_dict) -> Config:
+  """Validated ``Config`` from a ConfigDict (or nested dict); raises ``ConfigError``."""
+  data = config_dict.to_dict() if hasattr(config_dict, "to_dict") else dict(config_dict)
+  cfg = _build(Config, data, "")
+  _validate(cfg)
+  return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+  return dataclasses.asdict(cfg)
+
+
+def default_configdict():
+  """A ConfigDict holding every field at its default: config files start from it and override."""
+  import ml_collections
+
+  return ml_collections.ConfigDict(to_dict(Config()))

@@ -1,0 +1,91 @@
+"""The update's static configuration (``LossConfig``), built from a (phase's) config in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from jaxrl.config.schema import (
+  Aggregation,
+  BehaviourCorrection,
+  Config,
+  Correction,
+  Engine,
+  KLEstimator,
+  LossSection,
+  ModulationSection,
+  RolloutSection,
+  _check_type,
+  _need,
+)
+
+
+def resolved_correction(mode: BehaviourCorrection, engine: Engine) -> Correction:
+  """``loss.behaviour_correction`` with ``auto`` resolved: tis for a vLLM sidecar (other kernels
+  and dtypes than the trainer's), none for the JAX sampler (the trainer's own policy)."""
+  if mode == "auto":
+    return "tis" if engine == "vllm" else "none"
+  return mode
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """What shapes the compiled GRPO update (docs/algorithms.md §1.5): hashable, a static argument
+  of the jitted update, so a change builds a new program. What a step may change without one is
+  ``rl.losses.LossHparams`` (traced).
+
+  ``from_config`` builds it from a (phase's) ``Config``, the only place that maps sections to it;
+  the defaults are the ``loss``, ``modulation`` and ``rollout`` sections' own. Each check of these
+  fields is here, in ``__post_init__``, which the config's validation runs too. ``num_groups`` and
+  ``max_response_len`` are shapes: 0 where only ``grpo_loss`` reads the config."""
+
+  aggregation: Aggregation = LossSection.aggregation
+  dual_clip: float = LossSection.dual_clip  # 0 = off; c > 1 floors the objective at c·A for A < 0
+  kl_estimator: KLEstimator = LossSection.kl_estimator
+  use_kl: bool = LossSection.kl_coef > 0  # the reference pass; its weight β is traced
+  informative_only: bool = LossSection.informative_only
+  scale_by_std: bool = LossSection.scale_by_std
+  behaviour_correction: Correction = resolved_correction(
+    LossSection.behaviour_correction, RolloutSection.engine
+  )
+  modulation: bool = ModulationSection.enabled  # DynaMO's token-level advantage modulation (§4.3)
+  mini_batches: int = LossSection.mini_batches
+  micro_batches: int = LossSection.micro_batches
+  logprob_chunk: int = LossSection.logprob_chunk
+  num_groups: int = 0  # groups of a step's rows: the questions, and one for rows of none
+  max_response_len: int = 0  # N, the T_max of seq-mean-token-sum-norm
+
+  def __post_init__(self):
+    hints = typing.get_type_hints(LossConfig)
+    for f in dataclasses.fields(self):  # allowed values (Literal) and types
+      _check_type(f"loss.{f.name}", getattr(self, f.name), hints[f.name])
+    _need(self.dual_clip == 0 or self.dual_clip > 1, "loss.dual_clip", "must be 0 (off) or > 1")
+    _need(self.mini_batches >= 1, "loss.mini_batches", "must be >= 1")
+    _need(self.micro_batches >= 1, "loss.micro_batches", "must be >= 1")
+    _need(
+      self.aggregation != "seq-mean-token-sum-norm" or self.max_response_len > 0,
+      "loss.aggregation",
+      "seq-mean-token-sum-norm divides by the longest response: needs max_response_len > 0",
+    )
+
+  @classmethod
+  def from_config(cls, cfg: Config) -> LossConfig:
+    """The update's static part for ``cfg``: a phase's config gives that phase's shapes."""
+    loss = cfg.loss
+    return cls(
+      aggregation=loss.aggregation,
+      dual_clip=loss.dual_clip,
+      kl_estimator=loss.kl_estimator,
+      use_kl=loss.kl_coef > 0,
+      informative_only=loss.informative_only,
+      scale_by_std=loss.scale_by_std,
+      behaviour_correction=resolved_correction(loss.behaviour_correction, cfg.rollout.engine),
+      modulation=cfg.modulation.enabled,
+      mini_batches=loss.mini_batches,
+      micro_batches=loss.micro_batches,
+      logprob_chunk=loss.logprob_chunk,
+      # Rows that belong to no question (an answer the verifier did not score, dynamic
+      # sampling's padding) are in a group of their own, index B: no tokens, advantage 0.
+      num_groups=cfg.batch_questions + 1,
+      max_response_len=cfg.rollout.max_new_tokens,
+    )
