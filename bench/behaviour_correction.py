@@ -60,8 +60,7 @@ def _measure_mismatch(server: str, trainer: str, workdir: str, sft_dir: str | No
   cfg = _config(**{"rollout.engine": "vllm", "vllm.dtype": server, "model.dtype": trainer})
   if sft_dir:
     shutil.copytree(sft_dir, os.path.join(workdir, "sft"))
-  trainer_ = Trainer(cfg, workdir)
-  try:
+  with Trainer.open(cfg, workdir) as trainer_:
     params = trainer_.warm_start(trainer_.init_params())
     t = trainer_.task
     b = 64
@@ -76,9 +75,6 @@ def _measure_mismatch(server: str, trainer: str, workdir: str, sft_dir: str | No
       jax.random.PRNGKey(0),
       cfg.rollout.max_new_tokens,
     )
-  finally:
-    trainer_.engine.close()
-    trainer_.task.close()
   mask = np.asarray(out.mask_RxN)
   prox, behaviour = np.asarray(out.prox_logp_RxN), np.asarray(out.behaviour_logp_RxN)
   diff = np.abs(prox - behaviour)[mask]

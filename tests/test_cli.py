@@ -101,7 +101,7 @@ def test_export_writes_any_checkpoint_in_hf_layout(tmp_path):
   import transformers
 
   run = str(tmp_path / "run")
-  trainer = Trainer(tiny_config(steps=6), run)  # checkpoints at steps 3 and 6
+  trainer = Trainer.open(tiny_config(steps=6), run)  # checkpoints at steps 3 and 6
   trainer.run()
   middle, latest = str(tmp_path / "step3"), str(tmp_path / "latest")
   weights.export(os.path.join(run, "checkpoints", "3"), middle)

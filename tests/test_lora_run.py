@@ -29,7 +29,7 @@ def _flat(params) -> dict:
 def lora_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("lora") / "run"
   cfg = tiny_config(steps=4, **LORA)
-  trainer = Trainer(cfg, str(workdir))
+  trainer = Trainer.open(cfg, str(workdir))
   result = trainer.run()
   return cfg, workdir, trainer, result
 
@@ -76,7 +76,7 @@ def test_a_resume_onto_another_base_is_refused(lora_run, tmp_path, monkeypatch):
     lambda self, params: jax.tree.map(lambda x: x * 1.001, warm_start(self, params)),
   )
   with pytest.raises(ValueError, match="another base model"):
-    Trainer(dataclasses.replace(cfg, steps=5), str(copy)).run()
+    Trainer.open(dataclasses.replace(cfg, steps=5), str(copy)).run()
 
 
 def test_export_of_the_run_is_the_trained_model(lora_run, tmp_path):

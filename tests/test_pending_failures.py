@@ -69,7 +69,7 @@ def test_a_failed_rollout_checkpoints_the_steps_trained_before_it(tmp_path, monk
   """A rollout that fails at step 3 (no checkpoint since the start) leaves a checkpoint of the
   two steps trained; the run resumed from it ends as a run that never failed."""
   cfg = tiny_config("test", steps=4, **{"checkpoint.every": 100})
-  straight = Trainer(cfg, str(tmp_path / "straight")).run().rl
+  straight = Trainer.open(cfg, str(tmp_path / "straight")).run().rl
   generate = batches.generate
 
   def failing(ctx, issue, *args, **kwargs):
@@ -80,14 +80,14 @@ def test_a_failed_rollout_checkpoints_the_steps_trained_before_it(tmp_path, monk
   workdir = tmp_path / "failed"
   monkeypatch.setattr(batches, "generate", failing)
   with pytest.raises(ConnectionResetError):
-    Trainer(cfg, str(workdir)).run()
+    Trainer.open(cfg, str(workdir)).run()
   monkeypatch.setattr(batches, "generate", generate)
   ckpt = Checkpointer(str(workdir / "checkpoints"), keep=2, async_save=False)
   try:
     assert ckpt.latest_step() == 2
   finally:
     ckpt.close()
-  resumed = Trainer(cfg, str(workdir)).run().rl
+  resumed = Trainer.open(cfg, str(workdir)).run().rl
   assert read_metrics(workdir) == read_metrics(tmp_path / "straight")
   for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

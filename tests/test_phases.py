@@ -121,7 +121,7 @@ def test_bad_phase_config_names_the_field(overrides, field):
 def test_unknown_mixture_level_fails_before_compiling(tmp_path):
   cfg = tiny_config("test", **{"anneal_phase.enabled": True, "anneal_phase.mixture": "9x9+"})
   with pytest.raises(ConfigError, match="unknown level '9x9\\+'"):
-    Trainer(cfg, str(tmp_path))
+    Trainer.open(cfg, str(tmp_path))
 
 
 # -- a run through the switch ----------------------------------------------------------------------
@@ -137,7 +137,7 @@ def _anneal_cfg(preset: str, steps: int):
 def test_run_switches_phase_and_compiles_once(tmp_path, preset):
   cfg = _anneal_cfg(preset, 6)
   assert cfg.anneal_phase.mixture == "2x1+"
-  trainer = Trainer(cfg, str(tmp_path))
+  trainer = Trainer.open(cfg, str(tmp_path))
   result = trainer.run()
   rows = read_metrics(tmp_path)
   with open(tmp_path / "metrics.jsonl") as f:
@@ -167,9 +167,9 @@ def test_resume_at_and_after_the_phase_boundary_continues_exactly(tmp_path):
   cfg = lambda steps: tiny_config(
     "grpo,test,anneal", steps=steps, **{"anneal_phase.start": 3, "allocation.method": "e3"}
   )
-  straight = Trainer(cfg(6), str(tmp_path / "straight")).run().rl
+  straight = Trainer.open(cfg(6), str(tmp_path / "straight")).run().rl
   for steps in (3, 5, 6):
-    resumed = Trainer(cfg(steps), str(tmp_path / "resumed")).run().rl
+    resumed = Trainer.open(cfg(steps), str(tmp_path / "resumed")).run().rl
   assert read_metrics(tmp_path / "straight") == read_metrics(tmp_path / "resumed")
   for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

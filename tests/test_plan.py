@@ -229,13 +229,10 @@ def test_plan_compiles_the_very_programs_the_trainer_runs(tmp_path, monkeypatch)
   cfg = small(1, **{"loss.micro_batches": 2, "eepo.enabled": True, "sft.steps": 0})
   plan.build(cfg)
   planned = made[-1]
-  trainer = Trainer(cfg, str(tmp_path))
-  try:
+  with Trainer.open(cfg, str(tmp_path)) as trainer:
     ctx = trainer.step_context(None)
     ctx.runtime(0)  # the phase's train step
     trainer.programs.forget(programs.ForgetConfig.from_config(cfg))
-  finally:
-    trainer.engine.close()
   ran = trainer.programs
   assert ran is made[-1] and planned is not ran
   update_key = ("update", LossConfig.from_config(cfg))

@@ -28,7 +28,7 @@ def rows(workdir):
 def test_preset_runs_without_recompiling(tmp_path, preset):
   workdir = str(tmp_path / preset)
   cfg = tiny_config(f"{preset},test", steps=8)
-  Trainer(cfg, workdir).run()
+  Trainer.open(cfg, workdir).run()
   r = rows(workdir)
   assert [x["step"] for x in r] == list(range(1, 9))
   # Compiled versions stay constant from step 1 on, while the decisions below change.
@@ -87,7 +87,7 @@ def test_eepo_forgetting_in_micro_batches_gives_the_same_step(tmp_path):
   runs = {}
   for micro in (1, 4):
     workdir = str(tmp_path / f"micro{micro}")
-    Trainer(
+    Trainer.open(
       tiny_config("eepo,test", steps=1, **{"loss.micro_batches": micro, "sft.steps": 0}), workdir
     ).run()
     (runs[micro],) = rows(workdir)

@@ -39,11 +39,8 @@ def test_a_registered_allocator_is_used_by_the_methods_and_the_loop(monkeypatch,
   g, b = cfg.rollout.group_size, cfg.batch_questions
   assert counts.tolist() == [1 + b * (g - 1)] + [1] * (b - 1) and counts.sum() == b * g
   # Through one RL step of the loop: the step's allocation histogram is the toy's.
-  trainer = Trainer(cfg, str(tmp_path))
-  try:
+  with Trainer.open(cfg, str(tmp_path)) as trainer:
     trainer.rl(trainer.init_params())
-  finally:
-    trainer.engine.close()
   (row,) = read_metrics(tmp_path)
   assert row["alloc_max"] == 1 + b * (g - 1) and row["alloc_min"] == 1
 

@@ -32,7 +32,7 @@ FIRST = {"steps": 2, "sft.steps": 4}  # a short run: 4 SFT steps, 2 RL steps, ch
 
 def test_a_resume_with_another_config_is_refused_by_name(tmp_path):
   workdir = tmp_path / "run"
-  Trainer(tiny_config(**FIRST), str(workdir)).run()
+  Trainer.open(tiny_config(**FIRST), str(workdir)).run()
   with open(workdir / "config.json") as f:
     first = f.read()
 
@@ -44,7 +44,7 @@ def test_a_resume_with_another_config_is_refused_by_name(tmp_path):
     "task.num_train_per_level": 9,
   }
   with pytest.raises(ConfigError) as refused:
-    Trainer(tiny_config(**FIRST, **changed), str(workdir))
+    Trainer.open(tiny_config(**FIRST, **changed), str(workdir))
   message = str(refused.value)
   for field, value in changed.items():
     assert f"{field} " in message and repr(value) in message, (field, message)
@@ -86,7 +86,7 @@ def test_a_resume_with_another_config_is_refused_by_name(tmp_path):
     "reward.workers": 2,
     "compile_cache": str(tmp_path / "programs"),
   }
-  Trainer(tiny_config(**{**FIRST, **safe}), str(workdir)).run()
+  Trainer.open(tiny_config(**{**FIRST, **safe}), str(workdir)).run()
   assert [r["step"] for r in read_metrics(workdir)] == [1, 2, 3]
 
 
@@ -184,15 +184,10 @@ def _cached_sft(workdir, caplog, **overrides):
   """(SFT params, held-out evaluation at the warm start, the log) of a run of ``overrides`` in
   ``workdir``, reusing or recomputing what the workdir caches."""
   caplog.clear()
-  trainer = Trainer(tiny_config(**{**FIRST, **overrides}), str(workdir))
-  try:
+  with Trainer.open(tiny_config(**{**FIRST, **overrides}), str(workdir)) as trainer:
     with caplog.at_level(logging.INFO):
       params = trainer.warm_start(trainer.init_params())
       result = trainer.evaluate(params, "sft")
-  finally:
-    trainer.compiles.stop()
-    trainer.engine.close()
-    trainer.task.close()
   return params, result, caplog.text
 
 

@@ -274,7 +274,7 @@ def test_three_training_steps_through_the_sidecar(served, tmp_path, staleness):
   cfg = _vllm_config(
     steps=3, **{"vllm.urls": engine.sidecar.url, "rollout.max_staleness": staleness}
   )
-  Trainer(cfg, str(tmp_path)).run()
+  Trainer.open(cfg, str(tmp_path)).run()
   rows = read_metrics(tmp_path)
   assert [r["step"] for r in rows] == [1, 2, 3]
   assert [r["rollout_staleness"] for r in rows] == [0.0, staleness, staleness]
@@ -310,7 +310,7 @@ def test_lora_steps_push_only_the_adapter(sidecar_env, tmp_path, caplog):
   """LoRA through a server launched with runtime LoRA: it holds the base, each push (every step's
   params and EEPO's θ') loads a PEFT adapter of a few kB under a new name, every request names
   it; the server's log-probs match the trainer's after each push."""
-  trainer = Trainer(_vllm_config(steps=3, **LORA), str(tmp_path))
+  trainer = Trainer.open(_vllm_config(steps=3, **LORA), str(tmp_path))
   with caplog.at_level("INFO", logger="jaxrl.rollout"):  # the engine's and the client's
     trainer.run()
   rows = read_metrics(tmp_path)
@@ -347,7 +347,7 @@ def test_lora_merged_sync_pushes_the_adapted_weights(served, tmp_path):
   cfg = _vllm_config(
     steps=2, **LORA, **{"vllm.urls": engine.sidecar.url, "vllm.lora_sync": "merged"}
   )
-  trainer = Trainer(cfg, str(tmp_path))
+  trainer = Trainer.open(cfg, str(tmp_path))
   trainer.run()
   rows = read_metrics(tmp_path)
   _assert_on_policy(rows)
@@ -357,7 +357,7 @@ def test_lora_merged_sync_pushes_the_adapted_weights(served, tmp_path):
 
 def test_sigkilled_server_is_restarted_and_the_step_completes(sidecar_env, tmp_path):
   cfg = _vllm_config(steps=2)
-  trainer = Trainer(cfg, str(tmp_path))
+  trainer = Trainer.open(cfg, str(tmp_path))
   engine, calls = trainer.engine, []
 
   class CrashOnFirstSample(Collector):
@@ -421,7 +421,7 @@ def test_config_errors_for_models_vllm_cannot_serve(tmp_path):
     ({"vllm.weight_transfer": "nccl"}, "vllm.weight_transfer"),
   ]:
     with pytest.raises(ConfigError) as e:
-      Trainer(_vllm_config(**overrides), str(tmp_path))
+      Trainer.open(_vllm_config(**overrides), str(tmp_path))
     assert e.value.field == field
 
 

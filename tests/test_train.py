@@ -20,9 +20,9 @@ def final_params(result):
 
 @pytest.mark.slow
 def test_resume_continues_exactly(tmp_path):
-  straight = Trainer(tiny_config(steps=6), str(tmp_path / "straight")).run()
-  Trainer(tiny_config(steps=3), str(tmp_path / "resumed")).run()
-  second = Trainer(tiny_config(steps=6), str(tmp_path / "resumed")).run()
+  straight = Trainer.open(tiny_config(steps=6), str(tmp_path / "straight")).run()
+  Trainer.open(tiny_config(steps=3), str(tmp_path / "resumed")).run()
+  second = Trainer.open(tiny_config(steps=6), str(tmp_path / "resumed")).run()
   assert read_metrics(tmp_path / "straight") == read_metrics(tmp_path / "resumed")
   for a, b in zip(final_params(straight), final_params(second)):
     np.testing.assert_array_equal(a, b)
@@ -32,7 +32,7 @@ def test_run_writes_artifacts_and_golden_step(tmp_path):
   workdir = str(tmp_path / "run")
   # Step 2 traced: a profile changes nothing the step computes (its metrics are pinned below).
   config = tiny_config(steps=3, **{"log.profile_from": 2, "log.profile_steps": 1})
-  summary = Trainer(config, workdir).run()
+  summary = Trainer.open(config, workdir).run()
   for name in (
     "metrics.jsonl",
     "run.png",

@@ -117,7 +117,7 @@ _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
 @jax.jit
-def _bit_sums(tree) -> list:
+def bit_sums(tree) -> list:
   """Per leaf, two sums modulo 2**32 of its elements' bit patterns: plain, and weighted by a hash
   of the element's position. Integer sums are exact in any order, so the fingerprint does not
   depend on the mesh (or the devices) that holds the leaf."""
@@ -134,10 +134,10 @@ def _bit_sums(tree) -> list:
 
 def fingerprint(params) -> list[list[int]]:
   """What a LoRA checkpoint records of the base its adapters were trained on (every non-adapter
-  leaf's ``_bit_sums``), so a resume or an export onto another base fails: the base must be
+  leaf's ``bit_sums``), so a resume or an export onto another base fails: the base must be
   rebuilt bit for bit (``model.checkpoint``, the cached warm start, or the seed's init)."""
   _, base = partition(params, "adapters")
-  return [[int(v) for v in s] for s in distributed.to_host(_bit_sums(base))]
+  return [[int(v) for v in s] for s in distributed.to_host(bit_sums(base))]
 
 
 def check_base(saved: list | None, params, where: str) -> None:

@@ -8,8 +8,10 @@ or a Hub id that now resolves to another commit) is refused by name (``check_res
 ``ChangedConfig``: exit 2), never continued as a mix of two runs.
 
 The run's caches are keyed the same way, by the fields they are computed from: the SFT warm start
-(``sft_key``) and each held-out evaluation (``eval_key``). A cache whose key differs from the run's
-is computed again, and ``describe`` says which fields differ.
+(``sft_key``) and each held-out evaluation (``eval_key``, with the evaluated params' fingerprint).
+A cache whose key differs from the run's is computed again, and ``describe`` says which fields
+differ. (The run's other caches key themselves: the tokenizer's by its vocabulary's version, which
+no config field changes; JAX's compiled programs by the program, the devices and the compiler.)
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ EVAL_FIELDS = (
   "vllm",
 )
 
+PARAMS = "params fingerprint"  # an evaluation key's entry for the evaluated params themselves
 REVISION = "revision of "  # the field name of a Hub dataset's commit: "revision of hf:ORG/NAME"
 _SNAPSHOT = re.compile(r"(?:^|/)(models|datasets)--([^/]+?)--([^/]+)/snapshots/([^/]+)")
 
@@ -254,15 +257,19 @@ def sft_key(rec: dict) -> dict:
   return select(comparable(rec), SFT_FIELDS, _SFT_IGNORED)
 
 
-def eval_key(rec: dict, after_rl: bool) -> dict:
+def eval_key(rec: dict, after_rl: bool, params: str) -> dict:
   """The key of a held-out evaluation's cache: the fields its params were computed from (the SFT
-  warm start's, or after RL every field a resume keeps) and those of the evaluation itself."""
+  warm start's, or after RL every field a resume keeps), those of the evaluation itself, and the
+  params' own fingerprint (``params``, under ``PARAMS``): the fields name what changed, the
+  fingerprint tells apart params they do not pin (steps trained again after a resume that changed
+  ``steps``, which the schedules follow)."""
   fields = comparable(rec)
   if after_rl:
-    params = {k: v for k, v in fields.items() if not _covered(k, SAFE)}
+    origin = {k: v for k, v in fields.items() if not _covered(k, SAFE)}
   else:
-    params = sft_key(rec)
-  return {**params, **select(fields, EVAL_FIELDS, [s for s in SAFE if s != "eval"])}
+    origin = sft_key(rec)
+  evaluation = select(fields, EVAL_FIELDS, [s for s in SAFE if s != "eval"])
+  return {**origin, **evaluation, PARAMS: params}
 
 
 def cache_changes(saved: dict | None, key: dict) -> str | None:

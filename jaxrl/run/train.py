@@ -2,8 +2,11 @@
 checkpoints, metrics and stops. The only stateful code of a run; every file it writes lives in
 ``workdir``.
 
-Before RL: the task, its tokenizer, the SFT warm start and a held-out evaluation; after RL: the same
-evaluation and a before/after table (and, from a checkpoint, the trained policy in HF layout).
+``Trainer.open`` builds a run's parts (``with Trainer.open(cfg, workdir) as trainer:``); a part that
+fails to build stops those built before it (the verifier's worker processes, the rollout engine),
+and ``config.json`` is written only once all are built. The ``Trainer`` dataclass itself only holds
+them. Before RL: the SFT warm start and a held-out evaluation; after RL: the same evaluation and a
+before/after table (and, from a checkpoint, the trained policy in HF layout).
 
 A run in a workdir that holds checkpoints resumes from the latest, after checking that its config
 is the one that checkpoint records (``run_config``: a changed field a resume may not change is a
@@ -15,7 +18,9 @@ another config is computed again.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -27,12 +32,14 @@ from jaxrl import rng
 from jaxrl.config import Config, to_dict
 from jaxrl.methods import registry
 from jaxrl.methods.phases import run_phases
-from jaxrl.nn import arch, model
+from jaxrl.nn import arch, lora, model
 from jaxrl.parallel import distributed, sharding
 from jaxrl.rl.programs import Programs, reference_copy
 from jaxrl.rollout.build import build_engine
 from jaxrl.rollout.collect import Collector
+from jaxrl.rollout.engine import RolloutEngine
 from jaxrl.run import mfu, run_config, sft, weights
+from jaxrl.run.compiles import CompileCounter
 from jaxrl.run.heldout import EvalResult, comparison_table, engine_sampler, evaluate
 from jaxrl.run.loop import (
   LoopState,
@@ -79,50 +86,102 @@ class RunResult:
 
 @dataclasses.dataclass
 class Trainer:
-  """Holds what setup built; ``run`` drives SFT → eval → RL → eval."""
+  """What setup built, and the phases of a run over it; ``run`` drives SFT → eval → RL → eval.
+
+  ``Trainer.open(cfg, workdir)`` builds it: the only step that writes the workdir or starts
+  anything (the verifier's worker processes, a vLLM client's request threads; a launched server
+  starts at the first weight push). ``close`` (or the end of a ``with`` block, or of ``run``)
+  stops what it and ``step_context`` started, and may be called again.
+  """
 
   cfg: Config
   workdir: str
+  record: dict  # the resolved config every checkpoint records (``run_config.record``)
+  task: TaskData
+  model_cfg: model.ModelConfig
+  mesh: jax.sharding.Mesh
+  graphdef: object
+  programs: Programs
+  engine: RolloutEngine
+  collector: Collector
+  progress: Progress
+  compiles: CompileCounter  # traces of the train step and the JAX sampler (evals included)
+  _rollout_pools: list = dataclasses.field(default_factory=list, init=False, repr=False)
 
-  def __post_init__(self):
-    registry.check(self.cfg)
-    os.makedirs(self.workdir, exist_ok=True)
+  @classmethod
+  def open(cls, cfg: Config, workdir: str) -> Trainer:
+    """Check ``cfg`` against the workdir's checkpoints, then build the task (its tokenizer cache,
+    its verifier's workers), the mesh, the programs and the rollout engine, in that order. A step
+    that fails closes what the steps before it started, and re-raises; ``config.json`` is written
+    last, whole, once everything is built: a failed start leaves the last start's."""
+    registry.check(cfg)
+    os.makedirs(workdir, exist_ok=True)
     # The resolved config (Hub ids as commits), recorded in every checkpoint; a resume must match
-    # its latest checkpoint's before config.json (or anything else) is written.
-    self.record = run_config.record(self.cfg)
-    run_config.check_resume(self.record, os.path.join(self.workdir, "checkpoints"))
-    if distributed.is_main():
-      with open(os.path.join(self.workdir, "config.json"), "w") as f:
-        json.dump(to_dict(self.cfg), f, indent=1)
-    # Process 0 builds the tokenizer cache in the shared workdir; the others then read it.
-    self.task: TaskData = distributed.main_first(
-      lambda: load_task(self.cfg, os.path.join(self.workdir, "tokenizer"))
+    # its latest checkpoint's before anything in the workdir is written.
+    record = run_config.record(cfg)
+    run_config.check_resume(record, os.path.join(workdir, "checkpoints"))
+    with contextlib.ExitStack() as started:
+      # Process 0 builds the tokenizer cache in the shared workdir; the others then read it.
+      task = distributed.main_first(lambda: load_task(cfg, os.path.join(workdir, "tokenizer")))
+      started.callback(task.close)
+      for phase in run_phases(cfg):  # a bad mixture fails here, before anything compiles
+        task.mixture(phase.mixture, "anneal_phase.mixture")
+      model_cfg = arch.model_config(cfg, task.vocab_size)
+      mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+      graphdef, abstract_params = model.abstract(model_cfg)
+      programs = Programs.for_run(cfg, graphdef, abstract_params, mesh)
+      engine = build_engine(
+        cfg,
+        graphdef,
+        model_cfg,
+        tokenizer=task.tokenizer,
+        eos_id=task.eos_id,
+        pad_id=task.pad_id,
+        prompt_len=task.train_prompt_ids.shape[1],
+        workdir=workdir,
+      )
+      started.callback(engine.close)
+      collector = Collector(engine, programs, cfg.loss.logprob_chunk, cfg.loss.micro_batches)
+      compiles = compile_counter().start()  # counted from here
+      started.callback(compiles.stop)
+      if distributed.is_main():
+        _write_json(os.path.join(workdir, "config.json"), to_dict(cfg))
+      started.pop_all()
+    return cls(
+      cfg,
+      workdir,
+      record,
+      task,
+      model_cfg,
+      mesh,
+      graphdef,
+      programs,
+      engine,
+      collector,
+      Progress(enabled=cfg.log.progress),
+      compiles,
     )
-    self.model_cfg = arch.model_config(self.cfg, self.task.vocab_size)
-    self.mesh = sharding.make_mesh(self.cfg.mesh.data, self.cfg.mesh.fsdp, self.cfg.mesh.tensor)
-    self.graphdef, abstract_params = model.abstract(self.model_cfg)
-    self.programs = Programs.for_run(self.cfg, self.graphdef, abstract_params, self.mesh)
-    self.param_shardings = self.programs.param_shardings
-    t = self.task
-    self.engine = build_engine(
-      self.cfg,
-      self.graphdef,
-      self.model_cfg,
-      tokenizer=t.tokenizer,
-      eos_id=t.eos_id,
-      pad_id=t.pad_id,
-      prompt_len=t.train_prompt_ids.shape[1],
-      workdir=self.workdir,
-    )
-    c = self.cfg
-    self.collector = Collector(
-      self.engine, self.programs, c.loss.logprob_chunk, c.loss.micro_batches
-    )
-    self.progress = Progress(enabled=self.cfg.log.progress)
-    # Compiled versions of the train step and the JAX sampler, counted from here (evals included).
-    self.compiles = compile_counter().start()
-    for phase in run_phases(self.cfg):  # a bad mixture fails here, before anything compiles
-      self.task.mixture(phase.mixture, "anneal_phase.mixture")
+
+  def close(self) -> None:
+    """Stop what ``open`` and ``step_context`` started: the rollout threads, the compile counter,
+    the rollout engine (a sidecar server), the verifier's workers; each even if one before it
+    fails. Idempotent."""
+    with contextlib.ExitStack() as closing:
+      closing.callback(self.task.close)
+      closing.callback(self.engine.close)
+      closing.callback(self.compiles.stop)
+      for pool in self._rollout_pools:  # a batch in flight is abandoned
+        closing.callback(pool.shutdown, wait=False, cancel_futures=True)
+
+  def __enter__(self) -> Trainer:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  @property
+  def param_shardings(self):
+    return self.programs.param_shardings
 
   # -- phases -------------------------------------------------------------------------------------
 
@@ -157,11 +216,14 @@ class Trainer:
     return params
 
   def evaluate(self, params, name: str) -> EvalResult:
-    """Held-out evaluation, cached as ``eval_{name}.json`` with the config it depends on
-    (``run_config.eval_key``: of the SFT warm start for "sft", else of the RL run): a resumed run
-    does not redo it, a run of another config does."""
+    """Held-out evaluation, cached as ``eval_{name}.json`` with what it depends on
+    (``run_config.eval_key``: the evaluation's fields, those of the SFT warm start for "sft", else
+    of the RL run, and the params' own fingerprint): a resumed run does not redo it, a run of
+    another config, or of other params under the same name, does."""
     path = os.path.join(self.workdir, f"eval_{name}.json")
-    key = run_config.eval_key(self.record, after_rl=name != "sft")
+    key = run_config.eval_key(
+      self.record, after_rl=name != "sft", params=params_fingerprint(params)
+    )
     cached = _cached_eval(path, key)
     if cached is not None:
       return cached
@@ -190,22 +252,26 @@ class Trainer:
         key=rng.key(c.seed, rng.EVAL),
       )
     if distributed.is_main():
-      with open(path + ".tmp", "w") as f:
-        json.dump({**result.to_json(), EVAL_KEY: key}, f)
-      os.replace(path + ".tmp", path)
+      _write_json(path, {**result.to_json(), EVAL_KEY: key}, indent=None)
     return result
 
   def rl(self, sft_params) -> RLResult:
     """GRPO steps from the warm start; resumes from the latest checkpoint in ``workdir``."""
     c = self.cfg
-    ctx = self.step_context(sft_params)
-    ckpt = self._checkpointer()
-    start, loop = self._start(ctx, ckpt, sft_params)
-    # A stop restarts no sidecar: the signal may be the whole job's, which ends the server too.
-    writer, stop = self._writer(start), StopFlag(on_stop=self.engine.stop_restarts)
-    nonfinite = NonFiniteGuard(c.optim.max_nonfinite_steps)
-    profiler = StepProfiler(self.workdir, c.log.profile_from, c.log.profile_steps)
-    try:
+    ctx = self.step_context(sft_params)  # its rollout thread ends here, or with the trainer
+    with contextlib.ExitStack() as opened:  # closed however the loop ends, in reverse order
+      ckpt = opened.enter_context(contextlib.closing(self._checkpointer()))
+      start, loop = self._start(ctx, ckpt, sft_params)
+      writer = opened.enter_context(contextlib.closing(self._writer(start)))
+      # A stop restarts no sidecar: the signal may be the whole job's, which ends the server too.
+      stop = StopFlag(on_stop=self.engine.stop_restarts)
+      opened.callback(stop.restore)
+      if ctx.rollout_pool is not None:  # on an error, a batch in flight is abandoned
+        opened.callback(ctx.rollout_pool.shutdown, wait=False, cancel_futures=True)
+      nonfinite = NonFiniteGuard(c.optim.max_nonfinite_steps)
+      profiler = opened.enter_context(
+        contextlib.closing(StepProfiler(self.workdir, c.log.profile_from, c.log.profile_steps))
+      )
       with self.progress.task("GRPO", c.steps, start) as advance:
         for i in range(start, c.steps):
           profiler.before_step(i + 1)
@@ -232,13 +298,6 @@ class Trainer:
             save_loop(ckpt, i + 1, loop, self.mesh, wait=not stop.requested)
           if stop.requested:
             stop_after_checkpoint(ckpt, i + 1, stop.signal_name)
-    finally:
-      profiler.close()
-      if ctx.rollout_pool is not None:  # on an error, a batch in flight is abandoned
-        ctx.rollout_pool.shutdown(wait=False, cancel_futures=True)
-      stop.restore()
-      ckpt.close()
-      writer.close()
     check_saved(ckpt, c.steps)
     return RLResult(loop.train.params, loop.stats)
 
@@ -291,7 +350,9 @@ class Trainer:
         self.cfg.rollout.engine,
       )
       return None
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollouts")
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollouts")
+    self._rollout_pools.append(pool)  # ``close`` ends it if its user does not
+    return pool
 
   def _writer(self, start: int):
     c = self.cfg
@@ -323,7 +384,8 @@ class Trainer:
   # -- whole run ----------------------------------------------------------------------------------
 
   def run(self) -> RunResult:
-    """SFT → eval → RL → eval; the rollout engine (a sidecar server) stops however this ends."""
+    """SFT → eval → RL → eval; the trainer closes (the rollout engine, a sidecar server, the
+    verifier's workers stop) however this ends."""
     try:
       params = self.warm_start(self.init_params())
       before = self.evaluate(params, "sft")
@@ -332,9 +394,7 @@ class Trainer:
       if self.cfg.model.checkpoint:
         self.export_hf(result.params)
     finally:
-      self.compiles.stop()
-      self.engine.close()
-      self.task.close()
+      self.close()
     table = comparison_table(before, after, self.cfg.eval_ks, self.task.level_names)
     if distributed.is_main():
       self._write_results(table)
@@ -382,6 +442,27 @@ def _save_trained(ckpt: Checkpointer, step: int, loop: LoopState, mesh) -> bool:
   return save_loop(ckpt, step, loop, mesh, wait=False)
 
 
+def params_fingerprint(params) -> str:
+  """The identity of ``params`` in an evaluation's key: a hash of every leaf's bit sums
+  (``lora.bit_sums``: exact, the same on any mesh). It tells apart params the config does not pin,
+  such as steps trained again after a resume that changed a field of ``run_config.SAFE``."""
+  sums = [[int(v) for v in leaf] for leaf in distributed.to_host(lora.bit_sums(params))]
+  return hashlib.sha256(json.dumps(sums).encode()).hexdigest()[:16]
+
+
+def _write_json(path: str, value, indent: int | None = 1) -> None:
+  """``value`` as the JSON file ``path``, whole or not at all: written aside, then renamed."""
+  tmp = f"{path}.tmp"
+  try:
+    with open(tmp, "w") as f:
+      json.dump(value, f, indent=indent)
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(tmp)
+    raise
+
+
 EVAL_KEY = "config"  # an evaluation cache's key (``run_config.eval_key``), beside its result
 
 
@@ -421,4 +502,5 @@ class _NoWriter:
 
 
 def train(cfg: Config, workdir: str) -> RunResult:
-  return Trainer(cfg, workdir).run()
+  with Trainer.open(cfg, workdir) as trainer:
+    return trainer.run()
