@@ -188,7 +188,7 @@ def _cached_sft(workdir, caplog, **overrides):
   try:
     with caplog.at_level(logging.INFO):
       params = trainer.warm_start(trainer.init_params())
-      result = trainer.evaluate(params, "sft")
+      result = trainer.evaluate(params, "sft", step=0)
   finally:
     trainer.compiles.stop()
     trainer.engine.close()

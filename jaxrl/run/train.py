@@ -32,6 +32,7 @@ from jaxrl.parallel import distributed, sharding
 from jaxrl.rl.programs import Programs, reference_copy
 from jaxrl.rollout.build import build_engine
 from jaxrl.rollout.collect import Collector
+from jaxrl.rollout.engine import eval_version
 from jaxrl.run import mfu, run_config, sft, weights
 from jaxrl.run.checkpoint import Checkpointer
 from jaxrl.run.eval import EvalResult, comparison_table, engine_sampler, evaluate
@@ -156,17 +157,16 @@ class Trainer:
       )
     return params
 
-  def evaluate(self, params, name: str) -> EvalResult:
-    """Held-out evaluation, cached as ``eval_{name}.json`` with the config it depends on
-    (``run_config.eval_key``: of the SFT warm start for "sft", else of the RL run): a resumed run
-    does not redo it, a run of another config does."""
+  def evaluate(self, params, name: str, *, step: int) -> EvalResult:
+    """Held-out evaluation of ``params`` after ``step`` RL updates, cached as ``eval_{name}.json``
+    with the config it depends on (``run_config.eval_key``: of the SFT warm start for "sft", else
+    of the RL run): a resumed run does not redo it, a run of another config does."""
     path = os.path.join(self.workdir, f"eval_{name}.json")
     key = run_config.eval_key(self.record, after_rl=name != "sft")
     cached = _cached_eval(path, key)
     if cached is not None:
       return cached
     c, t = self.cfg, self.task
-    self.engine.set_weights(params, -1)
     per_call = max(1, c.num_rollouts // c.eval.num_samples)
     calls = -(-len(t.heldout_levels) // per_call)
 
@@ -177,7 +177,9 @@ class Trainer:
         done[0] += 1
         advance(done[0], calls)
 
-      sample_fn = engine_sampler(self.engine, t.decode, c.eval.temperature, on_call)
+      sample_fn = engine_sampler(
+        self.engine, params, eval_version(step), t.decode, c.eval.temperature, on_call
+      )
       result = evaluate(
         sample_fn,
         t.heldout_prompt_ids,
@@ -312,7 +314,7 @@ class Trainer:
 
   def _validate(self, params, step_number: int) -> dict:
     """The periodic held-out evaluation (``eval.every``), as ``val/…`` metrics of the step."""
-    result = self.evaluate(params, f"step{step_number}")
+    result = self.evaluate(params, f"step{step_number}", step=step_number)
     row = {f"val/pass@{k}": v["all"] for k, v in result.pass_at.items()}
     row["val/greedy"] = result.greedy["all"]
     log.info(
@@ -326,9 +328,9 @@ class Trainer:
     """SFT → eval → RL → eval; the rollout engine (a sidecar server) stops however this ends."""
     try:
       params = self.warm_start(self.init_params())
-      before = self.evaluate(params, "sft")
+      before = self.evaluate(params, "sft", step=0)
       result = self.rl(params)
-      after = self.evaluate(result.params, f"step{self.cfg.steps}")
+      after = self.evaluate(result.params, f"step{self.cfg.steps}", step=self.cfg.steps)
       if self.cfg.model.checkpoint:
         self.export_hf(result.params)
     finally:
