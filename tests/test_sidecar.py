@@ -134,7 +134,7 @@ def test_server_outlives_the_thread_that_started_it(served):
   engine = served[0]
   time.sleep(1.0)
   assert engine.sidecar.alive() and healthy(engine.sidecar.url)
-  assert engine.client.weight_version(engine.sidecar.url) == "0"  # labelled at the start
+  assert engine.client.weight_version(engine.sidecar.url) == 0  # labelled at the start
 
 
 def test_other_users_cannot_reach_the_server(served):
@@ -464,7 +464,7 @@ def test_hung_server_times_out_and_is_restarted(served):
   ids, mask = _prompts(task)
   out = engine.generate(ids, mask, np.array([2, 1, 1]), 1.0, jax.random.PRNGKey(5))
   assert engine.sidecar.starts == starts + 1
-  assert engine.client.weight_version(engine.sidecar.url) == "0"  # re-synced version
+  assert engine.client.weight_version(engine.sidecar.url) == 0  # re-synced version
   np.testing.assert_allclose(out.behaviour_logp_RxN, _score(graphdef, params, out, 1.0), atol=1e-4)
   assert not any(group_members(g) for g in engine.sidecar.group_ids[:-1])
 
