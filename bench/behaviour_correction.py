@@ -64,10 +64,10 @@ def _measure_mismatch(server: str, trainer: str, workdir: str, sft_dir: str | No
     params = trainer_.warm_start(trainer_.init_params())
     t = trainer_.task
     b = 64
-    trainer_.engine.set_weights(params, 0)
     counts = np.full(b, 8, np.int32)
     out = trainer_.collector.sample(
       params,
+      0,
       t.train_prompt_ids[:b],
       t.train_prompt_mask[:b],
       counts,

@@ -187,7 +187,7 @@ def _cached_sft(workdir, caplog, **overrides):
   with Trainer.open(tiny_config(**{**FIRST, **overrides}), str(workdir)) as trainer:
     with caplog.at_level(logging.INFO):
       params = trainer.warm_start(trainer.init_params())
-      result = trainer.evaluate(params, "sft")
+      result = trainer.evaluate(params, "sft", step=0)
   return params, result, caplog.text
 
 

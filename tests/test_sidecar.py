@@ -32,7 +32,7 @@ from jaxrl.nn.arch import model_config
 from jaxrl.rl import losses, step
 from jaxrl.rollout.build import build_engine
 from jaxrl.rollout.collect import Collector
-from jaxrl.rollout.engine import JaxEngine
+from jaxrl.rollout.engine import JaxEngine, eval_version, forget_version
 from jaxrl.rollout.sidecar import (
   LaunchConfig,
   Sidecar,
@@ -134,7 +134,7 @@ def test_server_outlives_the_thread_that_started_it(served):
   engine = served[0]
   time.sleep(1.0)
   assert engine.sidecar.alive() and healthy(engine.sidecar.url)
-  assert engine.client.weight_version(engine.sidecar.url) == "0"  # labelled at the start
+  assert engine.client.weight_version(engine.sidecar.url) == 0  # labelled at the start
 
 
 def test_other_users_cannot_reach_the_server(served):
@@ -146,7 +146,7 @@ def test_other_users_cannot_reach_the_server(served):
   url = engine.sidecar.url
   if os.geteuid() == 0:  # as root, a child can become another user
     assert as_nobody(url) == "EACCES"
-  assert engine.client.weight_version(url) == "0"
+  assert engine.client.weight_version(url) == 0
   runtime = os.path.dirname(socket_path(url))
   st = os.stat(runtime)
   assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
@@ -188,8 +188,8 @@ def test_server_logprobs_match_fused_logprobs(served, tau):
 def test_weight_push_serves_new_params_and_version(served):
   engine, graphdef, params, task = served
   new = jax.tree.map(lambda x: x * 1.05 + 0.01, params)
-  engine.set_weights(new, "push-test")
-  assert engine.client.weight_version(engine.sidecar.url) == "push-test"
+  engine.set_weights(new, 99)
+  assert engine.client.weight_version(engine.sidecar.url) == 99
   ids, mask = _prompts(task)
   out = engine.generate(ids, mask, np.array([2, 2, 2]), 1.0, jax.random.PRNGKey(3))
   np.testing.assert_allclose(out.behaviour_logp_RxN, _score(graphdef, new, out, 1.0), atol=1e-4)
@@ -240,17 +240,17 @@ def test_sync_every_skips_steps_but_never_keeps_a_temporary_version(served):
   served_version = []
   for p, version in [
     (params, 2),
-    (theta_prime, "2-forget"),
+    (theta_prime, forget_version(2)),
     (params, 3),
     (params, 5),
     (params, 6),
-    (params, -1),
+    (params, eval_version(6)),
     (params, 0),
   ]:
     attached.set_weights(p, version)
     served_version.append(attached.client.weight_version(url))
-  # 3 follows EEPO's θ' and -1 is the evaluation: both pushed; 5 is skipped (k = 2).
-  assert served_version == ["2", "2-forget", "3", "3", "6", "-1", "0"]
+  # θ' and the evaluation's params are pushed, and 3, the step after θ'; 5 is skipped (k = 2).
+  assert served_version == [2, -6, 3, 3, 6, -13, 0]
   attached.close()
   assert engine.sidecar.alive()  # an attached engine never stops the server
 
@@ -337,7 +337,7 @@ def test_a_server_without_runtime_lora_is_named(served, tmp_path):
   how to start it (or to push merged weights)."""
   client = served[0].client
   with pytest.raises(RequestError, match="does not serve runtime LoRA.*vllm.lora_sync=merged"):
-    client.load_adapter("policy-x", str(tmp_path), "x", None)
+    client.load_adapter("policy-x", str(tmp_path), 1, None)
 
 
 def test_lora_merged_sync_pushes_the_adapted_weights(served, tmp_path):
@@ -464,7 +464,7 @@ def test_hung_server_times_out_and_is_restarted(served):
   ids, mask = _prompts(task)
   out = engine.generate(ids, mask, np.array([2, 1, 1]), 1.0, jax.random.PRNGKey(5))
   assert engine.sidecar.starts == starts + 1
-  assert engine.client.weight_version(engine.sidecar.url) == "0"  # re-synced version
+  assert engine.client.weight_version(engine.sidecar.url) == 0  # re-synced version
   np.testing.assert_allclose(out.behaviour_logp_RxN, _score(graphdef, params, out, 1.0), atol=1e-4)
   assert not any(group_members(g) for g in engine.sidecar.group_ids[:-1])
 
@@ -527,7 +527,7 @@ def test_a_bfloat16_server_samples_measurably_off_policy(served, tmp_path):
   kl, diff = {}, {}
   try:
     for name, engine in (("float32", engine32), ("bfloat16", engine16)):
-      engine.set_weights(sharp, "sharp")
+      engine.set_weights(sharp, 1)
       out = engine.generate(ids, mask, np.full(4, 8), 1.0, jax.random.PRNGKey(5))
       prox = _score(graphdef, sharp, out, 1.0)
       kl[name] = float(losses.mismatch_kl(prox, out.behaviour_logp_RxN, out.mask_RxN))

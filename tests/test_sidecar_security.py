@@ -38,6 +38,7 @@ from run_helpers import ROOT
 from jaxrl.config import ConfigError
 from jaxrl.nn import model
 from jaxrl.rollout import sidecar as sc
+from jaxrl.rollout.engine import forget_version
 from jaxrl.rollout.sidecar import LaunchConfig, Sidecar, SidecarError, group_members, owned_pids
 from jaxrl.rollout.vllm_client import RequestError, ServerError, VllmClient
 from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine
@@ -443,8 +444,8 @@ def test_the_client_speaks_http_over_a_unix_socket(serve, tmp_path):
   fake, url = serve(str(private / "api.sock"))
   assert sc.healthy(url)
   client = VllmClient([url], timeout=5.0, retries=0)
-  client.set_version("7")
-  assert client.weight_version(url) == "7" and fake.version == "7"
+  client.set_version(7)
+  assert client.weight_version(url) == 7 and fake.version == "7"
   with pytest.raises(RequestError, match="HTTP 404"):
     client.post(url, "/no/such/route", {})
   gone = sc.unix_url(str(private / "missing.sock"))
@@ -502,7 +503,7 @@ def test_the_launched_server_listens_on_a_private_unix_socket_alone(launched, pa
   assert env[b"GLOO_SOCKET_IFNAME"] == b"lo"
   if os.geteuid() == 0:  # another user: the directory keeps it from the socket
     assert as_nobody(engine.sidecar.url) == "EACCES"
-  assert engine.client.weight_version(engine.sidecar.url) == "0"
+  assert engine.client.weight_version(engine.sidecar.url) == 0
   engine.close()
   assert not os.path.exists(runtime)
 
@@ -621,6 +622,32 @@ def test_a_weights_dir_other_users_control_is_refused(serve, params, tmp_path, c
   assert fake.reloads == []
 
 
+def test_weight_versions_are_ints_and_strings_only_on_the_wire(serve, params, tmp_path):
+  """The engine takes int versions and refuses anything else before writing a byte; the server's
+  API stores a string, which the client writes from the int and reads back as one (a label no
+  jaxrl client writes is refused, naming it). No sampling before the first ``set_weights``: an
+  attached server may serve anything."""
+  fake, url = serve()
+  engine = _engine(tmp_path, urls=[url])
+  with pytest.raises(SidecarError, match="before set_weights"):
+    _generate(engine)
+  for bad in ("1", "eval", "1-forget", 1.0, True):
+    with pytest.raises(TypeError, match="weight version is an int"):
+      engine.set_weights(params[False], bad)
+  with pytest.raises(TypeError, match="weight version is an int"):
+    engine.client.set_version("7")
+  assert fake.reloads == [] and fake.version == "default"
+  assert engine.client.weight_version(url) is None
+  engine.set_weights(params[False], forget_version(1))
+  assert fake.version == "-4" and engine.client.weight_version(url) == -4 == engine.version
+  engine.set_weights(params[False], np.int64(2))  # numpy ints too (an Issue read back)
+  assert fake.version == "2" and engine.version == 2 and type(engine.version) is int
+  assert _generate(engine).tokens_RxN.shape[0] == 4
+  fake.version = "2-forget"
+  with pytest.raises(ServerError, match="weight version '2-forget', not an int"):
+    engine.client.weight_version(url)
+
+
 # -- 3: LoRA adapter names ---------------------------------------------------------------------
 
 
@@ -736,12 +763,13 @@ def test_a_start_that_does_not_come_up_counts_as_a_failure(launched, params, tmp
     ([VOCAB - 1, 0], [0.0, 1e-6], None),  # the largest id; a certain token's rounding
   ],
 )
-def test_token_ids_and_logprobs_are_checked(serve, tmp_path, tokens, logprobs, refused):
+def test_token_ids_and_logprobs_are_checked(serve, params, tmp_path, tokens, logprobs, refused):
   """JAX clamps an out-of-range token id without a word; the server's answer is refused instead,
   naming it."""
   fake, url = serve()
   fake.tokens, fake.logprobs = tokens, logprobs
   engine = _engine(tmp_path, urls=[url])
+  engine.set_weights(params[False], 0)
   if refused is None:
     out = _generate(engine)
     assert out.tokens_RxN[0, : len(tokens)].tolist() == tokens

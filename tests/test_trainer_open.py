@@ -150,7 +150,7 @@ def test_an_evaluation_is_recomputed_when_its_config_or_params_change(
       if params is None:
         params = trainer.init_params()
       with caplog.at_level(logging.WARNING):
-        result = trainer.evaluate(params, "sft")
+        result = trainer.evaluate(params, "sft", step=0)
     return params, result, generations.taken(), caplog.text
 
   params, first, calls, _ = evaluate()

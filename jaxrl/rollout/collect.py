@@ -38,15 +38,30 @@ class Collector:
   micro_batches: int  # loss.micro_batches: the rescoring's chunks are at most this many
 
   def sample(
-    self, params, ids_BxP, mask_BxP, counts_B, tau, key, max_new_tokens: int, *, score=True
+    self,
+    params,
+    version: int,
+    ids_BxP,
+    mask_BxP,
+    counts_B,
+    tau,
+    key,
+    max_new_tokens: int,
+    *,
+    score=True,
   ) -> Rollouts:
-    """Rollouts sampled from ``params`` at τ, with the engine's behaviour log-probs.
+    """Rollouts sampled from ``params`` (weight version ``version``) at τ, with the engine's
+    behaviour log-probs.
+
+    The one place rollouts set the engine's weights: each call names its params, so nothing
+    samples from weights someone else set (an engine skips a version it holds).
 
     ``score``: the rollouts also get ℓ_prox and entropies under ``params`` (the update will start
     from them: an on-policy batch). The JAX sampler's own numbers are both; a vLLM sidecar gives
     no entropies, so the rollouts are scored here (one forward, as the update does). Without
     ``score`` they get neither (the loop rescores a stale batch under its update's params).
     """
+    self.engine.set_weights(params, version)
     out = self.engine.generate(ids_BxP, mask_BxP, counts_B, tau, key, max_new_tokens=max_new_tokens)
     if self.engine.provides_entropy:
       return dataclasses.replace(out, prox_logp_RxN=out.behaviour_logp_RxN if score else None)

@@ -2,11 +2,12 @@
 
 Stage 1 samples half of each question's rollouts (``eepo_stage1_counts``: exactly R/2 rows); the
 gate reads their entropy; when it fires, one ascent step on the unlearning objective gives θ', the
-engine samples stage 2 from θ' (pushed as a temporary version: the next ``set_weights`` replaces
-it), and the two stages are concatenated. Behaviour log-probs (ℓ_μ) are θ's for stage 1 and θ''s
-for stage 2. For an on-policy batch (``score``), ℓ_prox of stage 2 is θ''s (``eepo.old_logp_from =
-"rollout"``, the paper) or recomputed under θ (``"policy"``); a stale batch gets no ℓ_prox here:
-the loop rescores both stages under the params its update starts from.
+engine samples stage 2 from θ' (version ``engine.forget_version(v)`` of step version v: negative,
+so a vLLM engine with ``sync_every`` always pushes it and the step after it), and the two stages
+are concatenated. Behaviour log-probs (ℓ_μ) are θ's for stage 1 and θ''s for stage 2. For an
+on-policy batch (``score``), ℓ_prox of stage 2 is θ''s (``eepo.old_logp_from = "rollout"``, the
+paper) or recomputed under θ (``"policy"``); a stale batch gets no ℓ_prox here: the loop rescores
+both stages under the params its update starts from.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 from jaxrl.methods.controllers import eepo_stage1_counts
 from jaxrl.rl.programs import ForgetConfig
 from jaxrl.rollout.collect import Collector, token_mean_entropy
+from jaxrl.rollout.engine import forget_version
 from jaxrl.types import Rollouts
 
 
@@ -42,26 +44,28 @@ def two_stage_rollouts(
   tau,
   key,
   *,
-  version,
+  version: int,
   max_new_tokens: int,
   forget: ForgetConfig,
   old_logp_from: str,
   score: bool = True,
 ) -> TwoStage:
-  """``gate(gate_state, H_stage1) → (fire, gate_state)`` is the jitted EEPO gate controller."""
+  """``gate(gate_state, H_stage1) → (fire, gate_state)`` is the jitted EEPO gate controller;
+  ``version``: the weight version of ``params`` (a training step's)."""
   counts1_B = eepo_stage1_counts(counts_B)
   # Stage 1 is always scored: the gate reads its entropy under the sampling params.
   out1 = collector.sample(
-    params, ids_BxP, mask_BxP, counts1_B, tau, jax.random.fold_in(key, 1), max_new_tokens
+    params, version, ids_BxP, mask_BxP, counts1_B, tau, jax.random.fold_in(key, 1), max_new_tokens
   )
   h1 = token_mean_entropy(out1)
   fire, gate_state = gate(gate_state, h1)
-  unlearn, params2 = float("nan"), params
+  unlearn, params2, version2 = float("nan"), params, version
   if bool(fire):
     params2, unlearn = collector.forget(params, out1, tau, forget)
-    collector.engine.set_weights(params2, f"{version}-forget")
+    version2 = forget_version(version)
   out2 = collector.sample(
     params2,
+    version2,
     ids_BxP,
     mask_BxP,
     counts_B - counts1_B,

@@ -1,11 +1,22 @@
 """The rollout protocol the trainer talks to, and its in-process JAX engine.
 
-The trainer only calls ``generate(prompt ids, counts G_i, temperature, key)`` and
-``set_weights(params, version)``; a vLLM sidecar engine implements the same two methods.
+The trainer only calls ``set_weights(params, version)`` and then ``generate(prompt ids, counts G_i,
+temperature, key)``; a vLLM sidecar engine implements the same two methods. Two functions call
+them, each naming the params it samples from right before it samples: ``Collector.sample``
+(rollouts) and ``run/heldout.py: engine_sampler`` (evaluation). No sample relies on weights another
+caller set, so none comes from params older than its caller's, and the JAX engine's reference
+(the train state's arrays, which the next update donates) is replaced before it is read again.
+
+Weight versions are ints. A training step's version (>= 0) is the number of updates its params
+have had; params that no training step samples from get negative versions (``eval_version``,
+``forget_version``), which never collide with a step's or with each other. An engine may skip
+loading a version it already holds (the vLLM engine does: a push costs seconds), so one version
+always names the same params.
 """
 
 from __future__ import annotations
 
+import numbers
 from typing import Protocol
 
 import jax
@@ -17,6 +28,32 @@ from jaxrl.rollout import sampler
 from jaxrl.types import Rollouts
 
 
+def eval_version(step: int) -> int:
+  """The version of the params evaluated after ``step`` updates: -1, -3, -5, ... (odd, < 0)."""
+  return -1 - 2 * check_version(step)
+
+
+def forget_version(step: int) -> int:
+  """The version of EEPO's θ', forgotten from step version ``step``'s params: -2, -4, ... (even,
+  < 0)."""
+  return -2 - 2 * check_version(step)
+
+
+def is_step_version(version: int) -> bool:
+  """A training step's version (not the evaluation's params nor EEPO's θ')."""
+  return check_version(version) >= 0
+
+
+def check_version(version) -> int:
+  """``version`` as an int; anything else (a string, a float, a bool) is a ``TypeError``."""
+  if isinstance(version, bool) or not isinstance(version, numbers.Integral):
+    raise TypeError(
+      f"a weight version is an int (a training step's >= 0; eval_version / forget_version "
+      f"for the others), not {type(version).__name__} {version!r}"
+    )
+  return int(version)
+
+
 class RolloutEngine(Protocol):
   provides_entropy: bool  # False: the trainer scores the rollouts for ℓ_prox and entropies
   # True: generation may run on a thread beside the trainer's programs (rollout.max_staleness
@@ -24,7 +61,9 @@ class RolloutEngine(Protocol):
   concurrent: bool
   max_new_tokens: int  # the default response length (a call may ask for another)
 
-  def set_weights(self, params, version) -> None: ...
+  def set_weights(self, params, version: int) -> None:
+    """Sample from ``params`` (named ``version``, an int: ``check_version``) from now on."""
+    ...
 
   def close(self) -> None: ...
 
@@ -43,11 +82,18 @@ class RolloutEngine(Protocol):
     *,
     max_new_tokens: int | None = None,
     greedy: bool = False,
-  ) -> Rollouts: ...
+  ) -> Rollouts:
+    """Rollouts from the weights of the last ``set_weights``; before any, an error."""
+    ...
 
 
 class JaxEngine:
-  """Samples with ``jaxrl.rollout.sampler`` from params held in device memory (no copy on sync)."""
+  """Samples with ``jaxrl.rollout.sampler`` from params held in device memory (no copy on sync).
+
+  It holds a reference to the params of the last ``set_weights``: the trainer's own arrays, which
+  its next update donates. Each sampling caller sets its params right before it samples, so a
+  donated reference is only ever replaced, never read; were it read, ``generate`` says so instead
+  of failing inside the sampler."""
 
   provides_entropy = True
   concurrent = False  # the trainer's own devices
@@ -68,11 +114,24 @@ class JaxEngine:
     self._eos, self._pad = eos_id, pad_id
     self._top_p = jnp.float32(top_p)
     self._params = None
-    self.version = -1
+    self.version: int | None = None
 
-  def set_weights(self, params, version) -> None:
+  def set_weights(self, params, version: int) -> None:
+    # Always the caller's arrays, even for the version held: the same version may come as other
+    # arrays (a copy for the rollout thread, the train state's own), and the held ones may have
+    # been donated since.
+    self.version = check_version(version)
     self._params = params
-    self.version = version
+
+  def _live_params(self):
+    if self._params is None:
+      raise RuntimeError("JaxEngine.generate() before set_weights(): it holds no params")
+    if any(x.is_deleted() for x in jax.tree.leaves(self._params) if isinstance(x, jax.Array)):
+      raise RuntimeError(
+        f"JaxEngine.generate(): the params set as version {self.version} were donated (an "
+        "update ran since set_weights); set the params to sample from first"
+      )
+    return self._params
 
   def close(self) -> None:
     self._params = None
@@ -94,7 +153,7 @@ class JaxEngine:
     counts_B = np.asarray(counts_B, np.int32)
     out = sampler.generate(
       self._graphdef,
-      self._params,
+      self._live_params(),
       jnp.asarray(prompt_ids_BxP),
       jnp.asarray(prompt_mask_BxP),
       jnp.asarray(counts_B),

@@ -59,7 +59,7 @@ class PerHostEngine:
   def max_new_tokens(self) -> int:
     return self.local.max_new_tokens
 
-  def set_weights(self, params, version) -> None:
+  def set_weights(self, params, version: int) -> None:
     self.local.set_weights(params, version)  # every process exports its own copy for its server
 
   def close(self) -> None:

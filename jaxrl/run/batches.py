@@ -32,7 +32,7 @@ class Issue:
   """What is decided when a batch's generation is issued."""
 
   step: int  # the step that trains on it
-  version: int  # sampled by the params after this many updates (the issuing step's)
+  version: int  # weight version: sampled by the params after this many updates (the issuer's)
   phase: int
   qids_B: np.ndarray  # i32 questions
   counts_B: np.ndarray  # i32 G_i from the allocator
@@ -142,9 +142,10 @@ def generate(ctx, issue: Issue, params, gate_state, *, round_index: int = 0, fir
   ids, mask = t.train_prompt_ids[issue.qids_B], t.train_prompt_mask[issue.qids_B]
   key, n = round_key(c.seed, issue.step, round_index), pc.rollout.max_new_tokens
   collector = ctx.collector
-  collector.engine.set_weights(params, issue.version)
   if not c.eepo.enabled:
-    out = collector.sample(params, ids, mask, issue.counts_B, issue.tau, key, n, score=issue.fresh)
+    out = collector.sample(
+      params, issue.version, ids, mask, issue.counts_B, issue.tau, key, n, score=issue.fresh
+    )
     return Batch(issue, out, gate_state, {"rollout_seconds": time.time() - t0})
   gate = rt.methods.gate if fire is None else (lambda state, h: (fire, state))
   two = two_stage_rollouts(

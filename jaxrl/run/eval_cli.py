@@ -100,9 +100,8 @@ def evaluate_checkpoint(
   scorer = math_task.MathScorer(cfg)
   results = {}
   try:
-    engine.set_weights(params, "eval")
     for name, path in benchmarks:
-      row = _evaluate_benchmark(cfg, engine, tokenizer, scorer, name, path, num_samples, ks)
+      row = _evaluate_benchmark(cfg, engine, params, tokenizer, scorer, name, path, num_samples, ks)
       results[name] = row
       log.info("%s: %s", name, {k: v for k, v in row.items() if k.startswith("avg@")})
   finally:
@@ -141,9 +140,13 @@ def _engine_and_params(cfg, checkpoint: str, out_dir: str):
   return engine, tokenizer, params
 
 
-def _evaluate_benchmark(cfg, engine, tokenizer, scorer, name, path, num_samples, ks) -> dict:
-  """One benchmark file: avg@n, pass@k and greedy accuracy, with what was dropped or cut."""
+def _evaluate_benchmark(
+  cfg, engine, params, tokenizer, scorer, name, path, num_samples, ks
+) -> dict:
+  """One benchmark file sampled by ``engine`` from ``params``: avg@n, pass@k and greedy accuracy,
+  with what was dropped or cut."""
   from jaxrl import rng
+  from jaxrl.rollout.engine import eval_version
   from jaxrl.run.heldout import engine_sampler, evaluate
   from jaxrl.tasks import math_task
   from jaxrl.tasks.data import datasets
@@ -158,7 +161,8 @@ def _evaluate_benchmark(cfg, engine, tokenizer, scorer, name, path, num_samples,
   enc = math_task.encode(cfg, tokenizer, questions.questions, name)
   answers = np.asarray(questions.answers, dtype=object)[enc.kept_Q]
   result = evaluate(
-    engine_sampler(engine, decode, cfg.eval.temperature),
+    # The one set of params this engine ever holds: any evaluation version names it.
+    engine_sampler(engine, params, eval_version(0), decode, cfg.eval.temperature),
     enc.ids_QxP,
     enc.mask_QxP,
     np.zeros(len(enc.kept_Q), np.int32),

@@ -48,10 +48,22 @@ def _per_level(values_Q: np.ndarray, levels_Q: np.ndarray, levels: Sequence[int]
   return out
 
 
-def engine_sampler(engine, decode: Callable, temperature: float, on_call: Callable | None = None):
-  """The ``sample_fn`` of ``evaluate`` over a rollout engine: responses decoded to text."""
+def engine_sampler(
+  engine,
+  params,
+  version: int,
+  decode: Callable,
+  temperature: float,
+  on_call: Callable | None = None,
+):
+  """The ``sample_fn`` of ``evaluate`` over a rollout engine sampling from ``params`` (weight
+  version ``version``: ``engine.eval_version``): responses decoded to text.
+
+  Every call sets the weights it samples from (the engine skips the version it holds), as
+  ``Collector.sample`` does for rollouts."""
 
   def sample_fn(ids, mask, counts, key, greedy):
+    engine.set_weights(params, version)
     out = engine.generate(ids, mask, counts, temperature, key, greedy=greedy)
     if greedy and on_call is not None:  # one greedy call per chunk of questions
       on_call()

@@ -37,7 +37,7 @@ from jaxrl.parallel import distributed, sharding
 from jaxrl.rl.programs import Programs, reference_copy
 from jaxrl.rollout.build import build_engine
 from jaxrl.rollout.collect import Collector
-from jaxrl.rollout.engine import RolloutEngine
+from jaxrl.rollout.engine import RolloutEngine, eval_version
 from jaxrl.run import mfu, run_config, sft, weights
 from jaxrl.run.compiles import CompileCounter
 from jaxrl.run.heldout import EvalResult, comparison_table, engine_sampler, evaluate
@@ -215,11 +215,11 @@ class Trainer:
       )
     return params
 
-  def evaluate(self, params, name: str) -> EvalResult:
-    """Held-out evaluation, cached as ``eval_{name}.json`` with what it depends on
-    (``run_config.eval_key``: the evaluation's fields, those of the SFT warm start for "sft", else
-    of the RL run, and the params' own fingerprint): a resumed run does not redo it, a run of
-    another config, or of other params under the same name, does."""
+  def evaluate(self, params, name: str, *, step: int) -> EvalResult:
+    """Held-out evaluation of ``params`` after ``step`` RL updates, cached as ``eval_{name}.json``
+    with what it depends on (``run_config.eval_key``: the evaluation's fields, those of the SFT
+    warm start for "sft", else of the RL run, and the params' own fingerprint): a resumed run does
+    not redo it, a run of another config, or of other params under the same name, does."""
     path = os.path.join(self.workdir, f"eval_{name}.json")
     key = run_config.eval_key(
       self.record, after_rl=name != "sft", params=params_fingerprint(params)
@@ -228,7 +228,6 @@ class Trainer:
     if cached is not None:
       return cached
     c, t = self.cfg, self.task
-    self.engine.set_weights(params, -1)
     per_call = max(1, c.num_rollouts // c.eval.num_samples)
     calls = -(-len(t.heldout_levels) // per_call)
 
@@ -239,7 +238,9 @@ class Trainer:
         done[0] += 1
         advance(done[0], calls)
 
-      sample_fn = engine_sampler(self.engine, t.decode, c.eval.temperature, on_call)
+      sample_fn = engine_sampler(
+        self.engine, params, eval_version(step), t.decode, c.eval.temperature, on_call
+      )
       result = evaluate(
         sample_fn,
         t.heldout_prompt_ids,
@@ -373,7 +374,7 @@ class Trainer:
 
   def _validate(self, params, step_number: int) -> dict:
     """The periodic held-out evaluation (``eval.every``), as ``val/…`` metrics of the step."""
-    result = self.evaluate(params, f"step{step_number}")
+    result = self.evaluate(params, f"step{step_number}", step=step_number)
     row = {f"val/pass@{k}": v["all"] for k, v in result.pass_at.items()}
     row["val/greedy"] = result.greedy["all"]
     log.info(
@@ -388,9 +389,9 @@ class Trainer:
     verifier's workers stop) however this ends."""
     try:
       params = self.warm_start(self.init_params())
-      before = self.evaluate(params, "sft")
+      before = self.evaluate(params, "sft", step=0)
       result = self.rl(params)
-      after = self.evaluate(result.params, f"step{self.cfg.steps}")
+      after = self.evaluate(result.params, f"step{self.cfg.steps}", step=self.cfg.steps)
       if self.cfg.model.checkpoint:
         self.export_hf(result.params)
     finally:
