@@ -2,10 +2,13 @@
 
 The trainer only calls ``generate(prompt ids, counts G_i, temperature, key)`` and
 ``set_weights(params, version)``; a vLLM sidecar engine implements the same two methods.
+``JaxEngine`` built with a ``multiturn.TurnConfig`` generates multi-turn rollouts with an
+environment (``jaxrl.rollout.multiturn``) through the same ``generate``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import jax
@@ -13,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.parallel import distributed
-from jaxrl.rollout import sampler
+from jaxrl.rollout import multiturn, sampler
 from jaxrl.types import Rollouts
 
 
@@ -47,7 +50,13 @@ class RolloutEngine(Protocol):
 
 
 class JaxEngine:
-  """Samples with ``jaxrl.rollout.sampler`` from params held in device memory (no copy on sync)."""
+  """Samples with ``jaxrl.rollout.sampler`` from params held in device memory (no copy on sync).
+
+  With ``turns`` it samples multi-turn rollouts (``multiturn.generate``) instead: each call's
+  environment is ``generate``'s ``respond`` or, without one, ``respond_factory(group_ids_R)`` (the
+  row's question index among the call's B prompts, e.g. to build one environment per row). The
+  last call's ``multiturn.TurnCounts`` are kept in ``turn_counts``.
+  """
 
   provides_entropy = True
   concurrent = False  # the trainer's own devices
@@ -61,6 +70,8 @@ class JaxEngine:
     eos_id: int | tuple[int, ...],
     pad_id: int,
     top_p: float = 1.0,
+    turns: multiturn.TurnConfig | None = None,
+    respond_factory: Callable[[np.ndarray], multiturn.Respond] | None = None,
   ):
     self._graphdef = graphdef
     self._model_cfg = model_cfg
@@ -69,6 +80,8 @@ class JaxEngine:
     self._top_p = jnp.float32(top_p)
     self._params = None
     self.version = -1
+    self._turns, self._respond_factory = turns, respond_factory
+    self.turn_counts: multiturn.TurnCounts | None = None
 
   def set_weights(self, params, version) -> None:
     self._params = params
@@ -90,8 +103,16 @@ class JaxEngine:
     *,
     max_new_tokens: int | None = None,
     greedy: bool = False,
+    respond: multiturn.Respond | None = None,
   ) -> Rollouts:
     counts_B = np.asarray(counts_B, np.int32)
+    if self._turns is not None:
+      out = self._multiturn(
+        prompt_ids_BxP, prompt_mask_BxP, counts_B, temperature, key, max_new_tokens, greedy, respond
+      )
+      return distributed.to_host(out) if jax.process_count() > 1 else out
+    if respond is not None:
+      raise ValueError("respond is for an engine built with turns (multi-turn)")
     out = sampler.generate(
       self._graphdef,
       self._params,
@@ -110,3 +131,30 @@ class JaxEngine:
     )
     # Several processes: every one decodes and scores all rollouts (identical rewards everywhere).
     return distributed.to_host(out) if jax.process_count() > 1 else out
+
+  def _multiturn(
+    self, ids_BxP, mask_BxP, counts_B, temperature, key, max_new_tokens, greedy, respond
+  ) -> Rollouts:
+    if respond is None:
+      if self._respond_factory is None:
+        raise ValueError("a multi-turn JaxEngine needs respond= or a respond_factory")
+      respond = self._respond_factory(np.repeat(np.arange(len(counts_B)), counts_B))
+    out, self.turn_counts = multiturn.generate(
+      self._graphdef,
+      self._params,
+      ids_BxP,
+      mask_BxP,
+      counts_B,
+      key,
+      temperature,
+      self._top_p,
+      respond,
+      num_rollouts=int(counts_B.sum()),
+      max_new_tokens=max_new_tokens or self.max_new_tokens,
+      turns=self._turns,
+      eos_id=self._eos,
+      pad_id=self._pad,
+      model_cfg=self._model_cfg,
+      greedy=greedy,
+    )
+    return out
