@@ -69,6 +69,7 @@ class Rollouts:
   prompt_mask_RxP: Array  # bool
   tokens_RxN: Array  # i32 response tokens, pad_id after EOS
   mask_RxN: Array  # bool, True on generated tokens up to and including EOS
+  loss_mask_RxN: Array  # bool, True on the model's own sampled tokens (docs/algorithms.md §11); equals mask_RxN with no environment
   behaviour_logp_RxN: Array  # f32 ℓ_μ: log softmax(z/τ)[token] as the engine sampled it, 0 masked
   entropy_RxN: Array  # f32, entropy of the full softmax(z/τ), 0 where masked
   lengths_R: Array  # i32, generated tokens (EOS included)

@@ -63,6 +63,7 @@ def rollouts(
     prompt_mask_RxP=np.asarray(prompt_mask_RxP, bool),
     tokens_RxN=np.asarray(tokens_RxN),
     mask_RxN=mask_RxN,
+    loss_mask_RxN=mask_RxN,
     behaviour_logp_RxN=np.asarray(behaviour_logp_RxN, np.float32),
     prox_logp_RxN=np.asarray(
       behaviour_logp_RxN if prox_logp_RxN is None else prox_logp_RxN, np.float32

@@ -27,16 +27,31 @@ def response_hidden(
 ):
   """Hidden states that predict each response token, and the LM head: (hidden_RxNxD, lm_head_VxD).
 
-  One forward over prompt ++ response; the hidden state at position p predicts token p+1, so the
-  response tokens are predicted by hidden states P-1 .. P+N-2.
+  One forward over prompt ++ response; a token is predicted by the hidden state of the last real
+  token before it. Without gaps that is the one just before it, so the response tokens are
+  predicted by hidden states P-1 .. P+N-2. A multi-turn response has gaps inside it (masked
+  positions: a row waiting for the others' turns, an observation's padding, docs/algorithms.md
+  §11): a real token after one is predicted across it (``_predictors``).
   """
   p = prompt_ids_RxP.shape[1]
-  n = response_ids_RxN.shape[1]
   tokens = jnp.concatenate([prompt_ids_RxP, response_ids_RxN], axis=1)
   valid = jnp.concatenate([prompt_mask_RxP, response_mask_RxN], axis=1)
   positions = model.positions_from_mask(valid)
   hidden, lm_head, _ = model.forward(graphdef, params, tokens, positions, valid)
-  return jax.lax.dynamic_slice_in_dim(hidden, p - 1, n, axis=1), lm_head
+  index_RxN = _predictors(valid, p)
+  return jnp.take_along_axis(hidden, index_RxN[:, :, None], axis=1), lm_head
+
+
+def _predictors(valid_RxT: Array, p: int) -> Array:
+  """For response token j (position P + j of prompt ++ response), the position whose hidden state
+  predicts it: the last real position before it where token j is real, P + j - 1 elsewhere (a
+  masked token's prediction is never read). Without gaps inside the response (single-turn) this
+  is P + j - 1 everywhere: the same rows as the slice of hidden states P-1 .. P+N-2."""
+  t = valid_RxT.shape[1]
+  at_T = jnp.arange(t, dtype=jnp.int32)
+  last_real_RxT = jax.lax.cummax(jnp.where(valid_RxT, at_T, 0), axis=1)
+  before_RxN = last_real_RxT[:, p - 1 : t - 1]
+  return jnp.where(valid_RxT[:, p:], before_RxN, at_T[p - 1 : t - 1])
 
 
 def logp_responses(

@@ -12,11 +12,15 @@ have had; params that no training step samples from get negative versions (``eva
 ``forget_version``), which never collide with a step's or with each other. An engine may skip
 loading a version it already holds (the vLLM engine does: a push costs seconds), so one version
 always names the same params.
+
+``JaxEngine`` built with a ``multiturn.TurnConfig`` generates multi-turn rollouts with an
+environment (``jaxrl.rollout.multiturn``) through the same ``generate``.
 """
 
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 from typing import Protocol
 
 import jax
@@ -24,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.parallel import distributed
-from jaxrl.rollout import sampler
+from jaxrl.rollout import multiturn, sampler
 from jaxrl.types import Rollouts
 
 
@@ -93,7 +97,13 @@ class JaxEngine:
   It holds a reference to the params of the last ``set_weights``: the trainer's own arrays, which
   its next update donates. Each sampling caller sets its params right before it samples, so a
   donated reference is only ever replaced, never read; were it read, ``generate`` says so instead
-  of failing inside the sampler."""
+  of failing inside the sampler.
+
+  With ``turns`` it samples multi-turn rollouts (``multiturn.generate``) instead: each call's
+  environment is ``generate``'s ``respond`` or, without one, ``respond_factory(group_ids_R)`` (the
+  row's question index among the call's B prompts, e.g. to build one environment per row). The
+  last call's ``multiturn.TurnCounts`` are kept in ``turn_counts``.
+  """
 
   provides_entropy = True
   concurrent = False  # the trainer's own devices
@@ -107,6 +117,8 @@ class JaxEngine:
     eos_id: int | tuple[int, ...],
     pad_id: int,
     top_p: float = 1.0,
+    turns: multiturn.TurnConfig | None = None,
+    respond_factory: Callable[[np.ndarray], multiturn.Respond] | None = None,
   ):
     self._graphdef = graphdef
     self._model_cfg = model_cfg
@@ -115,6 +127,8 @@ class JaxEngine:
     self._top_p = jnp.float32(top_p)
     self._params = None
     self.version: int | None = None
+    self._turns, self._respond_factory = turns, respond_factory
+    self.turn_counts: multiturn.TurnCounts | None = None
 
   def set_weights(self, params, version: int) -> None:
     # Always the caller's arrays, even for the version held: the same version may come as other
@@ -149,8 +163,16 @@ class JaxEngine:
     *,
     max_new_tokens: int | None = None,
     greedy: bool = False,
+    respond: multiturn.Respond | None = None,
   ) -> Rollouts:
     counts_B = np.asarray(counts_B, np.int32)
+    if self._turns is not None:
+      out = self._multiturn(
+        prompt_ids_BxP, prompt_mask_BxP, counts_B, temperature, key, max_new_tokens, greedy, respond
+      )
+      return distributed.to_host(out) if jax.process_count() > 1 else out
+    if respond is not None:
+      raise ValueError("respond is for an engine built with turns (multi-turn)")
     out = sampler.generate(
       self._graphdef,
       self._live_params(),
@@ -169,3 +191,30 @@ class JaxEngine:
     )
     # Several processes: every one decodes and scores all rollouts (identical rewards everywhere).
     return distributed.to_host(out) if jax.process_count() > 1 else out
+
+  def _multiturn(
+    self, ids_BxP, mask_BxP, counts_B, temperature, key, max_new_tokens, greedy, respond
+  ) -> Rollouts:
+    if respond is None:
+      if self._respond_factory is None:
+        raise ValueError("a multi-turn JaxEngine needs respond= or a respond_factory")
+      respond = self._respond_factory(np.repeat(np.arange(len(counts_B)), counts_B))
+    out, self.turn_counts = multiturn.generate(
+      self._graphdef,
+      self._live_params(),
+      ids_BxP,
+      mask_BxP,
+      counts_B,
+      key,
+      temperature,
+      self._top_p,
+      respond,
+      num_rollouts=int(counts_B.sum()),
+      max_new_tokens=max_new_tokens or self.max_new_tokens,
+      turns=self._turns,
+      eos_id=self._eos,
+      pad_id=self._pad,
+      model_cfg=self._model_cfg,
+      greedy=greedy,
+    )
+    return out

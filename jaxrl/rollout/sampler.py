@@ -139,6 +139,18 @@ def _choose(key: Array, logits_RxV: Array, tau: Array, top_p: Array, greedy: boo
   )
 
 
+def _draw(key, n, logits_RxV, tau, top_p, greedy: bool, live_R, pad_id: int):
+  """Token n of each row from its logits (the draw keyed by ``fold_in(key, n)``), with its
+  log-prob and entropy at τ; ``pad_id`` and 0, 0 in the rows not ``live_R``."""
+  tok_R = _choose(jax.random.fold_in(key, n), logits_RxV, tau, top_p, greedy)
+  logp_R, entropy_R = logprobs_entropy_from_logits(logits_RxV, tok_R, tau)
+  return (
+    jnp.where(live_R, tok_R, pad_id),
+    jnp.where(live_R, logp_R, 0.0),
+    jnp.where(live_R, entropy_R, 0.0),
+  )
+
+
 def _put(x_RxN: Array, col_R: Array, n: Array) -> Array:
   """``x_RxN`` with column ``n`` replaced by ``col_R`` (cast to the buffer's dtype)."""
   return jax.lax.dynamic_update_slice_in_dim(x_RxN, col_R[:, None].astype(x_RxN.dtype), n, 1)
@@ -221,12 +233,10 @@ class _Decoder:
 
   def emit(self, st: _DecodeState) -> _DecodeState:
     """Choose token n from ``st.logits_RxV`` and record it (pad and masked once a row finished)."""
-    tok_R = _choose(
-      jax.random.fold_in(self.key, st.n), st.logits_RxV, self.tau, self.top_p, self.greedy
-    )
-    logp_R, entropy_R = logprobs_entropy_from_logits(st.logits_RxV, tok_R, self.tau)
     live_R = ~st.finished_R
-    tok_R = jnp.where(live_R, tok_R, self.pad_id)
+    tok_R, logp_R, entropy_R = _draw(
+      self.key, st.n, st.logits_RxV, self.tau, self.top_p, self.greedy, live_R, self.pad_id
+    )
     return _DecodeState(
       n=st.n + 1,
       cache=st.cache,
@@ -236,8 +246,8 @@ class _Decoder:
       logits_RxV=st.logits_RxV,
       tokens_RxN=_put(st.tokens_RxN, tok_R, st.n),
       mask_RxN=_put(st.mask_RxN, live_R, st.n),
-      logp_RxN=_put(st.logp_RxN, jnp.where(live_R, logp_R, 0.0), st.n),
-      entropy_RxN=_put(st.entropy_RxN, jnp.where(live_R, entropy_R, 0.0), st.n),
+      logp_RxN=_put(st.logp_RxN, logp_R, st.n),
+      entropy_RxN=_put(st.entropy_RxN, entropy_R, st.n),
       finished_R=st.finished_R | (live_R & jnp.isin(tok_R, jnp.asarray(stop_ids(self.eos_id)))),
     )
 
@@ -283,6 +293,7 @@ def _assemble(prompt_ids_RxP, prompt_mask_RxP, group_ids_R, st: _DecodeState) ->
     prompt_mask_RxP=prompt_mask_RxP,
     tokens_RxN=st.tokens_RxN,
     mask_RxN=st.mask_RxN,
+    loss_mask_RxN=st.mask_RxN,  # every response token was sampled
     behaviour_logp_RxN=st.logp_RxN,
     entropy_RxN=st.entropy_RxN,
     lengths_R=jnp.sum(st.mask_RxN, axis=-1, dtype=jnp.int32),

@@ -455,6 +455,14 @@ def _replicated_global(tree, mesh):
   )
 
 
+def _restored_rollouts(fields: dict) -> Rollouts:
+  """A pending batch's rollouts from its checkpointed fields; one saved before the loss mask
+  existed was single-turn, so its loss mask is its response mask (docs/algorithms.md §11)."""
+  fields = {k: np.asarray(v) for k, v in fields.items()}
+  fields.setdefault("loss_mask_RxN", fields["mask_RxN"])
+  return Rollouts(**fields)
+
+
 def _pending_tree(batch: batches.Batch) -> dict:
   """A generated batch's arrays: its rollouts' fields that are set, and its gate state."""
   fields = {
@@ -541,7 +549,7 @@ def restore_loop(
     batches.InFlight.done(
       batches.Batch(
         batches.Issue.from_json(p["issue"]),
-        Rollouts(**{k: np.asarray(v) for k, v in arrays["rollouts"].items()}),
+        _restored_rollouts(arrays["rollouts"]),
         arrays["gate"],
         p["metrics"],
       )

@@ -1,0 +1,439 @@
+"""Multi-turn generation with an environment: the model's turns and the environment's observations
+in one response buffer, with static shapes (docs/algorithms.md §11).
+
+The model writes a tool call (``<calc>12345*678</calc>``) and stops at a turn-stop token (the id
+of ``</calc>``); the host's ``respond`` callback answers with observation tokens
+(``<result>8369910</result>``), which are appended as they are (never re-tokenized), and the model
+continues. Turns run in lockstep over the R rows, as host-driven jitted programs that each
+compile once per run (their shapes are fixed by R, P, N, T and O; the turn's start is traced):
+
+  ``prefill_program``   expand B prompts to R rows, prefill once per prompt (``sampler._prefill``)
+  ``turn_program``      one model turn: a ``while_loop`` of at most T = ``max_turn_tokens`` steps
+                        that stops when every row's turn ended
+  ``observe_program``   O = ``max_observation_tokens`` observation positions for every row, filled
+                        by one forward (rows without an observation: all masked)
+  ``assemble_program``  the ``Rollouts`` and the per-row ``TurnCounts``
+
+A row's turn ends at a turn-stop id (the host is asked for an observation), at EOS (the row
+finishes) or after T tokens (the row ends unfinished, as a truncated single-turn row). A row whose
+turn ended waits, its positions masked gaps, until every row's turn ended; the turn then spans
+as many positions as its longest row. The observation follows in a block of O positions, padded
+on the left, so that a model token never follows padding of its own turn's observation. A turn
+starts only where T positions are left; an observation is asked for only where the next turn
+fits after it (O + T positions) and ``max_turns`` allows one: an observation the model could not
+answer would be wasted. A row the environment calls done finishes after its observation.
+
+Gaps are invisible to the model: the cache slot of a gap is not valid (``kv_valid_RxS``) and
+RoPE positions count real tokens only, so the log-probs are those of a forward without a cache
+over ``prompt ++ response`` with ``positions_from_mask`` (the update's, ``rl/step.py:
+response_hidden``). Response token n sits in cache slot P + n, as in the single-turn sampler,
+whose token draw (``sampler._draw``: the draw of token n keyed by ``fold_in(key, n)``), prompt
+expansion and prefill this module shares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl.nn import kv_cache, model
+from jaxrl.nn.logprobs import logits_f32
+from jaxrl.parallel import distributed
+from jaxrl.rollout.sampler import _draw, _expand, _prefill, _put, stop_ids
+from jaxrl.types import Array, Rollouts, pytree_dataclass
+
+# respond(asked_R, turn_tokens) -> (observation_ids, done_R). ``asked_R`` [R] marks the rows whose
+# turn ended at a turn-stop id; ``turn_tokens[r]`` is row r's tokens of this turn (empty where not
+# asked). It returns R observations (each at most O token ids; ignored where not asked) and done_R
+# [R] (the environment ended the row's trajectory; ignored where not asked).
+Respond = Callable[[np.ndarray, list[np.ndarray]], tuple[Sequence[np.ndarray], np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnConfig:
+  """The static shape of a multi-turn rollout (a jit argument: hashable)."""
+
+  stop_ids: tuple[int, ...]  # a model turn ends at one of these: the environment is asked
+  max_turn_tokens: int  # T: tokens of one model turn at most
+  max_observation_tokens: int  # O: tokens of one observation at most (its block's width)
+  max_turns: int  # model turns per row at most
+
+  def __post_init__(self):
+    object.__setattr__(self, "stop_ids", stop_ids(self.stop_ids))
+    for name in ("max_turn_tokens", "max_observation_tokens", "max_turns"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"TurnConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@pytree_dataclass
+class TurnCounts:
+  """Per row: how many model turns it took and how many observations the environment gave."""
+
+  turns_R: Array  # i32, turns in which the row sampled at least one token
+  tool_calls_R: Array  # i32, observations appended (the host answered a turn-stop)
+
+
+@pytree_dataclass
+class _TurnState:
+  """Everything the programs carry between turns; the response buffers are as ``Rollouts``'."""
+
+  n: Array  # i32[] the next free position, the same for every row (turns in lockstep)
+  cache: kv_cache.KVCache  # P + N slots: response token n in slot P + n
+  kv_valid_RxS: Array  # bool, the slots that hold real tokens
+  logits_RxV: Array  # f32, predict each row's next model token
+  tokens_RxN: Array
+  mask_RxN: Array  # bool, every real token (model and environment)
+  loss_mask_RxN: Array  # bool, the model's tokens
+  logp_RxN: Array
+  entropy_RxN: Array
+  next_pos_R: Array  # i32, real tokens so far: the RoPE position of the row's next token
+  in_turn_R: Array  # bool, still decoding this turn
+  asked_R: Array  # bool, this turn ended at a turn-stop id: the row waits for an observation
+  ended_R: Array  # bool, generates no more (EOS, done, or a limit)
+  finished_R: Array  # bool, ended by EOS or by the environment (not by a limit)
+  turns_R: Array  # i32
+  tool_calls_R: Array  # i32
+
+
+@functools.partial(
+  jax.jit, static_argnames=("num_rollouts", "max_new_tokens", "pad_id", "model_cfg")
+)
+def prefill_program(
+  graphdef,
+  params,
+  prompt_ids_BxP,
+  prompt_mask_BxP,
+  counts_B,
+  *,
+  num_rollouts,
+  max_new_tokens,
+  pad_id,
+  model_cfg,
+):
+  """The R prompt rows, their masks and group ids, and the state before the first turn."""
+  (R, N), P = (num_rollouts, max_new_tokens), prompt_ids_BxP.shape[1]
+  prompt_ids_RxP, prompt_mask_RxP, group_ids_R = _expand(
+    prompt_ids_BxP, prompt_mask_BxP, counts_B, R
+  )
+  cache, logits_RxV = _prefill(
+    graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, rows=R, model_cfg=model_cfg
+  )
+  # One cache for every turn (a turn's start is traced): no segments as in ``sample_program``.
+  zeros_RxN, false_R, zero_R = jnp.zeros((R, N), bool), jnp.zeros(R, bool), jnp.zeros(R, jnp.int32)
+  state = _TurnState(
+    n=jnp.int32(0),
+    cache=cache.pad_slots(P + N),
+    kv_valid_RxS=jnp.concatenate([prompt_mask_RxP, zeros_RxN], axis=1),
+    logits_RxV=logits_RxV,
+    tokens_RxN=jnp.full((R, N), pad_id, jnp.int32),
+    mask_RxN=zeros_RxN,
+    loss_mask_RxN=zeros_RxN,
+    logp_RxN=jnp.zeros((R, N), jnp.float32),
+    entropy_RxN=jnp.zeros((R, N), jnp.float32),
+    next_pos_R=jnp.sum(prompt_mask_RxP, axis=-1, dtype=jnp.int32),
+    in_turn_R=false_R,
+    asked_R=false_R,
+    ended_R=false_R,
+    finished_R=false_R,
+    turns_R=zero_R,
+    tool_calls_R=zero_R,
+  )
+  return state, prompt_ids_RxP, prompt_mask_RxP, group_ids_R
+
+
+def _prompt_width(st: _TurnState) -> int:
+  return st.kv_valid_RxS.shape[1] - st.tokens_RxN.shape[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Turn:
+  """The loop-invariant inputs of one turn's decode (as ``sampler._Decoder``)."""
+
+  graphdef: object
+  params: object
+  key: Array
+  tau: Array  # f32[]
+  top_p: Array  # f32[]
+  end: Array  # i32[] the turn's last token is at most end - 1 (its start + T)
+  eos_id: tuple[int, ...]
+  stop_ids: tuple[int, ...]
+  pad_id: int
+  greedy: bool
+
+  def emit(self, st: _TurnState) -> _TurnState:
+    """Choose position n's token for the rows in their turn; the others get a gap there."""
+    live_R, P = st.in_turn_R, _prompt_width(st)
+    tok_R, logp_R, entropy_R = _draw(
+      self.key, st.n, st.logits_RxV, self.tau, self.top_p, self.greedy, live_R, self.pad_id
+    )
+    eos_R = live_R & jnp.isin(tok_R, jnp.asarray(self.eos_id))
+    stop_R = live_R & ~eos_R & jnp.isin(tok_R, jnp.asarray(self.stop_ids))
+    return dataclasses.replace(
+      st,
+      n=st.n + 1,
+      kv_valid_RxS=jax.lax.dynamic_update_slice_in_dim(
+        st.kv_valid_RxS, live_R[:, None], P + st.n, 1
+      ),
+      tokens_RxN=_put(st.tokens_RxN, tok_R, st.n),
+      mask_RxN=_put(st.mask_RxN, live_R, st.n),
+      loss_mask_RxN=_put(st.loss_mask_RxN, live_R, st.n),
+      logp_RxN=_put(st.logp_RxN, logp_R, st.n),
+      entropy_RxN=_put(st.entropy_RxN, entropy_R, st.n),
+      next_pos_R=st.next_pos_R + live_R,
+      in_turn_R=live_R & ~eos_R & ~stop_R,
+      asked_R=st.asked_R | stop_R,
+      ended_R=st.ended_R | eos_R,
+      finished_R=st.finished_R | eos_R,
+    )
+
+  def step(self, st: _TurnState) -> _TurnState:
+    """Feed position n-1 (slot P+n-1) through the model, then emit position n."""
+    prev, P = st.n - 1, _prompt_width(st)
+    tok_Rx1 = jax.lax.dynamic_slice_in_dim(st.tokens_RxN, prev, 1, axis=1)
+    real_R = jax.lax.dynamic_index_in_dim(st.mask_RxN, prev, axis=1, keepdims=False)
+    # A real token at n-1 is the row's last one so far: its position is next_pos - 1.
+    pos_Rx1 = jnp.maximum(st.next_pos_R - 1, 0)[:, None]
+    hidden_Rx1xD, lm_head, cache = model.forward(
+      self.graphdef, self.params, tok_Rx1, pos_Rx1, st.kv_valid_RxS, st.cache, P + prev
+    )
+    # A row that ended its turn keeps the logits after its last token (a turn-stop's: they predict
+    # the row's next token if its observation comes back empty).
+    logits_RxV = jnp.where(real_R[:, None], logits_f32(hidden_Rx1xD[:, 0], lm_head), st.logits_RxV)
+    return self.emit(dataclasses.replace(st, cache=cache, logits_RxV=logits_RxV))
+
+  def running(self, st: _TurnState) -> Array:
+    return (st.n < self.end) & jnp.any(st.in_turn_R)
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=("max_turn_tokens", "eos_id", "stop_ids", "pad_id", "greedy"),
+  donate_argnames=("state",),
+)
+def turn_program(
+  graphdef,
+  params,
+  state: _TurnState,
+  key,
+  temperature,
+  top_p,
+  *,
+  max_turn_tokens,
+  eos_id,
+  stop_ids,
+  pad_id,
+  greedy,
+) -> _TurnState:
+  """One model turn of every row not ended, from position ``state.n`` (needs T positions left)."""
+  turn = _Turn(
+    graphdef=graphdef,
+    params=params,
+    key=key,
+    tau=jnp.asarray(temperature, jnp.float32),
+    top_p=jnp.asarray(top_p, jnp.float32),
+    end=state.n + max_turn_tokens,
+    eos_id=eos_id,
+    stop_ids=stop_ids,
+    pad_id=pad_id,
+    greedy=greedy,
+  )
+  live_R = ~state.ended_R
+  st = dataclasses.replace(
+    state, in_turn_R=live_R, asked_R=jnp.zeros_like(live_R), turns_R=state.turns_R + live_R
+  )
+  # The turn's first token comes from the logits the prefill or the observation left.
+  st = jax.lax.while_loop(turn.running, turn.step, turn.emit(st))
+  # Rows still in their turn used its T tokens: they end, unfinished.
+  return dataclasses.replace(
+    st, ended_R=st.ended_R | st.in_turn_R, in_turn_R=jnp.zeros_like(live_R)
+  )
+
+
+@functools.partial(jax.jit, static_argnames=("pad_id",), donate_argnames=("state",))
+def observe_program(
+  graphdef, params, state: _TurnState, obs_ids_RxO, obs_mask_RxO, done_R, *, pad_id
+) -> _TurnState:
+  """Append each asked row's observation (right-aligned in ``obs_ids_RxO``, ``obs_mask_RxO`` its
+  real tokens) at the next O positions and run them through the model; ``done_R`` rows end,
+  finished.
+
+  The forward covers 1 + O positions: the turn's last one too, whose token the decode loop has not
+  fed yet (a turn-stop on the turn's last step). Its T = 1 + O queries attend to the valid cache
+  slots, so one forward serves every row, asked or not (a row without an observation: all masked).
+  """
+  st, P, o = state, _prompt_width(state), obs_ids_RxO.shape[1]
+  prev = st.n - 1
+  asked_R = st.asked_R
+  obs_mask_RxO = obs_mask_RxO & asked_R[:, None]
+  done_R = done_R & asked_R
+  last_tok_R = jax.lax.dynamic_index_in_dim(st.tokens_RxN, prev, axis=1, keepdims=False)
+  last_real_R = jax.lax.dynamic_index_in_dim(st.mask_RxN, prev, axis=1, keepdims=False)
+  ids_RxT = jnp.concatenate([last_tok_R[:, None], obs_ids_RxO.astype(jnp.int32)], axis=1)
+  real_RxT = jnp.concatenate([last_real_R[:, None], obs_mask_RxO], axis=1)
+  # Real tokens before position n-1, plus those up to each of the 1 + O.
+  before_R = st.next_pos_R - last_real_R
+  pos_RxT = jnp.maximum(before_R[:, None] + jnp.cumsum(real_RxT, axis=1, dtype=jnp.int32) - 1, 0)
+  kv_valid_RxS = jax.lax.dynamic_update_slice_in_dim(st.kv_valid_RxS, obs_mask_RxO, P + st.n, 1)
+  hidden_RxTxD, lm_head, cache = model.forward(
+    graphdef, params, ids_RxT, pos_RxT, kv_valid_RxS, st.cache, P + prev
+  )
+  # The next model token follows the observation's last token (right-aligned: the last position),
+  # or with an empty observation the turn-stop, if that is at n-1 (else the loop's logits stand).
+  count_R = jnp.sum(obs_mask_RxO, axis=1, dtype=jnp.int32)
+  last_T = jnp.where(count_R > 0, o, 0)
+  hidden_RxD = jnp.take_along_axis(hidden_RxTxD, last_T[:, None, None], axis=1)[:, 0]
+  fresh_R = (count_R > 0) | last_real_R
+  logits_RxV = jnp.where(fresh_R[:, None], logits_f32(hidden_RxD, lm_head), st.logits_RxV)
+
+  def put_block(x_RxN, block_RxO):
+    return jax.lax.dynamic_update_slice_in_dim(x_RxN, block_RxO.astype(x_RxN.dtype), st.n, 1)
+
+  return dataclasses.replace(
+    st,
+    n=st.n + o,
+    cache=cache,
+    kv_valid_RxS=kv_valid_RxS,
+    logits_RxV=logits_RxV,
+    tokens_RxN=put_block(st.tokens_RxN, jnp.where(obs_mask_RxO, obs_ids_RxO, pad_id)),
+    mask_RxN=put_block(st.mask_RxN, obs_mask_RxO),
+    next_pos_R=st.next_pos_R + count_R,
+    asked_R=jnp.zeros_like(asked_R),
+    ended_R=st.ended_R | done_R,
+    finished_R=st.finished_R | done_R,
+    tool_calls_R=st.tool_calls_R + asked_R,
+  )
+
+
+@jax.jit
+def assemble_program(state: _TurnState, prompt_ids_RxP, prompt_mask_RxP, group_ids_R):
+  """The rollouts (lengths count every real response token) and the turn counts."""
+  st = state
+  rollouts = Rollouts(
+    prompt_ids_RxP=prompt_ids_RxP,
+    prompt_mask_RxP=prompt_mask_RxP,
+    tokens_RxN=st.tokens_RxN,
+    mask_RxN=st.mask_RxN,
+    loss_mask_RxN=st.loss_mask_RxN,
+    behaviour_logp_RxN=st.logp_RxN,
+    entropy_RxN=st.entropy_RxN,
+    lengths_R=jnp.sum(st.mask_RxN, axis=-1, dtype=jnp.int32),
+    group_ids_R=group_ids_R,
+    finished_R=st.finished_R,
+  )
+  return rollouts, TurnCounts(turns_R=st.turns_R, tool_calls_R=st.tool_calls_R)
+
+
+def _host(x) -> np.ndarray:
+  """A (small) device value on the host; every process sees all of it."""
+  return np.asarray(distributed.to_host(x) if jax.process_count() > 1 else x)
+
+
+def _observation_block(observations, done_R, asked_R, o: int, pad_id: int):
+  """The callback's answer as the observe program takes it: ids [R, O] right-aligned (pad_id on
+  the left), their mask, and done_R; rows not asked get none."""
+  r = len(asked_R)
+  if len(observations) != r or np.shape(done_R) != (r,):
+    raise ValueError(
+      f"respond must return {r} observations and done_R of shape ({r},), got "
+      f"{len(observations)} and {np.shape(done_R)}"
+    )
+  ids_RxO = np.full((r, o), pad_id, np.int32)
+  mask_RxO = np.zeros((r, o), bool)
+  for row in np.flatnonzero(asked_R):
+    obs = np.asarray(observations[row], np.int32).reshape(-1)
+    if len(obs) > o:
+      raise ValueError(f"row {row}'s observation has {len(obs)} tokens, over the budget of {o}")
+    if len(obs):
+      ids_RxO[row, o - len(obs) :] = obs
+      mask_RxO[row, o - len(obs) :] = True
+  return ids_RxO, mask_RxO, np.asarray(done_R, bool) & asked_R
+
+
+def _turn_tokens(tokens_RxN, mask_RxN, asked_R, start: int, end: int) -> list[np.ndarray]:
+  """Each asked row's tokens of the turn at positions start..end-1 (empty for the others)."""
+  empty = np.zeros((0,), np.int32)
+  return [
+    tokens_RxN[r, start:end][mask_RxN[r, start:end]] if asked_R[r] else empty
+    for r in range(len(asked_R))
+  ]
+
+
+def generate(
+  graphdef,
+  params,
+  prompt_ids_BxP,
+  prompt_mask_BxP,
+  counts_B,
+  key,
+  temperature,
+  top_p,
+  respond: Respond,
+  *,
+  num_rollouts: int,
+  max_new_tokens: int,
+  turns: TurnConfig,
+  eos_id: int | tuple[int, ...],
+  pad_id: int,
+  model_cfg,
+  greedy: bool = False,
+) -> tuple[Rollouts, TurnCounts]:
+  """Sample counts_B[i] multi-turn responses to each left-padded prompt i, asking ``respond`` for
+  the observations; needs Σ counts_B == num_rollouts and T <= N.
+
+  ``mask_RxN`` marks every real response token (the model's and the environment's), ``loss_mask_RxN``
+  the model's; the behaviour log-probs and entropies are 0 elsewhere. ``finished_R``: the row ended
+  at EOS or the environment ended it; a row that a limit stopped (T tokens in a turn, no room or
+  no turn left for another) is unfinished. The host syncs once per turn (which rows were asked,
+  their tokens); each program compiles once per (shapes, statics).
+  """
+  T, O, N = turns.max_turn_tokens, turns.max_observation_tokens, max_new_tokens
+  if T > N:
+    raise ValueError(f"max_turn_tokens = {T} exceeds max_new_tokens = {N}")
+  total = int(np.sum(np.asarray(counts_B)))
+  if total != num_rollouts:
+    raise ValueError(f"sum(counts_B) = {total} but num_rollouts = {num_rollouts}")
+  eos = stop_ids(eos_id)
+  temperature, top_p = jnp.float32(temperature), jnp.float32(top_p)
+  st, prompt_ids_RxP, prompt_mask_RxP, group_ids_R = prefill_program(
+    graphdef,
+    params,
+    jnp.asarray(prompt_ids_BxP, jnp.int32),
+    jnp.asarray(prompt_mask_BxP, bool),
+    jnp.asarray(counts_B, jnp.int32),
+    num_rollouts=num_rollouts,
+    max_new_tokens=N,
+    pad_id=pad_id,
+    model_cfg=model_cfg,
+  )
+  start = 0
+  for turn in range(turns.max_turns):
+    st = turn_program(
+      graphdef,
+      params,
+      st,
+      key,
+      temperature,
+      top_p,
+      max_turn_tokens=T,
+      eos_id=eos,
+      stop_ids=turns.stop_ids,
+      pad_id=pad_id,
+      greedy=greedy,
+    )
+    end, asked_R = int(_host(st.n)), _host(st.asked_R)
+    # An observation is asked for only if the model can answer it: another turn fits after it.
+    if turn + 1 == turns.max_turns or end + O + T > N or not asked_R.any():
+      break
+    tokens = _turn_tokens(_host(st.tokens_RxN), _host(st.mask_RxN), asked_R, start, end)
+    observations, done_R = respond(asked_R.copy(), tokens)
+    ids_RxO, mask_RxO, done_R = _observation_block(observations, done_R, asked_R, O, pad_id)
+    st = observe_program(graphdef, params, st, ids_RxO, mask_RxO, done_R, pad_id=pad_id)
+    start = end + O
+    if not (asked_R & ~done_R).any():
+      break
+  return assemble_program(st, prompt_ids_RxP, prompt_mask_RxP, group_ids_R)
