@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from run_helpers import ROOT, read_metrics, tiny_config
-from test_sidecar_security import LOOPBACK, as_nobody, listeners, socket_path, tcp_sockets
+from sidecar_helpers import LOOPBACK, as_nobody, listeners, socket_path, tcp_sockets
 
 from jaxrl.config import ConfigError
 from jaxrl.nn import lora, model
