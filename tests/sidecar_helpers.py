@@ -1,10 +1,11 @@
 """What a sidecar server's processes expose, read from /proc: the sockets they hold and listen on,
-and what a process of another user gets when it connects (tests/test_sidecar_security.py against
-a stand-in server, tests/test_sidecar.py against vLLM)."""
+whether a process was sent SIGKILL, and what a process of another user gets when it connects
+(tests/test_sidecar_security.py against a stand-in server, tests/test_sidecar.py against vLLM)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import urllib.parse
 import warnings
@@ -100,3 +101,16 @@ def as_nobody(url: str) -> str:
     out = f.read().decode()
   os.waitpid(pid, 0)
   return out
+
+
+def killed(pid: int) -> bool:
+  """True if process ``pid`` is gone, a zombie, or has a SIGKILL pending for the whole process
+  (``kill``, a parent-death signal): such a signal stays in the shared pending set (ShdPnd)
+  until the last thread has exited, so a False here is not a race with a kill already sent."""
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      fields = dict(line.split(":", 1) for line in f if ":" in line)
+  except FileNotFoundError:
+    return True
+  state, pending = fields["State"].split()[0], int(fields["ShdPnd"], 16)
+  return state in ("Z", "X") or bool(pending & (1 << (signal.SIGKILL - 1)))
