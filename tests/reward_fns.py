@@ -24,10 +24,10 @@ def chaos(response: str, answer: str):
   if response == "hang_python":
     while True:
       pass
-  if response == "signal_parent_then_hang":
-    # The parent learns that this answer is running (SIGUSR1), then it hangs: a test can act at
-    # exactly that moment instead of guessing it with a timer.
-    os.kill(os.getppid(), signal.SIGUSR1)
+  if response == "announce_then_hang":
+    # Creates the file $JAXRL_TEST_RUNNING, then hangs: a test can act once this answer runs
+    # instead of guessing the moment with a timer.
+    open(os.environ["JAXRL_TEST_RUNNING"], "w").close()
     while True:
       pass
   if response == "hang_c":

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -236,21 +237,61 @@ def test_crashes_and_bad_returns_are_errors():
     }
 
 
-def test_interrupted_batch_leaves_no_stale_result():
+def test_interrupted_batch_leaves_no_stale_result(tmp_path, monkeypatch):
+  """Ctrl-C while a worker is busy: it is replaced, so its late "timeout" cannot reach the next
+  batch. The moment is waited for, not guessed with a timer: the answer has started (it creates a
+  file) and the pool has marked its worker busy; then a thread interrupts the main thread (a
+  signal sent to the thread itself, so that its wait on the workers wakes)."""
+  running = tmp_path / "running"
+  monkeypatch.setenv("JAXRL_TEST_RUNNING", str(running))  # the workers inherit it
+  main = threading.main_thread().ident
+
   def interrupt(signum, frame):
     raise KeyboardInterrupt
 
-  # Ctrl-C while the worker is busy: the answer itself signals us once it runs (no timer guessing
-  # when that is), and then hangs until its soft limit.
   with VerifierPool(CHAOS, num_workers=1, time_limit_s=30.0, kill_grace_s=GRACE_S) as pool:
     pool.score(["a"], ["a"])
-    previous = signal.signal(signal.SIGUSR1, interrupt)
+
+    def when_busy():
+      wait_until(running.exists, 60, "the answer running")
+      wait_until(lambda: pool._workers[0].task is not None, 60, "the worker marked busy")
+      signal.pthread_kill(main, signal.SIGUSR2)
+
+    previous = signal.signal(signal.SIGUSR2, interrupt)
     try:
+      threading.Thread(target=when_busy, daemon=True).start()
       with pytest.raises(KeyboardInterrupt):
-        pool.score(["signal_parent_then_hang"], ["x"])
+        pool.score(["announce_then_hang"], ["x"])
     finally:
-      signal.signal(signal.SIGUSR1, previous)
+      signal.signal(signal.SIGUSR2, previous)
     assert pool.restarts == 1  # the busy worker went; its late "timeout" cannot reach batch 2
+    res = pool.score(["b", "c"], ["b", "c"])
+    assert res.rewards_R.tolist() == [1.0, 1.0] and res.timeouts == res.errors == 0, res
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="pool.py marks a worker busy only after sending it the answer: an interrupt in between "
+  "leaves a busy worker marked idle, and its late result reaches the next batch (which then "
+  "fails pool._Batch._record's assertion)",
+)
+def test_an_interrupt_just_after_an_answer_is_sent_leaves_no_stale_result():
+  """The window the test above waits past, hit on purpose: Ctrl-C right after the answer went to
+  the worker (the send itself raises it), before the pool's bookkeeping."""
+  with VerifierPool(CHAOS, num_workers=1, time_limit_s=1.0, kill_grace_s=GRACE_S) as pool:
+    pool.score(["a"], ["a"])
+    conn = pool._workers[0].conn
+    send = conn.send
+
+    def send_then_interrupt(message):
+      send(message)
+      raise KeyboardInterrupt
+
+    conn.send = send_then_interrupt
+    with pytest.raises(KeyboardInterrupt):
+      pool.score(["hang_python"], ["x"])
+    conn.send = send
+    assert pool.restarts == 1
     res = pool.score(["b", "c"], ["b", "c"])
     assert res.rewards_R.tolist() == [1.0, 1.0] and res.timeouts == res.errors == 0, res
 
