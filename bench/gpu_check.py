@@ -354,7 +354,8 @@ def _hf_parity(tmp: str) -> dict:
   import numpy as np
   import torch
   import transformers
-  from test_hf_parity import _our_logits, logits_atol
+  from hf_fixtures import our_logits
+  from rounding import logits_atol
 
   from jaxrl.nn import attention, hf
 
@@ -375,14 +376,14 @@ def _hf_parity(tmp: str) -> dict:
 
   ref = hf_logits(torch.float32)
   cfg, graphdef, params = hf.load_hf_checkpoint(path)
-  diff = float(np.max(np.abs(_our_logits(graphdef, params, tokens, mask) - ref)[mask]))
+  diff = float(np.max(np.abs(our_logits(graphdef, params, tokens, mask) - ref)[mask]))
   atol = logits_atol(cfg, ref[mask], t)
   # bfloat16: not a rounding bound but HF's own bf16 error, as test_hf_parity's bf16 test (1.5x)
   hf_err = np.abs(hf_logits(torch.bfloat16) - ref)[mask]
   cfg16, graphdef16, params16 = hf.load_hf_checkpoint(
     path, dtype=jnp.bfloat16, compute_dtype="bfloat16"
   )
-  err = np.abs(_our_logits(graphdef16, params16, tokens, mask) - ref)[mask]
+  err = np.abs(our_logits(graphdef16, params16, tokens, mask) - ref)[mask]
   q = jnp.zeros(
     (4, t, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim), "bfloat16"
   )
@@ -433,7 +434,7 @@ def _greedy_vs_hf(tmp: str) -> dict:
   import test_sampler as ts
   import torch
   import transformers
-  from test_model_layouts import U, chain_terms
+  from rounding import U, chain_terms
 
   from jaxrl.nn import hf
   from jaxrl.rollout import sampler

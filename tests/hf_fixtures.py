@@ -1,5 +1,6 @@
 """Tiny random Qwen2/Qwen3/Llama 3 checkpoints saved with transformers' ``save_pretrained`` as
-several safetensors shards (with an index), for parity tests.
+several safetensors shards (with an index), for parity tests, and the two forwards compared on
+them: jaxrl's and transformers' logits of a left-padded batch.
 
 Weights are re-initialised away from HF's defaults (norms 1, biases 0, Linear std 0.02) so that a
 wrong norm, bias, transpose or RoPE shows up in the logits instead of vanishing in near-uniform
@@ -8,13 +9,19 @@ attention.
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+
+from jaxrl.nn import model as jaxrl_model  # noqa: E402
 
 # Shared by all kinds: GQA (4 query heads on 2 kv heads), float32.
 _COMMON = dict(
@@ -114,3 +121,42 @@ def make_tiny_hf(
   out = pathlib.Path(out_dir)
   make_tiny_hf_model(kind, tie, seed).save_pretrained(out, max_shard_size=max_shard_size)
   return out
+
+
+def left_padded_batch(vocab):
+  """Prompts of lengths 11, 6, 1, 9 left-padded to T=11 (pad id 0)."""
+  lengths_B = np.array([11, 6, 1, 9])
+  t = lengths_B.max()
+  mask_BxT = np.arange(t)[None, :] >= (t - lengths_B)[:, None]
+  tokens_BxT = np.random.default_rng(0).integers(1, vocab, (len(lengths_B), t))
+  return np.where(mask_BxT, tokens_BxT, 0), mask_BxT
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _our_logits_jit(graphdef, params, tokens_BxT, mask_BxT):
+  hidden_BxTxD, lm_head_VxD, _ = jaxrl_model.forward(
+    graphdef, params, tokens_BxT, jaxrl_model.positions_from_mask(mask_BxT), mask_BxT
+  )
+  return jnp.einsum("btd,vd->btv", hidden_BxTxD, lm_head_VxD, preferred_element_type=jnp.float32)
+
+
+def our_logits(graphdef, params, tokens_BxT, mask_BxT):
+  """jaxrl's float32 logits [B, T, V] of a left-padded batch."""
+  return np.asarray(
+    _our_logits_jit(graphdef, params, jnp.asarray(tokens_BxT), jnp.asarray(mask_BxT))
+  )
+
+
+def load_hf_model(path):
+  """transformers' model of the checkpoint in ``path``, in eval mode."""
+  return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+@torch.no_grad()
+def hf_logits(hf_model, tokens_BxT, mask_BxT):
+  """transformers' logits [B, T, V] of a left-padded batch (positions counted from each row's
+  first token, as jaxrl counts them), as float32 numpy."""
+  mask = torch.tensor(mask_BxT, dtype=torch.long)
+  positions = (mask.cumsum(-1) - 1).clamp(min=0)
+  out = hf_model(input_ids=torch.tensor(tokens_BxT), attention_mask=mask, position_ids=positions)
+  return out.logits.float().numpy()

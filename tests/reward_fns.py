@@ -24,6 +24,12 @@ def chaos(response: str, answer: str):
   if response == "hang_python":
     while True:
       pass
+  if response == "announce_then_hang":
+    # Creates the file $JAXRL_TEST_RUNNING, then hangs: a test can act once this answer runs
+    # instead of guessing the moment with a timer.
+    open(os.environ["JAXRL_TEST_RUNNING"], "w").close()
+    while True:
+      pass
   if response == "hang_c":
     # C code does not run Python signal handlers; blocking SIGALRM has the same effect here.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
@@ -60,3 +66,8 @@ def raise_on_odd_length(response: str, answer: str) -> float:
   if len(response.strip()) % 2:
     raise ValueError(f"cannot score {response!r}")
   return exact(response, answer)
+
+
+def length(response: str, answer: str) -> float:
+  """How many characters the function was given: what a pool's ``prepare`` let through."""
+  return float(len(response))

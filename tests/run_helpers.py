@@ -1,14 +1,30 @@
-"""Helpers shared by the end-to-end tests: build configs/tiny.py variants, read a run's metrics."""
+"""Helpers shared by the test modules: configs/tiny.py variants, a run's metrics, a step context
+built without a trainer (``step_context``, ``run_steps``), and the small model and batches of the
+update tests (``SMALL_MODEL``, ``random_batch``, ``rollouts``).
+
+Test modules import helpers from here (or ``rounding``, ``hf_fixtures``, ``sidecar_helpers``),
+never from one another: a test module is collected, and its fixtures and parametrisations built,
+once per import."""
 
 import json
 import os
+import time
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jaxrl.config import from_configdict
-from jaxrl.nn import lora
+from jaxrl.methods.phases import run_phases
+from jaxrl.nn import arch, lora, model
+from jaxrl.parallel import sharding
+from jaxrl.rl import losses
+from jaxrl.rl.programs import Programs
+from jaxrl.rollout.collect import Collector
+from jaxrl.rollout.engine import JaxEngine
 from jaxrl.run import cli
+from jaxrl.run.loop import StepContext, rl_step
+from jaxrl.tasks.task import load_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Wall-clock fields and jit-cache counters (process-wide) differ between runs; everything else
@@ -53,8 +69,6 @@ def rollouts(
   """A ``Rollouts`` for the update from the fields it reads (entropies, lengths and finished flags
   derived: the update ignores them). ``prox_logp_RxN`` defaults to the behaviour log-probs (an
   on-policy batch: the engine sampled with the params the update starts from)."""
-  import numpy as np
-
   from jaxrl.types import Rollouts
 
   mask_RxN = np.asarray(mask_RxN, bool)
@@ -89,3 +103,82 @@ def moved_adapters(params, scale: float, seed: int = 1, move_a: bool = False):
     return v
 
   return nnx.from_flat_state([(p, move(p, v)) for p, v in nnx.to_flat_state(params)])
+
+
+def step_context(cfg, tokenizer_dir) -> tuple[StepContext, object]:
+  """What ``rl_step`` reads, built as the trainer builds it but without a warm start or a run
+  directory: the task (its tokenizer written to ``tokenizer_dir``), the programs on one device, a
+  ``JaxEngine``; and fresh params of the config's model (seed 0)."""
+  task = load_task(cfg, str(tokenizer_dir))  # the arithmetic tokenizer, built in code
+  mcfg = arch.model_config(cfg, task.vocab_size)
+  graphdef, params = model.create(mcfg, 0)
+  programs = Programs.for_run(cfg, graphdef, params, sharding.make_mesh(1, 1, 1))
+  engine = JaxEngine(
+    graphdef,
+    mcfg,
+    max_new_tokens=cfg.rollout.max_new_tokens,
+    eos_id=task.eos_id,
+    pad_id=task.pad_id,
+  )
+  collector = Collector(engine, programs, cfg.loss.logprob_chunk, cfg.loss.micro_batches)
+  ctx = StepContext(cfg, task, programs, collector, run_phases(cfg), mcfg.vocab_size)
+  return ctx, params
+
+
+def run_steps(ctx, loop, first, last):
+  """``rl_step`` for steps ``first`` .. ``last - 1``: the final loop state and the rows (without
+  their wall-clock fields)."""
+  rows = []
+  for i in range(first, last):
+    loop, row = rl_step(ctx, loop, i)
+    rows.append({k: v for k, v in row.items() if k not in TIMING})
+  return loop, rows
+
+
+def loop_leaves(loop):
+  """The loop state's arrays (train state, statistics, controller states) as numpy."""
+  return [np.asarray(x) for x in jax.tree.leaves((loop.train, loop.stats, loop.controllers))]
+
+
+# A small untied decoder for update tests (test_step, test_lora).
+SMALL_MODEL = model.ModelConfig(
+  vocab_size=32,
+  hidden_size=32,
+  intermediate_size=64,
+  num_layers=2,
+  num_heads=2,
+  num_kv_heads=1,
+  head_dim=16,
+  rope_theta=1e6,
+  tie_embeddings=False,
+)
+
+
+def random_batch(rng, R=8, P=5, N=4, groups=2):
+  """R random rollouts of ``SMALL_MODEL``'s vocabulary in ``groups`` groups, rewards 1, 0, 0, 1."""
+  return rollouts(
+    prompt_ids_RxP=rng.integers(0, 32, (R, P)).astype(np.int32),
+    prompt_mask_RxP=np.ones((R, P), bool),
+    tokens_RxN=rng.integers(0, 32, (R, N)).astype(np.int32),
+    mask_RxN=np.arange(N)[None, :] < rng.integers(1, N + 1, (R, 1)),
+    behaviour_logp_RxN=(-rng.random((R, N)) * 3 - 0.5).astype(np.float32),
+    rewards_R=np.tile([1.0, 0.0, 0.0, 1.0], R // 4).astype(np.float32),
+    group_ids_R=np.repeat(np.arange(groups), R // groups).astype(np.int32),
+  )
+
+
+def update_hparams():
+  """The update's traced values for the update tests: no KL, no entropy bonus, τ = 0.9."""
+  return losses.LossHparams.create(
+    eps_low=0.2, eps_high=0.28, kl_coef=0.0, entropy_coef=0.0, tau=0.9
+  )
+
+
+def wait_until(condition, timeout_s: float, what: str, poll_s: float = 0.02):
+  """Polls ``condition()`` until it is true (and returns its value); fails after ``timeout_s``,
+  a bound for a hang, never a measurement: it is chosen generous for a loaded machine."""
+  deadline = time.monotonic() + timeout_s
+  while not (value := condition()):
+    assert time.monotonic() < deadline, f"not {what} within {timeout_s} s"
+    time.sleep(poll_s)
+  return value

@@ -20,8 +20,8 @@ import optax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+from rounding import U, grad_rtol  # noqa: E402
 from run_helpers import moved_adapters, rollouts  # noqa: E402
-from test_model_layouts import U, grad_rtol  # noqa: E402
 
 from jaxrl.nn import lora, model
 from jaxrl.parallel import sharding
@@ -138,7 +138,7 @@ def main():
   one, eight = sharding.make_mesh(1, 1, 1), sharding.make_mesh(1, 4, 2)
   # The mesh splits the sums (the fsdp and tensor shards' partial dots, the all-reduces) into
   # another order: the sharded step and the 1-device one are two evaluations of the same chain of
-  # sums, the gradients within ``grad_rtol`` of a leaf's largest entry (tests/test_model_layouts).
+  # sums, the gradients within ``grad_rtol`` of a leaf's largest entry (tests/rounding.py).
   rtol = grad_rtol(mcfg, P + N, R * (P + N))
   # SGD: the update is the gradient itself, so every parameter leaf (biases included) compares the
   # sharded gradient with the 1-device one: lr·g = p0 − p, up to one ulp of p (the subtraction's

@@ -9,35 +9,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from run_helpers import TIMING, tiny_config
-from test_loop import _context
+from run_helpers import loop_leaves, run_steps, step_context, tiny_config
 
-from jaxrl.run.loop import initial_loop, restore_loop, rl_step, save_loop
+from jaxrl.run.loop import initial_loop, restore_loop, save_loop
 from jaxrl.workdir.checkpoint import Checkpointer
-
-
-def _steps(ctx, loop, first, last):
-  rows = []
-  for i in range(first, last):
-    loop, row = rl_step(ctx, loop, i)
-    rows.append({k: v for k, v in row.items() if k not in TIMING})
-  return loop, rows
-
-
-def _leaves(loop):
-  return [np.asarray(x) for x in jax.tree.leaves((loop.train, loop.stats, loop.controllers))]
 
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_staleness_is_bounded_and_runs_are_deterministic(tmp_path, k):
   cfg = tiny_config("test", steps=5, **{"rollout.max_staleness": k, "sft.steps": 0})
-  ctx, params = _context(cfg, tmp_path / "tokenizer")
+  ctx, params = step_context(cfg, tmp_path / "tokenizer")
   start = initial_loop(ctx, ctx.programs.init_state(params))
   copy = lambda x: jax.tree.map(jnp.copy, x)  # noqa: E731 (rl_step donates the train state)
-  one, rows = _steps(ctx, copy(start), 0, cfg.steps)
-  two, rows_again = _steps(ctx, copy(start), 0, cfg.steps)
+  one, rows = run_steps(ctx, copy(start), 0, cfg.steps)
+  two, rows_again = run_steps(ctx, copy(start), 0, cfg.steps)
   np.testing.assert_equal(rows, rows_again)
-  for a, b in zip(_leaves(one), _leaves(two)):
+  for a, b in zip(loop_leaves(one), loop_leaves(two)):
     np.testing.assert_array_equal(a, b)
   # Step i trains on the batch issued at step max(0, i - k): by θ_0 at first, then k behind.
   assert [r["rollout_staleness"] for r in rows] == [float(min(i, k)) for i in range(cfg.steps)]
@@ -49,8 +36,8 @@ def test_staleness_is_bounded_and_runs_are_deterministic(tmp_path, k):
 
 def test_k0_trains_on_the_batch_its_own_params_sampled(tmp_path):
   cfg = tiny_config("test", steps=2, **{"sft.steps": 0})
-  ctx, params = _context(cfg, tmp_path / "tokenizer")
-  loop, rows = _steps(ctx, initial_loop(ctx, ctx.programs.init_state(params)), 0, 2)
+  ctx, params = step_context(cfg, tmp_path / "tokenizer")
+  loop, rows = run_steps(ctx, initial_loop(ctx, ctx.programs.init_state(params)), 0, 2)
   # ℓ_prox is the sampler's own ℓ_μ: no rescoring, no mismatch, nothing in flight between steps.
   assert all(r["rollout_staleness"] == 0 and r["mismatch_kl"] == 0 for r in rows)
   assert not loop.pending
@@ -65,12 +52,12 @@ def test_save_and_restore_with_batches_in_flight_is_exact(tmp_path):
     steps=6,
     **{"rollout.max_staleness": 2, "rollout.dynamic_sampling": True, "sft.steps": 0},
   )
-  ctx, params = _context(cfg, tmp_path / "tokenizer")
+  ctx, params = step_context(cfg, tmp_path / "tokenizer")
   start = initial_loop(ctx, ctx.programs.init_state(params))
   copy = lambda x: jax.tree.map(jnp.copy, x)  # noqa: E731
-  straight, rows = _steps(ctx, copy(start), 0, 6)
+  straight, rows = run_steps(ctx, copy(start), 0, 6)
 
-  half, first_rows = _steps(ctx, copy(start), 0, 3)
+  half, first_rows = run_steps(ctx, copy(start), 0, 3)
   assert [b.issue.step for b in (p.result() for p in half.pending)] == [3, 4]
   # EEPO's gate went through the two batches in flight too: one stage-1 reading per batch.
   assert int(half.controllers.gate.count) == 3
@@ -78,13 +65,13 @@ def test_save_and_restore_with_batches_in_flight_is_exact(tmp_path):
   ckpt = Checkpointer(str(tmp_path / "checkpoints"), keep=2, async_save=False)
   try:
     assert save_loop(ckpt, 3, half, ctx.programs.mesh)
-    ctx2, params2 = _context(cfg, tmp_path / "tokenizer2")
+    ctx2, params2 = step_context(cfg, tmp_path / "tokenizer2")
     like = initial_loop(ctx2, ctx2.programs.init_state(params2))
     resumed = restore_loop(ckpt, 3, like, ctx2.programs.state_shardings, ctx2.programs.mesh)
   finally:
     ckpt.close()
   assert [p.issue.step for p in resumed.pending] == [3, 4]
-  end, last_rows = _steps(ctx2, resumed, 3, 6)
+  end, last_rows = run_steps(ctx2, resumed, 3, 6)
   np.testing.assert_equal(first_rows + last_rows, rows)
-  for a, b in zip(_leaves(straight), _leaves(end)):
+  for a, b in zip(loop_leaves(straight), loop_leaves(end)):
     np.testing.assert_array_equal(a, b)

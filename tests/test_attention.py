@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jaxpr_helpers import output_shapes
-from test_model_layouts import U, chain_terms, entropy_atol, grad_rtol, logp_atol
+from rounding import U, attention_atol, chain_terms, entropy_atol, grad_rtol, logp_atol
 
 from jaxrl.nn import attention, model
 from jaxrl.rl import losses, step
@@ -36,20 +36,6 @@ def _qkv(t, s, seed=0):
   return q, k, v, valid
 
 
-def _attention_atol(q, k, v):
-  """How far two float32 evaluations of ``_attend`` on these inputs may lie apart, whatever order
-  their sums run in (a sum of n terms rounds within n·u·Σ|terms|: Higham, Accuracy and Stability,
-  §3.1). A score is a dot of E terms times E^-½, the max subtracted: within ε = (E + 2)·u·M of
-  exact, M the largest Σ_e |q_e·k_e|·E^-½. Scores off by ε move each probability by at most 2ε
-  relative; exp (an ulp or two), the sum over the S slots and the division add (S + 4)·u; the mix
-  Σ_s p_s·v_s is a sum of S terms, within S·u·max|v|. So each side is within
-  (2ε + (2S + 4)·u)·max|v| of exact, and the two within twice that."""
-  q64, k64, v64 = (np.abs(np.asarray(x, np.float64)) for x in (q, k, v))
-  e, s = q64.shape[-1], k64.shape[-1]
-  m = np.einsum("btkae,bkes->bkats", q64, k64).max() * e**-0.5
-  return 2 * (2 * (e + 2) * U * m + (2 * s + 4) * U) * v64.max()
-
-
 @pytest.mark.parametrize("start", [0, 7])  # 0: training (S = T); 7: queries after a cache
 @pytest.mark.parametrize("block", [1, 4, 5, 13])
 def test_blocks_equal_one_pass(block, start):
@@ -61,7 +47,7 @@ def test_blocks_equal_one_pass(block, start):
   # Same einsums on slices: only the matmuls' summation order may differ (XLA's CPU kernels block
   # [Z, S] and [T, S] products differently, and differently on AVX2, AVX-512 and AMX machines).
   np.testing.assert_allclose(
-    np.asarray(blocked), np.asarray(one_pass), rtol=0, atol=_attention_atol(q, k, v)
+    np.asarray(blocked), np.asarray(one_pass), rtol=0, atol=attention_atol(q, k, v)
   )
   assert np.isfinite(np.asarray(blocked)).all()
 
@@ -76,7 +62,7 @@ def test_blocks_give_the_same_gradients():
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
   # The backward adds to the forward's sums (E + 2 for the scores, 2S + 4 for the softmax and
-  # the mix, as in ``_attention_atol``) the transposed ones: E for dP = g·Vᵀ, S for the softmax's
+  # the mix, as in ``attention_atol``) the transposed ones: E for dP = g·Vᵀ, S for the softmax's
   # Σ_s p·dP, and S or T for dQ = dS·K, dK = dSᵀ·Q, dV = Pᵀ·g; each side within that many u of
   # the values' scale (inputs and gradients are O(1) here: at least 1), the two within twice it.
   e, s, t = q.shape[-1], k.shape[-1], q.shape[1]
@@ -178,7 +164,7 @@ def test_model_loss_and_grads_equal_with_blocks(scan):
   (l1, logp1), g1 = grad_fn(params, graphdef)
   (l2, logp2), g2 = grad_fn(params, blocked_graphdef)
   # Blocks change the order of the attention's sums and so, through the rounding of what they
-  # pass on, every later value: the bounds of a whole forward and backward (test_model_layouts).
+  # pass on, every later value: the bounds of a whole forward and backward (tests/rounding.py).
   slots, cfg = P + N, BASE
   z_scale = float(np.max(np.abs(_logits(graphdef, params)))) / 0.9
   np.testing.assert_allclose(
@@ -219,7 +205,7 @@ def test_sampler_equal_with_blocks(scan):
   one_pass, blocked = outs
   np.testing.assert_array_equal(np.asarray(blocked.tokens_RxN), np.asarray(one_pass.tokens_RxN))
   assert len(np.unique(np.asarray(one_pass.tokens_RxN))) > 5  # real samples
-  # Bounds of two forwards summing in other orders (test_model_layouts), over P + 7 slots, at the
+  # Bounds of two forwards summing in other orders (tests/rounding.py), over P + 7 slots, at the
   # scale of the sampled sequences' logits (τ = 1).
   slots = P + 7
   z = _logits(graphdef, params, slots, np.repeat(np.arange(R), counts), one_pass.tokens_RxN)

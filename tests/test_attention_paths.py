@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_attention import _attention_atol
-from test_model_layouts import U, chain_terms, grad_rtol
+from rounding import U, attention_atol, chain_terms, grad_rtol
 
 from jaxrl.nn import attention, model
 
@@ -46,11 +45,11 @@ def _sees_a_slot_BxT():
 def _atol(q, k, v) -> float:
   """How far the two paths may lie apart. Both compute the scores as float32 sums of exact
   products (bf16 products are exact in float32), softmax in float32, and the mix as a float32
-  sum: ``_attention_atol`` (test_attention) bounds two such evaluations in units of u = 2⁻²⁴.
+  sum: ``attention_atol`` (tests/rounding.py) bounds two such evaluations in units of u = 2⁻²⁴.
   In bfloat16 each side also rounds the probabilities (Σ_s |δp_s·v_s| ≤ u_bf16·max|v|, as
   Σ p_s = 1) and its output (u_bf16·max|v|) to bfloat16: 2 roundings per side, 2 sides."""
   f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
-  bound = _attention_atol(*f32)
+  bound = attention_atol(*f32)
   if q.dtype == jnp.bfloat16:
     bound += 2 * 2 * UB * float(jnp.max(jnp.abs(f32[2])))
   return bound

@@ -157,15 +157,15 @@ def test_rl_update_with_tis(tmp_path):
   """One real update: tis with ℓ_μ = ℓ_prox equals none bit for bit; with ℓ_μ ≠ ℓ_prox it
   differs, and changing the cap recompiles nothing."""
   import optax
+  from run_helpers import SMALL_MODEL, random_batch, update_hparams
   from run_helpers import rollouts as make_rollouts
-  from test_step import MCFG, hparams, make_batch
 
   from jaxrl.nn import model
   from jaxrl.rl import step
 
-  graphdef, params = model.create(MCFG, 0)
+  graphdef, params = model.create(SMALL_MODEL, 0)
   tx = optax.adam(1e-2)
-  batch = make_batch(np.random.default_rng(0))
+  batch = random_batch(np.random.default_rng(0))
 
   def update(mode, b, hp):
     cfg = losses.LossConfig(behaviour_correction=mode, informative_only=False, num_groups=2)
@@ -173,8 +173,8 @@ def test_rl_update_with_tis(tmp_path):
     new, out = jax.jit(functools.partial(step.rl_update, graphdef, tx, cfg))(state, b, hp)
     return [np.asarray(x) for x in jax.tree.leaves(new.params)], out
 
-  none, out_none = update("none", batch, hparams())
-  tis, _ = update("tis", batch, hparams())
+  none, out_none = update("none", batch, update_hparams())
+  tis, _ = update("tis", batch, update_hparams())
   # No tolerance could be derived through Adam's first step (a last-bit difference in a
   # near-zero gradient moves a weight by up to 2·lr), and none is needed: with ℓ_μ = ℓ_prox every
   # weight is exp(0) = 1, so the tis program's extra products (by exactly 1, in the surrogate and
@@ -195,8 +195,8 @@ def test_rl_update_with_tis(tmp_path):
     group_ids_R=batch.group_ids_R,
     prox_logp_RxN=batch.prox_logp_RxN,
   )
-  off_none, out = update("none", shifted, hparams())
-  off_tis, out_tis = update("tis", shifted, hparams())
+  off_none, out = update("none", shifted, update_hparams())
+  off_tis, out_tis = update("tis", shifted, update_hparams())
   assert float(out["mismatch_kl"]) > 0.05 and float(out_tis["behaviour_weight_dropped_frac"]) > 0
   assert max(np.abs(a - b).max() for a, b in zip(off_none, off_tis)) > 1e-4
 

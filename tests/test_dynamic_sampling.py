@@ -7,8 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from run_helpers import TIMING, rollouts, tiny_config
-from test_loop import _context
+from run_helpers import TIMING, rollouts, step_context, tiny_config
 
 from jaxrl import losses
 from jaxrl.rl.step import logp_responses_chunked
@@ -94,7 +93,7 @@ def test_trained_rows_bound_the_chosen_groups():
 
 
 def _run_steps(cfg, tmp_path, steps):
-  ctx, params = _context(cfg, tmp_path / "tokenizer")
+  ctx, params = step_context(cfg, tmp_path / "tokenizer")
   loop = initial_loop(ctx, ctx.programs.init_state(params))
   rows = []
   for i in range(steps):
@@ -140,7 +139,7 @@ def test_dynamic_sampling_with_variable_groups_is_one_compiled_update(tmp_path):
   )
   counter = compile_counter(compiles_logp=logp_responses_chunked).start()
   try:
-    ctx, params = _context(cfg, tmp_path / "tokenizer")
+    ctx, params = step_context(cfg, tmp_path / "tokenizer")
     ctx.compiles = counter
     loop = initial_loop(ctx, ctx.programs.init_state(params))
     counts = []
@@ -156,7 +155,7 @@ def test_dynamic_sampling_with_variable_groups_is_one_compiled_update(tmp_path):
 
 def test_dynamic_rl_step_is_a_pure_function_of_the_loop_state(tmp_path):
   cfg = tiny_config("dynamo,test", steps=2, **{"rollout.dynamic_sampling": True, "sft.steps": 0})
-  ctx, params = _context(cfg, tmp_path / "tokenizer")
+  ctx, params = step_context(cfg, tmp_path / "tokenizer")
   loop = initial_loop(ctx, ctx.programs.init_state(params))
   copy = lambda x: jax.tree.map(jnp.copy, x)  # noqa: E731 (rl_step donates the train state)
   first, row = rl_step(ctx, copy(loop), 0)

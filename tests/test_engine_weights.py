@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from run_helpers import tiny_config
-from test_loop import _context
+from run_helpers import step_context, tiny_config
 
 from jaxrl.nn import arch
 from jaxrl.rl.programs import ForgetConfig
@@ -45,7 +44,7 @@ class Recording(JaxEngine):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   cfg = tiny_config("test")
-  ctx, params = _context(cfg, tmp_path_factory.mktemp("run") / "tokenizer")
+  ctx, params = step_context(cfg, tmp_path_factory.mktemp("run") / "tokenizer")
   return ctx, params
 
 

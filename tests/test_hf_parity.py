@@ -9,7 +9,6 @@ bitwise, in transformers as the same tensors, and with the same logits.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import shutil
@@ -24,9 +23,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from hf_fixtures import hf_logits, left_padded_batch, load_hf_model, our_logits  # noqa: E402
+from rounding import logits_atol  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
-from test_model_layouts import U, chain_terms  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 from jaxrl.nn import hf, hf_config, model
@@ -51,45 +51,6 @@ def _load(path, layout="loop", **kwargs):
   return hf.load_hf_checkpoint(path, scan_layers=layout == "scan", **kwargs)
 
 
-def _left_padded_batch(vocab):
-  """Prompts of lengths 11, 6, 1, 9 left-padded to T=11 (pad id 0)."""
-  lengths_B = np.array([11, 6, 1, 9])
-  t = lengths_B.max()
-  mask_BxT = np.arange(t)[None, :] >= (t - lengths_B)[:, None]
-  tokens_BxT = np.random.default_rng(0).integers(1, vocab, (len(lengths_B), t))
-  return np.where(mask_BxT, tokens_BxT, 0), mask_BxT
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _our_logits_jit(graphdef, params, tokens_BxT, mask_BxT):
-  hidden_BxTxD, lm_head_VxD, _ = model.forward(
-    graphdef, params, tokens_BxT, model.positions_from_mask(mask_BxT), mask_BxT
-  )
-  return jnp.einsum("btd,vd->btv", hidden_BxTxD, lm_head_VxD, preferred_element_type=jnp.float32)
-
-
-def _our_logits(graphdef, params, tokens_BxT, mask_BxT):
-  return np.asarray(
-    _our_logits_jit(graphdef, params, jnp.asarray(tokens_BxT), jnp.asarray(mask_BxT))
-  )
-
-
-@torch.no_grad()
-def _hf_logits(hf_model, tokens_BxT, mask_BxT):
-  mask = torch.tensor(mask_BxT, dtype=torch.long)
-  positions = (mask.cumsum(-1) - 1).clamp(min=0)
-  out = hf_model(input_ids=torch.tensor(tokens_BxT), attention_mask=mask, position_ids=positions)
-  return out.logits.float().numpy()
-
-
-def logits_atol(cfg: model.ModelConfig, ref_logits, slots: int) -> float:
-  """How far two float32 forwards of ``cfg`` (ours and torch's, or two of either) over ``slots``
-  slots may put the logits apart: both frameworks sum in their own CPU kernels' orders (which
-  differ on AVX2, AVX-512 and AMX machines), each within ``chain_terms``·u of the logits' scale
-  (test_model_layouts), the two within twice that."""
-  return 2 * chain_terms(cfg, slots) * U * float(np.max(np.abs(ref_logits)))
-
-
 def _assert_logits_match(ours_BxTxV, ref_BxTxV, mask_BxT, cfg):
   assert ours_BxTxV.shape == ref_BxTxV.shape
   ours, ref = ours_BxTxV[mask_BxT], ref_BxTxV[mask_BxT]
@@ -105,10 +66,6 @@ def _assert_params_equal(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def _hf_model(path):
-  return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-
-
 def test_fixtures_are_sharded(hf_dirs):
   for path in hf_dirs.values():
     assert (path / "model.safetensors.index.json").exists()
@@ -119,7 +76,7 @@ def test_fixtures_are_sharded(hf_dirs):
 @pytest.mark.parametrize("kind,tie", KINDS, ids=[_name(*k) for k in KINDS])
 def test_loaded_checkpoint_matches_hf_logits(hf_dirs, kind, tie, layout):
   path = hf_dirs[kind, tie]
-  hf_model = _hf_model(path)
+  hf_model = load_hf_model(path)
   assert type(hf_model).__name__ == _CLASSES[kind]
   cfg, graphdef, params = _load(path, layout)
   c = hf_model.config
@@ -136,9 +93,9 @@ def test_loaded_checkpoint_matches_hf_logits(hf_dirs, kind, tie, layout):
     "llama": (False, False),
   }[kind]
   assert cfg.rope_type == c.rope_parameters["rope_type"] and cfg.scan_layers == (layout == "scan")
-  tokens, mask = _left_padded_batch(cfg.vocab_size)
+  tokens, mask = left_padded_batch(cfg.vocab_size)
   _assert_logits_match(
-    _our_logits(graphdef, params, tokens, mask), _hf_logits(hf_model, tokens, mask), mask, cfg
+    our_logits(graphdef, params, tokens, mask), hf_logits(hf_model, tokens, mask), mask, cfg
   )
 
 
@@ -149,10 +106,10 @@ def test_blockwise_attention_matches_hf_logits(hf_dirs, kind, tie):
   path = hf_dirs[kind, tie]
   cfg, _, params = _load(path, "scan")
   graphdef, _ = model.abstract(dataclasses.replace(cfg, attention_block=4, remat="full"))
-  tokens, mask = _left_padded_batch(cfg.vocab_size)
+  tokens, mask = left_padded_batch(cfg.vocab_size)
   _assert_logits_match(
-    _our_logits(graphdef, params, tokens, mask),
-    _hf_logits(_hf_model(path), tokens, mask),
+    our_logits(graphdef, params, tokens, mask),
+    hf_logits(load_hf_model(path), tokens, mask),
     mask,
     cfg,
   )
@@ -169,14 +126,14 @@ def test_llama3_rope_scaling_changes_the_logits(hf_dirs):
   # All three regimes: kept (high frequencies), interpolated, divided by the factor (low ones).
   assert np.any(ratio == 1) and np.any(ratio == 1 / cfg.rope_factor)
   assert np.any((ratio > 1 / cfg.rope_factor + 1e-3) & (ratio < 1 - 1e-3))
-  scaled = _hf_model(path)
+  scaled = load_hf_model(path)
   unscaled = hf_fixtures.make_tiny_hf_model(
     "llama", False, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}
   )
   unscaled.load_state_dict(scaled.state_dict())
-  tokens, mask = _left_padded_batch(cfg.vocab_size)
-  diff = np.abs(_hf_logits(scaled, tokens, mask) - _hf_logits(unscaled, tokens, mask))[mask]
-  assert diff.max() > 100 * logits_atol(cfg, _hf_logits(scaled, tokens, mask)[mask], mask.shape[1])
+  tokens, mask = left_padded_batch(cfg.vocab_size)
+  diff = np.abs(hf_logits(scaled, tokens, mask) - hf_logits(unscaled, tokens, mask))[mask]
+  assert diff.max() > 100 * logits_atol(cfg, hf_logits(scaled, tokens, mask)[mask], mask.shape[1])
 
 
 _LLAMA31 = {  # the text config of Llama-3.1-8B, legacy format (top-level θ, rope_scaling)
@@ -250,7 +207,7 @@ def test_rope_frequencies_match_transformers(config):
 
 def test_sharded_checkpoint_loads_identically(hf_dirs, tmp_path):
   src = hf_dirs["llama", False]
-  _hf_model(src).save_pretrained(tmp_path, max_shard_size="1GB")
+  load_hf_model(src).save_pretrained(tmp_path, max_shard_size="1GB")
   assert (tmp_path / "model.safetensors").exists()
   cfg_a, _, params_a = _load(src)
   cfg_b, _, params_b = _load(tmp_path)
@@ -346,12 +303,12 @@ def test_export_round_trip(hf_dirs, tmp_path, kind, tie, layout, shard_bytes):
   assert cfg2 == cfg
   _assert_params_equal(params2, params)
 
-  hf_model = _hf_model(tmp_path / "ours")
+  hf_model = load_hf_model(tmp_path / "ours")
   assert type(hf_model).__name__ == _CLASSES[kind]
   _assert_hf_holds(hf_model, params)
-  tokens, mask = _left_padded_batch(cfg.vocab_size)
+  tokens, mask = left_padded_batch(cfg.vocab_size)
   _assert_logits_match(
-    _our_logits(graphdef, params, tokens, mask), _hf_logits(hf_model, tokens, mask), mask, cfg
+    our_logits(graphdef, params, tokens, mask), hf_logits(hf_model, tokens, mask), mask, cfg
   )
   # And back: transformers' own save of what it loaded gives our params again, bitwise.
   hf_model.save_pretrained(tmp_path / "theirs", max_shard_size="100KB")
@@ -390,7 +347,7 @@ def test_bfloat16_params_load_and_export(hf_dirs, tmp_path, layout):
   for f in tmp_path.glob("model-*.safetensors"):
     with safe_open(f, "pt") as st:
       assert {st.get_slice(k).get_dtype() for k in st.keys()} == {"BF16"}
-  hf_model = _hf_model(tmp_path)
+  hf_model = load_hf_model(tmp_path)
   assert {p.dtype for p in hf_model.parameters()} == {torch.bfloat16}
   _assert_hf_holds(hf_model, params)
   _, _, params2 = _load(tmp_path, layout, dtype=jnp.bfloat16)
@@ -401,13 +358,13 @@ def test_bfloat16_forward_matches_hf_bfloat16(hf_dirs):
   """A bf16-compute forward (bf16 params) is as close to the float32 logits as transformers' own
   bf16 forward is: ours may round differently, not worse (bf16 has 8 mantissa bits)."""
   path = hf_dirs["qwen2", False]
-  tokens, mask = _left_padded_batch(160)
-  reference = _hf_logits(_hf_model(path), tokens, mask)[mask]
+  tokens, mask = left_padded_batch(160)
+  reference = hf_logits(load_hf_model(path), tokens, mask)[mask]
   hf_bf16 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-  hf_err = np.abs(_hf_logits(hf_bf16, tokens, mask)[mask] - reference)
+  hf_err = np.abs(hf_logits(hf_bf16, tokens, mask)[mask] - reference)
   for layout in LAYOUTS:
     _, graphdef, params = _load(path, layout, dtype=jnp.bfloat16, compute_dtype="bfloat16")
-    ours = _our_logits(graphdef, params, tokens, mask)[mask]
+    ours = our_logits(graphdef, params, tokens, mask)[mask]
     assert np.all(np.isfinite(ours))
     err = np.abs(ours - reference)
     # Not a rounding bound but a comparison of two bf16 forwards' errors: both round the same

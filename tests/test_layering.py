@@ -114,3 +114,17 @@ def test_a_cycle_and_an_upward_import_are_found(monkeypatch):
   monkeypatch.setitem(GRAPH, "jaxrl.rl.toy_b", {"jaxrl.rl.toy_a"})
   with pytest.raises(AssertionError, match="import cycle: jaxrl.rl.toy_a -> jaxrl.rl.toy_b"):
     test_no_import_cycles()
+
+
+def test_no_test_module_imports_another():
+  """Shared test code lives in helper modules (``run_helpers``, ``rounding``, ...): importing a test
+  module runs its module-level setup and collects its tests twice."""
+  tests = ROOT / "tests"
+  found = []
+  for path in sorted(tests.glob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("test_"):
+        found.append(f"{path.name}: from {node.module} import ...")
+      elif isinstance(node, ast.Import):
+        found += [f"{path.name}: import {a.name}" for a in node.names if a.name.startswith("test_")]
+  assert not found, found

@@ -6,38 +6,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from run_helpers import TIMING, tiny_config
+from run_helpers import TIMING, step_context, tiny_config
 
-from jaxrl.methods.phases import run_phases
-from jaxrl.nn import arch, model
-from jaxrl.parallel import sharding
-from jaxrl.rl.programs import Programs
-from jaxrl.rollout.collect import Collector
-from jaxrl.rollout.engine import JaxEngine
-from jaxrl.run.loop import LoopState, StepContext, initial_loop, rl_step
-from jaxrl.tasks.task import load_task
-
-
-def _context(cfg, tokenizer_dir) -> tuple[StepContext, object]:
-  task = load_task(cfg, str(tokenizer_dir))  # the arithmetic tokenizer, built in code
-  mcfg = arch.model_config(cfg, task.vocab_size)
-  graphdef, params = model.create(mcfg, 0)
-  programs = Programs.for_run(cfg, graphdef, params, sharding.make_mesh(1, 1, 1))
-  engine = JaxEngine(
-    graphdef,
-    mcfg,
-    max_new_tokens=cfg.rollout.max_new_tokens,
-    eos_id=task.eos_id,
-    pad_id=task.pad_id,
-  )
-  collector = Collector(engine, programs, cfg.loss.logprob_chunk, cfg.loss.micro_batches)
-  ctx = StepContext(cfg, task, programs, collector, run_phases(cfg), mcfg.vocab_size)
-  return ctx, params
+from jaxrl.run.loop import LoopState, initial_loop, rl_step
 
 
 def test_one_step_is_a_pure_function_of_the_loop_state(tmp_path):
   cfg = tiny_config("e3,test", steps=2, **{"eepo.enabled": True})
-  ctx, params = _context(cfg, tmp_path / "tokenizer")
+  ctx, params = step_context(cfg, tmp_path / "tokenizer")
   loop = initial_loop(ctx, ctx.programs.init_state(params))
   assert isinstance(loop, LoopState) and loop.phase == 0 and loop.cursor.drawn == 0
 

@@ -12,14 +12,13 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from run_helpers import moved_adapters
-from test_model_layouts import U, chain_terms
-from test_step import MCFG, hparams, make_batch
+from rounding import U, chain_terms
+from run_helpers import SMALL_MODEL, moved_adapters, random_batch, update_hparams
 
 from jaxrl.nn import lora, model
 from jaxrl.rl import losses, optim, step
 
-LORA = dataclasses.replace(MCFG, lora_rank=4, lora_alpha=8.0)
+LORA = dataclasses.replace(SMALL_MODEL, lora_rank=4, lora_alpha=8.0)
 
 
 def _paths(tree) -> set[tuple]:
@@ -47,7 +46,7 @@ def _with_random_b(params, seed=1):
 
 
 def test_a_fresh_adapter_computes_the_base_model_exactly():
-  g0, base = model.create(MCFG, 3)
+  g0, base = model.create(SMALL_MODEL, 3)
   g1, adapted = model.create(LORA, 3)
   # The base weights of a seed do not depend on the rank (A draws from its own stream).
   _, base_part = lora.partition(adapted, "adapters")
@@ -73,7 +72,7 @@ def test_targets_choose_the_projections():
 
 
 def test_without_adapters_is_the_base_and_merged_is_the_adapted_model():
-  g0, base = model.create(MCFG, 5)
+  g0, base = model.create(SMALL_MODEL, 5)
   g1, adapted = model.create(LORA, 5)
   trained = _with_random_b(adapted)
   h_trained = _hidden(g1, trained)
@@ -97,10 +96,10 @@ def _update(cfg: model.ModelConfig, kl_coef=0.0, trainable=None, seed=0):
     num_groups=2,
     mini_batches=2,
   )
-  hp = dataclasses.replace(hparams(), kl_coef=jnp.float32(kl_coef))
+  hp = dataclasses.replace(update_hparams(), kl_coef=jnp.float32(kl_coef))
   state = step.init_state(params, tx, trainable)
   update = jax.jit(functools.partial(step.rl_update, graphdef, tx, step_cfg, trainable=trainable))
-  batch = make_batch(np.random.default_rng(seed))
+  batch = random_batch(np.random.default_rng(seed))
   new, metrics = update(state, batch, hp)
   return graphdef, params, state, new, metrics
 
@@ -131,7 +130,7 @@ def test_an_update_moves_the_adapters_only():
 def test_gradients_exist_for_the_trained_part_only():
   graphdef, params = model.create(LORA, 0)
   params = _with_random_b(params)
-  batch = make_batch(np.random.default_rng(0))
+  batch = random_batch(np.random.default_rng(0))
 
   def nll(p):
     logp, _ = step.logp_responses(
@@ -147,7 +146,7 @@ def test_gradients_exist_for_the_trained_part_only():
 
 
 def test_rank_zero_trains_everything():
-  _, params, state, new, _ = _update(MCFG)
+  _, params, state, new, _ = _update(SMALL_MODEL)
   assert lora.policy_trainable(params) == "all"
   changed = [
     not np.array_equal(np.asarray(a), np.asarray(b))
@@ -160,19 +159,19 @@ def test_the_kl_reference_is_the_base_model():
   """At step 0 the policy is the base: its first mini-batch's KL is 0; the second (after an
   update of the adapters) is not. Same as passing the base model's params as the reference."""
   graphdef, params, state, new, m = _update(LORA, kl_coef=0.1)
-  g0, base = model.create(MCFG, 0)
+  g0, base = model.create(SMALL_MODEL, 0)
   tx = optim.adamw(1e-2, 0)
   step_cfg = losses.LossConfig(
     aggregation="token-mean", use_kl=True, informative_only=False, num_groups=2, mini_batches=2
   )
-  hp = dataclasses.replace(hparams(), kl_coef=jnp.float32(0.1))
+  hp = dataclasses.replace(update_hparams(), kl_coef=jnp.float32(0.1))
   # The same update with the reference given as a separate copy of the base (rank-0 tree of the
   # same weights, merged with zero adapters so it fits the graph): identical metrics.
   ref = lora.combine(jax.tree.map(jnp.zeros_like, lora.partition(params, "adapters")[0]), base)
   state2 = step.init_state(params, tx, "adapters")
   new2, m2 = jax.jit(
     functools.partial(step.rl_update, graphdef, tx, step_cfg, trainable="adapters")
-  )(state2, make_batch(np.random.default_rng(0)), hp, ref)
+  )(state2, random_batch(np.random.default_rng(0)), hp, ref)
   assert float(m["kl"]) > 0
   np.testing.assert_array_equal(np.asarray(m["kl"]), np.asarray(m2["kl"]))
   for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(new2.params)):
@@ -182,7 +181,7 @@ def test_the_kl_reference_is_the_base_model():
 def test_eepo_forgetting_moves_the_adapters_only():
   graphdef, params = model.create(LORA, 2)
   params = _with_random_b(params)
-  batch = make_batch(np.random.default_rng(2))
+  batch = random_batch(np.random.default_rng(2))
   forget = jax.jit(
     functools.partial(
       step.eepo_forget, graphdef, 128, lr=0.5, eps_l=0.02, eps_r=0.02, trainable="adapters"

@@ -12,9 +12,10 @@ import numpy as np
 import peft
 import pytest
 import torch
+from hf_fixtures import hf_logits, left_padded_batch, load_hf_model, our_logits
+from rounding import logits_atol
 from run_helpers import moved_adapters, tiny_config
 from safetensors import safe_open
-from test_hf_parity import _hf_logits, _hf_model, _left_padded_batch, _our_logits, logits_atol
 
 from jaxrl.nn import arch, hf, lora, model
 from jaxrl.nn import peft as jaxrl_peft
@@ -42,8 +43,8 @@ def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path, layout):
   graphdef, abstract = model.abstract(model_cfg)
   shardings = sharding.tree_shardings(abstract, sharding.make_mesh(1, 1, 1))
   fresh = weights.load_params(cfg, str(base_dir), (abstract, shardings))
-  tokens, mask = _left_padded_batch(model_cfg.vocab_size)
-  base_logits = _hf_logits(_hf_model(base_dir), tokens, mask)
+  tokens, mask = left_padded_batch(model_cfg.vocab_size)
+  base_logits = hf_logits(load_hf_model(base_dir), tokens, mask)
   # Each comparison below is of two float32 forwards of the same function (two frameworks, or
   # merged weights against the adapter path), summing in other orders: ``logits_atol`` of the
   # LoRA model (which counts the adapters' extra terms). Measured differences ~2e-6.
@@ -51,11 +52,11 @@ def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path, layout):
   # Fresh adapters: the base's function (HF's logits).
   atol = logits_atol(model_cfg, base_logits[mask], slots)
   np.testing.assert_allclose(
-    _our_logits(graphdef, fresh, tokens, mask)[mask], base_logits[mask], atol=atol, rtol=0
+    our_logits(graphdef, fresh, tokens, mask)[mask], base_logits[mask], atol=atol, rtol=0
   )
   # adapters as after training: A and B moved by 0.1 per entry, which moves the logits by ~3
   params = moved_adapters(fresh, 0.1, seed=0, move_a=True)
-  ours = _our_logits(graphdef, params, tokens, mask)
+  ours = our_logits(graphdef, params, tokens, mask)
   assert np.max(np.abs(ours - base_logits)[mask]) > 0.1  # the adapters change the model
   atol = logits_atol(model_cfg, ours[mask], slots)
 
@@ -63,8 +64,8 @@ def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path, layout):
   # Merged: a plain HF model, read back by our loader and by transformers.
   _, g_merged, merged = hf.load_hf_checkpoint(out, scan_layers=layout == "scan")
   assert not lora.has_adapters(merged)
-  np.testing.assert_allclose(_our_logits(g_merged, merged, tokens, mask), ours, atol=atol, rtol=0)
-  hf_merged = _hf_logits(_hf_model(out), tokens, mask)
+  np.testing.assert_allclose(our_logits(g_merged, merged, tokens, mask), ours, atol=atol, rtol=0)
+  hf_merged = hf_logits(load_hf_model(out), tokens, mask)
 
   # PEFT: adapter_config.json + adapter_model.safetensors onto the base, with peft.
   adapter_dir = tmp_path / "export" / "lora"
@@ -79,8 +80,8 @@ def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path, layout):
     a = f.get_tensor("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")
   assert len(names) == 2 * 7 * model_cfg.num_layers and a.shape == (RANK, model_cfg.hidden_size)
   with torch.no_grad():
-    adapted = peft.PeftModel.from_pretrained(_hf_model(base_dir), adapter_dir).eval()
-  peft_logits = _hf_logits(adapted, tokens, mask)
+    adapted = peft.PeftModel.from_pretrained(load_hf_model(base_dir), adapter_dir).eval()
+  peft_logits = hf_logits(adapted, tokens, mask)
   np.testing.assert_allclose(peft_logits[mask], hf_merged[mask], atol=atol, rtol=0)
   np.testing.assert_allclose(peft_logits[mask], ours[mask], atol=atol, rtol=0)
 

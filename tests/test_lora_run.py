@@ -80,13 +80,13 @@ def test_a_resume_onto_another_base_is_refused(lora_run, tmp_path, monkeypatch):
 
 
 def test_export_of_the_run_is_the_trained_model(lora_run, tmp_path):
-  from test_hf_parity import _left_padded_batch, _our_logits
+  from hf_fixtures import left_padded_batch, our_logits
 
   cfg, workdir, trainer, result = lora_run
   out = weights.export(str(workdir), str(tmp_path / "hf"), dtype="float32")
   _, graphdef, merged = hf.load_hf_checkpoint(out)
-  tokens, mask = _left_padded_batch(trainer.model_cfg.vocab_size)
-  ours = _our_logits(trainer.graphdef, result.rl.params, tokens, mask)
-  np.testing.assert_allclose(_our_logits(graphdef, merged, tokens, mask), ours, atol=1e-5, rtol=0)
+  tokens, mask = left_padded_batch(trainer.model_cfg.vocab_size)
+  ours = our_logits(trainer.graphdef, result.rl.params, tokens, mask)
+  np.testing.assert_allclose(our_logits(graphdef, merged, tokens, mask), ours, atol=1e-5, rtol=0)
   assert (tmp_path / "hf" / "lora" / "adapter_model.safetensors").exists()
   assert (tmp_path / "hf" / "lora" / "base" / "config.json").exists()

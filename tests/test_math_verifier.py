@@ -3,18 +3,21 @@
 Equivalence is math-verify's (pinned in requirements.txt), checked on a table of answer forms; the
 pool is checked on what model outputs can do to a verifier: hang in Python, hang where signals do
 not reach (C code), crash, blow memory, or be megabytes long. Every such answer must score 0, be
-counted, and not hold the batch for longer than about one time limit. Wall-time bounds here are
-generous guards against an unbounded wait (the CPU is shared), not performance checks.
+counted, and be stopped by the pool's bounds: the tests check what each bound leaves behind (the
+timeout verdict, answers skipped at the batch deadline, a killed worker replaced, the characters
+the reward function was given), never elapsed time, so they hold on a loaded machine. The pool's
+own deadlines (and pytest's timeout) keep a broken bound from hanging the suite.
 """
 
 import os
 import signal
 import subprocess
 import sys
-import time
+import threading
 
 import numpy as np
 import pytest
+from run_helpers import wait_until
 
 from jaxrl.tasks.rewards import pool as pool_module
 from jaxrl.tasks.rewards.math import MATH_REWARD, MAX_ANSWER_CHARS, WARM_UP, answer_window
@@ -121,8 +124,10 @@ def math_pool():
 
 @pytest.fixture(scope="module")
 def tight_pool():
+  # A limit ~100x what a bounded answer's parse needs (milliseconds), so only hangs reach it, even
+  # on a loaded CPU; small, so that each hang costs little.
   with math_verifier(num_workers=2, time_limit_s=LIMIT_S, kill_grace_s=GRACE_S) as pool:
-    pool.score(["1"], ["1"])  # workers ready: later timings are of answers, not start-up
+    pool.score(["1"], ["1"])  # workers ready: the batch deadline is not spent on start-up
     yield pool
 
 
@@ -137,46 +142,60 @@ def test_table_of_equivalences(math_pool):
 
 @pytest.mark.parametrize("name,response,gold,stopped", ADVERSARIAL, ids=[a[0] for a in ADVERSARIAL])
 def test_adversarial_output_scores_zero_within_limit(tight_pool, name, response, gold, stopped):
-  start = time.monotonic()
   res = tight_pool.score([response], [gold])
-  elapsed = time.monotonic() - start
   assert res.rewards_R.tolist() == [0.0]
   assert res.errors == 0 and res.skipped == 0, res
+  # A hang is answered with the timeout verdict (by the worker's soft timer or the parent's kill,
+  # whichever comes first): counted, and out of the update.
+  assert res.scored.tolist() == [not res.timeouts], res
   if stopped is not None:
     assert res.timeouts == int(stopped), res
   assert res.truncated == answer_window(response)[1]
-  # The hard deadline is LIMIT_S + GRACE_S after dispatch; 1 s of slack for a busy machine.
-  assert elapsed < LIMIT_S + GRACE_S + 1.0, elapsed
+
+
+def test_the_reward_function_is_given_the_answer_window_only():
+  """The size guard, counted instead of timed: whatever a response's size, the function is given
+  at most MAX_ANSWER_CHARS characters of it (``reward_fns:length`` returns how many it got), so a
+  1 MB answer costs what a 1000-character one does."""
+  responses = [r for _, r, _, _ in ADVERSARIAL]
+  with VerifierPool(
+    "reward_fns:length", prepare=answer_window, num_workers=1, time_limit_s=30.0
+  ) as pool:
+    res = pool.score(responses, [""] * len(responses))
+  assert res.scored.all() and res.timeouts == res.errors == 0, res
+  given = dict(zip((a[0] for a in ADVERSARIAL), res.rewards_R.tolist()))
+  assert max(given.values()) <= MAX_ANSWER_CHARS, given
+  for name in ("digits_1MB", "boxed_digits_1MB"):  # cut to the window, and counted as cut
+    assert given[name] == MAX_ANSWER_CHARS, given
+  assert res.truncated == sum(answer_window(r)[1] for r in responses) >= 2
 
 
 def test_many_hanging_answers_cost_one_batch_deadline():
-  limit, n_hang = 0.5, 30
-  # 30 hangs on 2 workers: ~7.5 s at one limit per answer and worker; the batch deadline cuts it.
+  """A hang holds its worker for at least the limit (the soft timer counts wall time), so within
+  a batch deadline of d seconds 2 workers finish at most 2·ceil(d / limit) hangs: the rest must be
+  skipped. That count, not a clock, shows the deadline cut the batch; a slower machine only skips
+  more. The good answers go first and parse in milliseconds, far inside the limit."""
+  limit, grace, n_hang = LIMIT_S, GRACE_S, 30
   with math_verifier(
-    num_workers=2, time_limit_s=limit, kill_grace_s=0.25, batch_time_limit_s=limit + 0.25
+    num_workers=2, time_limit_s=limit, kill_grace_s=grace, batch_time_limit_s=limit + grace
   ) as pool:
     pool.score(["1"], ["1"])
     responses = [r"\boxed{\frac{1}{2}}", r"\boxed{3}"] + [HANG] * n_hang
-    start = time.monotonic()
     res = pool.score(responses, ["0.5", "3"] + ["5"] * n_hang)
-    elapsed = time.monotonic() - start
     assert res.rewards_R.tolist() == [1.0, 1.0] + [0.0] * n_hang
     assert res.scored.tolist() == [True, True] + [False] * n_hang  # out of the update
     assert res.timeouts + res.skipped == n_hang and res.timeouts >= 2 and res.errors == 0, res
-    assert elapsed < 10 * limit, elapsed
+    assert res.skipped >= n_hang - 2 * 2, res  # at most 2 hangs per worker in 1.5 limits
     # The pool is whole again: a normal batch scores normally.
     res = pool.score([r"\boxed{2}"] * 4, ["2"] * 4)
     assert res.rewards_R.tolist() == [1.0] * 4 and res.timeouts == res.skipped == 0
 
-    # The default deadline: 0.5 + 0.25 + 0.25 * ceil(12 / 2) = 2.25 s, against 3 s of limits per
-    # worker without it.
+    # The default deadline: 1 + 0.5 + 0.25 * ceil(12 / 2) = 3 s, so at most 3 hangs per worker
+    # (without it, 6 limits per worker).
     pool.batch_time_limit_s = None
-    start = time.monotonic()
     res = pool.score([HANG] * 12, ["5"] * 12)
-    elapsed = time.monotonic() - start
     assert res.rewards_R.tolist() == [0.0] * 12
-    assert res.timeouts + res.skipped == 12 and res.skipped > 0, res
-    assert elapsed < 10 * limit, elapsed
+    assert res.timeouts + res.skipped == 12 and res.skipped >= 12 - 2 * 3, res
 
 
 def test_signal_deaf_hang_is_killed_and_worker_replaced():
@@ -187,16 +206,13 @@ def test_signal_deaf_hang_is_killed_and_worker_replaced():
     CHAOS, num_workers=2, time_limit_s=LIMIT_S, kill_grace_s=1.0, batch_time_limit_s=30.0
   ) as pool:
     pool.score(["a"], ["a"])
-    start = time.monotonic()
     res = pool.score(
       ["a", "hang_c", "b", "hang_c", "hang_python", "c"], ["a", "x", "b", "x", "x", "c"]
     )
-    elapsed = time.monotonic() - start
     assert res.rewards_R.tolist() == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
     assert res.scored.tolist() == [True, False, True, False, False, True]
     assert (res.timeouts, res.errors, res.skipped) == (3, 0, 0), res
-    assert pool.restarts == 2  # the two deaf hangs; the Python hang's worker lived on
-    assert elapsed < 10 * LIMIT_S, elapsed
+    assert pool.restarts == 2  # the two deaf hangs were killed; the Python hang's worker lived on
     res = pool.score(["d", "e"], ["d", "x"])
     assert res.rewards_R.tolist() == [1.0, 0.0] and res.timeouts == res.errors == 0
 
@@ -221,21 +237,61 @@ def test_crashes_and_bad_returns_are_errors():
     }
 
 
-def test_interrupted_batch_leaves_no_stale_result():
+def test_interrupted_batch_leaves_no_stale_result(tmp_path, monkeypatch):
+  """Ctrl-C while a worker is busy: it is replaced, so its late "timeout" cannot reach the next
+  batch. The moment is waited for, not guessed with a timer: the answer has started (it creates a
+  file) and the pool has marked its worker busy; then a thread interrupts the main thread (a
+  signal sent to the thread itself, so that its wait on the workers wakes)."""
+  running = tmp_path / "running"
+  monkeypatch.setenv("JAXRL_TEST_RUNNING", str(running))  # the workers inherit it
+  main = threading.main_thread().ident
+
   def interrupt(signum, frame):
     raise KeyboardInterrupt
 
+  with VerifierPool(CHAOS, num_workers=1, time_limit_s=30.0, kill_grace_s=GRACE_S) as pool:
+    pool.score(["a"], ["a"])
+
+    def when_busy():
+      wait_until(running.exists, 60, "the answer running")
+      wait_until(lambda: pool._workers[0].task is not None, 60, "the worker marked busy")
+      signal.pthread_kill(main, signal.SIGUSR2)
+
+    previous = signal.signal(signal.SIGUSR2, interrupt)
+    try:
+      threading.Thread(target=when_busy, daemon=True).start()
+      with pytest.raises(KeyboardInterrupt):
+        pool.score(["announce_then_hang"], ["x"])
+    finally:
+      signal.signal(signal.SIGUSR2, previous)
+    assert pool.restarts == 1  # the busy worker went; its late "timeout" cannot reach batch 2
+    res = pool.score(["b", "c"], ["b", "c"])
+    assert res.rewards_R.tolist() == [1.0, 1.0] and res.timeouts == res.errors == 0, res
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="pool.py marks a worker busy only after sending it the answer: an interrupt in between "
+  "leaves a busy worker marked idle, and its late result reaches the next batch (which then "
+  "fails pool._Batch._record's assertion)",
+)
+def test_an_interrupt_just_after_an_answer_is_sent_leaves_no_stale_result():
+  """The window the test above waits past, hit on purpose: Ctrl-C right after the answer went to
+  the worker (the send itself raises it), before the pool's bookkeeping."""
   with VerifierPool(CHAOS, num_workers=1, time_limit_s=1.0, kill_grace_s=GRACE_S) as pool:
     pool.score(["a"], ["a"])
-    previous = signal.signal(signal.SIGALRM, interrupt)
-    try:
-      signal.setitimer(signal.ITIMER_REAL, 0.3)  # Ctrl-C while the worker is busy
-      with pytest.raises(KeyboardInterrupt):
-        pool.score(["hang_python"], ["x"])
-    finally:
-      signal.setitimer(signal.ITIMER_REAL, 0)
-      signal.signal(signal.SIGALRM, previous)
-    assert pool.restarts == 1  # the busy worker went; its late "timeout" cannot reach batch 2
+    conn = pool._workers[0].conn
+    send = conn.send
+
+    def send_then_interrupt(message):
+      send(message)
+      raise KeyboardInterrupt
+
+    conn.send = send_then_interrupt
+    with pytest.raises(KeyboardInterrupt):
+      pool.score(["hang_python"], ["x"])
+    conn.send = send
+    assert pool.restarts == 1
     res = pool.score(["b", "c"], ["b", "c"])
     assert res.rewards_R.tolist() == [1.0, 1.0] and res.timeouts == res.errors == 0, res
 
@@ -281,10 +337,7 @@ def test_workers_are_clean_interpreters_that_die_with_the_parent():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
   pids = [int(p) for p in out.stdout.split()]
   assert len(pids) == 2, out.stderr
-  deadline = time.monotonic() + 10.0
-  while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-    time.sleep(0.05)
-  assert not any(_alive(p) for p in pids)
+  wait_until(lambda: not any(_alive(p) for p in pids), 60, "every worker gone")
 
 
 def _alive(pid: int) -> bool:

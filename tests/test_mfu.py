@@ -6,8 +6,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import pytest
-from run_helpers import tiny_config
-from test_loop import _context
+from run_helpers import step_context, tiny_config
 
 from jaxrl.nn import arch, model
 from jaxrl.parallel import sharding
@@ -45,7 +44,7 @@ def test_update_flops_count_every_layer_and_match_six_n_tokens():
 
 def test_a_known_peak_logs_train_mfu(tmp_path):
   cfg = tiny_config("test", **{"sft.steps": 0})
-  ctx, params = _context(cfg, tmp_path / "tokenizer")
+  ctx, params = step_context(cfg, tmp_path / "tokenizer")
   loop = initial_loop(ctx, ctx.programs.init_state(params))
   copy = lambda x: jax.tree.map(jnp.copy, x)  # noqa: E731 (rl_step donates the train state)
   _, row = rl_step(ctx, copy(loop), 0)

@@ -21,6 +21,7 @@ import optax
 import pytest
 from flax import nnx
 from jaxpr_helpers import contains_primitive
+from rounding import U, chain_terms, entropy_atol, grad_rtol, logp_atol
 from run_helpers import rollouts
 
 from jaxrl.nn import model
@@ -45,50 +46,6 @@ LOOP = model.ModelConfig(
 SCAN = dataclasses.replace(LOOP, scan_layers=True)
 # The name of jax.checkpoint's primitive in a jaxpr (it has changed across jax versions).
 _REMAT = jax.make_jaxpr(jax.checkpoint(jnp.sin))(1.0).eqns[0].primitive.name
-U = float(np.finfo(np.float32).eps) / 2  # u = 2⁻²⁴, float32's unit roundoff
-
-
-def chain_terms(cfg: model.ModelConfig, slots: int) -> int:
-  """The float32 rounding a value of ``cfg``'s forward over ``slots`` key slots may carry, in units
-  of u times the values' scale, whatever order XLA's CPU kernels sum in (they block and vectorise
-  for the host's instruction set, so AVX2, AVX-512 and AMX machines add up in different orders).
-
-  A sum of n float32 terms rounds within n·u·Σ|terms| in any order (Higham, Accuracy and
-  Stability, §3.1), and to first order the sums a value passes through one after another add
-  their n's. Per layer: the attention's norm (D terms), q/k/v (D), q/k norms (E, Qwen3), scores
-  (E), softmax (S slots), the mix (S), the out projection (H·E), the MLP's norm (D), gate/up (D),
-  down (I), each LoRA projection's low-rank path (r + 2, on 4 of them), and 16 for the
-  elementwise steps (biases, RoPE, rsqrt, SiLU, residuals: an ulp or two each); then the final
-  norm (D) and the head (D). Two forwards that sum in different orders lie within twice this."""
-  d, e, r = cfg.hidden_size, cfg.head_dim, cfg.lora_rank
-  layer = 4 * d + (e if cfg.qk_norm else 0) + e + 2 * slots + cfg.num_heads * e
-  layer += cfg.intermediate_size + (4 * (r + 2) if r else 0) + 16
-  return cfg.num_layers * layer + 2 * d
-
-
-def grad_rtol(cfg: model.ModelConfig, slots: int, tokens: int) -> float:
-  """How far (relative to a leaf's largest entry) two gradients of a loss over ``tokens`` tokens
-  of ``slots`` slots may lie apart when their sums run in different orders: the forward to the
-  log-probs (``chain_terms`` + the V-term log-sum-exp), the backward through the same sums
-  transposed (as many), and a weight's gradient sums over the tokens; twice that for two sides."""
-  return 2 * (2 * (chain_terms(cfg, slots) + cfg.vocab_size) + tokens) * U
-
-
-def logp_atol(cfg: model.ModelConfig, slots: int, z_scale: float) -> float:
-  """How far two evaluations of the log-probs of logits/τ of scale ``z_scale`` (max |z/τ|) may lie
-  apart: each side's logits are within ``chain_terms`` (+1 for the division by τ) u of that scale,
-  the log-softmax is one more sum of V terms (and an exp and a log, 4 more), and a log-prob is the
-  difference of two such values; twice that for two sides."""
-  return 2 * 2 * (chain_terms(cfg, slots) + 1 + cfg.vocab_size + 4) * U * z_scale
-
-
-def entropy_atol(cfg: model.ModelConfig, slots: int, z_scale: float) -> float:
-  """The same for entropies: logits off by δ move H by at most 2·H·δ ≤ 2·ln V·δ (dH/dz_k =
-  p_k·(log p_k + H)), and its own V-term sum rounds within (V + 4)·u·H: ln V times a log-prob's
-  bound (whose 2 counts the two values a log-prob is the difference of)."""
-  return float(np.log(cfg.vocab_size)) * logp_atol(cfg, slots, z_scale)
-
-
 # Four left-padded prompts and right-padded responses.
 R, P, N = 4, 5, 6
 _rng = np.random.default_rng(0)

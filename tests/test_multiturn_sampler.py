@@ -18,7 +18,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from test_model_layouts import U, chain_terms, entropy_atol, logp_atol  # noqa: E402
+from rounding import U, chain_terms, entropy_atol, logp_atol  # noqa: E402
 
 from jaxrl.nn import model  # noqa: E402
 from jaxrl.rl import step  # noqa: E402

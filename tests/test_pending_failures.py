@@ -10,9 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from run_helpers import read_metrics, tiny_config
-from test_async_rollouts import _leaves, _steps
-from test_loop import _context
+from run_helpers import loop_leaves, read_metrics, run_steps, step_context, tiny_config
 
 from jaxrl.run import batches
 from jaxrl.run.loop import initial_loop, restore_loop, save_loop
@@ -36,9 +34,9 @@ def test_a_batch_in_flight_that_failed_or_runs_does_not_stop_the_save(tmp_path, 
   one that failed (or never finishes, saved without waiting): the save records both by their
   decisions, and the restored loop generates them again and trains on."""
   cfg = tiny_config("test", steps=5, **{"rollout.max_staleness": 2, "sft.steps": 0})
-  ctx, params = _context(cfg, tmp_path / "tokenizer")
+  ctx, params = step_context(cfg, tmp_path / "tokenizer")
   copy = lambda x: jax.tree.map(jnp.copy, x)  # noqa: E731 (rl_step donates the train state)
-  loop, _ = _steps(ctx, initial_loop(ctx, ctx.programs.init_state(params)), 0, 2)
+  loop, _ = run_steps(ctx, initial_loop(ctx, ctx.programs.init_state(params)), 0, 2)
   issues = [p.issue for p in loop.pending]
   assert [q.step for q in issues] == [2, 3]
   broken = (_failed if fault == "failed" else _running)(issues[0])
@@ -57,9 +55,9 @@ def test_a_batch_in_flight_that_failed_or_runs_does_not_stop_the_save(tmp_path, 
   for saved, issue in zip(resumed.pending, issues):
     np.testing.assert_array_equal(saved.issue.qids_B, issue.qids_B)
     np.testing.assert_array_equal(saved.issue.counts_B, issue.counts_B)
-  for a, b in zip(_leaves(resumed), _leaves(loop)):
+  for a, b in zip(loop_leaves(resumed), loop_leaves(loop)):
     np.testing.assert_array_equal(a, b)
-  end, rows = _steps(ctx, copy(resumed), 2, 5)
+  end, rows = run_steps(ctx, copy(resumed), 2, 5)
   # Generated again by the params of the resumed step: fresh, then k behind again.
   assert [r["rollout_staleness"] for r in rows] == [0.0, 1.0, 2.0]
   assert int(end.train.step) == 5 and not end.pending

@@ -6,8 +6,7 @@ own first step, by the params that step starts from."""
 
 from __future__ import annotations
 
-from run_helpers import tiny_config
-from test_loop import _context
+from run_helpers import step_context, tiny_config
 
 from jaxrl.run.loop import initial_loop, rl_step
 
@@ -25,7 +24,7 @@ def test_e3_annealing_dynamic_sampling_k1_drains_at_the_boundary(tmp_path):
       "sft.steps": 0,
     },
   )
-  ctx, params = _context(cfg, tmp_path / "tokenizer")
+  ctx, params = step_context(cfg, tmp_path / "tokenizer")
   loop = initial_loop(ctx, ctx.programs.init_state(params))
   main_mixture = ctx.runtime(0).mixture
   rows = []

@@ -6,8 +6,8 @@ import os
 
 import numpy as np
 import pytest
+from rounding import U, chain_terms
 from run_helpers import tiny_config
-from test_model_layouts import U, chain_terms
 
 from jaxrl.nn import arch
 from jaxrl.run.train import Trainer
@@ -95,7 +95,7 @@ def test_eepo_forgetting_in_micro_batches_gives_the_same_step(tmp_path):
   assert one["eepo_gate"] == four["eepo_gate"] == 1.0
   # The unlearning loss is a mean of same-signed log(1 − p) terms over the stage-1 tokens, summed
   # in 4 chunks or in one: two forwards of the model and sums over its R·(P + N) tokens in other
-  # orders, each within (chain_terms + V + tokens)·u of its value (test_model_layouts).
+  # orders, each within (chain_terms + V + tokens)·u of its value (tests/rounding.py).
   cfg = tiny_config("eepo,test")
   model_cfg = arch.model_config(cfg, len(VOCAB))
   tcfg = task_config(cfg)

@@ -17,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jaxpr_helpers import output_shapes  # noqa: E402
-from test_model_layouts import U, chain_terms, entropy_atol, logp_atol  # noqa: E402
+from rounding import U, chain_terms, entropy_atol, logp_atol  # noqa: E402
 
 from jaxrl.nn import model  # noqa: E402
 from jaxrl.rollout import sampler  # noqa: E402
@@ -123,7 +123,7 @@ def test_logp_and_entropy_equal_training_forward(tiny, tau):
   want_logp = np.take_along_axis(logp_ref, tokens[..., None], -1)[..., 0]
   want_entropy = -(np.exp(logp_ref) * logp_ref).sum(-1)
   # Two float32 forwards (the cached decode, the training forward) of the same sums in other
-  # orders, over P + N slots; the reference's log-softmax runs in float64 (test_model_layouts).
+  # orders, over P + N slots; the reference's log-softmax runs in float64 (tests/rounding.py).
   z_scale = float(np.max(np.abs(_teacher_forced_logits(tiny, out)[mask]))) / tau
   np.testing.assert_allclose(
     np.asarray(out.behaviour_logp_RxN)[mask],
@@ -162,7 +162,7 @@ def test_decode_segments_equal_one_loop(tiny, monkeypatch):
   one_loop = _gen(tiny, [2, 1, 3], key=3, n=n, eos=CFG.vocab_size)
   np.testing.assert_array_equal(segmented.tokens_RxN, one_loop.tokens_RxN)
   # float32: the softmax sums over fewer (masked, exactly 0) slots in another order, and the
-  # rounding of that passes on: two forwards over P + n slots (test_model_layouts).
+  # rounding of that passes on: two forwards over P + n slots (tests/rounding.py).
   logits = _teacher_forced_logits(tiny, segmented)
   z_scale = float(np.max(np.abs(logits)))
   for got, want, atol in [
@@ -476,7 +476,7 @@ def test_greedy_equals_hf_generate(tmp_path):
   hf_tokens = hf_out[:, ids.shape[1] :].numpy()
   hf_tokens = np.pad(hf_tokens, ((0, 0), (0, new - hf_tokens.shape[1])), constant_values=PAD)
   # Two frameworks' forwards, each summing in its own CPU kernels' order: each choice must be
-  # decided by more than their logits' gap (two float32 forwards, test_model_layouts).
+  # decided by more than their logits' gap (two float32 forwards, tests/rounding.py).
   logits = _teacher_forced_logits((graphdef, params), out)
   gap = 2 * chain_terms(cfg, ids.shape[1] + new) * U * float(np.max(np.abs(logits)))
   _assert_argmax_is_decided(logits, out.mask_RxN, gap)

@@ -23,8 +23,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from run_helpers import ROOT, read_metrics, tiny_config
-from test_sidecar_security import LOOPBACK, as_nobody, listeners, socket_path, tcp_sockets
+from run_helpers import ROOT, read_metrics, tiny_config, wait_until
+from sidecar_helpers import (
+  LOOPBACK,
+  as_nobody,
+  killed,
+  listeners,
+  socket_path,
+  tcp_sockets,
+)
 
 from jaxrl.config import ConfigError
 from jaxrl.nn import lora, model
@@ -102,6 +109,9 @@ def served(sidecar_env, inductor_dir, tmp_path_factory):
     env.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_dir)
     starter.start()
     starter.join()
+  # join() returns before the OS thread is gone; the kernel sends a parent-death signal tied to
+  # the thread while it reaps it, which is done once its task leaves /proc/self/task.
+  wait_until(lambda: not os.path.exists(f"/proc/self/task/{starter.native_id}"), 60, "reaped")
   yield engine, graphdef, params, task
   engine.close()
 
@@ -131,9 +141,11 @@ def _prompts(task, n=3):
 
 
 def test_server_outlives_the_thread_that_started_it(served):
+  """The guard is not tied to the thread that launched it (``PR_SET_PDEATHSIG`` would be): that
+  thread is reaped (the fixture waits for it), and no SIGKILL was ever sent to the guard."""
   engine = served[0]
-  time.sleep(1.0)
-  assert engine.sidecar.alive() and healthy(engine.sidecar.url)
+  guard = engine.sidecar.proc.pid
+  assert not killed(guard) and engine.sidecar.alive() and healthy(engine.sidecar.url)
   assert engine.client.weight_version(engine.sidecar.url) == 0  # labelled at the start
 
 

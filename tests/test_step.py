@@ -6,48 +6,18 @@ import functools
 import jax
 import numpy as np
 import optax
-from run_helpers import rollouts
-from test_model_layouts import grad_rtol
+from rounding import grad_rtol
+from run_helpers import SMALL_MODEL, random_batch, update_hparams
 
 from jaxrl.nn import model
 from jaxrl.rl import losses, step
 
-MCFG = model.ModelConfig(
-  vocab_size=32,
-  hidden_size=32,
-  intermediate_size=64,
-  num_layers=2,
-  num_heads=2,
-  num_kv_heads=1,
-  head_dim=16,
-  rope_theta=1e6,
-  tie_embeddings=False,
-)
-
-
-def make_batch(rng, R=8, P=5, N=4, groups=2):
-  return rollouts(
-    prompt_ids_RxP=rng.integers(0, 32, (R, P)).astype(np.int32),
-    prompt_mask_RxP=np.ones((R, P), bool),
-    tokens_RxN=rng.integers(0, 32, (R, N)).astype(np.int32),
-    mask_RxN=np.arange(N)[None, :] < rng.integers(1, N + 1, (R, 1)),
-    behaviour_logp_RxN=(-rng.random((R, N)) * 3 - 0.5).astype(np.float32),
-    rewards_R=np.tile([1.0, 0.0, 0.0, 1.0], R // 4).astype(np.float32),
-    group_ids_R=np.repeat(np.arange(groups), R // groups).astype(np.int32),
-  )
-
-
-def hparams():
-  return losses.LossHparams.create(
-    eps_low=0.2, eps_high=0.28, kl_coef=0.0, entropy_coef=0.0, tau=0.9
-  )
-
 
 def test_mini_batches_are_sequential_updates_on_strided_rows():
   """Mini-batch j holds rows j, j+m, j+2m, ... (each stays spread over the data shards)."""
-  graphdef, params = model.create(MCFG, 0)
+  graphdef, params = model.create(SMALL_MODEL, 0)
   tx = optax.adam(1e-2)
-  batch = make_batch(np.random.default_rng(0))
+  batch = random_batch(np.random.default_rng(0))
   # Dr.GRPO advantages (r - group mean): the rewards [1, 0, 0, 1] of each group have the same mean
   # on even and odd rows, so each half's own advantages equal the whole batch's.
   one = losses.LossConfig(
@@ -56,14 +26,14 @@ def test_mini_batches_are_sequential_updates_on_strided_rows():
   two = dataclasses.replace(one, mini_batches=2)
   state = step.init_state(params, tx)
   s_two, m_two = jax.jit(functools.partial(step.rl_update, graphdef, tx, two))(
-    state, batch, hparams()
+    state, batch, update_hparams()
   )
   even, odd = (
     jax.tree.map(lambda x, sl=sl: x[sl], batch) for sl in (slice(0, None, 2), slice(1, None, 2))
   )
   update = jax.jit(functools.partial(step.rl_update, graphdef, tx, one))
-  s_seq, m1 = update(step.init_state(params, tx), even, hparams())
-  s_seq, m2 = update(s_seq, odd, hparams())
+  s_seq, m1 = update(step.init_state(params, tx), even, update_hparams())
+  s_seq, m2 = update(s_seq, odd, update_hparams())
   assert int(s_two.step) == 2
   # No rounding bound can be derived through Adam's first step, lr·g/(|g| + ε): a last-bit
   # difference in a near-zero gradient entry moves that weight by up to 2·lr. Nor is one needed:
@@ -79,23 +49,23 @@ def test_mini_batches_are_sequential_updates_on_strided_rows():
 
 
 def test_micro_batches_give_the_same_update():
-  graphdef, params = model.create(MCFG, 1)
+  graphdef, params = model.create(SMALL_MODEL, 1)
   tx = optax.sgd(0.1)
-  batch = make_batch(np.random.default_rng(1))
+  batch = random_batch(np.random.default_rng(1))
   out = []
   for micro in (1, 4):
     cfg = losses.LossConfig(
       aggregation="seq-mean-token-mean", informative_only=False, num_groups=2, micro_batches=micro
     )
     s, m = jax.jit(functools.partial(step.rl_update, graphdef, tx, cfg))(
-      step.init_state(params, tx), batch, hparams()
+      step.init_state(params, tx), batch, update_hparams()
     )
     out.append((s, m))
   # Four micro-batches sum the gradient over the rows in another order than one pass. SGD: each
   # weight is fl(p − lr·g), so the two differ by lr times the gradients' gap (``grad_rtol`` of a
   # leaf's largest lr·|g| = |Δp|, over the 8 rows of P + N = 9 slots) and by the rounding of the
   # subtraction (one ulp of the new weights: 0.5 each way).
-  rtol = grad_rtol(MCFG, 9, 8 * 9)
+  rtol = grad_rtol(SMALL_MODEL, 9, 8 * 9)
   for a, b, p in zip(*(jax.tree.leaves(x) for x in (out[0][0].params, out[1][0].params, params))):
     a, b = np.asarray(a), np.asarray(b)
     bound = rtol * np.max(np.abs(b - np.asarray(p))) + np.spacing(np.max(np.abs(b)))

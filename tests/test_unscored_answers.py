@@ -8,8 +8,7 @@ import dataclasses
 
 import jax
 import numpy as np
-from run_helpers import rollouts, tiny_config
-from test_loop import _context
+from run_helpers import rollouts, step_context, tiny_config
 
 from jaxrl.rl import losses
 from jaxrl.rollout import dynamic
@@ -32,7 +31,7 @@ class _PoolScorer:
 
 def test_unscored_answers_are_set_aside_from_the_update_and_the_statistics(tmp_path):
   cfg = tiny_config("test", steps=1, **{"sft.steps": 0})
-  ctx, params = _context(cfg, tmp_path / "tokenizer")
+  ctx, params = step_context(cfg, tmp_path / "tokenizer")
   ctx.task.scorer = _PoolScorer()
   trained = {}
   update = ctx.runtime(0).update

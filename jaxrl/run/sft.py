@@ -56,6 +56,8 @@ def warm_start(
   cached = load_cached(workdir, params, key)
   if cached is not None:
     return cached
+  # A phase's first line (tests/test_kill_resume.py waits for it to kill during the warm start).
+  log.info("SFT warm start running: %d steps", steps)
   decay = 0 if target_loss > 0 else max(steps - warmup_steps, 1)
   tx = optim.adamw(learning_rate, warmup_steps, decay_steps=decay, weight_decay=weight_decay)
   # A LoRA model's adapters are added for RL: the warm start trains the base (B = 0 keeps the

@@ -228,6 +228,8 @@ class Trainer:
     if cached is not None:
       return cached
     c, t = self.cfg, self.task
+    # A phase's first line (tests/test_kill_resume.py waits for it to kill during evaluation).
+    log.info("evaluating %s (%d held-out questions)", name, len(t.heldout_levels))
     per_call = max(1, c.num_rollouts // c.eval.num_samples)
     calls = -(-len(t.heldout_levels) // per_call)
 
