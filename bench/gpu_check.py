@@ -812,6 +812,7 @@ def stage_lora_vs_plan(ctx: Stage) -> None:
     prompt_mask_RxP=np.ones((R, P), bool),
     tokens_RxN=rng.integers(0, mcfg.vocab_size, (R, N)).astype(np.int32),
     mask_RxN=mask,
+    loss_mask_RxN=mask,
     behaviour_logp_RxN=(-rng.random((R, N)) * 4 - 0.5).astype(np.float32),
     prox_logp_RxN=(-rng.random((R, N)) * 4 - 0.5).astype(np.float32),
     entropy_RxN=np.zeros((R, N), np.float32),

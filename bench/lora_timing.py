@@ -58,6 +58,7 @@ def _batch(cfg, task, rng) -> Rollouts:
     prompt_mask_RxP=mask[group],
     tokens_RxN=rng.integers(3, task.vocab_size, (r, n)).astype(np.int32),
     mask_RxN=np.ones((r, n), bool),
+    loss_mask_RxN=np.ones((r, n), bool),
     behaviour_logp_RxN=np.full((r, n), -1.0, np.float32),
     entropy_RxN=np.zeros((r, n), np.float32),
     lengths_R=np.full((r,), n, np.int32),

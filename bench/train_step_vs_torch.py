@@ -109,6 +109,7 @@ def jaxrl_update_fn(graphdef, params, b: dict, response_len: int):
     prompt_mask_RxP=np.ones((R, P), bool),
     tokens_RxN=b["tokens_RxN"],
     mask_RxN=b["mask_RxN"],
+    loss_mask_RxN=b["mask_RxN"],
     behaviour_logp_RxN=b["old_logp_RxN"],
     entropy_RxN=np.zeros_like(b["old_logp_RxN"]),
     lengths_R=np.full((R,), response_len, np.int32),

@@ -94,6 +94,7 @@ def pad_rows(rollouts: Rollouts, rows: int, group: int, template: Rollouts | Non
 # Per-token and per-row values of a padding row: nothing of the copied row may remain.
 _ZERO_ON_PAD = (
   "mask_RxN",
+  "loss_mask_RxN",
   "lengths_R",
   "behaviour_logp_RxN",
   "prox_logp_RxN",

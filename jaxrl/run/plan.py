@@ -347,6 +347,7 @@ def abstract_rollouts(r: int, p: int, n: int, rows_sharding=None) -> Rollouts:
     prompt_mask_RxP=sds((r, p), jnp.bool_),
     tokens_RxN=sds((r, n), jnp.int32),
     mask_RxN=sds((r, n), jnp.bool_),
+    loss_mask_RxN=sds((r, n), jnp.bool_),
     behaviour_logp_RxN=sds((r, n), jnp.float32),
     prox_logp_RxN=sds((r, n), jnp.float32),
     entropy_RxN=sds((r, n), jnp.float32),
@@ -454,6 +455,7 @@ def compile_forget(pc: Config, programs: Programs, params) -> Compiled:
     batch.prompt_mask_RxP,
     batch.tokens_RxN,
     batch.mask_RxN,
+    batch.loss_mask_RxN,
   )
   micro = step.sequential_chunks(half, pc.loss.micro_batches)
   return _analyse(
