@@ -63,15 +63,24 @@ class Rollouts:
   Engines return every field up to ``finished_R``; the collector adds the proximal log-probs and
   the loop the verifier's rewards (``dataclasses.replace``) before the update, which reads both.
   The three log-probs of docs/algorithms.md §9 are ℓ_μ (``behaviour_logp_RxN``), ℓ_prox
-  (``prox_logp_RxN``) and ℓ (the update's own forward)."""
+  (``prox_logp_RxN``) and ℓ (the update's own forward).
+
+  Two masks (docs/algorithms.md §11): ``mask_RxN``, the response mask, marks every position that
+  holds a token, the model's or an environment's (what the forward attends to, what a response's
+  length counts); ``loss_mask_RxN`` marks the model's own sampled tokens, the only ones any loss,
+  weight or entropy statistic reads. A single-turn response has no environment tokens: the two are
+  equal. Per-token values (log-probs, entropies) at environment positions are never read."""
 
   prompt_ids_RxP: Array  # i32, left-padded
   prompt_mask_RxP: Array  # bool
   tokens_RxN: Array  # i32 response tokens, pad_id after EOS
-  mask_RxN: Array  # bool, True on generated tokens up to and including EOS
-  loss_mask_RxN: Array  # bool, True on the model's own sampled tokens (docs/algorithms.md §11); equals mask_RxN with no environment
-  behaviour_logp_RxN: Array  # f32 ℓ_μ: log softmax(z/τ)[token] as the engine sampled it, 0 masked
-  entropy_RxN: Array  # f32, entropy of the full softmax(z/τ), 0 where masked
+  mask_RxN: Array  # bool, True on every response token (model or environment), EOS included
+  loss_mask_RxN: (
+    Array  # bool, True on the model's sampled tokens only (⊆ mask_RxN; docs/algorithms.md §11)
+  )
+  # f32 ℓ_μ: log softmax(z/τ)[token] as the engine sampled it; 0 off the loss mask
+  behaviour_logp_RxN: Array
+  entropy_RxN: Array  # f32, entropy of the full softmax(z/τ), 0 off the response mask
   lengths_R: Array  # i32, generated tokens (EOS included)
   group_ids_R: Array  # i32 in [0, B)
   finished_R: Array  # bool, the row emitted EOS

@@ -65,10 +65,14 @@ def rollouts(
   rewards_R,
   group_ids_R,
   prox_logp_RxN=None,
+  loss_mask_RxN=None,
 ):
   """A ``Rollouts`` for the update from the fields it reads (entropies, lengths and finished flags
   derived: the update ignores them). ``prox_logp_RxN`` defaults to the behaviour log-probs (an
-  on-policy batch: the engine sampled with the params the update starts from)."""
+  on-policy batch: the engine sampled with the params the update starts from); ``loss_mask_RxN``
+  to the response mask (single-turn: every response token is the model's)."""
+  import numpy as np
+
   from jaxrl.types import Rollouts
 
   mask_RxN = np.asarray(mask_RxN, bool)
@@ -77,7 +81,7 @@ def rollouts(
     prompt_mask_RxP=np.asarray(prompt_mask_RxP, bool),
     tokens_RxN=np.asarray(tokens_RxN),
     mask_RxN=mask_RxN,
-    loss_mask_RxN=mask_RxN,
+    loss_mask_RxN=mask_RxN if loss_mask_RxN is None else np.asarray(loss_mask_RxN, bool),
     behaviour_logp_RxN=np.asarray(behaviour_logp_RxN, np.float32),
     prox_logp_RxN=np.asarray(
       behaviour_logp_RxN if prox_logp_RxN is None else prox_logp_RxN, np.float32

@@ -61,6 +61,7 @@ def test_gather_and_pad_keep_each_group_whole_and_pad_rows_carry_nothing():
   padded = dynamic.pad_rows(chosen, 12, group=3)
   assert len(padded.group_ids_R) == 12 and np.all(padded.group_ids_R[9:] == 3)
   assert not padded.mask_RxN[9:].any() and not padded.rewards_R[9:].any()
+  assert not padded.loss_mask_RxN[9:].any()
   assert not padded.behaviour_logp_RxN[9:].any() and np.all(padded.prompt_mask_RxP[9:])
   # The padding group has advantage 0 and no informative row: it adds nothing to the loss.
   adv = np.asarray(losses.group_advantages(padded.rewards_R, padded.group_ids_R, 4))

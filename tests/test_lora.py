@@ -189,7 +189,7 @@ def test_eepo_forgetting_moves_the_adapters_only():
   )
   theta2, value = forget(
     params, batch.prompt_ids_RxP, batch.prompt_mask_RxP, batch.tokens_RxN, batch.mask_RxN,
-    jnp.float32(1),
+    batch.loss_mask_RxN, jnp.float32(1),
   )  # fmt: skip
   adapters = _paths(lora.partition(params, "adapters")[0])
   moved = set()

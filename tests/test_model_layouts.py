@@ -356,7 +356,7 @@ def test_eepo_forget_micro_batches_equal_one_pass(models, micro):
     functools.partial(step.eepo_forget, graphdef, 4, lr=1000.0, eps_l=0.01, eps_r=1e-4),
     static_argnames="micro",
   )
-  args = (params, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, mask, jnp.float32(0.9))
+  args = (params, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, mask, mask, jnp.float32(0.9))
   one_params, one_value = forget(*args, micro=1)
   micro_params, micro_value = forget(*args, micro=micro)
   assert float(one_value) < -0.01  # a non-trivial objective (a sum of log(1 - p) terms)

@@ -229,6 +229,7 @@ def test_greedy_rows_match_the_jax_sampler(served):
     "prompt_mask_RxP",
     "tokens_RxN",
     "mask_RxN",
+    "loss_mask_RxN",
     "lengths_R",
     "group_ids_R",
     "finished_R",

@@ -85,5 +85,6 @@ def test_set_aside_moves_rows_to_the_group_of_no_question():
   aside = dynamic.set_aside(out, kept, 2)
   assert aside.group_ids_R.tolist() == [0, 2, 1, 1]
   assert aside.mask_RxN.tolist()[1] == [False] * n and aside.mask_RxN[kept].all()
+  assert not aside.loss_mask_RxN[1].any() and aside.loss_mask_RxN[kept].all()
   assert aside.rewards_R.tolist() == [1, 0, 1, 1] and aside.lengths_R[1] == 0
   assert dynamic.set_aside(out, np.ones(r, bool), 2) is out

@@ -11,6 +11,10 @@ them into means once all micro-batches are summed.
 
 The method extras sit at the end: DynaMO's token-level advantage modulation (§4), whose output
 feeds `grpo_loss(..., adv_RxT=...)`, and EEPO's unlearning loss (§5) for the rollout copy θ'.
+
+Every ``mask`` here is the **loss mask** (docs/algorithms.md §11): the model's own sampled tokens.
+In a multi-turn response an environment's tokens are off it: no term, weight, statistic or token
+count reads their values, so they carry exactly no gradient. Single-turn, it is the response mask.
 """
 
 from __future__ import annotations
@@ -177,7 +181,8 @@ def _rollout_weights(mask_RxT, informative_R, cfg):
 
 
 def loss_denominator(mask_RxT, informative_R, cfg: LossConfig):
-  """Global loss denominator for the whole step's batch (tokens or non-empty sequences)."""
+  """Global loss denominator for the whole step's batch (tokens or non-empty sequences), counted
+  on the loss mask: the model's tokens, or the rows with at least one (docs/algorithms.md §11)."""
   w_RxT = _rollout_weights(mask_RxT, informative_R, cfg)
   if cfg.aggregation == "token-mean":
     return jnp.sum(w_RxT)
@@ -186,7 +191,9 @@ def loss_denominator(mask_RxT, informative_R, cfg: LossConfig):
 
 
 def _aggregate(x_RxT, w_RxT, mask_RxT, cfg):
-  """Numerator of the chosen aggregation: a sum over rows, so additive across micro-batches."""
+  """Numerator of the chosen aggregation: a sum over rows, so additive across micro-batches.
+  seq-mean-token-mean divides each row by its model tokens; seq-mean-token-sum-norm by the buffer
+  length N whatever the row holds (docs/algorithms.md §11)."""
   xw_RxT = x_RxT * w_RxT
   if cfg.aggregation == "token-mean":
     return jnp.sum(xw_RxT)
@@ -295,6 +302,10 @@ def grpo_loss(
 ):
   """Clipped GRPO surrogate + β·KL − λ·entropy, each aggregated and divided by `denom`.
 
+  `mask_RxT` is the loss mask (docs/algorithms.md §11): at positions off it, `logp_RxT`,
+  `old_logp_RxT`, `entropy_RxT`, `ref_logp_RxT`, `adv_RxT` and `behaviour_w_RxT` may hold anything
+  finite; neither the loss, the metrics nor the gradient depends on them (the gradient there is 0).
+
   `adv_RxT`, if given, is a per-token advantage (e.g. `dynamo_modulate`'s) used in the surrogate
   and the dual clip instead of `adv_R` broadcast over tokens; `adv_R` is then ignored.
   `behaviour_w_RxT`, if given, is §9's corrected behaviour weight w̃ (`behaviour_weights`): it
@@ -362,7 +373,9 @@ def behaviour_weights(
 
   ``mode`` (static): ``none`` → 1; ``tis`` → min(w, cap); ``mis`` → w inside [m_low, m_high], else
   0; ``seq-mis`` → 1 for every token of a response whose s = exp(mean_t(ℓ_prox − ℓ_μ)) is inside
-  [m_low, m_high], else 0. Masked positions get 0. Thresholds may be traced scalars."""
+  [m_low, m_high], else 0. Positions off ``mask`` (padding, an environment's tokens, whose ℓ_μ
+  does not exist: docs/algorithms.md §11) get 0 and take no part in s. Thresholds may be traced
+  scalars."""
   d_RxT, on_RxT = _log_ratio(logp_prox, logp_behaviour, mask)
   kept_RxT = _kept_RxT(d_RxT, on_RxT, mode, cap, m_low, m_high)
   if mode == "tis":
@@ -379,7 +392,8 @@ def _token_mean(x_RxT, on_RxT):
 
 
 def mismatch_kl(logp_prox, logp_behaviour, mask) -> jax.Array:
-  """k3 estimate of KL(μ ‖ π_prox) from tokens sampled by μ: token mean of (w − 1) − log w."""
+  """k3 estimate of KL(μ ‖ π_prox) from tokens sampled by μ: token mean of (w − 1) − log w over
+  ``mask`` (the loss mask: the tokens μ sampled, docs/algorithms.md §11)."""
   d_RxT, on_RxT = _log_ratio(logp_prox, logp_behaviour, mask)
   return _token_mean(jnp.expm1(d_RxT) - d_RxT, on_RxT)
 
@@ -408,7 +422,8 @@ def dynamo_modulate(
   `adv` is the sequence advantage f[R]; `logp`, `old_logp`, `entropy` and `mask` are [R,T] (entropy
   of the full softmax at τ). The normaliser max Ξ and the entropy range H_min/H_max are taken over
   the valid tokens of the arrays given: with micro-batching that is the micro-batch, not the whole
-  step. Every hyperparameter may be a traced scalar.
+  step. Valid is ``mask``, the loss mask: an environment's tokens enter neither max Ξ, H_min, H_max
+  nor a row's mean E_i (docs/algorithms.md §11). Every hyperparameter may be a traced scalar.
   """
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   mask_RxT = f32(mask)
@@ -451,6 +466,7 @@ def eepo_unlearning_loss_from_logp(logp_RxT, log1m_p_RxT, mask_RxT, eps_l, eps_r
   comes from `logp_log1m_p_from_logits`), so a dominant token keeps a gradient where the paper's
   clip of p to 1 − ε_R would give none. Tokens with p < ε_L contribute 0 in value and gradient.
   T_k counts the valid tokens of sequence k; rows with none (padding) are left out of the mean.
+  Valid is ``mask_RxT``, the loss mask: the model's own tokens (docs/algorithms.md §11).
   """
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   mask_RxT = f32(mask_RxT)

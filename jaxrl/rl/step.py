@@ -177,7 +177,8 @@ class UpdateRows:
   prompt_ids_RxP: Array  # i32, left-padded
   prompt_mask_RxP: Array  # bool
   tokens_RxN: Array  # i32 response tokens
-  mask_RxN: Array  # bool
+  mask_RxN: Array  # bool, every response token: what the forward attends to
+  loss_mask_RxN: Array  # bool, the model's sampled tokens: what the loss reads (§11)
   old_logp_RxN: Array  # f32 ℓ_prox, under the params the update starts from (§9)
   adv_R: Array  # f32 group advantages, over the whole step's batch (§1.1)
   informative_R: Array  # bool: the row's group has rewards not all equal
@@ -187,7 +188,8 @@ class UpdateRows:
 
 def _row_inputs(graphdef, cfg: LossConfig, batch: Rollouts, hp: LossHparams, ref_params):
   """Per-row inputs of the GRPO loss: advantages and informative flags over the whole batch
-  (groups may straddle mini- and micro-batches), the KL reference's log-probs and §9's weights."""
+  (groups may straddle mini- and micro-batches), the KL reference's log-probs and §9's weights
+  (over the model's tokens: the loss mask, docs/algorithms.md §11)."""
   adv_R = losses.group_advantages(
     batch.rewards_R, batch.group_ids_R, cfg.num_groups, scale_by_std=cfg.scale_by_std
   )
@@ -207,13 +209,14 @@ def _row_inputs(graphdef, cfg: LossConfig, batch: Rollouts, hp: LossHparams, ref
   behaviour_w_RxN = None
   if cfg.behaviour_correction != "none":  # "none" leaves the objective exactly as it was
     behaviour_w_RxN = losses.behaviour_weights(
-      batch.prox_logp_RxN, batch.behaviour_logp_RxN, batch.mask_RxN, **_behaviour_args(cfg, hp)
+      batch.prox_logp_RxN, batch.behaviour_logp_RxN, batch.loss_mask_RxN, **_behaviour_args(cfg, hp)
     )
   return UpdateRows(
     prompt_ids_RxP=batch.prompt_ids_RxP,
     prompt_mask_RxP=batch.prompt_mask_RxP,
     tokens_RxN=batch.tokens_RxN,
     mask_RxN=batch.mask_RxN,
+    loss_mask_RxN=batch.loss_mask_RxN,
     old_logp_RxN=batch.prox_logp_RxN,
     adv_R=adv_R,
     informative_R=losses.informative_rollouts(batch.rewards_R, batch.group_ids_R, cfg.num_groups),
@@ -228,7 +231,8 @@ def _behaviour_args(cfg: LossConfig, hp: LossHparams) -> dict:
 
 def _micro_loss(graphdef, cfg: LossConfig, hp: LossHparams):
   """``loss(params, rows, denom) → (loss, metrics)`` of one micro-batch: a partial sum of its
-  mini-batch's loss (the denominator is the mini-batch's)."""
+  mini-batch's loss (the denominator is the mini-batch's). The forward reads every response token;
+  every term of the loss only the model's (the loss mask, docs/algorithms.md §11)."""
 
   def loss(params, mb: UpdateRows, denom):
     logp_RxN, ent_RxN = logp_responses(
@@ -244,11 +248,11 @@ def _micro_loss(graphdef, cfg: LossConfig, hp: LossHparams):
     adv_RxN = None
     if cfg.modulation:  # DynaMO (§4.3): min/max statistics are over this micro-batch
       adv_RxN = losses.dynamo_modulate(
-        mb.adv_R, logp_RxN, mb.old_logp_RxN, ent_RxN, mb.mask_RxN, hp.eps_low, hp.eps_high,
+        mb.adv_R, logp_RxN, mb.old_logp_RxN, ent_RxN, mb.loss_mask_RxN, hp.eps_low, hp.eps_high,
         hp.modulation_alpha, hp.modulation_gamma, hp.modulation_tau,
       )  # fmt: skip
     return losses.grpo_loss(
-      logp_RxN, mb.old_logp_RxN, mb.adv_R, mb.mask_RxN, ent_RxN, mb.ref_logp_RxN,
+      logp_RxN, mb.old_logp_RxN, mb.adv_R, mb.loss_mask_RxN, ent_RxN, mb.ref_logp_RxN,
       mb.informative_R, denom, hp, cfg, adv_RxT=adv_RxN, behaviour_w_RxT=mb.behaviour_w_RxN,
     )  # fmt: skip
 
@@ -285,7 +289,7 @@ def rl_update(
   grad_fn = _grad_of_part(_micro_loss(graphdef, cfg, hp), trainable)
 
   def one_update(state, rows: UpdateRows):
-    denom = losses.loss_denominator(rows.mask_RxN, rows.informative_R, cfg)
+    denom = losses.loss_denominator(rows.loss_mask_RxN, rows.informative_R, cfg)
     (loss, metrics), grads = accumulate(
       lambda mb: grad_fn(state.params, mb, denom), rows, cfg.micro_batches
     )
@@ -313,10 +317,11 @@ def rl_update(
     out = jax.tree.map(lambda x: jnp.mean(x, axis=0), outs)  # metrics averaged over the updates
     out["nonfinite_updates"] = skipped
   out["informative_frac"] = jnp.mean(per_row.informative_R.astype(jnp.float32))
-  # docs/algorithms.md §9: how far the engine's policy μ is from the update's start, every mode
+  # docs/algorithms.md §9: how far the engine's policy μ is from the update's start, every mode,
+  # over the tokens μ sampled (an environment's have no ℓ_μ, §11)
   out.update(
     losses.behaviour_metrics(
-      batch.prox_logp_RxN, batch.behaviour_logp_RxN, batch.mask_RxN, **_behaviour_args(cfg, hp)
+      batch.prox_logp_RxN, batch.behaviour_logp_RxN, batch.loss_mask_RxN, **_behaviour_args(cfg, hp)
     )
   )
   return state, out
@@ -357,6 +362,7 @@ def eepo_forget(
   prompt_mask_RxP,
   response_ids_RxN,
   response_mask_RxN,
+  loss_mask_RxN,
   tau,
   *,
   lr: float,
@@ -369,19 +375,21 @@ def eepo_forget(
   the ``trainable`` part of θ: with LoRA, the adapters).
 
   L is the unlearning objective (docs/algorithms.md §5) over the stage-1 responses at τ
-  (log(1-p) computed stably by the fused path); no optimizer state. ``micro`` > 1 accumulates L
-  and ∇L over that many strided row chunks (``_split_micro``) in sequence, as ``rl_update``'s
-  micro-batches: the same θ' with the activation memory of R/micro rows. Returns (θ', L).
+  (log(1-p) computed stably by the fused path); no optimizer state. The forward reads every
+  response token (``response_mask_RxN``), L only the model's own (``loss_mask_RxN``,
+  docs/algorithms.md §11). ``micro`` > 1 accumulates L and ∇L over that many strided row chunks
+  (``_split_micro``) in sequence, as ``rl_update``'s micro-batches: the same θ' with the
+  activation memory of R/micro rows. Returns (θ', L).
   """
-  rows = (prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN, response_mask_RxN)
+  rows = (prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN, response_mask_RxN, loss_mask_RxN)
 
   def objective(p, rows, weight):
-    prompt_ids, prompt_mask, response_ids, response_mask = rows
+    prompt_ids, prompt_mask, response_ids, response_mask, loss_mask = rows
     hidden_RxNxD, lm_head = response_hidden(
       graphdef, p, prompt_ids, prompt_mask, response_ids, response_mask
     )
     logp, log1m_p = fused_log1m_p(hidden_RxNxD, lm_head, response_ids, tau, chunk_size=chunk)
-    loss = losses.eepo_unlearning_loss_from_logp(logp, log1m_p, response_mask, eps_l, eps_r)
+    loss = losses.eepo_unlearning_loss_from_logp(logp, log1m_p, loss_mask, eps_l, eps_r)
     return weight * loss, None
 
   part_grad = _grad_of_part(objective, trainable)
@@ -393,14 +401,14 @@ def eepo_forget(
   if micro == 1:
     value, grads = grad_fn(params, rows, jnp.float32(1))
   else:
-    # L is a mean over the rows with a response; a chunk's mean, weighted by its share of those
-    # rows, is its part of the sum.
+    # L is a mean over the rows with a model token; a chunk's mean, weighted by its share of
+    # those rows, is its part of the sum.
     def responses(mask_RxN):
       return jnp.sum((jnp.sum(mask_RxN, axis=1) > 0).astype(jnp.float32))
 
-    total = jnp.maximum(responses(response_mask_RxN), 1.0)
+    total = jnp.maximum(responses(loss_mask_RxN), 1.0)
 
-    value, grads = accumulate(lambda mb: grad_fn(params, mb, responses(mb[3]) / total), rows, micro)
+    value, grads = accumulate(lambda mb: grad_fn(params, mb, responses(mb[4]) / total), rows, micro)
   trained, frozen = lora.partition(params, trainable)
   return lora.combine(jax.tree.map(lambda p, g: p + lr * g, trained, grads), frozen), value
 

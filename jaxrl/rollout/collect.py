@@ -23,9 +23,12 @@ from jaxrl.types import Rollouts
 
 
 def token_mean_entropy(rollouts: Rollouts) -> float:
-  """Token-weighted mean entropy at τ over every generated token."""
-  mask = np.asarray(rollouts.mask_RxN)
-  return float((np.asarray(rollouts.entropy_RxN) * mask).sum() / max(mask.sum(), 1))
+  """Token-weighted mean entropy at τ over the model's sampled tokens (the loss mask: an
+  environment's tokens were not sampled, docs/algorithms.md §11)."""
+  mask = np.asarray(rollouts.loss_mask_RxN)
+  # where, not a product: the value at a position off the loss mask is never read
+  entropy = np.where(mask, np.asarray(rollouts.entropy_RxN), 0.0)
+  return float(entropy.sum() / max(mask.sum(), 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,13 +77,15 @@ class Collector:
       jnp.asarray, dataclasses.replace(rollouts, prox_logp_RxN=logp, entropy_RxN=ent)
     )
 
-  def _rows(self, rollouts: Rollouts):
-    """The rows a forward reads, sharded over the data axes; and how many sequential chunks."""
+  def _rows(self, rollouts: Rollouts, *more):
+    """The rows a forward reads (and ``more`` per-row arrays after them), sharded over the data
+    axes; and how many sequential chunks."""
     rows = (
       rollouts.prompt_ids_RxP,
       rollouts.prompt_mask_RxP,
       rollouts.tokens_RxN,
       rollouts.mask_RxN,
+      *more,
     )
     batch = sharding.shard_batch(tuple(np.asarray(x) for x in rows), self.programs.mesh)
     return batch, step.sequential_chunks(len(rows[0]), self.micro_batches)
@@ -91,6 +96,7 @@ class Collector:
     return self.programs.logp(self.logprob_chunk)(params, *batch, jnp.float32(tau), micro=micro)
 
   def forget(self, params, rollouts: Rollouts, tau, fc: ForgetConfig):
-    """EEPO's (θ', unlearning loss) from the rollouts' rows."""
-    batch, micro = self._rows(rollouts)
+    """EEPO's (θ', unlearning loss) from the rollouts' rows: the forward reads every response
+    token, the objective the model's own (the loss mask, docs/algorithms.md §11)."""
+    batch, micro = self._rows(rollouts, rollouts.loss_mask_RxN)
     return self.programs.forget(fc)(params, *batch, jnp.float32(tau), micro=micro)

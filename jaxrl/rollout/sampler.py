@@ -293,7 +293,7 @@ def _assemble(prompt_ids_RxP, prompt_mask_RxP, group_ids_R, st: _DecodeState) ->
     prompt_mask_RxP=prompt_mask_RxP,
     tokens_RxN=st.tokens_RxN,
     mask_RxN=st.mask_RxN,
-    loss_mask_RxN=st.mask_RxN,  # every response token was sampled
+    loss_mask_RxN=st.mask_RxN,  # single-turn: every response token is the model's
     behaviour_logp_RxN=st.logp_RxN,
     entropy_RxN=st.entropy_RxN,
     lengths_R=jnp.sum(st.mask_RxN, axis=-1, dtype=jnp.int32),

@@ -398,7 +398,7 @@ class VllmEngine:
       prompt_mask_RxP=mask_BxP[group_ids_R],
       tokens_RxN=tokens_RxN,
       mask_RxN=mask_RxN,
-      loss_mask_RxN=mask_RxN,  # single-turn: every response token was sampled
+      loss_mask_RxN=mask_RxN,  # single-turn: every response token is the model's
       behaviour_logp_RxN=logp_RxN,
       entropy_RxN=np.zeros((r, n), np.float32),
       lengths_R=lengths_R,

@@ -372,7 +372,7 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
   if not batch.issue.fresh:  # sampled by older params: ℓ_prox and entropies under θ_i (§9)
     rollouts = ctx.collector.anchor(loop.train.params, rollouts, tau)
   # Entropy of the rollouts at τ under the params the update starts from: E3's H_t and the clip
-  # controller's measured entropy, known before this step's update.
+  # controller's measured entropy, known before this step's update (over the model's tokens, §11).
   h_t = token_mean_entropy(rollouts)
   clip_state = methods.update_clip(ctl.clip, h_t)
   hp = LossHparams.from_config(c, tau, methods.clip.current(clip_state))
@@ -561,6 +561,15 @@ def restore_loop(
   cursor = MixtureCursor.from_json(meta["cursor"])
   train = _with_base(tree["state"], like.train, meta, ckpt.directory)
   return LoopState(train, tree["stats"], tree[CONTROLLERS], cursor, meta["phase"], pending)
+
+
+def _restored_rollouts(fields: dict) -> Rollouts:
+  """A pending batch's rollouts from their saved fields. A checkpoint written before the loss mask
+  existed holds single-turn rows only: their loss mask is their response mask
+  (docs/algorithms.md §11)."""
+  fields = {k: np.asarray(v) for k, v in fields.items()}
+  fields.setdefault("loss_mask_RxN", fields["mask_RxN"])
+  return Rollouts(**fields)
 
 
 def _with_base(restored: TrainState, like: TrainState, meta: dict, where: str) -> TrainState:

@@ -455,6 +455,7 @@ def compile_forget(pc: Config, programs: Programs, params) -> Compiled:
     batch.prompt_mask_RxP,
     batch.tokens_RxN,
     batch.mask_RxN,
+    batch.loss_mask_RxN,
   )
   micro = step.sequential_chunks(half, pc.loss.micro_batches)
   return _analyse(

@@ -67,8 +67,12 @@ def step_record(
   generation (its seconds, EEPO's metrics, staleness, dynamic sampling's). ``rollouts``: the rows
   of the step's questions (NaN rewards when the verifier scored none of them)."""
   rows = max(len(rewards_R), 1)
+  # Lengths and throughputs count every response token, the model's and an environment's (what a
+  # response holds, what the programs process); the model's alone are ``model_tokens_mean`` (and
+  # the update's ``token_count``, docs/algorithms.md §11).
   mask = np.asarray(rollouts.mask_RxN)
   tokens = float(mask.sum())
+  model_tokens = float(np.asarray(rollouts.loss_mask_RxN).sum())
   prompt_tokens = mask.shape[0] * rollouts.prompt_ids_RxP.shape[1]
   t0, t1, t2, t3 = times
   return dict(
@@ -77,6 +81,7 @@ def step_record(
     pass_rate=float((rewards_R > 0).mean()) if len(rewards_R) else float("nan"),
     entropy_rollout=entropy,
     response_len=tokens / rows,
+    model_tokens_mean=model_tokens / rows,
     **decisions,
     **allocation_metrics(counts_B),
     # the engine's rate while generating; the trainer's wait for the batch (0 when it was ready)
