@@ -76,3 +76,16 @@ def attention_atol(q, k, v):
   e, s = q64.shape[-1], k64.shape[-1]
   m = np.einsum("btkae,bkes->bkats", q64, k64).max() * e**-0.5
   return 2 * (2 * (e + 2) * U * m + (2 * s + 4) * U) * v64.max()
+
+
+# A float32 per-token term of the loss (ρ = exp(ℓ − ℓ_old), ρ·A, the clip, a KL estimate, the
+# divisions by the row norm and the denominator) rounds within this many u of its magnitude.
+TERM_ULPS = 10
+
+
+def sum_tol(n_terms, magnitude):
+  """How far a float32 sum of ``n_terms`` such terms, of absolute sum ``magnitude``, may lie from
+  the float64 value whatever order XLA's CPU reduction adds them in (its vectorisation differs
+  on AVX2, AVX-512 and AMX machines): n·u·Σ|terms| for the sum (Higham, Accuracy and Stability,
+  §3.1), TERM_ULPS·u·Σ|terms| for the terms themselves."""
+  return (n_terms + TERM_ULPS) * U * magnitude

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from rounding import sum_tol
+from run_helpers import SMALL_MODEL as MCFG
 from run_helpers import rollouts, tiny_config
-from test_losses import sum_tol
-from test_step import MCFG
 
 from jaxrl import losses
 from jaxrl.nn import model

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rounding import U, sum_tol
 
 from jaxrl.rl.losses import (
   LossConfig,
@@ -27,20 +28,6 @@ from jaxrl.rl.losses import (
 
 EPS_LOW, EPS_HIGH, KL_COEF = 0.2, 0.28, 0.05
 T_MAX = 9
-U = float(np.finfo(np.float32).eps) / 2  # u = 2⁻²⁴, float32's unit roundoff
-# A float32 per-token term of the loss (ρ = exp(ℓ − ℓ_old), ρ·A, the clip, a KL estimate, the
-# divisions by the row norm and the denominator) rounds within this many u of its magnitude.
-TERM_ULPS = 10
-
-
-def sum_tol(n_terms, magnitude):
-  """How far a float32 sum of ``n_terms`` such terms, of absolute sum ``magnitude``, may lie from
-  the float64 value whatever order XLA's CPU reduction adds them in (its vectorisation differs
-  on AVX2, AVX-512 and AMX machines): n·u·Σ|terms| for the sum (Higham, Accuracy and Stability,
-  §3.1), TERM_ULPS·u·Σ|terms| for the terms themselves."""
-  return (n_terms + TERM_ULPS) * U * magnitude
-
-
 # ---------------------------------------------------------------- oracles (float64, loops)
 
 
