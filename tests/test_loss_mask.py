@@ -407,10 +407,10 @@ def test_eepo_forgetting_treats_trailing_environment_tokens_as_padding():
 def test_a_checkpoint_without_the_loss_mask_restores_it_as_the_response_mask(tmp_path, monkeypatch):
   """Pending batches saved by a writer that knew no loss mask (single-turn rows) come back with
   loss mask = response mask, every other field as saved."""
-  from test_loop import _context
+  from run_helpers import step_context
 
   cfg = tiny_config("test", steps=2, **{"rollout.max_staleness": 1, "sft.steps": 0})
-  ctx, params = _context(cfg, tmp_path / "tokenizer")
+  ctx, params = step_context(cfg, tmp_path / "tokenizer")
   loop = loop_module.initial_loop(ctx, ctx.programs.init_state(params))
   loop, _ = loop_module.rl_step(ctx, loop, 0)
   saved = loop.pending[0].result().rollouts

@@ -563,15 +563,6 @@ def restore_loop(
   return LoopState(train, tree["stats"], tree[CONTROLLERS], cursor, meta["phase"], pending)
 
 
-def _restored_rollouts(fields: dict) -> Rollouts:
-  """A pending batch's rollouts from their saved fields. A checkpoint written before the loss mask
-  existed holds single-turn rows only: their loss mask is their response mask
-  (docs/algorithms.md §11)."""
-  fields = {k: np.asarray(v) for k, v in fields.items()}
-  fields.setdefault("loss_mask_RxN", fields["mask_RxN"])
-  return Rollouts(**fields)
-
-
 def _with_base(restored: TrainState, like: TrainState, meta: dict, where: str) -> TrainState:
   """A LoRA run's restored adapters on the base this run rebuilt, after checking it is the one
   they were trained on; a full fine-tuning state as restored."""
