@@ -276,5 +276,8 @@ def cache_changes(saved: dict | None, key: dict) -> str | None:
   """Why a cache keyed ``saved`` is not the one for ``key`` (None: it is)."""
   if saved is None:
     return "it records no config (an older jaxrl wrote it)"
+  # A field the cache's key lacks did not exist when it was written: its default computes the same.
+  defaults = json_config.flatten(to_dict(Config()))
+  saved = {**{k: defaults[k] for k in key.keys() - saved.keys() if k in defaults}, **saved}
   changed = changes(saved, key)
   return f"its config differs: {describe(changed)}" if changed else None
