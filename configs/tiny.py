@@ -87,13 +87,17 @@ def _apply_size(c, name: str) -> None:
 
 def _apply_tools(c) -> None:
   """The arithmetic task with the calculator environment (jaxrl/tasks/envs/calculator.py): easy
-  levels a tiny model learns in its head, and hard ones (5-digit x 3-digit products, sums of 6 and
-  8 digit numbers) it solves only by calling the calculator and copying its result. Numbers are
-  written as usual, so that a result is copied as it is."""
+  levels a tiny model learns in its head, on which the SFT corpus shows the calls, and hard ones
+  (5-digit x 3-digit products, sums of 6 and 8 digit numbers) it solves only by calling the
+  calculator and copying its result. Numbers are written as usual, so that a result is copied as
+  it is."""
   c.task.environment = "calculator"
   c.task.digit_width = 0
   c.task.reverse_answer = False
-  c.task.levels = "2x1+,2x2+,2x1*,2x2*,5x3*,6x6+,8x8+"
+  # The SFT levels show the calls; 5+1 and 8+1 (easy in the head too) show long operands and results
+  # copied. The others only RL trains on.
+  c.task.sft_levels = "2x1+,2x2+,2x1*,2x2*,5x1+,8x1+"
+  c.task.levels = c.task.sft_levels + ",5x3*,6x6+,8x8+"
   # The longest trajectory (8+8): a 19-token call, an 11-token result, 9 digits and EOS.
   c.rollout.max_new_tokens = 48
   c.rollout.max_turns = 3  # a call, one more if the first failed, the answer

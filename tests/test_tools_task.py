@@ -139,22 +139,26 @@ def tool_answer(prompt: str) -> str:
   raise ValueError(prompt)
 
 
-def test_the_sft_corpus_shows_easy_levels_of_the_train_split_only():
-  tcfg = arithmetic.TaskConfig(
-    levels=arithmetic.parse_levels("2x1+,2x2*,5x3*,8x8+"), reverse_answer=False
-  )
-  assert tool_calls.sft_level_weights(tcfg.levels) == (1.0, 1.0, 0.0, 0.0)
+def test_the_sft_corpus_shows_the_sft_levels_of_the_train_split_only():
+  levels = arithmetic.parse_levels("2x1+,2x2*,5x3*,8x8+")
+  weights = arithmetic.sft_weights(levels, "2x2*, 2x1+")
+  assert weights == (1.0, 1.0, 0.0, 0.0) and arithmetic.sft_weights(levels, "") is None
+  with pytest.raises(ValueError, match=r"3\+3 not among the levels"):
+    arithmetic.sft_weights(levels, "3x3+")
+  tcfg = arithmetic.TaskConfig(levels=levels, reverse_answer=False, sft_level_weights=weights)
   examples = tool_calls.sft_examples(tcfg, 500, seed=3)
   assert examples == tool_calls.sft_examples(tcfg, 500, seed=3)  # deterministic
   for e in examples:
     op = "+" if "+" in e.prompt else "*"
     a, b = map(int, e.prompt[:-1].split(op))
-    assert len(e.answer) <= tool_calls.SFT_MAX_ANSWER_DIGITS
+    assert (len(str(a)), len(str(b)), op) in ((2, 1, "+"), (2, 2, "*"))
     assert not arithmetic.is_heldout(op, np.array([a]), np.array([b]), tcfg.heldout_modulus)[0]
     assert e.call in (None, e.prompt[:-1])
-  hard = arithmetic.TaskConfig(levels=arithmetic.parse_levels("5x3*"), reverse_answer=False)
-  with pytest.raises(ValueError, match="no level has answers of at most 4 digits"):
-    tool_calls.sft_level_weights(hard.levels)
+
+
+def test_sft_levels_must_be_levels_of_the_task(tmp_path):
+  with pytest.raises(ConfigError, match=r"^config\.task\.sft_levels: 9\+9 not among the levels"):
+    load_task(tiny_config("tools,test", **{"task.sft_levels": "9x9+"}), str(tmp_path))
 
 
 def test_the_verifier_scores_the_final_answer(tools_task):
@@ -233,3 +237,23 @@ def test_the_warm_start_trains_on_the_tool_corpus(tmp_path):
   finally:
     trainer.engine.close()
     trainer.task.close()
+
+
+def test_a_cache_keyed_before_the_multi_turn_fields_still_matches():
+  """A workdir's SFT and evaluation caches written before a field existed count it at its
+  default (which computes what they hold); another value is a change."""
+  from jaxrl.run import run_config
+
+  new = (
+    "task.environment",
+    "rollout.max_observation_tokens",
+    "rollout.max_turns",
+    "tool.time_limit",
+  )
+  now = run_config.record(tiny_config(""))
+  for key in (run_config.sft_key(now), run_config.eval_key(now, after_rl=True)):
+    older = {k: v for k, v in key.items() if k not in new}
+    assert len(older) < len(key) and run_config.cache_changes(older, key) is None
+  other = run_config.record(tiny_config("", **{"rollout.max_observation_tokens": 5}))
+  why = run_config.cache_changes(older, run_config.eval_key(other, after_rl=True))
+  assert why == "its config differs: rollout.max_observation_tokens 64 → 5"

@@ -105,8 +105,14 @@ class TaskData:
 
 
 def task_config(cfg: Config) -> arithmetic.TaskConfig:
+  levels = arithmetic.parse_levels(cfg.task.levels)
+  try:
+    sft_weights = arithmetic.sft_weights(levels, cfg.task.sft_levels)
+  except ValueError as e:
+    raise ConfigError("task.sft_levels", str(e)) from None
   return arithmetic.TaskConfig(
-    levels=arithmetic.parse_levels(cfg.task.levels),
+    levels=levels,
+    sft_level_weights=sft_weights,
     num_train_per_level=cfg.task.num_train_per_level,
     num_heldout_per_level=cfg.task.num_heldout_per_level,
     seed=cfg.seed,
