@@ -13,8 +13,11 @@ Variants (``configs/tiny.py:ARG``, comma-separated): method presets ``grpo`` (th
 ``dynamo``, ``eepo``, ``es`` (entropy scheduling), ``all``; sizes ``quick`` (a one-minute smoke run)
 and ``test`` (unit tests); ``anneal`` adds the annealing-phase curriculum (harder levels, 2× the
 rollouts per question, longer responses from 60% of the steps, or where the entropy schedule
-anneals), e.g. ``configs/tiny.py:e3,anneal``. Every field stays overridable:
-``--config.allocation.method=dynamo``.
+anneals), e.g. ``configs/tiny.py:e3,anneal``; ``tools`` is the arithmetic task with a calculator
+(multi-turn: the model may write ``<calc>12345*678</calc>``, the environment answers
+``<result>8369910</result>``, the model copies the answer; the SFT corpus shows calls on the easy
+levels, RL has to learn to call and copy on the hard ones), e.g. ``tiny:e3,tools``. Every field
+stays overridable: ``--config.allocation.method=dynamo``.
 """
 
 from jaxrl.config import default_configdict
@@ -22,7 +25,8 @@ from jaxrl.config import default_configdict
 PRESETS = ("grpo", "e3", "dynamo", "eepo", "es", "all")
 SIZES = ("quick", "test")
 PHASES = ("anneal",)
-VARIANTS = PRESETS + SIZES + PHASES  # listed by --help
+TASKS = ("tools",)
+VARIANTS = PRESETS + SIZES + PHASES + TASKS  # listed by --help
 
 
 def _apply_preset(c, name: str) -> None:
@@ -81,6 +85,26 @@ def _apply_size(c, name: str) -> None:
     c.eepo.alpha = 100.0  # the gate always fires, so the forgetting step runs in tests
 
 
+def _apply_tools(c) -> None:
+  """The arithmetic task with the calculator environment (jaxrl/tasks/envs/calculator.py): easy
+  levels a tiny model learns in its head, on which the SFT corpus shows the calls, and hard ones
+  (5-digit x 3-digit products, sums of 6 and 8 digit numbers) it solves only by calling the
+  calculator and copying its result. Numbers are written as usual, so that a result is copied as
+  it is."""
+  c.task.environment = "calculator"
+  c.task.digit_width = 0
+  c.task.reverse_answer = False
+  # The SFT levels show the calls; 5+1 and 8+1 (easy in the head too) show long operands and results
+  # copied. The others only RL trains on.
+  c.task.sft_levels = "2x1+,2x2+,2x1*,2x2*,5x1+,8x1+"
+  c.task.levels = c.task.sft_levels + ",5x3*,6x6+,8x8+"
+  # The longest trajectory (8+8): a 19-token call, an 11-token result, 9 digits and EOS.
+  c.rollout.max_new_tokens = 48
+  c.rollout.max_turns = 3  # a call, one more if the first failed, the answer
+  c.rollout.max_turn_tokens = 24
+  c.rollout.max_observation_tokens = 32  # every error observation, results up to 30 digits
+
+
 def _apply_anneal_phase(c) -> None:
   """The annealing-phase curriculum (Entropy Scheduling §5): where the entropy schedule anneals
   (E3: 60% of the steps), switch to the harder half of the levels with twice the rollouts per
@@ -115,11 +139,13 @@ def get_config(arg: str = ""):
       _apply_preset(c, name)
     elif name in SIZES:
       _apply_size(c, name)
-    elif name not in PHASES:
+    elif name not in PHASES + TASKS:
       raise ValueError(
         f"unknown variant {name!r} of configs/tiny.py (presets: {', '.join(PRESETS)}; "
-        f"sizes: {', '.join(SIZES)}; phases: {', '.join(PHASES)})"
+        f"sizes: {', '.join(SIZES)}; phases: {', '.join(PHASES)}; tasks: {', '.join(TASKS)})"
       )
+  if "tools" in names:  # after the sizes: its levels and lengths are the task's own
+    _apply_tools(c)
   if "anneal" in names:  # last: it derives from the levels and sizes chosen above
     _apply_anneal_phase(c)
   return c

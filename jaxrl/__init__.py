@@ -8,7 +8,8 @@ Layers, lowest first (a module imports only from its own layer and the ones belo
   nn/                                 the decoder, fused log-probs, HF checkpoints
   rl/                                 losses, jitted steps, optimizer, statistics, compiled programs
   methods/                            allocation, schedules, controllers (registry), phases
-  tasks/                              datasets, prompts, verifiers, the reward pool
+  tasks/                              datasets, prompts, verifiers, bounded worker pools,
+                                      environments of multi-turn rollouts (tools)
   rollout/                            the JAX sampler, the vLLM sidecar, EEPO's two-stage rollouts
   workdir/                            a run's files: checkpoints, metric writers, log, compile cache,
                                       profiler traces

@@ -157,10 +157,11 @@ def test_edge_values_are_accepted(overrides):
 
 def _variant_args(module) -> list[str]:
   """Every ARG a built-in config takes: each variant alone, and the combinations its get_config
-  documents (tiny: a preset, a size, anneal; the math configs: a method, lora, test)."""
+  documents (tiny: a preset, a size, anneal, tools; the math configs: a method, lora, test)."""
   variants = list(module.VARIANTS)
   if hasattr(module, "PRESETS"):  # configs/tiny.py
     groups = [(None, *module.PRESETS), (None, *module.SIZES), (None, *module.PHASES)]
+    groups.append((None, *module.TASKS))
   else:  # configs/qwen*.py over jaxrl.paper_configs
     from jaxrl import paper_configs
 
@@ -172,10 +173,13 @@ def _variant_args(module) -> list[str]:
 def test_every_builtin_config_and_variant_passes_the_checks():
   from jaxrl.methods import registry
   from jaxrl.run import cli
+  from jaxrl.tasks.envs import registry as environments
 
   checked = 0
   for name, path in cli.builtin_configs().items():
     for arg in _variant_args(cli._load(path)):
-      registry.check(from_configdict(cli.load_config(f"{name}:{arg}")))
+      cfg = from_configdict(cli.load_config(f"{name}:{arg}"))
+      registry.check(cfg)
+      environments.check(cfg)
       checked += 1
   assert checked > 60, checked

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from run_helpers import wait_until
 
-from jaxrl.tasks.rewards import pool as pool_module
+from jaxrl.tasks import workers
 from jaxrl.tasks.rewards.math import MATH_REWARD, MAX_ANSWER_CHARS, WARM_UP, answer_window
 from jaxrl.tasks.rewards.pool import RewardFnError, VerifierPool, load_reward_fn
 
@@ -430,7 +430,7 @@ def test_a_worker_that_dies_while_starting_is_retried_then_a_clear_error(
   monkeypatch.setenv("JAXRL_TEST_START_DEATHS", str(counter))
   monkeypatch.setenv("JAXRL_TEST_PARENT", str(os.getpid()))
   with VerifierPool("dies_at_start:exact", num_workers=1, time_limit_s=2.0) as pool:
-    if deaths <= pool_module._START_RETRIES:
+    if deaths <= workers._START_RETRIES:
       res = pool.score(["a", "b"], ["a", "x"])
       assert res.rewards_R.tolist() == [1.0, 0.0] and res.scored.all(), res
       assert pool.restarts == deaths

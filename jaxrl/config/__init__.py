@@ -11,6 +11,7 @@ from jaxrl.config.mixture import parse_mixture  # noqa: F401
 from jaxrl.config.phases import annealing  # noqa: F401
 from jaxrl.config.schema import (  # noqa: F401
   MIN_REWARD_MEMORY_MB,
+  MIN_TOOL_MEMORY_MB,
   Aggregation,
   AllocationSection,
   AnnealPhaseSection,
@@ -46,6 +47,7 @@ from jaxrl.config.schema import (  # noqa: F401
   TaskName,
   TaskSection,
   TemperatureSection,
+  ToolSection,
   VllmDtype,
   VllmSection,
   WeightTransfer,

@@ -53,6 +53,7 @@ def _validate(cfg: Config) -> None:
   LossConfig.from_config(cfg)  # the update's static fields, checked where they are built
   _check_batch_shapes(cfg)
   _check_math_task(cfg)
+  _check_environment(cfg)
   _check_eval(cfg)
   _check_methods(cfg)
   if cfg.anneal_phase.enabled:
@@ -110,6 +111,25 @@ def _check_math_task(cfg: Config) -> None:
     cfg.sft.steps == 0,
     "sft.steps",
     "the math task has no SFT corpus (it starts from a pretrained checkpoint): set sft.steps=0",
+  )
+
+
+def _check_environment(cfg: Config) -> None:
+  """Multi-turn rollouts: an observation leaves room in the response, and a turn follows it."""
+  if not cfg.task.environment:
+    return
+  r = cfg.rollout
+  _need(
+    r.max_turns >= 2,
+    "rollout.max_turns",
+    f"task.environment={cfg.task.environment!r} answers a turn only when another follows: "
+    f"need >= 2, got {r.max_turns}",
+  )
+  _need(
+    r.max_observation_tokens < r.max_new_tokens,
+    "rollout.max_observation_tokens",
+    f"must be < rollout.max_new_tokens={r.max_new_tokens} (an observation leaves room for the "
+    f"model's answer), got {r.max_observation_tokens}",
   )
 
 

@@ -65,6 +65,10 @@ def _need_seconds(value: float, field: str) -> None:
 # the 2-core figure. 512 MiB is ~2.7x that figure: room for other builds, a few more threads and
 # the sympy work of real answers; below it a worker would start on few hosts.
 MIN_REWARD_MEMORY_MB = 512
+# The least address space a tool worker may be given (tool.memory_limit_mb). Measured (CPython
+# 3.11, x86-64): a calculator worker (the interpreter, numpy with one BLAS thread, jaxrl.tasks.envs)
+# peaks at 100 MiB of address space (VmPeak); 256 MiB is 2.5x that, room for a tool's own imports.
+MIN_TOOL_MEMORY_MB = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +151,12 @@ class TaskSection:
     0  # > 0: aligned layout, numbers zero-padded LSB-first (see data/arithmetic.py)
   )
   max_prompt_len: int = 0  # 0: the longest prompt of the task (+BOS); else a fixed P
+  sft_levels: str = ""  # the levels the SFT corpus draws from, e.g. "2x2+,5x1+"; "" = every level
+  # A name of tasks.envs.registry.ENVIRONMENTS: the model's turns are answered by that environment
+  # (multi-turn rollouts, limits in rollout.max_turns ...); "" = none, single-turn. "calculator":
+  # <calc>EXPR</calc> is answered <result>VALUE</result>; the arithmetic task then uses its tools
+  # vocabulary and shows the calls in its SFT corpus.
+  environment: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +210,26 @@ class RewardSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class ToolSection:
+  """Tool calls of ``task.environment`` run in a pool of worker processes (``jaxrl.tasks.workers``),
+  started at the first call."""
+
+  workers: int = 0  # 0 = min(4, CPUs)
+  time_limit: float = 2.0  # seconds per call; over it the model reads an error observation
+  memory_limit_mb: int = 1024  # address space per worker (RLIMIT_AS); >= MIN_TOOL_MEMORY_MB
+
+  def check(self) -> None:
+    _need(self.workers >= 0, "tool.workers", "must be >= 0 (0 = min(4, CPUs))")
+    _need_seconds(self.time_limit, "tool.time_limit")
+    _need(
+      self.memory_limit_mb >= MIN_TOOL_MEMORY_MB,
+      "tool.memory_limit_mb",
+      f"must be >= {MIN_TOOL_MEMORY_MB} (MiB of address space per tool worker), "
+      f"got {self.memory_limit_mb}",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class SFTSection:
   """The supervised warm start of a model without a checkpoint (the tiny task)."""
 
@@ -239,10 +269,28 @@ class RolloutSection:
   # many groups have a learning signal (rewards not all equal), at most max_rounds rounds per step
   dynamic_sampling: bool = False
   max_rounds: int = 4
+  # Multi-turn rollouts (task.environment set): the response of max_new_tokens holds every model
+  # turn and every observation; a turn ends at the environment's stop sequence, EOS or
+  # max_turn_tokens; the environment's answer is at most max_observation_tokens (cut beyond).
+  max_turns: int = 4  # model turns per trajectory (the environment answers at most max_turns - 1)
+  max_turn_tokens: int = 0  # tokens of one model turn; 0 = up to max_new_tokens
+  max_observation_tokens: int = 64
 
   def check(self) -> None:
     _need(self.group_size >= 1, "rollout.group_size", "must be >= 1")
     _need(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+    _need(self.max_turns >= 1, "rollout.max_turns", f"must be >= 1, got {self.max_turns}")
+    _need(
+      0 <= self.max_turn_tokens <= self.max_new_tokens,
+      "rollout.max_turn_tokens",
+      f"must be in [0, max_new_tokens={self.max_new_tokens}] (0 = up to max_new_tokens), "
+      f"got {self.max_turn_tokens}",
+    )
+    _need(
+      self.max_observation_tokens >= 1,
+      "rollout.max_observation_tokens",
+      f"must be >= 1, got {self.max_observation_tokens}",
+    )
     _need(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
     _need(self.max_rounds >= 1, "rollout.max_rounds", "must be >= 1")
     _need(self.temperature > 0, "rollout.temperature", "must be > 0")
@@ -576,6 +624,7 @@ class Config:
   task: TaskSection = TaskSection()
   data: DataSection = DataSection()
   reward: RewardSection = RewardSection()
+  tool: ToolSection = ToolSection()
   sft: SFTSection = SFTSection()
   rollout: RolloutSection = RolloutSection()
   vllm: VllmSection = VllmSection()

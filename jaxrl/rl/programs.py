@@ -135,7 +135,8 @@ class Programs:
     )
 
   def sft_update(self, chunk: int):
-    """One supervised step ``(state, prompt ids, mask, target ids, mask) → (state, metrics)``."""
+    """One supervised step ``(state, prompt ids, mask, target ids, mask[, loss mask]) → (state,
+    metrics)``."""
     return self._once(
       ("sft_update", chunk),
       lambda: jax.jit(

@@ -336,16 +336,24 @@ def sft_update(
   prompt_mask_BxP,
   target_ids_BxN,
   target_mask_BxN,
+  loss_mask_BxN=None,
   *,
   trainable: lora.Trainable = "all",
 ):
-  """One supervised step: mean negative log-likelihood of the target (completion) tokens at τ=1."""
+  """One supervised step: mean negative log-likelihood of the target (completion) tokens at τ=1.
+
+  ``loss_mask_BxN`` (None: the target mask) says which target tokens are learned: a multi-turn
+  example's environment tokens are read (``target_mask_BxN``) but not learned.
+  """
   one = jnp.ones((), jnp.float32)
 
   def nll(params):
     logp, _ = logp_responses(
       graphdef, params, prompt_ids_BxP, prompt_mask_BxP, target_ids_BxN, target_mask_BxN, one, chunk
     )
+    if loss_mask_BxN is not None:
+      logp = logp * loss_mask_BxN.astype(logp.dtype)
+      return -jnp.sum(logp) / jnp.maximum(jnp.sum(loss_mask_BxN), 1), None
     count = jnp.maximum(jnp.sum(target_mask_BxN), 1)
     return -jnp.sum(logp) / count, None
 

@@ -44,6 +44,8 @@ SAFE = (
   "eval",
   # The verifier pool's size: each answer is scored alike by any worker, within the same limits.
   "reward.workers",
+  # The tool pool's size: each call is answered alike by any worker, within the same limits.
+  "tool.workers",
   # How many consecutive skipped non-finite updates stop the run: a guard, not the update.
   "optim.max_nonfinite_steps",
   # Named only in an error message (where to download model.checkpoint from).
@@ -71,20 +73,22 @@ SFT_FIELDS = (
   "data",
   "sft",
   "rollout.max_new_tokens",
+  "rollout.max_observation_tokens",  # a tool task's corpus holds observations, cut at this
   "loss.logprob_chunk",
   "mesh",
 )
 _SFT_IGNORED = ("model.lora", "model.hub_id")
 
 # What a held-out evaluation of given params depends on besides them: the held-out set and its
-# prompts, the sampler (engine, lengths, top-p, the questions per call, the server), the samples,
-# temperature and k, the verifier, and the seed of its random keys.
+# prompts, the sampler (engine, lengths, turns, top-p, the questions per call, the server), the
+# samples, temperature and k, the verifier and the tools, and the seed of its random keys.
 EVAL_FIELDS = (
   "seed",
   "model",
   "task",
   "data",
   "reward",
+  "tool",
   "eval.num_samples",
   "eval.temperature",
   "eval.ks",
@@ -92,6 +96,9 @@ EVAL_FIELDS = (
   "rollout.engine",
   "rollout.group_size",
   "rollout.max_new_tokens",
+  "rollout.max_turns",
+  "rollout.max_turn_tokens",
+  "rollout.max_observation_tokens",
   "rollout.top_p",
   "vllm",
 )
@@ -276,5 +283,8 @@ def cache_changes(saved: dict | None, key: dict) -> str | None:
   """Why a cache keyed ``saved`` is not the one for ``key`` (None: it is)."""
   if saved is None:
     return "it records no config (an older jaxrl wrote it)"
+  # A field the cache's key lacks did not exist when it was written: its default computes the same.
+  defaults = json_config.flatten(to_dict(Config()))
+  saved = {**{k: defaults[k] for k in key.keys() - saved.keys() if k in defaults}, **saved}
   changed = changes(saved, key)
   return f"its config differs: {describe(changed)}" if changed else None

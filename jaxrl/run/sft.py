@@ -35,6 +35,7 @@ def warm_start(
   prompt_mask_QxP,
   target_ids_QxT,
   target_mask_QxT,
+  loss_mask_QxT=None,
   steps: int,
   batch_size: int,
   learning_rate: float,
@@ -52,6 +53,8 @@ def warm_start(
   Runs ``steps`` steps, or with ``target_loss`` > 0 stops as soon as the running mean of the loss
   (EMA, 0.1) falls below it: "partly capable" is then a property of the model, not of a step count
   that would land differently for every seed. The learning rate is then constant after warmup.
+  ``loss_mask_QxT`` (None: every target token) marks the target tokens that are learned: not an
+  environment's observations.
   """
   cached = load_cached(workdir, params, key)
   if cached is not None:
@@ -64,6 +67,8 @@ def warm_start(
   # adapters out of its function).
   programs = Programs(graphdef, params, mesh, tx, trainable="base")
   corpus = (prompt_ids_QxP, prompt_mask_QxP, target_ids_QxT, target_mask_QxT)
+  if loss_mask_QxT is not None:
+    corpus += (loss_mask_QxT,)
   t0 = time.time()
   state, done, ema = _train(
     programs, programs.init_state(params), corpus, chunk, steps, batch_size, warmup_steps,

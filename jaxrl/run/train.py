@@ -202,6 +202,7 @@ class Trainer:
         prompt_mask_QxP=t.sft_prompt_mask,
         target_ids_QxT=t.sft_target_ids,
         target_mask_QxT=t.sft_target_mask,
+        loss_mask_QxT=t.sft_loss_mask,
         steps=c.sft.steps,
         batch_size=c.sft.batch_size,
         learning_rate=c.sft.learning_rate,

@@ -97,12 +97,14 @@ def _config():
   """The converted, checked config; a bad one exits 2 with one line."""
   from jaxrl.config import ConfigError, from_configdict
   from jaxrl.methods import registry
+  from jaxrl.tasks.envs import registry as environments
 
   if _CONFIG.value is None or not (_WORKDIR.value or _PLAN.value or _PRINT_CONFIG.value):
     _fail("--config and --workdir are required")
   try:
     cfg = from_configdict(_CONFIG.value)  # the config file is loaded lazily, here
     registry.check(cfg)  # method names: whatever the registry holds
+    environments.check(cfg)
   except ConfigError as e:
     _fail(e)
   except _BAD_FLAG_ERRORS as e:

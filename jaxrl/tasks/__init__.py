@@ -1,2 +1,3 @@
-"""Tasks: datasets and prompts (``data/``), verifiers and the reward pool (``rewards/``), the task as
-arrays."""
+"""Tasks: datasets and prompts (``data/``), verifiers and the reward pool (``rewards/``),
+environments of multi-turn rollouts (``envs/``), bounded calls in worker processes (``workers``),
+the task as arrays."""

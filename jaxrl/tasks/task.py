@@ -3,6 +3,10 @@ host-side decode + score used by the loop and by evaluation.
 
 Two tasks fill it: the built-in arithmetic task (its own tokenizer, exact-match rewards in process)
 and the math task (``jaxrl.tasks.math_task``: a checkpoint's tokenizer, datasets, math-verify in a pool).
+With ``task.environment`` set, it also holds the run's environment (``jaxrl.tasks.envs``); the
+arithmetic task with the calculator is its tools form (``jaxrl.tasks.tools_task``: the tools
+vocabulary, an SFT corpus of calls whose environment tokens are not learned, the final answer
+scored).
 """
 
 from __future__ import annotations
@@ -13,11 +17,14 @@ import numpy as np
 
 from jaxrl import rng
 from jaxrl.config import Config, ConfigError, parse_mixture
-from jaxrl.tasks.data import arithmetic
+from jaxrl.tasks import tools_task
+from jaxrl.tasks.data import arithmetic, tool_calls
+from jaxrl.tasks.data import tokenizer as vocab
 from jaxrl.tasks.data.cursor import Mixture
 from jaxrl.tasks.data.prompts import decode_responses, encode_completions, encode_prompts
-from jaxrl.tasks.data.tokenizer import build_tokenizer
-from jaxrl.tasks.rewards.arithmetic import score_batch
+from jaxrl.tasks.envs import calculator
+from jaxrl.tasks.envs.registry import build_environment
+from jaxrl.tasks.rewards.arithmetic import FinalAnswerScorer, score_batch
 from jaxrl.tasks.rewards.pool import VerifyResult
 
 
@@ -39,10 +46,19 @@ class TaskData:
   sft_prompt_ids: np.ndarray  # i32[M, P]
   sft_prompt_mask: np.ndarray
   sft_target_ids: np.ndarray  # i32[M, N]: answer + EOS, right-padded
-  sft_target_mask: np.ndarray
+  sft_target_mask: np.ndarray  # bool[M, N]: the completion's tokens (read by the model)
   # (responses, answers) -> VerifyResult; None = the arithmetic task's exact match, in process
   scorer: object = None
   base_mixture: Mixture | None = None  # the training mixture ("" spec); None = all questions
+  # bool[M, N]: the completion's tokens that are learned (the model's, not an environment's);
+  # None = every target token
+  sft_loss_mask: np.ndarray | None = None
+  environment: object = None  # the run's Environment (tasks.envs); None = single-turn
+
+  @property
+  def stop_sequences(self) -> tuple[tuple[int, ...], ...]:
+    """Token id sequences that end a model turn besides EOS (the environment's); () without."""
+    return () if self.environment is None else tuple(self.environment.stop_sequences)
 
   def decode(self, out) -> list[str]:
     """Response texts of a ``SampleOutput`` (cut at EOS)."""
@@ -60,6 +76,8 @@ class TaskData:
   def close(self) -> None:
     if self.scorer is not None:
       self.scorer.close()
+    if self.environment is not None:
+      self.environment.close()
 
   def level_index(self, name: str) -> int | None:
     """Index of a level given by its name ("2+1") or its config spec ("2x1+")."""
@@ -87,8 +105,14 @@ class TaskData:
 
 
 def task_config(cfg: Config) -> arithmetic.TaskConfig:
+  levels = arithmetic.parse_levels(cfg.task.levels)
+  try:
+    sft_weights = arithmetic.sft_weights(levels, cfg.task.sft_levels)
+  except ValueError as e:
+    raise ConfigError("task.sft_levels", str(e)) from None
   return arithmetic.TaskConfig(
-    levels=arithmetic.parse_levels(cfg.task.levels),
+    levels=levels,
+    sft_level_weights=sft_weights,
     num_train_per_level=cfg.task.num_train_per_level,
     num_heldout_per_level=cfg.task.num_heldout_per_level,
     seed=cfg.seed,
@@ -101,9 +125,14 @@ def load_task(cfg: Config, tokenizer_dir: str) -> TaskData:
   if cfg.task.name == "math":
     from jaxrl.tasks import math_task
 
-    return TaskData(**math_task.load(cfg))
+    fields = math_task.load(cfg)
+    return TaskData(**fields, environment=build_environment(cfg, fields["tokenizer"]))
+  tools = cfg.task.environment == calculator.NAME
+  if tools:
+    tools_task.check(cfg)
   tcfg = task_config(cfg)
-  tok = build_tokenizer(tokenizer_dir)
+  tok = vocab.build_tokenizer(tokenizer_dir, "tools" if tools else "")
+  environment = build_environment(cfg, tok)
   train, heldout = arithmetic.build_task(tcfg)
   # Prompts are padded to the task's longest (+1 for BOS) so no step computes on dead columns.
   p = cfg.task.max_prompt_len or arithmetic.max_lengths(tcfg.levels, tcfg.digit_width)[0] + 1
@@ -119,11 +148,22 @@ def load_task(cfg: Config, tokenizer_dir: str) -> TaskData:
     )
 
   # Fresh examples for every SFT step (drawing is cheap): the warm start never repeats an example.
-  sft = arithmetic.sft_corpus(
-    tcfg, max(cfg.sft.steps, 1) * cfg.sft.batch_size, seed=rng.numpy_seed(cfg.seed, rng.SFT)
-  )
-  sft_ids, sft_mask = encode_prompts(tok, [a for a, _ in sft], p)
-  tgt_ids, tgt_mask = encode_completions(tok, [b for _, b in sft], n)
+  num_sft, sft_seed = max(cfg.sft.steps, 1) * cfg.sft.batch_size, rng.numpy_seed(cfg.seed, rng.SFT)
+  if tools:
+    examples = tool_calls.sft_examples(tcfg, num_sft, sft_seed)
+    sft = tools_task.sft_arrays(tok, environment, examples, p, n)
+    scorer = FinalAnswerScorer(calculator.RESULT_CLOSE)
+  else:
+    pairs = arithmetic.sft_corpus(tcfg, num_sft, seed=sft_seed)
+    sft_ids, sft_mask = encode_prompts(tok, [a for a, _ in pairs], p)
+    tgt_ids, tgt_mask = encode_completions(tok, [b for _, b in pairs], n)
+    sft = dict(
+      sft_prompt_ids=sft_ids,
+      sft_prompt_mask=sft_mask,
+      sft_target_ids=tgt_ids,
+      sft_target_mask=tgt_mask,
+    )
+    scorer = None
   return TaskData(
     tok,
     len(tok),
@@ -132,8 +172,7 @@ def load_task(cfg: Config, tokenizer_dir: str) -> TaskData:
     tuple(s.name for s in tcfg.levels),
     *split(train),
     *split(heldout),
-    sft_ids,
-    sft_mask,
-    tgt_ids,
-    tgt_mask,
+    **sft,
+    scorer=scorer,
+    environment=environment,
   )

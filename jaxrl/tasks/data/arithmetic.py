@@ -265,6 +265,21 @@ def sft_corpus(
   return out  # type: ignore[return-value]
 
 
+def sft_weights(levels: Sequence[LevelSpec], text: str) -> tuple[float, ...] | None:
+  """``TaskConfig.sft_level_weights`` of a config string naming some of ``levels`` ("2x2+,5x1+"):
+  1 for those, 0 for the others; None (every level) for ''."""
+  if not text.strip():
+    return None
+  chosen = set(parse_levels(text))
+  unknown = chosen - set(levels)
+  if unknown:
+    raise ValueError(
+      f"{', '.join(sorted(s.name for s in unknown))} not among the levels "
+      f"{', '.join(s.name for s in levels)}"
+    )
+  return tuple(float(s in chosen) for s in levels)
+
+
 def parse_levels(text: str) -> tuple[LevelSpec, ...]:
   """Levels from a config string such as ``"1x1+, 2x2+, 3x2-"`` ('' gives DEFAULT_LEVELS)."""
   if not text.strip():

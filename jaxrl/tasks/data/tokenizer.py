@@ -5,6 +5,11 @@ runs make arithmetic much harder to learn). The vocabulary is written out explic
 learned from a corpus: ids are then fixed forever (``PAD_ID`` = 0, ``EOS_ID`` = 1, ``BOS_ID`` = 2),
 and checkpoints stay compatible with any later build. It is saved with ``save_pretrained`` so the
 rest of jaxrl (and HF tools) load it with ``AutoTokenizer`` like any other tokenizer, offline.
+
+The ``tools`` variant (the arithmetic task with the calculator, ``jaxrl.tasks.envs``) extends the
+vocabulary: its first ids are the default's, then lowercase letters and a little punctuation (the
+calculator's error observations) and the four tool tags, each one token. It is cached with its
+own version marker, so a directory holds one variant and a switch rebuilds it.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ import os
 from pathlib import Path
 
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from jaxrl.tasks.envs.calculator import CALL_CLOSE, CALL_OPEN, RESULT_CLOSE, RESULT_OPEN
 
 PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
 SPECIAL_TOKENS = (PAD, EOS, BOS, UNK)
@@ -23,6 +30,15 @@ VOCAB: dict[str, int] = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
 # Written last into the cache: its presence means a complete save, its text a compatible one.
 _MARKER = "jaxrl_tokenizer_version.txt"
 _VERSION = "arith-char-v2:" + "".join(SPECIAL_TOKENS + CHARS)
+
+# The tools variant: appended after the default ids, which stay as they are.
+TOOL_CHARS = tuple("abcdefghijklmnopqrstuvwxyz") + (" ", ":", "(", ")", "/", ".")
+TOOL_TOKENS = (CALL_OPEN, CALL_CLOSE, RESULT_OPEN, RESULT_CLOSE)  # the calculator's tags
+TOOLS_VOCAB: dict[str, int] = {
+  tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS + TOOL_CHARS + TOOL_TOKENS)
+}
+_TOOLS_VERSION = "arith-tools-v1:" + "|".join(SPECIAL_TOKENS + CHARS + TOOL_CHARS + TOOL_TOKENS)
+VARIANTS = ("", "tools")
 
 
 def _raw_tokenizer() -> Tokenizer:
@@ -40,18 +56,41 @@ def _raw_tokenizer() -> Tokenizer:
   return tok
 
 
-def _is_cached(cache_dir: Path) -> bool:
+def _raw_tools_tokenizer() -> Tokenizer:
+  """The tools variant: every character its own token (letters included), the tags whole."""
+  tok = Tokenizer(models.WordLevel(vocab=TOOLS_VOCAB, unk_token=UNK))
+  tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+  tok.decoder = decoders.Fuse()
+  tok.add_special_tokens(list(SPECIAL_TOKENS))
+  # Added (not special) tokens: matched whole before the split, at their vocabulary ids, and kept
+  # by any decode, which shows who called the tool and what it answered.
+  tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in TOOL_TOKENS])
+  return tok
+
+
+def _version(variant: str) -> str:
+  if variant not in VARIANTS:
+    raise ValueError(f"tokenizer variant {variant!r} is not one of {VARIANTS}")
+  return _TOOLS_VERSION if variant == "tools" else _VERSION
+
+
+def _is_cached(cache_dir: Path, variant: str = "") -> bool:
   """True if cache_dir holds a complete save of this exact vocabulary."""
   marker = cache_dir / _MARKER
-  return marker.is_file() and marker.read_text() == _VERSION
+  return marker.is_file() and marker.read_text() == _version(variant)
 
 
-def build_tokenizer(cache_dir: str | Path) -> transformers.PreTrainedTokenizerFast:
-  """The task tokenizer, built into ``cache_dir`` on first use and loaded from there afterwards."""
+def build_tokenizer(
+  cache_dir: str | Path, variant: str = ""
+) -> transformers.PreTrainedTokenizerFast:
+  """The task tokenizer (``variant`` "tools": with the tool tags), built into ``cache_dir`` on
+  first use and loaded from there afterwards."""
   cache_dir = Path(cache_dir)
-  if not _is_cached(cache_dir):
+  version = _version(variant)
+  if not _is_cached(cache_dir, variant):
+    raw = _raw_tools_tokenizer() if variant == "tools" else _raw_tokenizer()
     fast = transformers.PreTrainedTokenizerFast(
-      tokenizer_object=_raw_tokenizer(),
+      tokenizer_object=raw,
       pad_token=PAD,
       eos_token=EOS,
       bos_token=BOS,
@@ -62,7 +101,7 @@ def build_tokenizer(cache_dir: str | Path) -> transformers.PreTrainedTokenizerFa
     cache_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(cache_dir)
     tmp = cache_dir / f"{_MARKER}.{os.getpid()}.tmp"
-    tmp.write_text(_VERSION)
+    tmp.write_text(version)
     os.replace(tmp, cache_dir / _MARKER)
   tok = transformers.AutoTokenizer.from_pretrained(cache_dir)
   if (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) != (PAD_ID, EOS_ID, BOS_ID):

@@ -5,13 +5,19 @@ Runs on the host for every rollout, so it is bounded before it parses: a respons
 canonical integer literal (surrounding whitespace ignored), not on int() values: with answers
 written least-significant digit first, leading zeros are significant ("01" means 10, "1" means 1),
 so normalising them would reward wrong answers. Canonical answers never carry spurious zeros.
+
+With a tool (``FinalAnswerScorer``) the answer is the text after the last tool result: what the
+model wrote once the environment last spoke.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
+
+from jaxrl.tasks.rewards.pool import VerifyResult
 
 # Far above any answer of the task (a 9x9-digit product has 18 digits), far below harmful sizes.
 MAX_RESPONSE_CHARS = 64
@@ -41,3 +47,23 @@ def score_batch(responses: Sequence, answers: Sequence) -> np.ndarray:
   return np.fromiter(
     (score(r, a) for r, a in zip(responses, answers)), np.float32, count=len(responses)
   )
+
+
+def final_answer(response: str, after: str) -> str:
+  """The text after the last ``after`` (a tool result's closing tag); the whole without one."""
+  cut = response.rfind(after)
+  return response if cut < 0 else response[cut + len(after) :]
+
+
+@dataclasses.dataclass(frozen=True)
+class FinalAnswerScorer:
+  """A task's scorer (``TaskData.scorer``): exact match of each response's final answer."""
+
+  after: str  # the closing tag of the environment's observations
+
+  def __call__(self, responses: Sequence, answers: Sequence) -> VerifyResult:
+    finals = [final_answer(r, self.after) if isinstance(r, str) else r for r in responses]
+    return VerifyResult(score_batch(finals, list(answers)), 0, 0, 0, 0)
+
+  def close(self) -> None:
+    pass

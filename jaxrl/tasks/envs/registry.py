@@ -1,0 +1,55 @@
+"""Name → factory for every environment ``task.environment`` can choose.
+
+A factory takes the ``Config`` and the task's tokenizer and returns an ``Environment``
+(``jaxrl.tasks.envs.environment``). Adding one is its factory plus one line in ``ENVIRONMENTS``;
+``check`` raises the one-line ``ConfigError`` for a name that is not registered.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from jaxrl.config import Config, ConfigError
+from jaxrl.tasks.envs import calculator
+from jaxrl.tasks.envs.environment import Environment
+from jaxrl.tasks.envs.tool import ToolEnvironment, ToolLimits
+
+
+def tool_limits(cfg: Config) -> ToolLimits:
+  """The bounds of tool calls (``config.tool``)."""
+  t = cfg.tool
+  return ToolLimits(workers=t.workers, time_limit_s=t.time_limit, memory_limit_mb=t.memory_limit_mb)
+
+
+def calculator_environment(cfg: Config, tokenizer) -> ToolEnvironment:
+  """``<calc>EXPR</calc>`` answered ``<result>VALUE</result>`` (``calculator.calculate``)."""
+  return ToolEnvironment(
+    tokenizer,
+    tool=calculator.TOOL,
+    call_open=calculator.CALL_OPEN,
+    call_close=calculator.CALL_CLOSE,
+    result_open=calculator.RESULT_OPEN,
+    result_close=calculator.RESULT_CLOSE,
+    max_turns=cfg.rollout.max_turns,
+    max_observation_tokens=cfg.rollout.max_observation_tokens,
+    limits=tool_limits(cfg),
+  )
+
+
+ENVIRONMENTS: dict[str, Callable[[Config, object], Environment]] = {
+  calculator.NAME: calculator_environment,
+}
+
+
+def check(cfg: Config) -> None:
+  """``task.environment`` is "" or registered (one-line ``ConfigError`` naming the field)."""
+  name = cfg.task.environment
+  if name and name not in ENVIRONMENTS:
+    raise ConfigError("task.environment", f"{name!r} is not one of {('', *ENVIRONMENTS)}")
+
+
+def build_environment(cfg: Config, tokenizer) -> Environment | None:
+  """The run's environment (None: single-turn); close it when the run ends."""
+  check(cfg)
+  name = cfg.task.environment
+  return ENVIRONMENTS[name](cfg, tokenizer) if name else None

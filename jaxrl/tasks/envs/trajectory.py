@@ -1,0 +1,57 @@
+"""A multi-turn trajectory as text, part by part, each with who wrote it: for samples.jsonl.
+
+The loss mask of a multi-turn response says who wrote each token: True for the model's tokens
+(sampled, trained), False for the environment's (observations, never trained). Consecutive tokens
+of one author are one part, decoded together, exactly as the ids lie in the response.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+MODEL, ENVIRONMENT = "model", "environment"
+
+
+def trajectory_parts(
+  tokenizer,
+  ids_N: Sequence[int],
+  model_mask_N: Sequence[bool],
+  length: int | None = None,
+  eos_id: int | Sequence[int] | None = None,
+) -> list[dict]:
+  """``[{"by": "model" | "environment", "text": ...}, ...]`` of one response.
+
+  ``length``: the response's tokens (default all of ``ids_N``); the model's first EOS
+  (``eos_id``, default the tokenizer's; a task's list of stop ids) ends it, not shown, as in
+  ``decode_responses``; other special tokens keep their text.
+  """
+  ids = np.asarray(ids_N).tolist()
+  mask = np.asarray(model_mask_N, bool).tolist()
+  if len(ids) != len(mask):
+    raise ValueError(f"{len(ids)} ids but {len(mask)} mask entries")
+  n = len(ids) if length is None else max(0, min(int(length), len(ids)))
+  eos = tokenizer.eos_token_id if eos_id is None else eos_id
+  eos_ids = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+  parts: list[dict] = []
+  run: list[int] = []
+  by = None
+  for token, is_model in zip(ids[:n], mask[:n]):
+    if is_model and token in eos_ids:
+      break
+    author = MODEL if is_model else ENVIRONMENT
+    if author != by and run:
+      parts.append({"by": by, "text": tokenizer.decode(run, skip_special_tokens=False)})
+      run = []
+    by = author
+    run.append(token)
+  if run:
+    parts.append({"by": by, "text": tokenizer.decode(run, skip_special_tokens=False)})
+  return parts
+
+
+def trajectory_text(parts: Sequence[dict]) -> str:
+  """One line of a trajectory, the environment's parts in brackets:
+  ``<calc>2*3</calc>[<result>6</result>]6``."""
+  return "".join(p["text"] if p["by"] == MODEL else f"[{p['text']}]" for p in parts)
