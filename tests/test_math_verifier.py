@@ -269,12 +269,6 @@ def test_interrupted_batch_leaves_no_stale_result(tmp_path, monkeypatch):
     assert res.rewards_R.tolist() == [1.0, 1.0] and res.timeouts == res.errors == 0, res
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="pool.py marks a worker busy only after sending it the answer: an interrupt in between "
-  "leaves a busy worker marked idle, and its late result reaches the next batch (which then "
-  "fails pool._Batch._record's assertion)",
-)
 def test_an_interrupt_just_after_an_answer_is_sent_leaves_no_stale_result():
   """The window the test above waits past, hit on purpose: Ctrl-C right after the answer went to
   the worker (the send itself raises it), before the pool's bookkeeping."""

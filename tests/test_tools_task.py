@@ -13,8 +13,8 @@ import jax
 import numpy as np
 import optax
 import pytest
+from run_helpers import SMALL_MODEL as MCFG
 from run_helpers import tiny_config
-from test_step import MCFG
 
 from jaxrl.config import ConfigError
 from jaxrl.nn import model

@@ -409,13 +409,16 @@ class _Batch:
     for w in list(self.pool._workers):
       if w.ready and w.task is None and self.pending:
         i = self.pending[0]
+        # Busy before the send: an interrupt (Ctrl-C) between the two would otherwise leave a
+        # worker that holds a call marked idle, and its late result would reach the next batch.
+        w.task, w.deadline = i, now + self.pool.time_limit_s + self.pool.kill_grace_s
         try:
           w.conn.send((i, self.calls[i]))
         except OSError:  # died while idle: replace it, the call waits for the next worker
+          w.task, w.deadline = None, math.inf
           self.pool._replace(w)
           continue
         self.pending.popleft()
-        w.task, w.deadline = i, now + self.pool.time_limit_s + self.pool.kill_grace_s
 
   def wait(self) -> list[_Worker]:
     """The workers with a message, waited for until the next deadline at most: a running
