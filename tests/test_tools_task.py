@@ -227,16 +227,12 @@ def test_the_warm_start_trains_on_the_tool_corpus(tmp_path):
   from jaxrl.run.train import Trainer
 
   cfg = tiny_config("tools,test", **{"sft.steps": 2, "sft.batch_size": 8})
-  trainer = Trainer(cfg, str(tmp_path))
-  try:
+  with Trainer.open(cfg, str(tmp_path)) as trainer:
     params = trainer.warm_start(trainer.init_params())
     assert trainer.task.sft_loss_mask is not None and not trainer.task.sft_loss_mask.all()
-    leaves = jax.tree.leaves(params)
-    assert leaves and all(np.isfinite(np.asarray(x)).all() for x in leaves)
-    assert os.path.isdir(tmp_path / "sft")
-  finally:
-    trainer.engine.close()
-    trainer.task.close()
+  leaves = jax.tree.leaves(params)
+  assert leaves and all(np.isfinite(np.asarray(x)).all() for x in leaves)
+  assert os.path.isdir(tmp_path / "sft")
 
 
 def test_a_cache_keyed_before_the_multi_turn_fields_still_matches():
@@ -251,9 +247,9 @@ def test_a_cache_keyed_before_the_multi_turn_fields_still_matches():
     "tool.time_limit",
   )
   now = run_config.record(tiny_config(""))
-  for key in (run_config.sft_key(now), run_config.eval_key(now, after_rl=True)):
+  for key in (run_config.sft_key(now), run_config.eval_key(now, after_rl=True, params="p")):
     older = {k: v for k, v in key.items() if k not in new}
     assert len(older) < len(key) and run_config.cache_changes(older, key) is None
   other = run_config.record(tiny_config("", **{"rollout.max_observation_tokens": 5}))
-  why = run_config.cache_changes(older, run_config.eval_key(other, after_rl=True))
+  why = run_config.cache_changes(older, run_config.eval_key(other, after_rl=True, params="p"))
   assert why == "its config differs: rollout.max_observation_tokens 64 → 5"
