@@ -99,7 +99,9 @@ def _apply_tools(c) -> None:
   c.task.sft_levels = "2x1+,2x2+,2x1*,2x2*,5x1+,8x1+"
   c.task.levels = c.task.sft_levels + ",5x3*,6x6+,8x8+"
   # The longest trajectory (8+8): a 19-token call, an 11-token result, 9 digits and EOS.
-  c.rollout.max_new_tokens = 48
+  # The sampler asks for an observation only where a whole turn fits after it: a first turn of up
+  # to 24 tokens, the 32-token observation block and another 24-token turn.
+  c.rollout.max_new_tokens = 80
   c.rollout.max_turns = 3  # a call, one more if the first failed, the answer
   c.rollout.max_turn_tokens = 24
   c.rollout.max_observation_tokens = 32  # every error observation, results up to 30 digits

@@ -197,9 +197,9 @@ def test_trajectory_parts_by_author(tok):
   [
     ({"rollout.max_turns": 0}, "rollout.max_turns"),
     ({"rollout.max_turn_tokens": -1}, "rollout.max_turn_tokens"),
-    ({"rollout.max_turn_tokens": 49}, "rollout.max_turn_tokens"),  # over max_new_tokens = 48
+    ({"rollout.max_turn_tokens": 81}, "rollout.max_turn_tokens"),  # over max_new_tokens = 80
     ({"rollout.max_observation_tokens": 0}, "rollout.max_observation_tokens"),
-    ({"rollout.max_observation_tokens": 48}, "rollout.max_observation_tokens"),
+    ({"rollout.max_observation_tokens": 80}, "rollout.max_observation_tokens"),
     ({"rollout.max_turns": 1}, "rollout.max_turns"),  # no turn would read the answer
     ({"tool.workers": -1}, "tool.workers"),
     ({"tool.time_limit": 0.0}, "tool.time_limit"),

@@ -192,7 +192,7 @@ def test_the_tools_variant_composes_with_presets_and_sizes():
   assert cfg.task.digit_width == 0 and not cfg.task.reverse_answer
   assert tiny_config("tools,e3") == cfg
   small = tiny_config("tools,test")
-  assert small.model.hidden_size == 32 and small.rollout.max_new_tokens == 48
+  assert small.model.hidden_size == 32 and small.rollout.max_new_tokens == 80
   assert tiny_config("").task.environment == ""
 
 

@@ -8,6 +8,7 @@ import jax
 
 from jaxrl.config import Config, ConfigError
 from jaxrl.methods.phases import run_phases
+from jaxrl.rollout import multiturn
 from jaxrl.rollout.engine import JaxEngine
 from jaxrl.rollout.hosts import PerHostEngine
 
@@ -26,15 +27,51 @@ def build_engine(
   pad_id: int,
   prompt_len: int,
   workdir: str,
+  environment=None,
 ):
-  """The rollout engine ``cfg.rollout.engine`` names: the JAX sampler, or vLLM sidecar(s)."""
+  """The rollout engine ``cfg.rollout.engine`` names: the JAX sampler, or vLLM sidecar(s).
+
+  With an ``environment`` (``task.environment``): the JAX sampler's multi-turn rollouts
+  (``multiturn``). A caller that knows its questions passes ``generate(..., respond=
+  multiturn.EnvironmentRespond(environment, question_ids_R))``; without one, the environment is
+  reset with each row's prompt index among the call's prompts (held-out evaluation's chunks)."""
   common = dict(
     max_new_tokens=cfg.rollout.max_new_tokens, eos_id=eos_id, pad_id=pad_id, top_p=cfg.rollout.top_p
   )
   if cfg.rollout.engine == "jax":
-    return JaxEngine(graphdef, model_cfg, **common)
+    if environment is None:
+      return JaxEngine(graphdef, model_cfg, **common)
+    return JaxEngine(
+      graphdef,
+      model_cfg,
+      **common,
+      turns=turn_config(cfg, environment),
+      respond_factory=lambda group_ids_R: multiturn.EnvironmentRespond(environment, group_ids_R),
+    )
+  if environment is not None:  # config validation refuses it first; kept for direct callers
+    raise ConfigError("task.environment", "multi-turn needs rollout.engine=jax for now")
   return _vllm_engine(
     cfg, model_cfg, tokenizer=tokenizer, prompt_len=prompt_len, workdir=workdir, common=common
+  )
+
+
+def turn_config(cfg: Config, environment) -> multiturn.TurnConfig:
+  """The multi-turn sampler's shapes: it ends a turn at one token id, so each of the
+  environment's stop sequences must be a single token."""
+  stops = tuple(environment.stop_sequences)
+  if not stops or any(len(seq) != 1 for seq in stops):
+    raise ConfigError(
+      "task.environment",
+      f"{cfg.task.environment!r}: the JAX multi-turn sampler ends a turn at a single token, but "
+      f"the stop sequences are {stops} (make each stop string one token of the vocabulary)",
+    )
+  r = cfg.rollout
+  shortest = min(p.cfg.rollout.max_new_tokens for p in run_phases(cfg))
+  return multiturn.TurnConfig(
+    stop_ids=tuple(seq[0] for seq in stops),
+    max_turn_tokens=min(r.max_turn_tokens or shortest, shortest),
+    max_observation_tokens=r.max_observation_tokens,
+    max_turns=r.max_turns,
   )
 
 

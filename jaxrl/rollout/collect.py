@@ -18,6 +18,7 @@ import numpy as np
 from jaxrl.parallel import distributed, sharding
 from jaxrl.rl import step
 from jaxrl.rl.programs import ForgetConfig, Programs
+from jaxrl.rollout import multiturn
 from jaxrl.rollout.engine import RolloutEngine
 from jaxrl.types import Rollouts
 
@@ -39,6 +40,7 @@ class Collector:
   programs: Programs
   logprob_chunk: int
   micro_batches: int  # loss.micro_batches: the rescoring's chunks are at most this many
+  environment: object = None  # the run's Environment (multi-turn rollouts); None = single-turn
 
   def sample(
     self,
@@ -52,6 +54,7 @@ class Collector:
     max_new_tokens: int,
     *,
     score=True,
+    qids_B=None,
   ) -> Rollouts:
     """Rollouts sampled from ``params`` (weight version ``version``) at τ, with the engine's
     behaviour log-probs.
@@ -63,12 +66,34 @@ class Collector:
     from them: an on-policy batch). The JAX sampler's own numbers are both; a vLLM sidecar gives
     no entropies, so the rollouts are scored here (one forward, as the update does). Without
     ``score`` they get neither (the loop rescores a stale batch under its update's params).
+
+    With an environment, each row's trajectory starts from ``environment.reset`` with its question
+    (``qids_B``, the prompts' question ids); the environment's ``trajectory_reward``, if any, is
+    the rollouts' ``rewards_R`` (the loop adds the verifier's).
     """
     self.engine.set_weights(params, version)
-    out = self.engine.generate(ids_BxP, mask_BxP, counts_B, tau, key, max_new_tokens=max_new_tokens)
+    more = {}
+    if self.environment is not None and qids_B is not None:
+      qids_R = np.repeat(np.asarray(qids_B), np.asarray(counts_B))
+      more["respond"] = respond = multiturn.EnvironmentRespond(self.environment, qids_R)
+    out = self.engine.generate(
+      ids_BxP, mask_BxP, counts_B, tau, key, max_new_tokens=max_new_tokens, **more
+    )
+    if more and (term := respond.trajectory_reward()) is not None:
+      out = dataclasses.replace(out, rewards_R=jnp.asarray(term))
     if self.engine.provides_entropy:
       return dataclasses.replace(out, prox_logp_RxN=out.behaviour_logp_RxN if score else None)
     return self.anchor(params, out, tau) if score else out
+
+  def turn_metrics(self) -> dict:
+    """The last multi-turn call's mean turns and tool calls per row ({} single-turn)."""
+    counts = getattr(self.engine, "turn_counts", None)
+    if counts is None:
+      return {}
+    return dict(
+      turns_mean=float(np.mean(np.asarray(counts.turns_R))),
+      tool_calls_mean=float(np.mean(np.asarray(counts.tool_calls_R))),
+    )
 
   def anchor(self, params, rollouts: Rollouts, tau) -> Rollouts:
     """``rollouts`` with ℓ_prox and entropies at τ under ``params`` (the update's start)."""

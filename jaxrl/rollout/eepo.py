@@ -49,13 +49,22 @@ def two_stage_rollouts(
   forget: ForgetConfig,
   old_logp_from: str,
   score: bool = True,
+  qids_B=None,
 ) -> TwoStage:
   """``gate(gate_state, H_stage1) → (fire, gate_state)`` is the jitted EEPO gate controller;
   ``version``: the weight version of ``params`` (a training step's)."""
   counts1_B = eepo_stage1_counts(counts_B)
   # Stage 1 is always scored: the gate reads its entropy under the sampling params.
   out1 = collector.sample(
-    params, version, ids_BxP, mask_BxP, counts1_B, tau, jax.random.fold_in(key, 1), max_new_tokens
+    params,
+    version,
+    ids_BxP,
+    mask_BxP,
+    counts1_B,
+    tau,
+    jax.random.fold_in(key, 1),
+    max_new_tokens,
+    qids_B=qids_B,
   )
   h1 = token_mean_entropy(out1)
   fire, gate_state = gate(gate_state, h1)
@@ -73,6 +82,7 @@ def two_stage_rollouts(
     jax.random.fold_in(key, 2),
     max_new_tokens,
     score=score,
+    qids_B=qids_B,
   )
   if not score:
     out1 = dataclasses.replace(out1, prox_logp_RxN=None)

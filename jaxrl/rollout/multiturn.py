@@ -54,6 +54,34 @@ from jaxrl.types import Array, Rollouts, pytree_dataclass
 Respond = Callable[[np.ndarray, list[np.ndarray]], tuple[Sequence[np.ndarray], np.ndarray]]
 
 
+class EnvironmentRespond:
+  """A ``Respond`` over an ``Environment`` (``jaxrl.tasks.envs``) for one ``generate`` call: each
+  row's state starts from ``environment.reset(question_ids_R)``; ``states`` holds them after."""
+
+  def __init__(self, environment, question_ids_R):
+    self.environment = environment
+    self.states = list(environment.reset([int(q) for q in np.asarray(question_ids_R)]))
+
+  def __call__(self, asked_R, turn_tokens):
+    rows = np.flatnonzero(asked_R)
+    observations: list[np.ndarray] = [np.zeros(0, np.int32) for _ in turn_tokens]
+    done_R = np.zeros(len(turn_tokens), bool)
+    if len(rows):
+      result = self.environment.step(
+        self.states, [np.asarray(turn_tokens[r]).tolist() for r in rows], rows.tolist()
+      )
+      self.states = list(result.states)
+      for k, r in enumerate(rows):
+        observations[r] = np.asarray(result.observation_ids[k], np.int32)
+      done_R[rows] = np.asarray(result.done, bool)
+    return observations, done_R
+
+  def trajectory_reward(self) -> np.ndarray | None:
+    """The environment's f32[R] reward term of the trajectories (None: none)."""
+    reward = self.environment.trajectory_reward(self.states)
+    return None if reward is None else np.asarray(reward, np.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class TurnConfig:
   """The static shape of a multi-turn rollout (a jit argument: hashable)."""

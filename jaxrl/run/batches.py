@@ -144,9 +144,19 @@ def generate(ctx, issue: Issue, params, gate_state, *, round_index: int = 0, fir
   collector = ctx.collector
   if not c.eepo.enabled:
     out = collector.sample(
-      params, issue.version, ids, mask, issue.counts_B, issue.tau, key, n, score=issue.fresh
+      params,
+      issue.version,
+      ids,
+      mask,
+      issue.counts_B,
+      issue.tau,
+      key,
+      n,
+      score=issue.fresh,
+      qids_B=issue.qids_B,
     )
-    return Batch(issue, out, gate_state, {"rollout_seconds": time.time() - t0})
+    metrics = {"rollout_seconds": time.time() - t0, **collector.turn_metrics()}
+    return Batch(issue, out, gate_state, metrics)
   gate = rt.methods.gate if fire is None else (lambda state, h: (fire, state))
   two = two_stage_rollouts(
     collector,
@@ -163,7 +173,8 @@ def generate(ctx, issue: Issue, params, gate_state, *, round_index: int = 0, fir
     forget=ForgetConfig.from_config(c),
     old_logp_from=c.eepo.old_logp_from,
     score=issue.fresh,
+    qids_B=issue.qids_B,
   )
-  return Batch(
-    issue, two.rollouts, two.gate_state, {**two.metrics, "rollout_seconds": time.time() - t0}
-  )
+  # (multi-turn: the turn counts of stage 2, the last call)
+  metrics = {**two.metrics, "rollout_seconds": time.time() - t0, **collector.turn_metrics()}
+  return Batch(issue, two.rollouts, two.gate_state, metrics)

@@ -28,7 +28,7 @@ from jaxrl.rl.losses import LossHparams
 from jaxrl.rl.programs import Programs
 from jaxrl.rl.stats import init_stats, update_stats
 from jaxrl.rl.step import rl_update
-from jaxrl.rollout import dynamic
+from jaxrl.rollout import dynamic, multiturn
 from jaxrl.rollout.collect import Collector, token_mean_entropy
 from jaxrl.rollout.sampler import sample_program
 from jaxrl.run import batches, mfu, records
@@ -74,11 +74,19 @@ class PhaseRuntime:
 CONTROLLERS = "policies"
 
 COUNTED_PROGRAMS = {"compiles_update": rl_update, "compiles_sampler": sample_program}
+# A multi-turn run's sampler programs (``rollout/multiturn.py``), counted besides (its rows only).
+MULTITURN_PROGRAMS = {
+  "compiles_prefill": multiturn.prefill_program,
+  "compiles_turn": multiturn.turn_program,
+  "compiles_observe": multiturn.observe_program,
+  "compiles_assemble": multiturn.assemble_program,
+}
 
 
-def compile_counter(**more) -> CompileCounter:
-  """A counter of the traces of ``COUNTED_PROGRAMS`` and of ``more`` (metric → function)."""
-  programs = {**COUNTED_PROGRAMS, **more}
+def compile_counter(*, multiturn: bool = False, **more) -> CompileCounter:
+  """A counter of the traces of ``COUNTED_PROGRAMS`` (and ``MULTITURN_PROGRAMS`` when
+  ``multiturn``) and of ``more`` (metric → function)."""
+  programs = {**COUNTED_PROGRAMS, **(MULTITURN_PROGRAMS if multiturn else {}), **more}
   return CompileCounter(**{metric: fn.__name__ for metric, fn in programs.items()})
 
 
@@ -254,9 +262,10 @@ def _verify(ctx: StepContext, qids_B, rollouts: Rollouts) -> tuple[Rollouts, dic
   group_ids_R = np.asarray(rollouts.group_ids_R)
   verified = ctx.task.verify(ctx.task.decode(rollouts), ctx.task.train_answers[qids_B[group_ids_R]])
   # Each process verifies every row, under its own clock: process 0's verdicts are everyone's.
-  rewards_R, scored_R = distributed.from_main(
-    (np.asarray(verified.rewards_R, np.float32), verified.scored.astype(np.int32))
-  )
+  rewards_R = np.asarray(verified.rewards_R, np.float32)
+  if rollouts.rewards_R is not None:  # the environment's trajectory reward (Collector.sample)
+    rewards_R = rewards_R + np.asarray(rollouts.rewards_R, np.float32)
+  rewards_R, scored_R = distributed.from_main((rewards_R, verified.scored.astype(np.int32)))
   scored = dataclasses.replace(rollouts, rewards_R=rewards_R)
   return dynamic.set_aside(scored, scored_R.astype(bool), len(qids_B)), verified.metrics()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxrl.tasks.data.prompts import decode_responses
+from jaxrl.tasks.envs.trajectory import compact, trajectory_parts
 
 
 def group_outcomes(rewards_R: np.ndarray, group_ids_R: np.ndarray, num_groups: int) -> dict:
@@ -100,22 +101,26 @@ def step_record(
 
 def sample_rows(task, rollouts, qids_B, counts_B, tau, n: int) -> list[dict]:
   """The first response of each of the step's first ``n`` groups, as text (``samples.jsonl``):
-  its question, prompt, response, reward, group, the group's allocated G and the step's τ."""
+  its question, prompt, response, reward, group, the group's allocated G and the step's τ; with an
+  environment also its ``parts``, each with who wrote it (``trajectory_parts``)."""
   if n <= 0:
     return []
   group_ids_R = np.asarray(rollouts.group_ids_R)
   groups, first_R = np.unique(group_ids_R, return_index=True)
   groups, rows = groups[:n], first_R[:n]
   tokenizer = task.tokenizer
-  responses = decode_responses(
-    tokenizer, np.asarray(rollouts.tokens_RxN)[rows], np.asarray(rollouts.lengths_R)[rows]
-  )
+  tokens_RxN, mask_RxN = np.asarray(rollouts.tokens_RxN)[rows], np.asarray(rollouts.mask_RxN)[rows]
+  model_RxN = np.asarray(rollouts.loss_mask_RxN)[rows]
+  lengths_R = np.asarray(rollouts.lengths_R)[rows]
+  if task.environment is not None:  # the gaps between turns out (model_RxN: who wrote what)
+    tokens_RxN, model_RxN = compact(tokens_RxN, mask_RxN), compact(model_RxN, mask_RxN)
+  responses = decode_responses(tokenizer, tokens_RxN, lengths_R)
   prompt_ids, prompt_mask = (
     np.asarray(rollouts.prompt_ids_RxP),
     np.asarray(rollouts.prompt_mask_RxP),
   )
   rewards = np.asarray(rollouts.rewards_R)
-  return [
+  out = [
     dict(
       question=int(qids_B[g]),
       prompt=tokenizer.decode(prompt_ids[r][prompt_mask[r]].tolist(), skip_special_tokens=True),
@@ -127,3 +132,9 @@ def sample_rows(task, rollouts, qids_B, counts_B, tau, n: int) -> list[dict]:
     )
     for g, r, response in zip(groups.tolist(), rows.tolist(), responses)
   ]
+  if task.environment is not None:
+    for k, row in enumerate(out):
+      row["parts"] = trajectory_parts(
+        tokenizer, tokens_RxN[k], model_RxN[k], lengths_R[k], eos_id=task.eos_id
+      )
+  return out

@@ -139,10 +139,15 @@ class Trainer:
         pad_id=task.pad_id,
         prompt_len=task.train_prompt_ids.shape[1],
         workdir=workdir,
+        environment=task.environment,
       )
       started.callback(engine.close)
-      collector = Collector(engine, programs, cfg.loss.logprob_chunk, cfg.loss.micro_batches)
-      compiles = compile_counter().start()  # counted from here
+      collector = Collector(
+        engine, programs, cfg.loss.logprob_chunk, cfg.loss.micro_batches, task.environment
+      )
+      compiles = compile_counter(
+        multiturn=task.environment is not None
+      ).start()  # counted from here
       started.callback(compiles.stop)
       if distributed.is_main():
         _write_json(os.path.join(workdir, "config.json"), to_dict(cfg))

@@ -24,6 +24,7 @@ from jaxrl.tasks.data.cursor import Mixture
 from jaxrl.tasks.data.prompts import decode_responses, encode_completions, encode_prompts
 from jaxrl.tasks.envs import calculator
 from jaxrl.tasks.envs.registry import build_environment
+from jaxrl.tasks.envs.trajectory import compact
 from jaxrl.tasks.rewards.arithmetic import FinalAnswerScorer, score_batch
 from jaxrl.tasks.rewards.pool import VerifyResult
 
@@ -61,8 +62,12 @@ class TaskData:
     return () if self.environment is None else tuple(self.environment.stop_sequences)
 
   def decode(self, out) -> list[str]:
-    """Response texts of a ``SampleOutput`` (cut at EOS)."""
-    return decode_responses(self.tokenizer, np.asarray(out.tokens_RxN), np.asarray(out.lengths_R))
+    """Response texts of a ``SampleOutput`` (cut at EOS); a multi-turn response's turns and
+    observations without the gaps between them (the verifier reads its final answer)."""
+    tokens_RxN = np.asarray(out.tokens_RxN)
+    if self.environment is not None:
+      tokens_RxN = compact(tokens_RxN, out.mask_RxN)
+    return decode_responses(self.tokenizer, tokens_RxN, np.asarray(out.lengths_R))
 
   def verify(self, responses, answers) -> VerifyResult:
     """Rewards with the verifier's failure counts (timeouts, errors, ...) for the metrics."""

@@ -14,6 +14,13 @@ import numpy as np
 MODEL, ENVIRONMENT = "model", "environment"
 
 
+def compact(x_RxN, mask_RxN) -> np.ndarray:
+  """Each row's values at its real response positions first, in order (a multi-turn response
+  holds masked gaps between turns; a single-turn one is returned as it is)."""
+  order = np.argsort(~np.asarray(mask_RxN, bool), axis=1, kind="stable")
+  return np.take_along_axis(np.asarray(x_RxN), order, axis=1)
+
+
 def trajectory_parts(
   tokenizer,
   ids_N: Sequence[int],
