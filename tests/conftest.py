@@ -39,6 +39,16 @@ def pytest_configure(config):
   jax.config.update("jax_default_matmul_precision", "highest")
 
 
+def pytest_collection_modifyitems(config, items):
+  """Modules with slow tests run first: their tests take minutes each (servers, kills, several
+  processes), so started early they overlap with the rest, and the many short modules fill both
+  pytest-xdist workers at the end instead of one long module running alone (the Makefile passes
+  --no-loadscope-reorder, which keeps this order; xdist's default orders modules by test count)."""
+  del config
+  slow = {item.path for item in items if item.get_closest_marker("slow")}
+  items.sort(key=lambda item: item.path not in slow)  # stable: each module keeps its order
+
+
 def pytest_unconfigure(config):
   if _SESSION_CACHE and not hasattr(config, "workerinput"):
     shutil.rmtree(_SESSION_CACHE, ignore_errors=True)

@@ -1,11 +1,13 @@
 """The same command on several processes: `configs/tiny.py` as 2 processes x 2 CPU devices
 (jax.distributed over Gloo, real subprocesses) trains exactly like 1 process with 4 devices, and a
 2-process run resumes from its own checkpoint in a new 2-process run; params split across processes
-are exported whole by each."""
+are exported whole by each. The runs start RL from one warm start, trained once for the module
+(a 2-process SFT is tests/test_multihost_vllm.py's), so what is compared is the RL steps."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -41,12 +43,24 @@ LORA = {
 }
 
 
+@pytest.fixture(scope="module")
+def warm_start(tmp_path_factory):
+  """The SFT checkpoint of FLAGS (steps=0: the warm start and its evaluation only); a LoRA run
+  starts from the same one (its adapters are fresh)."""
+  workdir = tmp_path_factory.mktemp("warm_start")
+  run_ranks(FLAGS, workdir, steps=0, processes=1, devices=4)
+  return workdir / "sft"
+
+
 @pytest.mark.parametrize("overrides", [{}, LORA], ids=["full", "lora"])
-def test_two_processes_train_like_one_and_resume(tmp_path, overrides):
+def test_two_processes_train_like_one_and_resume(tmp_path, warm_start, overrides):
   single, multi = tmp_path / "one_process", tmp_path / "two_processes"
+  for workdir in (single, multi):
+    shutil.copytree(warm_start, workdir / "sft")
   flags = FLAGS + [f"--config.{k}={v}" for k, v in overrides.items()]
   run_ranks(flags, single, steps=5, processes=1, devices=4)
-  run_ranks(flags, multi, steps=3, processes=2, devices=2)  # checkpoints at steps 2 and 3
+  errs = run_ranks(flags, multi, steps=3, processes=2, devices=2)  # checkpoints at steps 2 and 3
+  assert all("SFT warm start loaded" in e for e in errs)
   errs = run_ranks(flags, multi, steps=5, processes=2, devices=2)  # a new 2-process run resumes
   assert all("resumed from step 3" in e for e in errs)
   one, two = read_metrics(single), read_metrics(multi)
