@@ -46,7 +46,11 @@ _CONFIG = config_flags.DEFINE_config_file(
 _CHECKPOINT = flags.DEFINE_string(
   "checkpoint", None, "HF directory, run directory or run checkpoint."
 )
-_BENCHMARKS = flags.DEFINE_string("benchmarks", "", "NAME=PATH,... (default: data.heldout).")
+_BENCHMARKS = flags.DEFINE_string(
+  "benchmarks",
+  "",
+  "NAME=PATH,... (default: data.heldout); none for the arithmetic task (its held-out split).",
+)
 _OUT = flags.DEFINE_string(
   "out", "", "Where to write eval_results.{json,md} (default: RUN/eval/stepN, or HF_DIR/eval)."
 )
