@@ -316,7 +316,7 @@ def rollout_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> Esti
     ("decode: f32 logits [R, V]", logits),
   )
   if pc.task.environment:
-    items = shared + multiturn_items(pc, m, mesh_shape, rows, cache)
+    items = shared + multiturn_items(pc, m, mesh_shape, rows)
   else:
     growth = "the previous decode segment's k (or v) while the last one's is grown from it"
     items = shared + ((growth, growing),)
@@ -325,20 +325,19 @@ def rollout_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> Esti
 
 
 def multiturn_items(
-  pc: Config, m: model.ModelConfig, mesh_shape: dict, rows: int, cache: int
+  pc: Config, m: model.ModelConfig, mesh_shape: dict, rows: int
 ) -> tuple[tuple[str, int], ...]:
   """What the multi-turn sampler (``rollout.multiturn``, docs/algorithms.md §11) holds besides the
   KV cache, the prefill and the decode logits, on one device of ``rows`` rows: its turn state,
   carried between the host-driven programs (``_TurnState``), the observation block the host
   fills, and the observation's forward over the turn's last token and O positions. Its cache has
-  P + N slots from the prefill on (one cache for every turn: no decode segments), padded once
-  from the prefill's P."""
+  P + N slots from the prefill on (one cache for every turn): no decode segment grows from
+  another (the compiled prefill pads its P slots into it without a second copy)."""
   p, n, o = prompt_len(pc), pc.rollout.max_new_tokens, pc.rollout.max_observation_tokens
   s = p + n
   h = _split(m.num_heads, mesh_shape, "tensor")
   observe_block = block_size(1 + o, m.attention_block)
   return (
-    ("multi-turn: the prefill's P-slot k and v while padded to P+N slots", cache * p // s),
     ("multi-turn: tokens i32, log-probs f32, entropies f32 [R, N]", rows * n * 12),
     ("multi-turn: response mask bool [R, N] (model and environment tokens)", rows * n),
     ("multi-turn: loss mask bool [R, N] (the model's tokens)", rows * n),
