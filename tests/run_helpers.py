@@ -50,6 +50,18 @@ def tiny_config(arg="test", **overrides):
   return from_configdict(cd)
 
 
+def snapshot(directory) -> dict:
+  """Every path under ``directory``: files with their size and modification time."""
+  out = {}
+  for root, dirs, files in os.walk(directory):
+    for name in dirs:
+      out[os.path.relpath(os.path.join(root, name), directory)] = "dir"
+    for name in files:
+      st = os.stat(os.path.join(root, name))
+      out[os.path.relpath(os.path.join(root, name), directory)] = (st.st_size, st.st_mtime_ns)
+  return out
+
+
 def read_metrics(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]

@@ -97,6 +97,18 @@ def _restored(run, step, abstract):
 
 
 @pytest.mark.slow
+def test_eval_of_the_arithmetic_task_takes_no_benchmark_files(tmp_path):
+  """The arithmetic task is evaluated on its own held-out split: ``--benchmarks`` is refused with
+  one line, exit 2, before a checkpoint is read."""
+  out = _command(
+    "jaxrl.eval", "--config=tiny:tools", f"--checkpoint={tmp_path}", "--benchmarks=x.jsonl"
+  )
+  assert out.returncode == 2, out.stderr[-2000:]
+  last = out.stderr.strip().splitlines()[-1]
+  assert "--benchmarks: the arithmetic task is evaluated on its own held-out split" in last
+  assert "Traceback" not in out.stderr and not os.listdir(tmp_path)
+
+
 def test_export_writes_any_checkpoint_in_hf_layout(tmp_path):
   import transformers
 

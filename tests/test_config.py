@@ -120,8 +120,8 @@ BAD_VALUES = [
 ]
 
 
-def _with(overrides: dict):
-  cd = default_configdict()
+def _with(overrides: dict, cd=None):
+  cd = default_configdict() if cd is None else cd
   for dotted, value in overrides.items():
     *sections, name = dotted.split(".")
     node = cd
@@ -183,3 +183,38 @@ def test_every_builtin_config_and_variant_passes_the_checks():
       environments.check(cfg)
       checked += 1
   assert checked > 60, checked
+
+
+@pytest.mark.parametrize(
+  "overrides, numbers",
+  [
+    # T + O + 1 = 24 + 32 + 1 = 57 > 56: the first turn's call could never be answered.
+    ({"rollout.max_new_tokens": 56}, "T=24 tokens, an observation of max_observation_tokens=32"),
+    # max_turn_tokens=0 is the whole response: no observation and next turn fit after it.
+    ({"rollout.max_turn_tokens": 0}, "T + O + 1 = 113 > max_new_tokens=80"),
+    # The annealing phase's shorter response binds (T is one value for every phase).
+    (
+      {"anneal_phase.enabled": True, "anneal_phase.max_new_tokens": 50},
+      "T + O + 1 = 57 > max_new_tokens=50 (the shortest phase's)",
+    ),
+  ],
+)
+def test_a_turn_an_observation_and_the_next_turn_must_fit(overrides, numbers):
+  """docs/algorithms.md §11: the multi-turn sampler answers a tool call only where a whole next
+  turn fits after the observation, so T + O + 1 <= max_new_tokens or no call is ever answered."""
+  with pytest.raises(ConfigError, match="rollout.max_turn_tokens") as e:
+    from_configdict(_tools_config(overrides))
+  assert e.value.field == "rollout.max_turn_tokens"
+  assert numbers in str(e.value), str(e.value)
+  assert "no tool call could be answered" in str(e.value)
+
+
+def test_a_turn_that_just_fits_is_accepted():
+  cfg = from_configdict(_tools_config({"rollout.max_new_tokens": 57}))  # 24 + 32 + 1
+  assert cfg.rollout.max_new_tokens == 57
+
+
+def _tools_config(overrides: dict):
+  from jaxrl.run import cli
+
+  return _with(overrides, cli.load_config("tiny:tools"))

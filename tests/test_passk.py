@@ -69,3 +69,48 @@ def test_array_matches_scalar_loop():
   # Scalar n broadcasts over questions; all-zero c gives an empty product.
   np.testing.assert_allclose(pass_at_k_array(16, [0, 4, 16], 8), [0.0, pass_at_k(16, 4, 8), 1.0])
   np.testing.assert_array_equal(pass_at_k_array(16, [0, 0], 2), [0.0, 0.0])
+
+
+def test_heldout_evaluation_counts_turns_of_real_questions_only():
+  """``heldout.evaluate`` over a fake multi-turn sampler: 3 questions in chunks of 2 (the last
+  padded with its first question, whose samples count nowhere), n = 2 samples each. Question q's
+  samples take q + 1 and q + 2 turns (one tool call fewer) and are correct from q = 1 on."""
+  import jax
+
+  from jaxrl.run.heldout import EvalResult, Sampled, evaluate
+
+  def sample_fn(ids_BxP, mask_BxP, counts_B, key, greedy):
+    group_ids_R = np.repeat(np.arange(len(counts_B)), counts_B)
+    q_R = ids_BxP[group_ids_R, 0]
+    turns_R = q_R + 1 + (np.arange(len(q_R)) % 2 if not greedy else 0)
+    return Sampled([str(q) for q in q_R], group_ids_R, turns_R, turns_R - 1)
+
+  ids_QxP = np.arange(3)[:, None]
+  result = evaluate(
+    sample_fn,
+    ids_QxP,
+    np.ones_like(ids_QxP, bool),
+    np.array([0, 0, 1]),
+    lambda responses, q: (np.asarray(q) >= 1).astype(np.float32),
+    num_samples=2,
+    ks=[1],
+    questions_per_call=2,
+    key=jax.random.PRNGKey(0),
+  )
+  # Per question: turns 1.5, 2.5, 3.5; tool calls one fewer.
+  assert result.turns["turns"] == {0: 2.0, 1: 3.5, "all": 2.5}
+  assert result.turns["tool_calls"] == {0: 1.0, 1: 2.5, "all": 1.5}
+  assert result.pass_at[1] == {0: 0.5, 1: 1.0, "all": 2 / 3}
+  assert EvalResult.from_json(result.to_json()) == result
+  single = evaluate(
+    lambda *args: Sampled(*sample_fn(*args)[:2]),
+    ids_QxP,
+    np.ones_like(ids_QxP, bool),
+    np.array([0, 0, 1]),
+    lambda responses, q: np.zeros(len(q), np.float32),
+    num_samples=2,
+    ks=[1],
+    questions_per_call=2,
+    key=jax.random.PRNGKey(0),
+  )
+  assert single.turns == {} and "turns" not in single.to_json()

@@ -2,6 +2,7 @@
 architecture source, XLA's memory analysis of a small compiled step, and the 7B plan on 8 fake CPU
 devices (subprocess)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -250,3 +251,49 @@ def test_plan_compiles_the_very_programs_the_trainer_runs(tmp_path, monkeypatch)
   assert jax.tree.all(
     jax.tree.map(lambda x, y: x == y, planned.state_shardings, ran.state_shardings)
   )
+
+
+def test_tools_plan_counts_the_multi_turn_buffers():
+  """With ``task.environment`` the rollout side is the multi-turn sampler's (docs/algorithms.md
+  §11): the single-turn buffers it shares, plus its turn state, observation block and observation
+  forward, in place of the decode segments' growth (its cache has P + N slots from the prefill)."""
+  cfg = tiny_config("tools")
+  single_cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, environment=""))
+  multi = plan.build(cfg, compile_steps=False).phases[0].rollout
+  single = plan.build(single_cfg, compile_steps=False).phases[0].rollout
+  r, p, n, o = cfg.num_rollouts, plan.prompt_len(cfg), 80, 32
+  assert (r, multi.rows, multi.tokens) == (128, 128, p + n) and single.tokens == p + n
+  m_items, s_items = dict(multi.items), dict(single.items)
+  only_multi = {k: v for k, v in m_items.items() if k not in s_items}
+  only_single = {k: v for k, v in s_items.items() if k not in m_items}
+  assert list(only_single) == [
+    "the previous decode segment's k (or v) while the last one's is grown from it"
+  ]
+  assert only_multi["multi-turn: loss mask bool [R, N] (the model's tokens)"] == r * n
+  assert only_multi["multi-turn: response mask bool [R, N] (model and environment tokens)"] == r * n
+  assert only_multi["multi-turn: tokens i32, log-probs f32, entropies f32 [R, N]"] == r * n * 12
+  assert only_multi["multi-turn: valid cache slots bool [R, P+N]"] == r * (p + n)
+  assert only_multi["multi-turn: observation block: ids i32 + mask bool [R, O=32]"] == r * o * 5
+  assert only_multi["multi-turn: per-turn row state: 3 i32 + 5 bool [R]"] == r * 17
+  assert sum(k.startswith("observation forward:") for k in only_multi) == 2
+  # The totals differ by exactly those items.
+  assert multi.total == single.total - sum(only_single.values()) + sum(only_multi.values())
+  assert multi.total > single.total
+  text = plan_report.render(plan.build(cfg, compile_steps=False))
+  assert "| multi-turn: loss mask bool [R, N] (the model's tokens) | 10.00 KiB |" in text
+  assert "`task.environment = calculator` the multi-turn sampler runs instead" in text
+
+
+def test_tools_plan_compiles_the_multi_turn_programs(monkeypatch):
+  """The rollout side compiles the multi-turn programs, not the single-turn sampler (the train
+  step, which the other tests compile, is stubbed: the test stays fast)."""
+  stub = plan.Compiled("train step (rl_update)", 0.0, 0, 0, 0, 0, 0)
+  monkeypatch.setattr(plan, "compile_train_step", lambda *args: stub)
+  compiled = plan.build(tiny_config("test,tools")).phases[0].compiled
+  assert all(c.peak > 0 for c in compiled[1:])
+  assert [c.name for c in compiled] == [
+    "train step (rl_update)",
+    "multi-turn prefill (prefill_program)",
+    "multi-turn turn (turn_program)",
+    "multi-turn observation (observe_program)",
+  ]

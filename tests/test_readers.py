@@ -19,7 +19,7 @@ import math_fixtures
 import numpy as np
 import pytest
 from orbax.checkpoint._src.path import atomicity
-from run_helpers import ROOT, tiny_config
+from run_helpers import ROOT, snapshot, tiny_config
 
 from jaxrl.config import from_configdict, to_dict
 from jaxrl.nn import arch, lora, model
@@ -55,18 +55,6 @@ def held_commit(monkeypatch):
   held = HeldCommit(monkeypatch)
   yield held
   held.release.set()  # never leave orbax's thread waiting
-
-
-def snapshot(directory) -> dict:
-  """Every path under ``directory``: files with their size and modification time."""
-  out = {}
-  for root, dirs, files in os.walk(directory):
-    for name in dirs:
-      out[os.path.relpath(os.path.join(root, name), directory)] = "dir"
-    for name in files:
-      st = os.stat(os.path.join(root, name))
-      out[os.path.relpath(os.path.join(root, name), directory)] = (st.st_size, st.st_mtime_ns)
-  return out
 
 
 def _params(cfg, model_cfg):

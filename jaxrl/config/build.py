@@ -10,7 +10,7 @@ from typing import Any
 
 from jaxrl.config.loss import LossConfig
 from jaxrl.config.mixture import parse_mixture
-from jaxrl.config.phases import annealing
+from jaxrl.config.phases import annealing, shortest_response, turn_tokens
 from jaxrl.config.schema import Config, ConfigError, _check_type, _need
 
 
@@ -135,6 +135,21 @@ def _check_environment(cfg: Config) -> None:
     "rollout.max_observation_tokens",
     f"must be < rollout.max_new_tokens={r.max_new_tokens} (an observation leaves room for the "
     f"model's answer), got {r.max_observation_tokens}",
+  )
+  # The sampler asks for an observation only where a whole turn of T tokens fits after it, and a
+  # turn that calls the tool has at least one token: with T + O + 1 > N no call is ever answered.
+  # T and N as the sampler has them (docs/algorithms.md §11): T = max_turn_tokens (0: the whole
+  # response) capped by the shortest phase's N, and that N binds.
+  t, o, n = turn_tokens(cfg), r.max_observation_tokens, shortest_response(cfg)
+  t_from = "" if r.max_turn_tokens else " (max_turn_tokens=0: the whole response)"
+  n_from = " (the shortest phase's)" if n < r.max_new_tokens else ""
+  _need(
+    t + o + 1 <= n,
+    "rollout.max_turn_tokens",
+    f"a turn of T={t} tokens{t_from}, an observation of max_observation_tokens={o} and one token "
+    f"of the next turn need T + O + 1 = {t + o + 1} > max_new_tokens={n}{n_from}: no tool call "
+    f"could be answered (an observation is asked for only where a whole next turn of T tokens "
+    f"fits after it)",
   )
 
 

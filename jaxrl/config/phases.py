@@ -1,4 +1,5 @@
-"""The run's config inside the annealing phase (Entropy Scheduling §5), derived from the run's."""
+"""The run's config inside the annealing phase (Entropy Scheduling §5), derived from the run's, and
+the multi-turn turn budget, which every phase shares."""
 
 from __future__ import annotations
 
@@ -30,3 +31,19 @@ def annealing(cfg: Config) -> Config:
       e3=dataclasses.replace(a.e3, g_min_floor=lo(a.e3.g_min_floor), g_max_cap=hi(a.e3.g_max_cap)),
     ),
   )
+
+
+def shortest_response(cfg: Config) -> int:
+  """The smallest ``rollout.max_new_tokens`` over the run's phases (main, and annealing if on)."""
+  lengths = [cfg.rollout.max_new_tokens]
+  if cfg.anneal_phase.enabled:
+    lengths.append(annealing(cfg).rollout.max_new_tokens)
+  return min(lengths)
+
+
+def turn_tokens(cfg: Config) -> int:
+  """T, the tokens of one model turn at most (docs/algorithms.md §11): ``rollout.max_turn_tokens``,
+  0 = the whole response; one value for every phase (the multi-turn programs compile once), so
+  capped by the shortest phase's response."""
+  shortest = shortest_response(cfg)
+  return min(cfg.rollout.max_turn_tokens or shortest, shortest)

@@ -7,6 +7,7 @@ import os
 import jax
 
 from jaxrl.config import Config, ConfigError
+from jaxrl.config.phases import turn_tokens
 from jaxrl.methods.phases import run_phases
 from jaxrl.rollout import multiturn
 from jaxrl.rollout.engine import JaxEngine
@@ -66,10 +67,9 @@ def turn_config(cfg: Config, environment) -> multiturn.TurnConfig:
       f"the stop sequences are {stops} (make each stop string one token of the vocabulary)",
     )
   r = cfg.rollout
-  shortest = min(p.cfg.rollout.max_new_tokens for p in run_phases(cfg))
   return multiturn.TurnConfig(
     stop_ids=tuple(seq[0] for seq in stops),
-    max_turn_tokens=min(r.max_turn_tokens or shortest, shortest),
+    max_turn_tokens=turn_tokens(cfg),
     max_observation_tokens=r.max_observation_tokens,
     max_turns=r.max_turns,
   )

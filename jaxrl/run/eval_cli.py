@@ -11,6 +11,12 @@ field mapping and prompt template (default: ``data.heldout``); n samples per que
 ``eval_results.json`` and ``eval_results.md`` into ``--out`` (default: ``RUN/eval/stepN`` for a
 run's checkpoint N, the latest when given the run; ``CHECKPOINT/eval`` for an HF directory).
 
+The built-in arithmetic task (``tiny``, ``tiny:tools``) has no benchmark files: its own held-out
+split is evaluated, per level, by the trainer's held-out evaluation (``heldout.evaluate_task``:
+the same engine, with the task's environment and multi-turn rollouts where it has one, the same
+keys and chunks), so a checkpoint's numbers are those the run reported at its step. With an
+environment the results also give the mean model turns and tool calls per sample.
+
 A run's checkpoints are read read-only: a run may be evaluated while it trains (and writes its next
 checkpoint); nothing in its ``checkpoints/`` is created, changed or removed.
 """
@@ -22,6 +28,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 
 import numpy as np
 from absl import app, flags
@@ -39,7 +46,11 @@ _CONFIG = config_flags.DEFINE_config_file(
 _CHECKPOINT = flags.DEFINE_string(
   "checkpoint", None, "HF directory, run directory or run checkpoint."
 )
-_BENCHMARKS = flags.DEFINE_string("benchmarks", "", "NAME=PATH,... (default: data.heldout).")
+_BENCHMARKS = flags.DEFINE_string(
+  "benchmarks",
+  "",
+  "NAME=PATH,... (default: data.heldout); none for the arithmetic task (its held-out split).",
+)
 _OUT = flags.DEFINE_string(
   "out", "", "Where to write eval_results.{json,md} (default: RUN/eval/stepN, or HF_DIR/eval)."
 )
@@ -65,17 +76,20 @@ def parse_benchmarks(spec: str, default: str) -> list[tuple[str, str]]:
 
 
 def markdown(results: dict, ks, num_samples: int) -> str:
+  """One row per benchmark (percentages); with turn counts (multi-turn) their means per sample."""
+  turns = any("turns" in r for r in results.values())
   cols = [f"avg@{num_samples}"] + [f"pass@{k}" for k in ks] + ["greedy"]
+  cols += ["turns", "tool calls"] if turns else []
   lines = ["| benchmark | questions | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
   for name, r in results.items():
     values = (
       [r[f"avg@{num_samples}"]] + [r["pass_at"][str(k)]["all"] for k in ks] + [r["greedy"]["all"]]
     )
-    lines.append(
-      f"| {name} | {sum(r['num_questions'].values())} | "
-      + " | ".join(f"{100 * v:.1f}" for v in values)
-      + " |"
-    )
+    cells = [f"{100 * v:.1f}" for v in values]
+    if turns:
+      counts = r.get("turns", {})
+      cells += [f"{counts[c]['all']:.2f}" if c in counts else "" for c in ("turns", "tool_calls")]
+    lines.append(f"| {name} | {sum(r['num_questions'].values())} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 
@@ -87,7 +101,8 @@ def evaluate_checkpoint(
   num_samples: int = 0,
   ks: tuple[int, ...] = (),
 ) -> dict:
-  """Evaluate ``checkpoint`` on each benchmark; write and return the results."""
+  """Evaluate ``checkpoint`` on each benchmark (the arithmetic task: on its held-out split, and
+  ``benchmarks`` is empty); write and return the results."""
   from jaxrl.tasks import math_task
 
   num_samples = num_samples or cfg.eval.num_samples
@@ -96,29 +111,111 @@ def evaluate_checkpoint(
     weights.run_checkpoint(checkpoint) is None
   ):  # an HF directory: its own architecture and tokenizer
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, checkpoint=checkpoint))
-  engine, tokenizer, params = _engine_and_params(cfg, checkpoint, out_dir)
+  if cfg.task.name != "math":
+    results = {HELDOUT: _evaluate_heldout(cfg, checkpoint, out_dir, num_samples, ks)}
+    table = markdown(results, ks, num_samples)
+    _write_results(cfg, checkpoint, out_dir, results, table, num_samples, ks)
+    return {"results": results, "table": table}
+  engine, tokenizer, params, environment = _engine_and_params(cfg, checkpoint, out_dir)
   scorer = math_task.MathScorer(cfg)
   results = {}
   try:
     for name, path in benchmarks:
-      row = _evaluate_benchmark(cfg, engine, params, tokenizer, scorer, name, path, num_samples, ks)
+      row = _evaluate_benchmark(
+        cfg, engine, params, tokenizer, scorer, name, path, num_samples, ks, environment
+      )
       results[name] = row
       log.info("%s: %s", name, {k: v for k, v in row.items() if k.startswith("avg@")})
   finally:
     engine.close()
     scorer.close()
+    if environment is not None:
+      environment.close()
   table = markdown(results, ks, num_samples)
   _write_results(cfg, checkpoint, out_dir, results, table, num_samples, ks)
   return {"results": results, "table": table}
 
 
+HELDOUT = "heldout"  # the arithmetic task's results: its held-out split
+
+
+def benchmarks_of(cfg, spec: str) -> list[tuple[str, str]]:
+  """``--benchmarks`` (default ``data.heldout``) for the math task; none for the arithmetic task,
+  which is evaluated on its own held-out split."""
+  if cfg.task.name == "math":
+    return parse_benchmarks(spec, cfg.data.heldout)
+  if spec:
+    raise ValueError(
+      f"--benchmarks: the {cfg.task.name} task is evaluated on its own held-out split "
+      "(task.num_heldout_per_level per level); benchmark files are for the math task"
+    )
+  return []
+
+
+def _evaluate_heldout(cfg, checkpoint: str, out_dir: str, num_samples: int, ks) -> dict:
+  """The arithmetic task's held-out split, as the trainer evaluates it at a step: its task and
+  engine built as ``Trainer.open`` builds them (the environment's multi-turn rollouts too) and
+  ``heldout.evaluate_task``. The task's tokenizer is built aside (the run's directory is only
+  read)."""
+  from jaxrl.rollout.engine import eval_version
+  from jaxrl.run.heldout import evaluate_task
+  from jaxrl.tasks.task import load_task
+
+  ks = sorted({1, *ks})
+  with tempfile.TemporaryDirectory(prefix="jaxrl-eval-tokenizer-") as tokenizer_dir:
+    task = load_task(cfg, tokenizer_dir)
+    try:
+      engine, params = _task_engine_and_params(cfg, checkpoint, task, out_dir)
+      try:
+        # The one set of params this engine ever holds: any evaluation version names it.
+        result = evaluate_task(
+          engine, params, task, cfg, version=eval_version(0), num_samples=num_samples, ks=ks
+        )
+      finally:
+        engine.close()
+    finally:
+      task.close()
+  row = result.to_json()
+  row[f"avg@{num_samples}"] = result.pass_at[1]["all"]  # pass@1 of n samples = mean accuracy
+  row["level_names"] = list(task.level_names)
+  log.info("%s: %s", HELDOUT, {k: v for k, v in row.items() if k.startswith("avg@")})
+  return row
+
+
+def _task_engine_and_params(cfg, checkpoint: str, task, out_dir: str):
+  """The rollout engine for the task (with its environment, if any) and the checkpoint's params
+  on the mesh."""
+  from jaxrl.nn import arch, model
+  from jaxrl.parallel import sharding
+  from jaxrl.rollout.build import build_engine
+
+  model_cfg = arch.model_config(cfg, task.vocab_size)
+  mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  graphdef, abstract_params = model.abstract(model_cfg)
+  shardings = sharding.tree_shardings(abstract_params, mesh)
+  params = weights.load_params(cfg, checkpoint, (abstract_params, shardings), model_cfg)
+  engine = build_engine(
+    cfg,
+    graphdef,
+    model_cfg,
+    tokenizer=task.tokenizer,
+    eos_id=task.eos_id,
+    pad_id=task.pad_id,
+    prompt_len=task.train_prompt_ids.shape[1],
+    workdir=out_dir,
+    environment=task.environment,
+  )
+  return engine, params
+
+
 def _engine_and_params(cfg, checkpoint: str, out_dir: str):
-  """The rollout engine for the checkpoint's architecture, its tokenizer, and its params on the
-  mesh."""
+  """The rollout engine for the checkpoint's architecture, its tokenizer, its params on the mesh,
+  and the task's environment (None: single-turn), which the engine's multi-turn rollouts ask."""
   from jaxrl.nn import arch, model
   from jaxrl.parallel import sharding
   from jaxrl.rollout.build import build_engine
   from jaxrl.tasks.data import math_prompts
+  from jaxrl.tasks.envs.registry import build_environment
 
   model_cfg = arch.model_config(cfg)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
@@ -127,6 +224,7 @@ def _engine_and_params(cfg, checkpoint: str, out_dir: str):
   tokenizer = math_prompts.load_tokenizer(cfg.model.checkpoint)
   stops = math_prompts.stop_token_ids(cfg.model.checkpoint, tokenizer)
   params = weights.load_params(cfg, checkpoint, (abstract_params, shardings))
+  environment = build_environment(cfg, tokenizer)
   engine = build_engine(
     cfg,
     graphdef,
@@ -136,12 +234,13 @@ def _engine_and_params(cfg, checkpoint: str, out_dir: str):
     pad_id=tokenizer.pad_token_id,
     prompt_len=cfg.task.max_prompt_len,
     workdir=out_dir,
+    environment=environment,
   )
-  return engine, tokenizer, params
+  return engine, tokenizer, params, environment
 
 
 def _evaluate_benchmark(
-  cfg, engine, params, tokenizer, scorer, name, path, num_samples, ks
+  cfg, engine, params, tokenizer, scorer, name, path, num_samples, ks, environment=None
 ) -> dict:
   """One benchmark file sampled by ``engine`` from ``params``: avg@n, pass@k and greedy accuracy,
   with what was dropped or cut."""
@@ -151,9 +250,13 @@ def _evaluate_benchmark(
   from jaxrl.tasks import math_task
   from jaxrl.tasks.data import datasets
   from jaxrl.tasks.data.prompts import decode_responses
+  from jaxrl.tasks.envs.trajectory import compact
 
   def decode(out):
-    return decode_responses(tokenizer, np.asarray(out.tokens_RxN), np.asarray(out.lengths_R))
+    tokens_RxN = np.asarray(out.tokens_RxN)
+    if environment is not None:  # multi-turn: the gaps between turns out (as TaskData.decode)
+      tokens_RxN = compact(tokens_RxN, out.mask_RxN)
+    return decode_responses(tokenizer, tokens_RxN, np.asarray(out.lengths_R))
 
   questions, report = datasets.load_questions(
     path, math_task.fields(cfg), split=cfg.data.split, strict=cfg.data.strict
@@ -210,7 +313,7 @@ def main(argv):
     from jaxrl.tasks.data import hub
 
     cfg = cli.with_local_checkpoint(from_configdict(_CONFIG.value))
-    benchmarks = parse_benchmarks(_BENCHMARKS.value, cfg.data.heldout)
+    benchmarks = benchmarks_of(cfg, _BENCHMARKS.value)
     ks = tuple(int(k) for k in _KS.value.split(",")) if _KS.value else ()
     checkpoint = hub.model_snapshot(_CHECKPOINT.value)  # a Hub id: its local snapshot
     if not os.path.exists(checkpoint):

@@ -1,16 +1,21 @@
-"""Held-out evaluation as the papers report it: pass@1 = mean accuracy of n samples per question at
-τ (1.0 by default), unbiased pass@k from the same n samples, and greedy accuracy; per level and
-overall.
+"""Held-out evaluation as the papers report it (docs/algorithms.md §8): pass@1 = mean accuracy of
+n samples per question at τ (1.0 by default), unbiased pass@k from the same n samples, and greedy
+accuracy; per level and overall. With an environment (docs/algorithms.md §11) also the mean model
+turns and tool calls of the n samples.
+
+``evaluate_task`` is the held-out evaluation of a task's own split that both the trainer and
+``jaxrl-eval`` run: the same engine calls, keys and chunks, so the two agree.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
 
+from jaxrl import rng
 from jaxrl.rl.passk import pass_at_k_array
 
 
@@ -20,14 +25,20 @@ class EvalResult:
   num_questions: dict  # level -> count
   pass_at: dict  # k -> {level -> value}, and {"all" -> value}
   greedy: dict  # level -> accuracy, and "all"
+  # Multi-turn only: "turns" and "tool_calls" -> {level -> mean per sample, and "all"} over the n
+  # samples per question; {} for single-turn rollouts.
+  turns: dict = dataclasses.field(default_factory=dict)
 
   def to_json(self) -> dict:
-    return {
+    out = {
       "levels": list(self.levels),
       "num_questions": {str(k): v for k, v in self.num_questions.items()},
       "pass_at": {str(k): {str(l): v for l, v in d.items()} for k, d in self.pass_at.items()},
       "greedy": {str(l): v for l, v in self.greedy.items()},
     }
+    if self.turns:
+      out["turns"] = {name: {str(l): v for l, v in d.items()} for name, d in self.turns.items()}
+    return out
 
   @staticmethod
   def from_json(d: dict) -> "EvalResult":
@@ -39,6 +50,7 @@ class EvalResult:
       num_questions={int(k): v for k, v in d["num_questions"].items()},
       pass_at={int(k): {lv(l): v for l, v in m.items()} for k, m in d["pass_at"].items()},
       greedy={lv(l): v for l, v in d["greedy"].items()},
+      turns={name: {lv(l): v for l, v in m.items()} for name, m in d.get("turns", {}).items()},
     )
 
 
@@ -46,6 +58,16 @@ def _per_level(values_Q: np.ndarray, levels_Q: np.ndarray, levels: Sequence[int]
   out = {lvl: float(values_Q[levels_Q == lvl].mean()) for lvl in levels}
   out["all"] = float(values_Q.mean())
   return out
+
+
+class Sampled(NamedTuple):
+  """What a ``sample_fn`` returns for one chunk of questions."""
+
+  responses: list  # str per row
+  group_ids_R: np.ndarray  # the row's question in the chunk
+  # Multi-turn: i32[R] model turns and tool calls (``multiturn.TurnCounts``); None: single-turn
+  turns_R: np.ndarray | None = None
+  tool_calls_R: np.ndarray | None = None
 
 
 def engine_sampler(
@@ -57,19 +79,63 @@ def engine_sampler(
   on_call: Callable | None = None,
 ):
   """The ``sample_fn`` of ``evaluate`` over a rollout engine sampling from ``params`` (weight
-  version ``version``: ``engine.eval_version``): responses decoded to text.
+  version ``version``: ``engine.eval_version``): responses decoded to text, and a multi-turn
+  engine's turn counts of the call (``JaxEngine.turn_counts``).
 
   Every call sets the weights it samples from (the engine skips the version it holds), as
   ``Collector.sample`` does for rollouts."""
 
-  def sample_fn(ids, mask, counts, key, greedy):
+  def sample_fn(ids, mask, counts, key, greedy) -> Sampled:
     engine.set_weights(params, version)
     out = engine.generate(ids, mask, counts, temperature, key, greedy=greedy)
     if greedy and on_call is not None:  # one greedy call per chunk of questions
       on_call()
-    return decode(out), np.asarray(out.group_ids_R)
+    turn_counts = getattr(engine, "turn_counts", None)  # this call's: set by every generate
+    if turn_counts is None:
+      return Sampled(decode(out), np.asarray(out.group_ids_R))
+    return Sampled(
+      decode(out),
+      np.asarray(out.group_ids_R),
+      np.asarray(turn_counts.turns_R),
+      np.asarray(turn_counts.tool_calls_R),
+    )
 
   return sample_fn
+
+
+def questions_per_call(cfg, num_samples: int) -> int:
+  """Questions per engine call: as many whole groups of ``num_samples`` as a step's R rows hold
+  (the engine's compiled shapes)."""
+  return max(1, cfg.num_rollouts // num_samples)
+
+
+def evaluate_task(
+  engine,
+  params,
+  task,
+  cfg,
+  *,
+  version: int,
+  num_samples: int = 0,
+  ks: Sequence[int] = (),
+  on_call: Callable | None = None,
+) -> EvalResult:
+  """``params`` on ``task``'s held-out split (a ``TaskData``), sampled by ``engine`` (built with
+  the task's environment, if any: multi-turn rollouts) at ``eval.temperature`` with the run's
+  evaluation key: ``num_samples`` (0: ``eval.num_samples``) per question, pass@k for ``ks``
+  (default ``eval.ks``)."""
+  num_samples = num_samples or cfg.eval.num_samples
+  return evaluate(
+    engine_sampler(engine, params, version, task.decode, cfg.eval.temperature, on_call),
+    task.heldout_prompt_ids,
+    task.heldout_prompt_mask,
+    task.heldout_levels,
+    lambda responses, q: task.score(responses, task.heldout_answers[q]),
+    num_samples=num_samples,
+    ks=ks or cfg.eval_ks,
+    questions_per_call=questions_per_call(cfg, num_samples),
+    key=rng.key(cfg.seed, rng.EVAL),
+  )
 
 
 def evaluate(
@@ -86,38 +152,52 @@ def evaluate(
 ) -> EvalResult:
   """Sample ``num_samples`` answers per question (and one greedy answer) and score them.
 
-  ``sample_fn(ids_BxP, mask_BxP, counts_B, key, greedy) -> (responses: list[str], group_ids_R)`` runs
-  the engine on a fixed-size chunk of questions; ``score_fn(responses, question_indices) -> rewards``.
-  The last chunk is padded by repeating its first question so every call has the same shapes.
+  ``sample_fn(ids_BxP, mask_BxP, counts_B, key, greedy) -> Sampled`` runs the engine on a
+  fixed-size chunk of questions; ``score_fn(responses, question_indices) -> rewards``. The last
+  chunk is padded by repeating its first question so every call has the same shapes; the padding's
+  samples count nowhere. Turn counts (multi-turn) are the n samples' means per question.
   """
   num_q = len(levels_Q)
   correct_Q = np.zeros(num_q, np.int64)
   greedy_Q = np.zeros(num_q, np.float64)
+  turns_Q, tool_calls_Q = np.zeros(num_q, np.float64), np.zeros(num_q, np.float64)
+  multi_turn = False
   for start in range(0, num_q, questions_per_call):
     idx = np.arange(start, min(start + questions_per_call, num_q))
     padded = np.concatenate([idx, np.full(questions_per_call - len(idx), idx[0])])
     ids, mask = prompt_ids_QxP[padded], prompt_mask_QxP[padded]
     key, k_sample, k_greedy = jax.random.split(key, 3)
     counts = np.full(questions_per_call, num_samples, np.int32)
-    responses, group_ids = sample_fn(ids, mask, counts, k_sample, False)
-    rewards = score_fn(responses, padded[np.asarray(group_ids)])
-    per_q = np.bincount(np.asarray(group_ids), weights=(rewards > 0), minlength=questions_per_call)
+    out = Sampled(*sample_fn(ids, mask, counts, k_sample, False))
+    group_ids = np.asarray(out.group_ids_R)
+    rewards = score_fn(out.responses, padded[group_ids])
+    per_q = np.bincount(group_ids, weights=(rewards > 0), minlength=questions_per_call)
     correct_Q[idx] = per_q[: len(idx)].astype(np.int64)
-    responses, group_ids = sample_fn(
-      ids, mask, np.ones(questions_per_call, np.int32), k_greedy, True
-    )
-    rewards = score_fn(responses, padded[np.asarray(group_ids)])
+    if out.turns_R is not None:
+      multi_turn = True
+      for total_Q, per_row in ((turns_Q, out.turns_R), (tool_calls_Q, out.tool_calls_R)):
+        sums = np.bincount(group_ids, weights=per_row, minlength=questions_per_call)
+        total_Q[idx] = sums[: len(idx)] / num_samples
+    out = Sampled(*sample_fn(ids, mask, np.ones(questions_per_call, np.int32), k_greedy, True))
+    rewards = score_fn(out.responses, padded[np.asarray(out.group_ids_R)])
     greedy_Q[idx] = rewards[: len(idx)] > 0
   levels = tuple(sorted(set(int(l) for l in levels_Q)))
   pass_at = {
     k: _per_level(pass_at_k_array(np.full(num_q, num_samples), correct_Q, k), levels_Q, levels)
     for k in ks
   }
+  turns = {}
+  if multi_turn:
+    turns = {
+      "turns": _per_level(turns_Q, levels_Q, levels),
+      "tool_calls": _per_level(tool_calls_Q, levels_Q, levels),
+    }
   return EvalResult(
     levels=levels,
     num_questions={lvl: int((levels_Q == lvl).sum()) for lvl in levels},
     pass_at=pass_at,
     greedy=_per_level(greedy_Q, levels_Q, levels),
+    turns=turns,
   )
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
 from jaxrl.config import Config, ConfigError, LossConfig
+from jaxrl.config.phases import turn_tokens
 from jaxrl.methods import registry
 from jaxrl.methods.phases import run_phases
 from jaxrl.nn import arch, lora, model
@@ -306,16 +307,53 @@ def rollout_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> Esti
   ends = segment_ends(pc.rollout.max_new_tokens)
   growing = cache // 2 * (p + ends[-2]) // s if len(ends) > 1 else 0
   logits = rows * _split(m.vocab_size, mesh_shape, "tensor") * 4
-  items = (
+  shared = (
     ("KV cache: k [L, R, K, E, P+N] and v [L, R, K, P+N, E]", cache),
-    ("the previous decode segment's k (or v) while the last one's is grown from it", growing),
     (
       f"prefill: one attention block's f32 scores [B, H, {prefill_block}, P]",
       prefill,
     ),
     ("decode: f32 logits [R, V]", logits),
   )
-  return Estimate(rows, s, tuple(i for i in items if i[1]), cache + growing + prefill + logits)
+  if pc.task.environment:
+    items = shared + multiturn_items(pc, m, mesh_shape, rows)
+  else:
+    growth = "the previous decode segment's k (or v) while the last one's is grown from it"
+    items = shared + ((growth, growing),)
+  items = tuple(i for i in items if i[1])
+  return Estimate(rows, s, items, sum(v for _, v in items))
+
+
+def multiturn_items(
+  pc: Config, m: model.ModelConfig, mesh_shape: dict, rows: int
+) -> tuple[tuple[str, int], ...]:
+  """What the multi-turn sampler (``rollout.multiturn``, docs/algorithms.md §11) holds besides the
+  KV cache, the prefill and the decode logits, on one device of ``rows`` rows: its turn state,
+  carried between the host-driven programs (``_TurnState``), the observation block the host
+  fills, and the observation's forward over the turn's last token and O positions. Its cache has
+  P + N slots from the prefill on (one cache for every turn): no decode segment grows from
+  another (the compiled prefill pads its P slots into it without a second copy)."""
+  p, n, o = prompt_len(pc), pc.rollout.max_new_tokens, pc.rollout.max_observation_tokens
+  s = p + n
+  h = _split(m.num_heads, mesh_shape, "tensor")
+  observe_block = block_size(1 + o, m.attention_block)
+  return (
+    ("multi-turn: tokens i32, log-probs f32, entropies f32 [R, N]", rows * n * 12),
+    ("multi-turn: response mask bool [R, N] (model and environment tokens)", rows * n),
+    ("multi-turn: loss mask bool [R, N] (the model's tokens)", rows * n),
+    ("multi-turn: valid cache slots bool [R, P+N]", rows * s),
+    # next position, turns, tool calls (i32); in turn, asked, ended, finished, done (bool).
+    ("multi-turn: per-turn row state: 3 i32 + 5 bool [R]", rows * (3 * 4 + 5)),
+    (f"multi-turn: observation block: ids i32 + mask bool [R, O={o}]", rows * o * 5),
+    (
+      f"observation forward: one attention block's f32 scores [R, H, {observe_block}, P+N]",
+      rows * h * observe_block * s * 4,
+    ),
+    (
+      f"observation forward: one layer's internals over 1 + O = {1 + o} positions",
+      _layer_internals(rows, 1 + o, m, mesh_shape),
+    ),
+  )
 
 
 # -- compiled programs ------------------------------------------------------------------------------
@@ -420,6 +458,48 @@ def compile_sampler(pc: Config, graphdef, mcfg, params, param_sh) -> Compiled:
   return _analyse("JAX sampler (generate)", lambda: sampler.sample_program.lower(*args, **static))
 
 
+def compile_multiturn(pc: Config, graphdef, mcfg, params, param_sh, turn_tokens: int):
+  """The multi-turn sampler's three jitted programs with host prompts and observations, as
+  ``multiturn.generate`` calls them (docs/algorithms.md §11); the turn state between them is
+  the prefill's output."""
+  from jaxrl.rollout import multiturn
+
+  p, b, r, o = (
+    prompt_len(pc),
+    pc.batch_questions,
+    pc.num_rollouts,
+    pc.rollout.max_observation_tokens,
+  )
+  sds = jax.ShapeDtypeStruct
+  weights = _shaped(params, param_sh)
+  prompts = (sds((b, p), jnp.int32), sds((b, p), jnp.bool_), sds((b,), jnp.int32))
+  prefill_static = dict(
+    num_rollouts=r, max_new_tokens=pc.rollout.max_new_tokens, pad_id=0, model_cfg=mcfg
+  )
+  prefill = functools.partial(multiturn.prefill_program, **prefill_static)
+  state = jax.eval_shape(lambda w, *a: prefill(graphdef, w, *a), weights, *prompts)[0]
+  key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+  tau = sds((), jnp.float32)
+  turn_static = dict(
+    max_turn_tokens=turn_tokens, eos_id=(1,), stop_ids=(2,), pad_id=0, greedy=False
+  )
+  observation = (sds((r, o), jnp.int32), sds((r, o), jnp.bool_), sds((r,), jnp.bool_))
+  return (
+    _analyse(
+      "multi-turn prefill (prefill_program)",
+      lambda: multiturn.prefill_program.lower(graphdef, weights, *prompts, **prefill_static),
+    ),
+    _analyse(
+      "multi-turn turn (turn_program)",
+      lambda: multiturn.turn_program.lower(graphdef, weights, state, key, tau, tau, **turn_static),
+    ),
+    _analyse(
+      "multi-turn observation (observe_program)",
+      lambda: multiturn.observe_program.lower(graphdef, weights, state, *observation, pad_id=0),
+    ),
+  )
+
+
 def compile_rescoring(pc: Config, programs: Programs, params) -> Compiled:
   """vLLM's π_old rescoring as the loop runs it (``Programs.score``): R rows sharded over the
   data axes, in ``step.sequential_chunks`` sequential chunks."""
@@ -490,7 +570,10 @@ def build(cfg: Config, *, compile_steps: bool = True, rollout_side: bool = True)
     compiled = []
     if not skipped:
       compiled.append(compile_train_step(pc, programs, params))
-      if rollout_side and pc.rollout.engine == "jax":
+      if rollout_side and pc.rollout.engine == "jax" and cfg.task.environment:
+        t = turn_tokens(cfg)  # one T for every phase
+        compiled.extend(compile_multiturn(pc, graphdef, mcfg, params, param_sh, t))
+      elif rollout_side and pc.rollout.engine == "jax":
         compiled.append(compile_sampler(pc, graphdef, mcfg, params, param_sh))
       elif rollout_side:
         compiled.append(compile_rescoring(pc, programs, params))

@@ -174,7 +174,8 @@ def _rollout_section(pc: Config, est: Estimate) -> list[str]:
       f"Rollouts (`rollout.engine = jax`): the sampler expands to R = {pc.num_rollouts} "
       f"rows with a KV cache of P + N = {est.tokens} slots. Estimated for the rows split "
       f"over data x fsdp ({est.rows} per device); the engine passes host prompts, so the "
-      "split is XLA's choice and the compiled sampler above is the real number.",
+      "split is XLA's choice and the compiled sampler above is the real number."
+      + _multiturn_note(pc),
       "",
       _table(["sampler", "per device"], rows + [["**total**", f"**{size(est.total)}**"]]),
       "",
@@ -191,6 +192,18 @@ def _rollout_section(pc: Config, est: Estimate) -> list[str]:
     _table(["pi_old rescoring", "per device"], rows),
     "",
   ]
+
+
+def _multiturn_note(pc: Config) -> str:
+  if not pc.task.environment:
+    return ""
+  r = pc.rollout
+  return (
+    f" With `task.environment = {pc.task.environment}` the multi-turn sampler runs instead: one "
+    f"cache of P + N slots for up to {r.max_turns} turns, its turn state kept between the "
+    f"host-driven programs, and each observation (O = {r.max_observation_tokens}) prefilled by "
+    "one forward (the `multi-turn` and `observation forward` rows)."
+  )
 
 
 def render(plan: Plan) -> str:

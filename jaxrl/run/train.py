@@ -28,7 +28,6 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jaxrl import rng
 from jaxrl.config import Config, to_dict
 from jaxrl.methods import registry
 from jaxrl.methods.phases import run_phases
@@ -40,7 +39,7 @@ from jaxrl.rollout.collect import Collector
 from jaxrl.rollout.engine import RolloutEngine, eval_version
 from jaxrl.run import mfu, run_config, sft, weights
 from jaxrl.run.compiles import CompileCounter
-from jaxrl.run.heldout import EvalResult, comparison_table, engine_sampler, evaluate
+from jaxrl.run.heldout import EvalResult, comparison_table, evaluate_task, questions_per_call
 from jaxrl.run.loop import (
   LoopState,
   StepContext,
@@ -236,8 +235,7 @@ class Trainer:
     c, t = self.cfg, self.task
     # A phase's first line (tests/test_kill_resume.py waits for it to kill during evaluation).
     log.info("evaluating %s (%d held-out questions)", name, len(t.heldout_levels))
-    per_call = max(1, c.num_rollouts // c.eval.num_samples)
-    calls = -(-len(t.heldout_levels) // per_call)
+    calls = -(-len(t.heldout_levels) // questions_per_call(c, c.eval.num_samples))
 
     with self.progress.task(f"eval ({name})", calls) as advance:
       done = [0]
@@ -246,20 +244,8 @@ class Trainer:
         done[0] += 1
         advance(done[0], calls)
 
-      sample_fn = engine_sampler(
-        self.engine, params, eval_version(step), t.decode, c.eval.temperature, on_call
-      )
-      result = evaluate(
-        sample_fn,
-        t.heldout_prompt_ids,
-        t.heldout_prompt_mask,
-        t.heldout_levels,
-        lambda responses, q: t.score(responses, t.heldout_answers[q]),
-        num_samples=c.eval.num_samples,
-        ks=c.eval_ks,
-        questions_per_call=per_call,
-        key=rng.key(c.seed, rng.EVAL),
-      )
+      # jaxrl-eval runs the same evaluation of a checkpoint (run/eval_cli.py: evaluate_task).
+      result = evaluate_task(self.engine, params, t, c, version=eval_version(step), on_call=on_call)
     if distributed.is_main():
       _write_json(path, {**result.to_json(), EVAL_KEY: key}, indent=None)
     return result
