@@ -273,8 +273,8 @@ def _modulation_stats(graphdef, cfg: LossConfig, hp: LossHparams, params, rows: 
   The pass is extra work (one forward per micro-batch) because no quantity at hand holds these
   values: Ξ reads ℓ (through ρ, the clip indicator and exp(ℓ)) and H under the params being
   optimised, which move with every optimizer update of the step. ℓ_prox equals ℓ only at the
-  first mini-batch, and the rollouts' entropies are the sampler's decode-time numbers (with EEPO,
-  a second stage's come from θ'), not the update's forward. Every micro-batch's gradient needs the
+  first mini-batch, and even there the rollouts' entropies need not be under these params (EEPO's
+  second stage has θ''s) nor the update's forward's numbers (the JAX sampler's decode gives them). Every micro-batch's gradient needs the
   maxima over all of them, so they come first: per chunk, then reduced (max and min add no
   rounding, so the split changes nothing but the forward's own)."""
 
@@ -307,8 +307,8 @@ def rl_update(
   Each mini-batch has its own loss denominator, and with DynaMO's modulation its own max Ξ and
   entropy range (``_modulation_stats``), computed before its micro-batches, so a micro-batch loss
   is a partial sum of the mini-batch loss and the accumulated gradient equals the mini-batch
-  gradient, however many micro-batches there are. With one mini-batch the update is on-policy (ρ = 1, the clip never binds);
-  later mini-batches see ρ ≠ 1, where ε_low/ε_high act.
+  gradient, however many micro-batches there are. With one mini-batch the update is on-policy
+  (ρ = 1, the clip never binds); later mini-batches see ρ ≠ 1, where ε_low/ε_high act.
   """
   if cfg.num_groups < 1:
     raise ValueError("rl_update: LossConfig.num_groups must count the batch's groups (>= 1)")
