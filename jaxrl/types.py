@@ -60,7 +60,8 @@ class Rollouts:
   """One step's rollouts from the engine to the update. Row r answers question ``group_ids_R[r]``
   (an index into the step's B questions); responses are right-padded after EOS.
 
-  Engines return every field up to ``finished_R``; the collector adds the proximal log-probs and
+  Engines return every field up to ``finished_R`` (the JAX sampler also its full-softmax ℓ under
+  the params it sampled with, as ``prox_logp_RxN``); the collector sets the proximal log-probs and
   the loop the verifier's rewards (``dataclasses.replace``) before the update, which reads both.
   The three log-probs of docs/algorithms.md §9 are ℓ_μ (``behaviour_logp_RxN``), ℓ_prox
   (``prox_logp_RxN``) and ℓ (the update's own forward).
@@ -78,7 +79,8 @@ class Rollouts:
   loss_mask_RxN: (
     Array  # bool, True on the model's sampled tokens only (⊆ mask_RxN; docs/algorithms.md §11)
   )
-  # f32 ℓ_μ: log softmax(z/τ)[token] as the engine sampled it; 0 off the loss mask
+  # f32 ℓ_μ: the token's log-prob under the distribution the engine drew it from, softmax(z/τ)
+  # restricted to the top-p nucleus and renormalised (docs/algorithms.md §9.1); 0 off the loss mask
   behaviour_logp_RxN: Array
   entropy_RxN: Array  # f32, entropy of the full softmax(z/τ), 0 off the response mask
   lengths_R: Array  # i32, generated tokens (EOS included)

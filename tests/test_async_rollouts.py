@@ -38,7 +38,8 @@ def test_k0_trains_on_the_batch_its_own_params_sampled(tmp_path):
   cfg = tiny_config("test", steps=2, **{"sft.steps": 0})
   ctx, params = step_context(cfg, tmp_path / "tokenizer")
   loop, rows = run_steps(ctx, initial_loop(ctx, ctx.programs.init_state(params)), 0, 2)
-  # ℓ_prox is the sampler's own ℓ_μ: no rescoring, no mismatch, nothing in flight between steps.
+  # ℓ_prox is the sampler's own ℓ (= ℓ_μ at top_p = 1): no rescoring, no mismatch, nothing in
+  # flight between steps.
   assert all(r["rollout_staleness"] == 0 and r["mismatch_kl"] == 0 for r in rows)
   assert not loop.pending
 

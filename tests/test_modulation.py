@@ -18,7 +18,15 @@ from run_helpers import rollouts, tiny_config
 from jaxrl.nn import model
 from jaxrl.parallel import sharding
 from jaxrl.rl import optim
-from jaxrl.rl.losses import LossConfig, LossHparams, dynamo_modulate, grpo_loss, loss_denominator
+from jaxrl.rl.losses import (
+  DynamoStats,
+  LossConfig,
+  LossHparams,
+  dynamo_modulate,
+  dynamo_statistics,
+  grpo_loss,
+  loss_denominator,
+)
 from jaxrl.rl.programs import Programs
 from jaxrl.run.loop import compile_counter
 
@@ -212,6 +220,38 @@ def test_no_gradient_flows_through_the_modulation():
 
   g_logp, g_ent = jax.grad(total, argnums=(0, 1))(f(logp), f(ent))
   assert np.all(np.asarray(g_logp) == 0) and np.all(np.asarray(g_ent) == 0)
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_chunks_with_the_mini_batch_statistics_give_the_mini_batch_modulation(chunks):
+  """docs/algorithms.md §4.3: max Ξ, H_min and H_max are the mini-batch's. Per-chunk statistics
+  reduced and handed to each chunk's call give the one-call result; every other value of Ξ, f and
+  g is row-local (a row's own mean E_i), so the chunks' outputs are the same float32 operations
+  on the same values: equal bit for bit. A chunk with no valid token (row 1 alone) changes
+  nothing. Without the statistics, each chunk normalises by its own and the result differs."""
+  adv, _, old, _, mask, logp_in, ent_in = _random_batch(11)
+  f = lambda x: jnp.asarray(x, jnp.float32)
+  args = lambda rows: (f(adv[rows]), f(logp_in[rows]), f(old[rows]), f(ent_in[rows]), f(mask[rows]))
+  whole = np.asarray(dynamo_modulate(*args(slice(None)), 0.2, 0.28))
+  parts = [np.arange(R)[c::chunks] for c in range(chunks)] + [np.array([1])]
+  stats = DynamoStats.reduce(
+    jax.tree.map(
+      lambda *x: jnp.stack(x), *(dynamo_statistics(*args(rows), 0.2, 0.28) for rows in parts)
+    )
+  )
+  own = np.zeros_like(whole)
+  for rows in parts:
+    got = np.asarray(dynamo_modulate(*args(rows), 0.2, 0.28, stats=stats))
+    np.testing.assert_array_equal(got, whole[rows])
+    own[rows] = np.asarray(dynamo_modulate(*args(rows), 0.2, 0.28))
+  assert np.max(np.abs(own - whole)) > 0.01  # the split would matter without the statistics
+
+
+def test_statistics_of_no_valid_token_are_the_identities():
+  adv, logp, old, ent, _, _, _ = _random_batch(12)
+  f = lambda x: jnp.asarray(x, jnp.float32)
+  stats = dynamo_statistics(f(adv), f(logp), f(old), f(ent), jnp.zeros((R, T)), 0.2, 0.28)
+  assert (float(stats.xi_max), float(stats.h_min), float(stats.h_max)) == (0.0, np.inf, -np.inf)
 
 
 # ------------------------------------------------------------ grpo_loss with per-token advantages

@@ -325,8 +325,55 @@ def test_tiny_top_p_is_greedy(tiny):
   _assert_argmax_is_decided(logits, greedy.mask_RxN, gap)
   np.testing.assert_array_equal(nucleus.tokens_RxN, greedy.tokens_RxN)
   np.testing.assert_array_equal(nucleus.mask_RxN, greedy.mask_RxN)
-  # logp stays that of the full softmax(z/τ), not of the one-token nucleus (which would be 0).
-  assert np.all(np.asarray(nucleus.behaviour_logp_RxN)[np.asarray(nucleus.mask_RxN)] < -0.1)
+  # ℓ_μ is that of the one-token nucleus sampled from (0); ℓ, the trainer's ℓ_prox, that of the
+  # full softmax(z/τ).
+  on = np.asarray(nucleus.mask_RxN)
+  np.testing.assert_allclose(np.asarray(nucleus.behaviour_logp_RxN)[on], 0.0, rtol=0, atol=1e-6)
+  assert np.all(np.asarray(nucleus.prox_logp_RxN)[on] < -0.1)
+
+
+def _nucleus(z_V, top_p):
+  """Float64 oracle: the top-p nucleus of softmax(z) (token ids) and each token's exclusive mass
+  in the order of decreasing probability."""
+  probs = np.exp(_np_log_softmax(z_V))
+  order = np.argsort(-probs)
+  mass_before = np.cumsum(probs[order]) - probs[order]
+  return order[mass_before < top_p], mass_before
+
+
+# Keys whose ~50 draws all leave every exclusive mass farther from top_p than the rounding (the
+# test asserts it; most keys have one within it among so many positions).
+@pytest.mark.parametrize("tau, top_p, key", [(0.8, 0.7, 1), (1.2, 0.8, 1)])
+def test_behaviour_logp_is_the_truncated_renormalised_softmax(tiny, tau, top_p, key):
+  """docs/algorithms.md §9.1: with top_p < 1, ℓ_μ is log softmax over the nucleus of z/τ,
+  renormalised, at the sampled token (what vLLM's processed log-probs are); ℓ (``prox_logp_RxN``)
+  is that of the full softmax(z/τ), the trainer's ℓ_prox for an on-policy batch."""
+  out = _gen(tiny, [2, 1, 3], key=key, tau=tau, top_p=top_p)
+  logits = _teacher_forced_logits(tiny, out)
+  tokens, mask = np.asarray(out.tokens_RxN), np.asarray(out.mask_RxN)
+  z_scale = float(np.max(np.abs(logits[mask]))) / tau
+  # Whether a token is in the nucleus must not hang on rounding (as in the one-step test: two
+  # forwards' logits, then the sampler's own sums).
+  mass_error = 2 * (2 * chain_terms(CFG, P + N) * U * z_scale) + (2 * CFG.vocab_size + 6) * U
+  want_mu, want_full = np.zeros(mask.shape), np.zeros(mask.shape)
+  for r, n in zip(*np.nonzero(mask)):
+    z_V = logits[r, n] / tau
+    inside, mass_before = _nucleus(z_V, top_p)
+    _assert_nucleus_is_decided(mass_before, top_p, mass_error)
+    assert tokens[r, n] in inside, (r, n)
+    kept = z_V[inside]
+    want_mu[r, n] = z_V[tokens[r, n]] - (kept.max() + np.log(np.exp(kept - kept.max()).sum()))
+    want_full[r, n] = _np_log_softmax(z_V)[tokens[r, n]]
+  # ℓ as in ``test_logp_and_entropy_equal_training_forward``; ℓ_μ = ℓ − log(nucleus mass), the
+  # mass's log a difference of two log-sum-exps over the same logits: a log-prob's rounding again.
+  atol = logp_atol(CFG, P + N, z_scale)
+  np.testing.assert_allclose(
+    np.asarray(out.prox_logp_RxN)[mask], want_full[mask], atol=atol, rtol=0
+  )
+  got_mu = np.asarray(out.behaviour_logp_RxN)
+  np.testing.assert_allclose(got_mu[mask], want_mu[mask], atol=2 * atol, rtol=0)
+  assert np.all(got_mu[~mask] == 0) and np.all(np.asarray(out.prox_logp_RxN)[~mask] == 0)
+  assert np.max(want_mu[mask] - want_full[mask]) > 0.05  # the truncation is there to see
 
 
 def _chi2(counts, probs, rows):
@@ -428,10 +475,19 @@ def test_nucleus_draws_stay_inside_the_nucleus(v, scale, top_p, path):
   tiers = [t for t in sampler._NUCLEUS_CANDIDATES if t < v]
   holds = [f"top-{t}" for t in tiers if len(inside) <= t]
   assert path == (holds[0] if holds else "sort"), (len(inside), tiers)
-  hist = _draws(lambda k, z: sampler._nucleus_sample(k, z, jnp.float32(top_p)), z_V, rows, seed=1)
+  hist = _draws(
+    lambda k, z: sampler._nucleus_sample(k, z, jnp.float32(top_p))[0], z_V, rows, seed=1
+  )
   assert hist[np.setdiff1d(np.arange(v), inside)].sum() == 0
   stat, df = _chi2(hist[inside], probs[inside] / probs[inside].sum(), rows)
   assert stat < _chi2_upper(df), (stat, df)
+  # The log of the nucleus's mass (ℓ_μ = ℓ − log mass), whichever path found it: a difference of
+  # two float32 log-sum-exps of z, each within (V + 4)·u·max|z| (tests/rounding.py's terms).
+  z_1xV = jnp.asarray(z_V[None], jnp.float32)
+  _, log_mass = sampler._nucleus_sample(jax.random.key(0), z_1xV, jnp.float32(top_p))
+  want = np.log(probs[inside].sum())
+  bound = 2 * (v + 4 + 2) * U * float(np.max(np.abs(z_V)))
+  np.testing.assert_allclose(float(log_mass[0]), want, rtol=0, atol=bound)
 
 
 def test_greedy_equals_hf_generate(tmp_path):

@@ -197,6 +197,41 @@ def test_server_logprobs_match_fused_logprobs(served, tau):
   np.testing.assert_allclose(out.behaviour_logp_RxN, _score(graphdef, params, out, tau), atol=1e-4)
 
 
+def test_server_logprobs_under_top_p_are_the_nucleus_renormalised(served, monkeypatch):
+  """docs/algorithms.md §9.1: with top_p < 1 the server's processed log-probs are ℓ_μ over the
+  nucleus of softmax(z/τ), renormalised, at the sampled token: the JAX sampler's definition
+  (``tests/test_sampler.py::test_behaviour_logp_is_the_truncated_renormalised_softmax``), so the
+  two engines report the same ℓ_μ."""
+  engine, graphdef, params, task = served
+  tau, top_p = 0.9, 0.7
+  monkeypatch.setattr(engine, "_top_p", top_p)
+  ids, mask = _prompts(task)
+  out = engine.generate(ids, mask, np.array([4, 1, 3]), tau, jax.random.PRNGKey(11))
+  rows = (out.prompt_ids_RxP, out.prompt_mask_RxP, out.tokens_RxN, out.mask_RxN)
+  hidden_RxNxD, lm_head_VxD = step.response_hidden(graphdef, params, *map(jnp.asarray, rows))
+  z_RxNxV = np.asarray(hidden_RxNxD @ lm_head_VxD.T, np.float64) / tau
+  tokens, on = np.asarray(out.tokens_RxN), np.asarray(out.mask_RxN)
+  want, got, full = [], [], []
+  for r, n in zip(*np.nonzero(on)):
+    z_V, tok = z_RxNxV[r, n], tokens[r, n]
+    logp_V = z_V - z_V.max() - np.log(np.exp(z_V - z_V.max()).sum())
+    order = np.argsort(-logp_V)
+    mass_before = np.cumsum(np.exp(logp_V[order])) - np.exp(logp_V[order])
+    # A token whose exclusive mass lies within the two programs' float32 rounding of top_p may be
+    # in either's nucleus: no answer is wrong there.
+    if np.min(np.abs(mass_before - top_p)) < 1e-4:
+      continue
+    inside = order[mass_before < top_p]
+    assert tok in inside, (r, n)
+    kept = z_V[inside]
+    want.append(z_V[tok] - kept.max() - np.log(np.exp(kept - kept.max()).sum()))
+    got.append(float(out.behaviour_logp_RxN[r, n]))
+    full.append(logp_V[tok])
+  assert len(want) >= 0.9 * on.sum(), (len(want), on.sum())
+  np.testing.assert_allclose(got, want, atol=1e-4)  # as the full-softmax parity test above
+  assert np.max(np.array(want) - np.array(full)) > 0.05  # the truncation is there to see
+
+
 def test_weight_push_serves_new_params_and_version(served):
   engine, graphdef, params, task = served
   new = jax.tree.map(lambda x: x * 1.05 + 0.01, params)

@@ -414,17 +414,31 @@ def behaviour_metrics(
   }
 
 
-def dynamo_modulate(
-  adv, logp, old_logp, entropy, mask, eps_low, eps_high, alpha=0.4, gamma=50.0, tau=0.9
-):
-  """DynaMO per-token advantage A·f·g (Eq. 8–14), f32[R,T], no gradient, 0 on masked tokens.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DynamoStats:
+  """The statistics DynaMO's modulation normalises by (docs/algorithms.md §4.3): max Ξ and the
+  entropy range over the valid tokens of a mini-batch. Over no valid token: max Ξ 0, H_min +inf,
+  H_max −inf, the identities of ``reduce``, so an empty chunk leaves its mini-batch's values as
+  they are."""
 
-  `adv` is the sequence advantage f[R]; `logp`, `old_logp`, `entropy` and `mask` are [R,T] (entropy
-  of the full softmax at τ). The normaliser max Ξ and the entropy range H_min/H_max are taken over
-  the valid tokens of the arrays given: with micro-batching that is the micro-batch, not the whole
-  step. Valid is ``mask``, the loss mask: an environment's tokens enter neither max Ξ, H_min, H_max
-  nor a row's mean E_i (docs/algorithms.md §11). Every hyperparameter may be a traced scalar.
-  """
+  xi_max: jax.Array  # f32[], ≥ 0
+  h_min: jax.Array  # f32[]
+  h_max: jax.Array  # f32[]
+
+  @staticmethod
+  def reduce(stats_M: DynamoStats) -> DynamoStats:
+    """One chunk's statistics from per-chunk ones stacked on a leading axis M: those of the
+    chunks' union (max, min, max are exact in floating point: no rounding, no order)."""
+    return DynamoStats(
+      xi_max=jnp.max(stats_M.xi_max, axis=0),
+      h_min=jnp.min(stats_M.h_min, axis=0),
+      h_max=jnp.max(stats_M.h_max, axis=0),
+    )
+
+
+def _dynamo_terms(adv, logp, old_logp, entropy, mask, eps_low, eps_high):
+  """Per-token (A, m, valid, H, Ξ) of Eq. 8–11, f32[R,T], 0 on masked tokens."""
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   mask_RxT = f32(mask)
   on_RxT = mask_RxT > 0
@@ -433,9 +447,8 @@ def dynamo_modulate(
   old_RxT = jnp.where(on_RxT, f32(old_logp), 0.0)
   ent_RxT = jnp.where(on_RxT, f32(entropy), 0.0)
   adv_RxT = jnp.broadcast_to(f32(adv)[:, None], mask_RxT.shape)
-  alpha = f32(alpha)
 
-  # Stabilisation f: Ξ estimates |ΔH| of Eq. 10–11 from the sampled token only.
+  # Ξ estimates |ΔH| of Eq. 10–11 from the sampled token only.
   ratio_RxT = jnp.exp(logp_RxT - old_RxT)
   unclipped_RxT = ((adv_RxT > 0) & (ratio_RxT <= 1.0 + eps_high)) | (
     (adv_RxT < 0) & (ratio_RxT >= 1.0 - eps_low)
@@ -445,14 +458,57 @@ def dynamo_modulate(
   len_Rx1 = jnp.maximum(jnp.sum(mask_RxT, axis=1, keepdims=True), 1.0)
   mean_t1_Rx1 = jnp.sum(t1_RxT * mask_RxT, axis=1, keepdims=True) / len_Rx1
   big_xi_RxT = jnp.abs(xi_RxT * (t1_RxT - mean_t1_Rx1)) * mask_RxT
-  x_RxT = big_xi_RxT / (jnp.max(big_xi_RxT) + 1e-8)
+  return adv_RxT, mask_RxT, on_RxT, ent_RxT, big_xi_RxT
+
+
+def _stats_of(on_RxT, ent_RxT, big_xi_RxT) -> DynamoStats:
+  return DynamoStats(
+    xi_max=jnp.max(big_xi_RxT),
+    h_min=jnp.min(jnp.where(on_RxT, ent_RxT, jnp.inf)),
+    h_max=jnp.max(jnp.where(on_RxT, ent_RxT, -jnp.inf)),
+  )
+
+
+def dynamo_statistics(adv, logp, old_logp, entropy, mask, eps_low, eps_high) -> DynamoStats:
+  """max Ξ, H_min and H_max over the valid tokens of the arrays given (arguments as
+  ``dynamo_modulate``'s), no gradient. Per chunk of a mini-batch, then ``DynamoStats.reduce``:
+  the mini-batch's statistics whatever the split (docs/algorithms.md §4.3)."""
+  _, _, on_RxT, ent_RxT, big_xi_RxT = _dynamo_terms(
+    adv, logp, old_logp, entropy, mask, eps_low, eps_high
+  )
+  return jax.lax.stop_gradient(_stats_of(on_RxT, ent_RxT, big_xi_RxT))
+
+
+def dynamo_modulate(
+  adv, logp, old_logp, entropy, mask, eps_low, eps_high, alpha=0.4, gamma=50.0, tau=0.9, stats=None
+):
+  """DynaMO per-token advantage A·f·g (Eq. 8–14), f32[R,T], no gradient, 0 on masked tokens.
+
+  `adv` is the sequence advantage f[R]; `logp`, `old_logp`, `entropy` and `mask` are [R,T] (entropy
+  of the full softmax at τ). The normaliser max Ξ and the entropy range H_min/H_max are those of
+  the mini-batch (docs/algorithms.md §4.3): ``stats`` (``dynamo_statistics`` over the whole
+  mini-batch) when the arrays are one micro-batch of it, else (None) over the valid tokens of the
+  arrays given. Valid is ``mask``, the loss mask: an environment's tokens enter neither max Ξ,
+  H_min, H_max nor a row's mean E_i (docs/algorithms.md §11). Every hyperparameter may be a traced
+  scalar.
+  """
+  adv_RxT, mask_RxT, on_RxT, ent_RxT, big_xi_RxT = _dynamo_terms(
+    adv, logp, old_logp, entropy, mask, eps_low, eps_high
+  )
+  if stats is None:
+    stats = _stats_of(on_RxT, ent_RxT, big_xi_RxT)
+  alpha = jnp.asarray(alpha, jnp.float32)
+
+  # Stabilisation f.
+  x_RxT = big_xi_RxT / (stats.xi_max + 1e-8)
   lam_min = 1.0 - alpha
   f_RxT = lam_min + (1.0 - lam_min) * jax.nn.sigmoid(-gamma * (x_RxT - tau))
 
-  # Compensation g for A > 0; an all-masked batch has no entropy range, use g = 1 there.
-  any_on = jnp.any(on_RxT)
-  h_max = jnp.where(any_on, jnp.max(jnp.where(on_RxT, ent_RxT, -jnp.inf)), 0.0)
-  h_min = jnp.where(any_on, jnp.min(jnp.where(on_RxT, ent_RxT, jnp.inf)), 0.0)
+  # Compensation g for A > 0; a mini-batch with no valid token has no entropy range (H_min +inf,
+  # H_max −inf): use 0 for both there, so every factor stays finite (and is masked to 0).
+  has_range = stats.h_min <= stats.h_max
+  h_max = jnp.where(has_range, stats.h_max, 0.0)
+  h_min = jnp.where(has_range, stats.h_min, 0.0)
   g_pos_RxT = 1.0 + alpha * (h_max - ent_RxT) / (h_max - h_min + 1e-8)
   g_RxT = jnp.where(adv_RxT > 0, g_pos_RxT, 1.0)
   return jax.lax.stop_gradient(adv_RxT * f_RxT * g_RxT) * mask_RxT

@@ -230,26 +230,19 @@ def _behaviour_args(cfg: LossConfig, hp: LossHparams) -> dict:
 
 
 def _micro_loss(graphdef, cfg: LossConfig, hp: LossHparams):
-  """``loss(params, rows, denom) → (loss, metrics)`` of one micro-batch: a partial sum of its
-  mini-batch's loss (the denominator is the mini-batch's). The forward reads every response token;
-  every term of the loss only the model's (the loss mask, docs/algorithms.md §11)."""
+  """``loss(params, rows, denom, stats) → (loss, metrics)`` of one micro-batch: a partial sum of
+  its mini-batch's loss (the denominator is the mini-batch's, and so are DynaMO's statistics
+  ``stats``: None computes them from this call's rows, the whole mini-batch when it is one
+  micro-batch). The forward reads every response token; every term of the loss only the model's
+  (the loss mask, docs/algorithms.md §11)."""
 
-  def loss(params, mb: UpdateRows, denom):
-    logp_RxN, ent_RxN = logp_responses(
-      graphdef,
-      params,
-      mb.prompt_ids_RxP,
-      mb.prompt_mask_RxP,
-      mb.tokens_RxN,
-      mb.mask_RxN,
-      hp.tau,
-      cfg.logprob_chunk,
-    )
+  def loss(params, mb: UpdateRows, denom, stats):
+    logp_RxN, ent_RxN = _forward(graphdef, cfg, hp, params, mb)
     adv_RxN = None
-    if cfg.modulation:  # DynaMO (§4.3): min/max statistics are over this micro-batch
+    if cfg.modulation:  # DynaMO (§4.3), normalised by the mini-batch's max Ξ and H range
       adv_RxN = losses.dynamo_modulate(
         mb.adv_R, logp_RxN, mb.old_logp_RxN, ent_RxN, mb.loss_mask_RxN, hp.eps_low, hp.eps_high,
-        hp.modulation_alpha, hp.modulation_gamma, hp.modulation_tau,
+        hp.modulation_alpha, hp.modulation_gamma, hp.modulation_tau, stats=stats,
       )  # fmt: skip
     return losses.grpo_loss(
       logp_RxN, mb.old_logp_RxN, mb.adv_R, mb.loss_mask_RxN, ent_RxN, mb.ref_logp_RxN,
@@ -257,6 +250,41 @@ def _micro_loss(graphdef, cfg: LossConfig, hp: LossHparams):
     )  # fmt: skip
 
   return loss
+
+
+def _forward(graphdef, cfg: LossConfig, hp: LossHparams, params, mb: UpdateRows):
+  """ℓ and H at τ of a micro-batch's response tokens under ``params``: (logp_RxN, ent_RxN)."""
+  return logp_responses(
+    graphdef,
+    params,
+    mb.prompt_ids_RxP,
+    mb.prompt_mask_RxP,
+    mb.tokens_RxN,
+    mb.mask_RxN,
+    hp.tau,
+    cfg.logprob_chunk,
+  )
+
+
+def _modulation_stats(graphdef, cfg: LossConfig, hp: LossHparams, params, rows: UpdateRows):
+  """DynaMO's max Ξ, H_min and H_max over a whole mini-batch (docs/algorithms.md §4.3), from a
+  forward (no backward) over the same strided chunks the gradient accumulates over, before it.
+
+  The pass is extra work (one forward per micro-batch) because no quantity at hand holds these
+  values: Ξ reads ℓ (through ρ, the clip indicator and exp(ℓ)) and H under the params being
+  optimised, which move with every optimizer update of the step. ℓ_prox equals ℓ only at the
+  first mini-batch, and even there the rollouts' entropies need not be under these params (EEPO's
+  second stage has θ''s) nor the update's forward's numbers (the JAX sampler's decode gives them). Every micro-batch's gradient needs the
+  maxima over all of them, so they come first: per chunk, then reduced (max and min add no
+  rounding, so the split changes nothing but the forward's own)."""
+
+  def chunk_stats(mb: UpdateRows):
+    logp_RxN, ent_RxN = _forward(graphdef, cfg, hp, params, mb)
+    return losses.dynamo_statistics(
+      mb.adv_R, logp_RxN, mb.old_logp_RxN, ent_RxN, mb.loss_mask_RxN, hp.eps_low, hp.eps_high
+    )
+
+  return losses.DynamoStats.reduce(jax.lax.map(chunk_stats, _split_micro(rows, cfg.micro_batches)))
 
 
 def rl_update(
@@ -276,10 +304,11 @@ def rl_update(
   ``trainable`` (``lora.Trainable``) says which params move; the KL reference is ``ref_params``,
   or with LoRA and none given, the policy with its adapters switched off.
 
-  Each mini-batch has its own loss denominator, computed before its micro-batches, so a
-  micro-batch loss is a partial sum of the mini-batch loss and the accumulated gradient equals the
-  mini-batch gradient. With one mini-batch the update is on-policy (ρ = 1, the clip never binds);
-  later mini-batches see ρ ≠ 1, where ε_low/ε_high act.
+  Each mini-batch has its own loss denominator, and with DynaMO's modulation its own max Ξ and
+  entropy range (``_modulation_stats``), computed before its micro-batches, so a micro-batch loss
+  is a partial sum of the mini-batch loss and the accumulated gradient equals the mini-batch
+  gradient, however many micro-batches there are. With one mini-batch the update is on-policy
+  (ρ = 1, the clip never binds); later mini-batches see ρ ≠ 1, where ε_low/ε_high act.
   """
   if cfg.num_groups < 1:
     raise ValueError("rl_update: LossConfig.num_groups must count the batch's groups (>= 1)")
@@ -290,8 +319,11 @@ def rl_update(
 
   def one_update(state, rows: UpdateRows):
     denom = losses.loss_denominator(rows.loss_mask_RxN, rows.informative_R, cfg)
+    stats = None  # one micro-batch: the loss's own forward covers the mini-batch
+    if cfg.modulation and cfg.micro_batches > 1:
+      stats = _modulation_stats(graphdef, cfg, hp, state.params, rows)
     (loss, metrics), grads = accumulate(
-      lambda mb: grad_fn(state.params, mb, denom), rows, cfg.micro_batches
+      lambda mb: grad_fn(state.params, mb, denom, stats), rows, cfg.micro_batches
     )
     grad_norm = optax.global_norm(grads)
     # A non-finite loss or gradient (an overflow, a NaN reward) is never applied: the update is

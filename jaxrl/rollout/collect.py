@@ -63,8 +63,9 @@ class Collector:
     samples from weights someone else set (an engine skips a version it holds).
 
     ``score``: the rollouts also get ℓ_prox and entropies under ``params`` (the update will start
-    from them: an on-policy batch). The JAX sampler's own numbers are both; a vLLM sidecar gives
-    no entropies, so the rollouts are scored here (one forward, as the update does). Without
+    from them: an on-policy batch). The JAX sampler's own numbers are both (its full-softmax ℓ,
+    which with top_p < 1 is not its ℓ_μ, docs/algorithms.md §9.1); a vLLM sidecar gives no
+    entropies, so the rollouts are scored here (one forward, as the update does). Without
     ``score`` they get neither (the loop rescores a stale batch under its update's params).
 
     With an environment, each row's trajectory starts from ``environment.reset`` with its question
@@ -82,7 +83,7 @@ class Collector:
     if more and (term := respond.trajectory_reward()) is not None:
       out = dataclasses.replace(out, rewards_R=jnp.asarray(term))
     if self.engine.provides_entropy:
-      return dataclasses.replace(out, prox_logp_RxN=out.behaviour_logp_RxN if score else None)
+      return dataclasses.replace(out, prox_logp_RxN=out.prox_logp_RxN if score else None)
     return self.anchor(params, out, tau) if score else out
 
   def turn_metrics(self) -> dict:

@@ -117,7 +117,8 @@ class _TurnState:
   tokens_RxN: Array
   mask_RxN: Array  # bool, every real token (model and environment)
   loss_mask_RxN: Array  # bool, the model's tokens
-  logp_RxN: Array
+  logp_RxN: Array  # ℓ, full softmax(z/τ)
+  behaviour_logp_RxN: Array  # ℓ_μ, the distribution sampled (``sampler._draw``)
   entropy_RxN: Array
   next_pos_R: Array  # i32, real tokens so far: the RoPE position of the row's next token
   in_turn_R: Array  # bool, still decoding this turn
@@ -162,6 +163,7 @@ def prefill_program(
     mask_RxN=zeros_RxN,
     loss_mask_RxN=zeros_RxN,
     logp_RxN=jnp.zeros((R, N), jnp.float32),
+    behaviour_logp_RxN=jnp.zeros((R, N), jnp.float32),
     entropy_RxN=jnp.zeros((R, N), jnp.float32),
     next_pos_R=jnp.sum(prompt_mask_RxP, axis=-1, dtype=jnp.int32),
     in_turn_R=false_R,
@@ -196,7 +198,7 @@ class _Turn:
   def emit(self, st: _TurnState) -> _TurnState:
     """Choose position n's token for the rows in their turn; the others get a gap there."""
     live_R, P = st.in_turn_R, _prompt_width(st)
-    tok_R, logp_R, entropy_R = _draw(
+    tok_R, logp_R, behaviour_R, entropy_R = _draw(
       self.key, st.n, st.logits_RxV, self.tau, self.top_p, self.greedy, live_R, self.pad_id
     )
     eos_R = live_R & jnp.isin(tok_R, jnp.asarray(self.eos_id))
@@ -211,6 +213,7 @@ class _Turn:
       mask_RxN=_put(st.mask_RxN, live_R, st.n),
       loss_mask_RxN=_put(st.loss_mask_RxN, live_R, st.n),
       logp_RxN=_put(st.logp_RxN, logp_R, st.n),
+      behaviour_logp_RxN=_put(st.behaviour_logp_RxN, behaviour_R, st.n),
       entropy_RxN=_put(st.entropy_RxN, entropy_R, st.n),
       next_pos_R=st.next_pos_R + live_R,
       in_turn_R=live_R & ~eos_R & ~stop_R,
@@ -347,11 +350,12 @@ def assemble_program(state: _TurnState, prompt_ids_RxP, prompt_mask_RxP, group_i
     tokens_RxN=st.tokens_RxN,
     mask_RxN=st.mask_RxN,
     loss_mask_RxN=st.loss_mask_RxN,
-    behaviour_logp_RxN=st.logp_RxN,
+    behaviour_logp_RxN=st.behaviour_logp_RxN,
     entropy_RxN=st.entropy_RxN,
     lengths_R=jnp.sum(st.mask_RxN, axis=-1, dtype=jnp.int32),
     group_ids_R=group_ids_R,
     finished_R=st.finished_R,
+    prox_logp_RxN=st.logp_RxN,
   )
   return rollouts, TurnCounts(turns_R=st.turns_R, tool_calls_R=st.tool_calls_R)
 

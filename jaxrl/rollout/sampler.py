@@ -4,9 +4,13 @@ One jitted function turns B left-padded prompts and per-question rollout counts 
 sampled responses. The expansion to R rows happens inside jit with a static ``total_repeat_length``,
 so a new allocation (same R) never recompiles; τ and top-p are traced arrays for the same reason.
 
-With each sampled token it returns ℓ = log softmax(z/τ)[token] and the entropy of softmax(z/τ)
-over the FULL vocabulary (never the top-p-truncated one): π_old for the trainer, computed by the
-same ``logprobs_entropy_from_logits`` the training forward uses.
+With each sampled token it returns two log-probs and an entropy (docs/algorithms.md §9.1):
+ℓ_μ (``behaviour_logp_RxN``), the token's log-prob under the distribution it was drawn from, with
+top_p < 1 the nucleus of softmax(z/τ) renormalised; ℓ = log softmax(z/τ)[token] over the FULL
+vocabulary (``prox_logp_RxN``: the trainer's ℓ_prox when the update starts from these params); and
+the entropy of the full softmax(z/τ). ℓ and the entropy come from the same
+``logprobs_entropy_from_logits`` the training forward uses. With top_p = 1 the two log-probs are
+equal.
 
 Cache layout (``jaxrl.nn.model``): the left-padded prompt fills slots 0..P-1, generated token n goes to
 slot P+n, and ``kv_valid_RxS`` marks the real slots, so RoPE positions and attention match a
@@ -37,7 +41,8 @@ class _DecodeState:
   logits_RxV: Array  # f32
   tokens_RxN: Array
   mask_RxN: Array
-  logp_RxN: Array
+  logp_RxN: Array  # ℓ, full softmax(z/τ)
+  behaviour_logp_RxN: Array  # ℓ_μ, the distribution sampled (the nucleus's, renormalised)
   entropy_RxN: Array
   finished_R: Array
 
@@ -84,18 +89,24 @@ def inverse_cdf_sample(key: Array, z_RxV: Array) -> Array:
   return block_R * _CDF_BLOCK + within_R
 
 
-def _sample_sorted_nucleus(key, z_sorted_RxI, ids_sorted_RxI, p_sorted_RxI, top_p) -> Array:
+def _sample_sorted_nucleus(
+  key, z_sorted_RxI, ids_sorted_RxI, p_sorted_RxI, top_p, log_norm_Rx1
+) -> tuple[Array, Array]:
   """Sample among the most likely tokens (sorted by probability, ``p_sorted`` normalised over the
-  full vocabulary) the smallest top set whose mass reaches top_p."""
+  full vocabulary, whose log-normaliser is ``log_norm``) the smallest top set whose mass reaches
+  top_p. Returns the tokens and the log of that set's mass: ℓ_μ = ℓ − log mass."""
   mass_before_RxI = jnp.cumsum(p_sorted_RxI, axis=-1) - p_sorted_RxI
   # The most likely token is always kept, so top_p -> 0 degrades to greedy, never to nothing.
   keep_RxI = (mass_before_RxI < top_p) | (jnp.arange(z_sorted_RxI.shape[-1]) == 0)
-  rank_R = inverse_cdf_sample(key, jnp.where(keep_RxI, z_sorted_RxI, -jnp.inf))
-  return jnp.take_along_axis(ids_sorted_RxI, rank_R[:, None], axis=-1)[:, 0]
+  z_kept_RxI = jnp.where(keep_RxI, z_sorted_RxI, -jnp.inf)
+  rank_R = inverse_cdf_sample(key, z_kept_RxI)
+  log_mass_R = jax.nn.logsumexp(z_kept_RxI, axis=-1) - log_norm_Rx1[:, 0]
+  return jnp.take_along_axis(ids_sorted_RxI, rank_R[:, None], axis=-1)[:, 0], log_mass_R
 
 
-def _nucleus_sample(key: Array, z_RxV: Array, top_p: Array) -> Array:
-  """Sample from softmax(z) restricted to the smallest top set whose mass reaches top_p.
+def _nucleus_sample(key: Array, z_RxV: Array, top_p: Array) -> tuple[Array, Array]:
+  """Sample from softmax(z) restricted to the smallest top set whose mass reaches top_p: the
+  tokens and the log of the set's mass (``_sample_sorted_nucleus``).
 
   The nucleus is looked for among the top ``_NUCLEUS_CANDIDATES[0]`` tokens (``lax.top_k``: 1.2 ms
   at 64 rows x 2048, 18 ms at 151,936, where sorting the whole vocabulary takes 25 ms and 2.8 s);
@@ -110,7 +121,9 @@ def _nucleus_sample(key: Array, z_RxV: Array, top_p: Array) -> Array:
     neg_z_sorted_RxV, ids_sorted_RxV = jax.lax.sort_key_val(-z_RxV, ids_RxV, dimension=-1)
     z_sorted_RxV = -neg_z_sorted_RxV
     p_sorted_RxV = jnp.exp(z_sorted_RxV - log_norm_Rx1)
-    return _sample_sorted_nucleus(key, z_sorted_RxV, ids_sorted_RxV, p_sorted_RxV, top_p)
+    return _sample_sorted_nucleus(
+      key, z_sorted_RxV, ids_sorted_RxV, p_sorted_RxV, top_p, log_norm_Rx1
+    )
 
   def among_top(tiers):
     if not tiers or tiers[0] >= v:
@@ -119,34 +132,42 @@ def _nucleus_sample(key: Array, z_RxV: Array, top_p: Array) -> Array:
     p_top_RxI = jnp.exp(z_top_RxI - log_norm_Rx1)
     return jax.lax.cond(
       jnp.all(jnp.sum(p_top_RxI, axis=-1) >= top_p),
-      lambda: _sample_sorted_nucleus(key, z_top_RxI, ids_top_RxI, p_top_RxI, top_p),
+      lambda: _sample_sorted_nucleus(key, z_top_RxI, ids_top_RxI, p_top_RxI, top_p, log_norm_Rx1),
       lambda: among_top(tiers[1:]),
     )
 
   return among_top(_NUCLEUS_CANDIDATES)
 
 
-def _choose(key: Array, logits_RxV: Array, tau: Array, top_p: Array, greedy: bool) -> Array:
-  """Next token per row: argmax, or a sample from the top-p nucleus of softmax(z/τ)."""
+def _choose(
+  key: Array, logits_RxV: Array, tau: Array, top_p: Array, greedy: bool
+) -> tuple[Array, Array]:
+  """Next token per row: argmax, or a sample from the top-p nucleus of softmax(z/τ); and the log
+  of the sampled set's mass under softmax(z/τ), 0 when it is the whole vocabulary (top_p = 1, and
+  greedy decoding, whose ℓ_μ is reported as the full softmax's: evaluation never trains on it)."""
   if greedy:
-    return jnp.argmax(logits_RxV, axis=-1).astype(jnp.int32)
+    tok_R = jnp.argmax(logits_RxV, axis=-1).astype(jnp.int32)
+    return tok_R, jnp.zeros(tok_R.shape, jnp.float32)
   z_RxV = logits_RxV / tau
+
+  def whole_vocabulary():
+    tok_R = inverse_cdf_sample(key, z_RxV)
+    return tok_R, jnp.zeros(tok_R.shape, jnp.float32)
+
   # top_p = 1 skips the nucleus search; its cumsum can also round just past 1 and drop tail tokens.
-  return jax.lax.cond(
-    top_p < 1.0,
-    lambda: _nucleus_sample(key, z_RxV, top_p),
-    lambda: inverse_cdf_sample(key, z_RxV),
-  )
+  return jax.lax.cond(top_p < 1.0, lambda: _nucleus_sample(key, z_RxV, top_p), whole_vocabulary)
 
 
 def _draw(key, n, logits_RxV, tau, top_p, greedy: bool, live_R, pad_id: int):
-  """Token n of each row from its logits (the draw keyed by ``fold_in(key, n)``), with its
-  log-prob and entropy at τ; ``pad_id`` and 0, 0 in the rows not ``live_R``."""
-  tok_R = _choose(jax.random.fold_in(key, n), logits_RxV, tau, top_p, greedy)
+  """Token n of each row from its logits (the draw keyed by ``fold_in(key, n)``), with ℓ (the full
+  softmax at τ), ℓ_μ (the distribution drawn from: the nucleus renormalised) and the entropy at τ;
+  ``pad_id`` and 0, 0, 0 in the rows not ``live_R``."""
+  tok_R, log_mass_R = _choose(jax.random.fold_in(key, n), logits_RxV, tau, top_p, greedy)
   logp_R, entropy_R = logprobs_entropy_from_logits(logits_RxV, tok_R, tau)
   return (
     jnp.where(live_R, tok_R, pad_id),
     jnp.where(live_R, logp_R, 0.0),
+    jnp.where(live_R, logp_R - log_mass_R, 0.0),
     jnp.where(live_R, entropy_R, 0.0),
   )
 
@@ -209,6 +230,7 @@ def _initial_state(cache, kv_valid_RxS, logits_RxV, *, max_new_tokens, pad_id) -
     tokens_RxN=jnp.full((R, N), pad_id, jnp.int32),
     mask_RxN=jnp.zeros((R, N), bool),
     logp_RxN=jnp.zeros((R, N), jnp.float32),
+    behaviour_logp_RxN=jnp.zeros((R, N), jnp.float32),
     entropy_RxN=jnp.zeros((R, N), jnp.float32),
     finished_R=jnp.zeros((R,), bool),
   )
@@ -234,7 +256,7 @@ class _Decoder:
   def emit(self, st: _DecodeState) -> _DecodeState:
     """Choose token n from ``st.logits_RxV`` and record it (pad and masked once a row finished)."""
     live_R = ~st.finished_R
-    tok_R, logp_R, entropy_R = _draw(
+    tok_R, logp_R, behaviour_R, entropy_R = _draw(
       self.key, st.n, st.logits_RxV, self.tau, self.top_p, self.greedy, live_R, self.pad_id
     )
     return _DecodeState(
@@ -247,6 +269,7 @@ class _Decoder:
       tokens_RxN=_put(st.tokens_RxN, tok_R, st.n),
       mask_RxN=_put(st.mask_RxN, live_R, st.n),
       logp_RxN=_put(st.logp_RxN, logp_R, st.n),
+      behaviour_logp_RxN=_put(st.behaviour_logp_RxN, behaviour_R, st.n),
       entropy_RxN=_put(st.entropy_RxN, entropy_R, st.n),
       finished_R=st.finished_R | (live_R & jnp.isin(tok_R, jnp.asarray(stop_ids(self.eos_id)))),
     )
@@ -294,11 +317,12 @@ def _assemble(prompt_ids_RxP, prompt_mask_RxP, group_ids_R, st: _DecodeState) ->
     tokens_RxN=st.tokens_RxN,
     mask_RxN=st.mask_RxN,
     loss_mask_RxN=st.mask_RxN,  # single-turn: every response token is the model's
-    behaviour_logp_RxN=st.logp_RxN,
+    behaviour_logp_RxN=st.behaviour_logp_RxN,
     entropy_RxN=st.entropy_RxN,
     lengths_R=jnp.sum(st.mask_RxN, axis=-1, dtype=jnp.int32),
     group_ids_R=group_ids_R,
     finished_R=st.finished_R,
+    prox_logp_RxN=st.logp_RxN,
   )
 
 
