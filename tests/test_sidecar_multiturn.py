@@ -200,6 +200,13 @@ def test_calls_get_the_calculators_answer_and_only_the_model_trains(served):
   np.testing.assert_allclose(
     out.behaviour_logp_RxN[out.loss_mask_RxN], prox[out.loss_mask_RxN], rtol=0, atol=1e-4
   )
+  # The same key sends the same requests (each turn's seeds come from it): the same rollouts, as a
+  # resumed run needs.
+  again = engine.generate(
+    ids, mask, counts, 1.0, jax.random.PRNGKey(3), respond=Recorder(task.environment, qids_R)
+  )
+  np.testing.assert_array_equal(again.tokens_RxN, out.tokens_RxN)
+  np.testing.assert_array_equal(again.loss_mask_RxN, out.loss_mask_RxN)
 
 
 def test_tools_steps_through_the_sidecar_with_k1(served, tmp_path):
