@@ -1,11 +1,17 @@
 """The sidecar's multi-turn turns (jaxrl.rollout.vllm_multiturn) against a scripted server: what
 each turn's requests carry (the ids so far, never text), where the turns and observations land,
-how each turn ends (EOS, a stop token, a stop string, the budget), and the limits."""
+how each turn ends (EOS, a stop token, a stop string, the budget), the limits, and a turn retried
+after a server restart."""
 
+import types
+
+import jax
 import numpy as np
 
 from jaxrl.rollout import multiturn, vllm_multiturn
-from jaxrl.rollout.vllm_client import Completion
+from jaxrl.rollout.sidecar import LaunchConfig
+from jaxrl.rollout.vllm_client import Completion, ServerError
+from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine
 
 PAD, EOS, STOP = 0, 1, 2
 T, O = 4, 3
@@ -105,3 +111,74 @@ def test_no_observation_without_room_for_another_turn():
     np.testing.assert_array_equal(counts.tool_calls_R, [0, 0])
     np.testing.assert_array_equal(finished, [False, False])  # asked, never answered
     np.testing.assert_array_equal(mask, loss)
+
+
+class FlakyClient:
+  """A stand-in server: a turn ends ``[5, STOP]`` until the row has an observation, then
+  ``[EOS]``; its ``fail_at``-th call dies (``ServerError``) as a crashed server's would."""
+
+  def __init__(self, calls, fail_at):
+    self.calls, self.fail_at = calls, fail_at
+
+  def complete(self, prompts, counts, *, seed, stop_token_ids, **kw):
+    self.calls.append((seed, [list(p) for p, c in zip(prompts, counts) if c]))
+    if len(self.calls) == self.fail_at:
+      raise ServerError("connection reset")
+    return [
+      [Completion([EOS] if OBS[0] in p else [5, STOP], [-0.5] * (1 + (OBS[0] not in p)), "stop")]
+      if c
+      else []
+      for p, c in zip(prompts, counts)
+    ]
+
+  def close(self):
+    pass
+
+
+def _engine(tmp_path, calls, fail_at):
+  """A launched-mode engine whose server is the ``FlakyClient``; each restart makes a new one."""
+  cfg = EngineConfig(launch=LaunchConfig(python="python", log_dir=str(tmp_path)), max_restarts=1)
+  engine = VllmEngine(
+    types.SimpleNamespace(vocab_size=32),  # generate reads the vocabulary's size alone
+    None,
+    cfg,
+    workdir=str(tmp_path),
+    max_new_tokens=T + O + T,
+    eos_id=EOS,
+    pad_id=PAD,
+    turns=_stops(max_turns=2),
+  )
+  engine.version, engine._dir = 0, str(tmp_path)
+  engine.client = FlakyClient(calls, fail_at)
+  restarts = []
+
+  def start(model_dir, version, loads=None):
+    restarts.append(model_dir)
+    engine.client = FlakyClient(calls, fail_at=0)
+
+  engine._start = start
+  return engine, restarts
+
+
+def test_a_turn_that_fails_is_retried_whole_after_a_restart(tmp_path):
+  """The server dies under turn 2: it is restarted and turn 2's requests are sent again, with the
+  same prompts and seeds; the environment answered turn 1 once; the rollouts equal a run that never
+  failed."""
+  ids, mask = np.array([[3, 4], [0, 4]]), np.array([[True, True], [False, True]])
+  outs, envs, logs = [], [], []
+  for fail_at in (0, 2):
+    calls = []
+    engine, restarts = _engine(tmp_path, calls, fail_at)
+    env = Environment()
+    outs.append(engine.generate(ids, mask, [1, 1], 1.0, jax.random.PRNGKey(0), respond=env))
+    engine.close()
+    envs.append(env.shown)
+    logs.append((calls, restarts, engine.turn_counts))
+  (calls0, restarts0, counts0), (calls1, restarts1, counts1) = logs
+  assert restarts0 == [] and restarts1 == [str(tmp_path)]
+  assert len(calls0) == 2 and calls1 == [calls0[0], calls0[1], calls0[1]]
+  assert envs[0] == envs[1] == [{0: [5, STOP], 1: [5, STOP]}]
+  for field in ("tokens_RxN", "mask_RxN", "loss_mask_RxN", "behaviour_logp_RxN", "finished_R"):
+    np.testing.assert_array_equal(getattr(outs[0], field), getattr(outs[1], field))
+  np.testing.assert_array_equal(outs[1].finished_R, [True, True])
+  np.testing.assert_array_equal(counts1.tool_calls_R, counts0.tool_calls_R)
