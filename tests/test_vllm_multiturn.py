@@ -113,6 +113,9 @@ def test_no_observation_without_room_for_another_turn():
     np.testing.assert_array_equal(mask, loss)
 
 
+ADAPTER = "policy-test-000001"
+
+
 class FlakyClient:
   """A stand-in server: a turn ends ``[5, STOP]`` until the row has an observation, then
   ``[EOS]``; its ``fail_at``-th call dies (``ServerError``) as a crashed server's would."""
@@ -120,7 +123,8 @@ class FlakyClient:
   def __init__(self, calls, fail_at):
     self.calls, self.fail_at = calls, fail_at
 
-  def complete(self, prompts, counts, *, seed, stop_token_ids, **kw):
+  def complete(self, prompts, counts, *, seed, stop_token_ids, model, **kw):
+    assert stop_token_ids == [EOS, STOP] and model == ADAPTER  # each turn names the adapter
     self.calls.append((seed, [list(p) for p, c in zip(prompts, counts) if c]))
     if len(self.calls) == self.fail_at:
       raise ServerError("connection reset")
@@ -149,6 +153,7 @@ def _engine(tmp_path, calls, fail_at):
     turns=_stops(max_turns=2),
   )
   engine.version, engine._dir = 0, str(tmp_path)
+  engine._adapter = ADAPTER  # as after a LoRA adapter push
   engine.client = FlakyClient(calls, fail_at)
   restarts = []
 
