@@ -16,7 +16,12 @@ import pytest
 from run_helpers import ROOT, TIMING, read_metrics, snapshot, tiny_config
 
 from jaxrl.config import ConfigError
+from jaxrl.nn import model
+from jaxrl.nn.arch import model_config
+from jaxrl.rollout.build import build_engine
+from jaxrl.rollout.vllm_engine import VllmEngine
 from jaxrl.run.train import Trainer
+from jaxrl.tasks.task import load_task
 
 STEPS = 3
 # Compile counters are process-wide (another test may have traced a program first).
@@ -77,9 +82,38 @@ def test_the_tools_task_trains_with_multi_turn_rollouts_and_resumes_exactly(stra
     np.testing.assert_array_equal(a, b)
 
 
-def test_multi_turn_needs_the_jax_engine():
-  with pytest.raises(ConfigError, match="task.environment"):
-    tiny_config("tools,test", **{"rollout.engine": "vllm"})
+def test_multi_turn_runs_on_either_engine(tmp_path):
+  """``task.environment`` with ``rollout.engine=vllm``: the config is accepted and the engine built
+  (its server starts at the first weight push) ends a turn at ``</calc>``, with the JAX
+  sampler's turn limits."""
+  cfg = tiny_config(
+    "tools,test", **{"rollout.engine": "vllm", "model.hidden_size": 64, "model.head_dim": 32}
+  )
+  assert cfg.task.environment == "calculator"
+  task = load_task(cfg, str(tmp_path / "tokenizer"))
+  try:
+    mcfg = model_config(cfg, task.vocab_size)
+    graphdef, _ = model.abstract(mcfg)
+    kw = dict(tokenizer=task.tokenizer, eos_id=task.eos_id, pad_id=task.pad_id)
+    kw.update(prompt_len=task.train_prompt_ids.shape[1], environment=task.environment)
+    engine = build_engine(cfg, graphdef, mcfg, workdir=str(tmp_path), **kw)
+    jax_cfg = tiny_config("tools,test", **{"model.hidden_size": 64, "model.head_dim": 32})
+    jax_engine = build_engine(jax_cfg, graphdef, mcfg, workdir=str(tmp_path), **kw)
+    try:
+      assert isinstance(engine, VllmEngine) and engine.sidecar is not None
+      assert engine._turns.turns == jax_engine._turns
+      assert engine._turns.turns.stop_ids == tuple(task.environment.stop_sequences[0])
+      assert engine._turns.stop_strings == ()  # </calc> is one token: a stop token id
+    finally:
+      engine.close()
+  finally:
+    task.close()
+
+
+def test_multi_turn_limits_are_checked_on_either_engine():
+  for engine in ("jax", "vllm"):
+    with pytest.raises(ConfigError, match="rollout.max_turns"):
+      tiny_config("tools,test", **{"rollout.engine": engine, "rollout.max_turns": 1})
 
 
 @pytest.mark.slow
@@ -102,13 +136,19 @@ def test_jaxrl_eval_of_a_tools_checkpoint_is_the_trainers_evaluation(straight, t
       f"--out={tmp_path / 'eval'}",
     ],
     cwd=ROOT,
-    env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"),
+    # without the session's shared cache: the run's own compile_cache is read, never written
+    env={
+      **{k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"},
+      "PYTHONPATH": ROOT,
+      "JAX_PLATFORMS": "cpu",
+    },
     capture_output=True,
     text=True,
     timeout=600,
   )
   assert out.returncode == 0, out.stderr[-4000:]
   assert snapshot(run) == before  # a reader: nothing created, changed or removed
+  assert os.listdir(tmp_path / "eval" / "compile_cache")  # its programs, beside its results
   with open(tmp_path / "eval" / "eval_results.json") as f:
     results = json.load(f)
   assert results["checkpoint"] == os.path.join(run, "checkpoints", str(STEPS))

@@ -58,7 +58,7 @@ def _open_failing(cfg, workdir, monkeypatch):
   """``Trainer.open`` that raises; (the error, the verifier's worker processes it had started,
   the engines it had built, the threads it left running)."""
   workers, engines = [], []
-  load_task, build_engine = train.load_task, train.build_engine
+  load_task, task_engine = train.load_task, train.task_engine
 
   def loaded(*args, **kwargs):
     task = load_task(*args, **kwargs)
@@ -66,13 +66,13 @@ def _open_failing(cfg, workdir, monkeypatch):
     return task
 
   def built(*args, **kwargs):
-    engine = build_engine(*args, **kwargs)
+    engine = task_engine(*args, **kwargs)
     close = engine.close
     engine.close = lambda: (engines.append(engine), close())[1]
     return engine
 
   monkeypatch.setattr(train, "load_task", loaded)
-  monkeypatch.setattr(train, "build_engine", built)
+  monkeypatch.setattr(train, "task_engine", built)
   before = set(threading.enumerate())
   with pytest.raises(Exception) as failed:
     Trainer.open(cfg, str(workdir))

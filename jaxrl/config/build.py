@@ -120,11 +120,6 @@ def _check_environment(cfg: Config) -> None:
     return
   r = cfg.rollout
   _need(
-    r.engine == "jax",
-    "task.environment",
-    f"{cfg.task.environment!r}: multi-turn needs rollout.engine=jax for now, got {r.engine!r}",
-  )
-  _need(
     r.max_turns >= 2,
     "rollout.max_turns",
     f"task.environment={cfg.task.environment!r} answers a turn only when another follows: "

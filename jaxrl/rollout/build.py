@@ -32,27 +32,59 @@ def build_engine(
 ):
   """The rollout engine ``cfg.rollout.engine`` names: the JAX sampler, or vLLM sidecar(s).
 
-  With an ``environment`` (``task.environment``): the JAX sampler's multi-turn rollouts
-  (``multiturn``). A caller that knows its questions passes ``generate(..., respond=
-  multiturn.EnvironmentRespond(environment, question_ids_R))``; without one, the environment is
-  reset with each row's prompt index among the call's prompts (held-out evaluation's chunks)."""
+  With an ``environment`` (``task.environment``): multi-turn rollouts, the JAX sampler's
+  (``multiturn``) or the sidecar's (``vllm_multiturn``). A caller that knows its questions passes
+  ``generate(..., respond=multiturn.EnvironmentRespond(environment, question_ids_R))``; without
+  one, the environment is reset with each row's prompt index among the call's prompts (held-out
+  evaluation's chunks)."""
   common = dict(
     max_new_tokens=cfg.rollout.max_new_tokens, eos_id=eos_id, pad_id=pad_id, top_p=cfg.rollout.top_p
   )
-  if cfg.rollout.engine == "jax":
-    if environment is None:
-      return JaxEngine(graphdef, model_cfg, **common)
-    return JaxEngine(
-      graphdef,
-      model_cfg,
-      **common,
-      turns=turn_config(cfg, environment),
-      respond_factory=lambda group_ids_R: multiturn.EnvironmentRespond(environment, group_ids_R),
+  if environment is not None:
+    common["respond_factory"] = lambda group_ids_R: multiturn.EnvironmentRespond(
+      environment, group_ids_R
     )
-  if environment is not None:  # config validation refuses it first; kept for direct callers
-    raise ConfigError("task.environment", "multi-turn needs rollout.engine=jax for now")
+  if cfg.rollout.engine == "jax":
+    if environment is not None:
+      common["turns"] = turn_config(cfg, environment)
+    return JaxEngine(graphdef, model_cfg, **common)
+  if environment is not None:
+    if jax.process_count() > 1:
+      raise ConfigError(
+        "task.environment",
+        "multi-turn rollouts through vLLM run on one process (each host's sidecar would step "
+        "its own slice of the environment's rows); use rollout.engine=jax on several processes",
+      )
+    common["turns"] = sidecar_turns(cfg, environment)
   return _vllm_engine(
     cfg, model_cfg, tokenizer=tokenizer, prompt_len=prompt_len, workdir=workdir, common=common
+  )
+
+
+def task_engine(cfg: Config, graphdef, model_cfg, task, workdir: str):
+  """``build_engine`` for a loaded task: its tokenizer, special ids, prompt width and environment
+  (the trainer's engine and ``jaxrl-eval``'s are built alike)."""
+  return build_engine(
+    cfg,
+    graphdef,
+    model_cfg,
+    tokenizer=task.tokenizer,
+    eos_id=task.eos_id,
+    pad_id=task.pad_id,
+    prompt_len=task.train_prompt_ids.shape[1],
+    workdir=workdir,
+    environment=task.environment,
+  )
+
+
+def _turn_shape(cfg: Config, stop_ids: tuple[int, ...]) -> multiturn.TurnConfig:
+  """The turn limits of every phase: a turn fits the shortest phase's response."""
+  r = cfg.rollout
+  return multiturn.TurnConfig(
+    stop_ids=stop_ids,
+    max_turn_tokens=turn_tokens(cfg),
+    max_observation_tokens=r.max_observation_tokens,
+    max_turns=r.max_turns,
   )
 
 
@@ -66,13 +98,24 @@ def turn_config(cfg: Config, environment) -> multiturn.TurnConfig:
       f"{cfg.task.environment!r}: the JAX multi-turn sampler ends a turn at a single token, but "
       f"the stop sequences are {stops} (make each stop string one token of the vocabulary)",
     )
-  r = cfg.rollout
-  return multiturn.TurnConfig(
-    stop_ids=tuple(seq[0] for seq in stops),
-    max_turn_tokens=turn_tokens(cfg),
-    max_observation_tokens=r.max_observation_tokens,
-    max_turns=r.max_turns,
-  )
+  return _turn_shape(cfg, tuple(seq[0] for seq in stops))
+
+
+def sidecar_turns(cfg: Config, environment):
+  """How the sidecar ends a turn: the single-token stop sequences as stop token ids (the JAX
+  sampler's exact rule), the longer ones as their stop strings (the server matches text)."""
+  from jaxrl.rollout.vllm_multiturn import TurnStops  # lazy, as in _vllm_engine
+
+  seqs, strings = tuple(environment.stop_sequences), tuple(environment.stop_strings)
+  if not seqs or len(seqs) != len(strings):
+    raise ConfigError(
+      "task.environment",
+      f"{cfg.task.environment!r}: needs one stop string per stop sequence, got {strings} and "
+      f"{seqs}",
+    )
+  single = tuple(seq[0] for seq in seqs if len(seq) == 1)
+  longer = tuple(text for text, seq in zip(strings, seqs) if len(seq) != 1)
+  return TurnStops(_turn_shape(cfg, single), longer)
 
 
 def _check_vllm(v, m) -> None:

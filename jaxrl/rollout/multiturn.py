@@ -365,7 +365,7 @@ def _host(x) -> np.ndarray:
   return np.asarray(distributed.to_host(x) if jax.process_count() > 1 else x)
 
 
-def _observation_block(observations, done_R, asked_R, o: int, pad_id: int):
+def observation_block(observations, done_R, asked_R, o: int, pad_id: int):
   """The callback's answer as the observe program takes it: ids [R, O] right-aligned (pad_id on
   the left), their mask, and done_R; rows not asked get none."""
   r = len(asked_R)
@@ -463,7 +463,7 @@ def generate(
       break
     tokens = _turn_tokens(_host(st.tokens_RxN), _host(st.mask_RxN), asked_R, start, end)
     observations, done_R = respond(asked_R.copy(), tokens)
-    ids_RxO, mask_RxO, done_R = _observation_block(observations, done_R, asked_R, O, pad_id)
+    ids_RxO, mask_RxO, done_R = observation_block(observations, done_R, asked_R, O, pad_id)
     st = observe_program(graphdef, params, st, ids_RxO, mask_RxO, done_R, pad_id=pad_id)
     start = end + O
     if not (asked_R & ~done_R).any():

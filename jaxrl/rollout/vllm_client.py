@@ -145,9 +145,11 @@ def _completion_payload(
   stop_token_ids: list[int],
   seed: int,
   model: str | None,
+  stop: tuple[str, ...] = (),
 ) -> dict:
   """The ``/v1/completions`` body of one question: token ids in and out, the log-prob of each
-  sampled token (``logprobs: 0``: no alternatives), special tokens not stripped."""
+  sampled token (``logprobs: 0``: no alternatives), special tokens not stripped. ``stop``: texts
+  that also end the response, kept in it (the stop's ids are sampled tokens)."""
   payload = {
     "prompt": prompt,
     "n": n,
@@ -160,6 +162,9 @@ def _completion_payload(
     "return_token_ids": True,
     "skip_special_tokens": False,
   }
+  if stop:
+    payload["stop"] = list(stop)
+    payload["include_stop_str_in_output"] = True
   if model:
     payload["model"] = model
   return payload
@@ -259,8 +264,10 @@ class VllmClient:
     top_p: float = 1.0,
     model: str | None = None,
     vocab_size: int | None = None,
+    stop: tuple[str, ...] = (),
   ) -> list[list[Completion]]:
-    """``counts[i]`` completions of each token-id prompt (questions with 0 are skipped), in order.
+    """``counts[i]`` completions of each token-id prompt (questions with 0 are skipped), in order;
+    request i has seed ``seed + i``; ``stop``: stop strings (``_completion_payload``).
 
     ``temperature = 0`` is greedy: vLLM then accepts only ``n = 1``, and the one answer stands for
     all ``counts[i]`` rows. ``vocab_size``: token ids must lie below it (None: not checked).
@@ -272,7 +279,7 @@ class VllmClient:
     def one(i: int, sent: Callable[[], None] | None = None) -> list[Completion]:
       n = 1 if greedy else int(counts[i])
       payload = _completion_payload(
-        prompts[i], n, temperature, top_p, max_tokens, stop_token_ids, int(seed) + i, model
+        prompts[i], n, temperature, top_p, max_tokens, stop_token_ids, int(seed) + i, model, stop
       )
       done = self._send(self.urls[i % len(self.urls)], payload, sent, vocab_size)
       return done * int(counts[i]) if greedy else done

@@ -2,7 +2,8 @@
 
 ``set_weights(params, version)`` exports the params as an HF-layout directory and loads it into
 every server; ``generate`` sends one request per question with ``n = G_i`` and returns the same
-``Rollouts`` layout as the JAX sampler. The server returns sampled-token log-probs at τ but no
+``Rollouts`` layout as the JAX sampler; built with ``turns``, multi-turn rollouts with an environment
+(``vllm_multiturn``: one request per running row and turn). The server returns sampled-token log-probs at τ but no
 entropies (``provides_entropy = False``): the trainer scores the rollouts under the sampling params,
 which gives both; token ids outside the model's vocabulary and impossible log-probs are refused.
 
@@ -45,12 +46,14 @@ import shutil
 import stat
 import tempfile
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
 
 from jaxrl.config import ConfigError
 from jaxrl.nn import hf, lora, peft
+from jaxrl.rollout import multiturn, vllm_multiturn
 from jaxrl.rollout.engine import check_version, is_step_version
 from jaxrl.rollout.sampler import stop_ids
 from jaxrl.rollout.sidecar import LaunchConfig, Sidecar, SidecarError, StartError
@@ -136,6 +139,8 @@ class VllmEngine:
     eos_id: int | tuple[int, ...],
     pad_id: int,
     top_p: float = 1.0,
+    turns: vllm_multiturn.TurnStops | None = None,
+    respond_factory: Callable[[np.ndarray], multiturn.Respond] | None = None,
   ):
     self.model_cfg, self.tokenizer, self.cfg = model_cfg, tokenizer, cfg
     self.workdir = workdir
@@ -160,6 +165,8 @@ class VllmEngine:
     self.push_bytes: list[int] = []  # bytes written per push (the adapter files alone with LoRA)
     self._base_dir: str | None = None  # adapter pushes: the base the server was started on
     self._adapter: str | None = None  # ... and the name of the adapter it serves
+    self._turns, self._respond_factory = turns, respond_factory
+    self.turn_counts: multiturn.TurnCounts | None = None  # the last multi-turn call's
 
   def _adapter_name(self, push: int) -> str:
     return f"policy-{self._run_id}-{push:06d}"
@@ -343,15 +350,16 @@ class VllmEngine:
     max_new_tokens: int | None = None,
     greedy: bool = False,
     first_question: int = 0,
+    respond: multiturn.Respond | None = None,
   ) -> Rollouts:
     """``first_question``: the batch is questions first_question.. of a larger one (one host's
-    slice): their requests get the seeds they would get in the whole batch."""
+    slice): their requests get the seeds they would get in the whole batch. Built with ``turns``:
+    multi-turn rollouts (``vllm_multiturn``) with ``respond``, or without one
+    ``respond_factory(group_ids_R)``."""
     self._check_open("rollout")
     ids_BxP, mask_BxP = np.asarray(prompt_ids_BxP), np.asarray(prompt_mask_BxP, bool)
     counts_B = np.asarray(counts_B, np.int64)
     prompts = [row[m].tolist() for row, m in zip(ids_BxP, mask_BxP)]
-    # One seed per call from the step's key: a resumed run sends the same requests.
-    seed = int(jax.random.randint(key, (), 0, 2**30)) + first_question
     tau = 0.0 if greedy else float(temperature)
     n = max_new_tokens or self.max_new_tokens
     if self.version is None:  # an attached server may serve anything: not this run's policy
@@ -359,9 +367,15 @@ class VllmEngine:
         "generate() before set_weights(): no weights of this run have been loaded"
         + ("" if self.sidecar is None else " (and no sidecar has been started)")
       )
+    if self._turns is not None:
+      return self._multiturn(ids_BxP, mask_BxP, counts_B, prompts, tau, key, n, respond)
+    if respond is not None:
+      raise ValueError("respond is for an engine built with turns (multi-turn)")
+    # One seed per call from the step's key: a resumed run sends the same requests.
+    seed = int(jax.random.randint(key, (), 0, 2**30)) + first_question
     done = self._with_restarts(
       "rollout",
-      self._dir if self._base_dir is None else self._base_dir,
+      self._served_dir(),
       self.version,
       lambda: self.client.complete(
         prompts,
@@ -376,6 +390,66 @@ class VllmEngine:
       ),
     )
     return self._assemble(ids_BxP, mask_BxP, counts_B, done, n)
+
+  def _served_dir(self) -> str:
+    """The directory a restarted server starts on: the weights, or with adapters the base."""
+    return self._dir if self._base_dir is None else self._base_dir
+
+  def _multiturn(self, ids_BxP, mask_BxP, counts_B, prompts, tau, key, n, respond) -> Rollouts:
+    """One request per running row and turn (``vllm_multiturn``); each turn's requests are
+    retried as a whole on a restarted server, so a failure never steps the environment twice."""
+    group_ids_R = np.repeat(np.arange(len(counts_B), dtype=np.int32), counts_B)
+    if respond is None:
+      if self._respond_factory is None:
+        raise ValueError("a multi-turn VllmEngine needs respond= or a respond_factory")
+      respond = self._respond_factory(group_ids_R)
+    stops = self._turns
+
+    def complete(seqs, running_R, turn, max_tokens):
+      # A seed per turn from the step's key, and request r's is seed + r: a resumed run sends the
+      # same requests, and no two rows or turns share a draw.
+      seed = int(jax.random.randint(jax.random.fold_in(key, turn), (), 0, 2**30))
+      return self._with_restarts(
+        f"rollout (turn {turn + 1})",
+        self._served_dir(),
+        self.version,
+        lambda: self.client.complete(
+          seqs,
+          running_R.astype(np.int64).tolist(),
+          temperature=tau,
+          max_tokens=max_tokens,
+          stop_token_ids=[*self._eos, *stops.turns.stop_ids],
+          seed=seed,
+          top_p=1.0 if tau == 0.0 else self._top_p,
+          model=self._adapter,
+          vocab_size=self.model_cfg.vocab_size,
+          stop=stops.stop_strings,
+        ),
+      )
+
+    tokens_RxN, mask_RxN, loss_mask_RxN, logp_RxN, finished_R, self.turn_counts = (
+      vllm_multiturn.generate(
+        complete,
+        [prompts[i] for i in group_ids_R],
+        respond,
+        stops=stops,
+        max_new_tokens=n,
+        eos_id=self._eos,
+        pad_id=self._pad,
+      )
+    )
+    return Rollouts(
+      prompt_ids_RxP=ids_BxP[group_ids_R],
+      prompt_mask_RxP=mask_BxP[group_ids_R],
+      tokens_RxN=tokens_RxN,
+      mask_RxN=mask_RxN,
+      loss_mask_RxN=loss_mask_RxN,
+      behaviour_logp_RxN=logp_RxN,
+      entropy_RxN=np.zeros(tokens_RxN.shape, np.float32),
+      lengths_R=mask_RxN.sum(axis=1, dtype=np.int32),
+      group_ids_R=group_ids_R,
+      finished_R=finished_R,
+    )
 
   def _assemble(self, ids_BxP, mask_BxP, counts_B, done, n: int) -> Rollouts:
     """Rows grouped in question order, responses right-padded with pad_id to ``n`` tokens."""

@@ -187,24 +187,14 @@ def _task_engine_and_params(cfg, checkpoint: str, task, out_dir: str):
   on the mesh."""
   from jaxrl.nn import arch, model
   from jaxrl.parallel import sharding
-  from jaxrl.rollout.build import build_engine
+  from jaxrl.rollout.build import task_engine
 
   model_cfg = arch.model_config(cfg, task.vocab_size)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   graphdef, abstract_params = model.abstract(model_cfg)
   shardings = sharding.tree_shardings(abstract_params, mesh)
   params = weights.load_params(cfg, checkpoint, (abstract_params, shardings), model_cfg)
-  engine = build_engine(
-    cfg,
-    graphdef,
-    model_cfg,
-    tokenizer=task.tokenizer,
-    eos_id=task.eos_id,
-    pad_id=task.pad_id,
-    prompt_len=task.train_prompt_ids.shape[1],
-    workdir=out_dir,
-    environment=task.environment,
-  )
+  engine = task_engine(cfg, graphdef, model_cfg, task, out_dir)
   return engine, params
 
 
@@ -325,10 +315,13 @@ def main(argv):
       step = weights.checkpoint_step(*run)
       checkpoint = os.path.join(run[0], str(step))
       out = _OUT.value or weights.eval_dir(run[0], step)
-    # A training run's directory already holds its compiled programs (the sampler among them).
+    # A training run's directory already holds its compiled programs (the sampler among them):
+    # they are reused when the results go into that directory too; with --out elsewhere the run's
+    # directory is only read, and programs are cached beside the results.
     from jaxrl.workdir import compile_cache
 
-    compile_cache.enable(cfg.compile_cache, os.path.dirname(run[0]) if run else out)
+    in_run = run is not None and not _OUT.value
+    compile_cache.enable(cfg.compile_cache, os.path.dirname(run[0]) if in_run else out)
     summary = evaluate_checkpoint(
       cfg, checkpoint, benchmarks, out, num_samples=_NUM_SAMPLES.value, ks=ks
     )

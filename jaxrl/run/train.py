@@ -34,7 +34,7 @@ from jaxrl.methods.phases import run_phases
 from jaxrl.nn import arch, lora, model
 from jaxrl.parallel import distributed, sharding
 from jaxrl.rl.programs import Programs, reference_copy
-from jaxrl.rollout.build import build_engine
+from jaxrl.rollout.build import task_engine
 from jaxrl.rollout.collect import Collector
 from jaxrl.rollout.engine import RolloutEngine, eval_version
 from jaxrl.run import mfu, run_config, sft, weights
@@ -129,17 +129,7 @@ class Trainer:
       mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
       graphdef, abstract_params = model.abstract(model_cfg)
       programs = Programs.for_run(cfg, graphdef, abstract_params, mesh)
-      engine = build_engine(
-        cfg,
-        graphdef,
-        model_cfg,
-        tokenizer=task.tokenizer,
-        eos_id=task.eos_id,
-        pad_id=task.pad_id,
-        prompt_len=task.train_prompt_ids.shape[1],
-        workdir=workdir,
-        environment=task.environment,
-      )
+      engine = task_engine(cfg, graphdef, model_cfg, task, workdir)
       started.callback(engine.close)
       collector = Collector(
         engine, programs, cfg.loss.logprob_chunk, cfg.loss.micro_batches, task.environment
