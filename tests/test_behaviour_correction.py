@@ -207,6 +207,8 @@ def test_config_resolves_auto_and_checks_thresholds():
 
   assert resolved() == "none"
   assert resolved(**{"rollout.engine": "vllm"}) == "tis"
+  assert resolved(**{"rollout.top_p": 0.9}) == "tis"  # drawn from the truncated distribution
+  assert resolved(**{"rollout.top_p": 0.9, "loss.behaviour_correction": "none"}) == "none"
   assert resolved(**{"loss.behaviour_correction": "mis"}) == "mis"
   with pytest.raises(ConfigError, match="loss.mis_low"):
     tiny_config("test", **{"loss.mis_low": 1.5})

@@ -100,6 +100,8 @@ def test_heldout_evaluation_counts_turns_of_real_questions_only():
   # Per question: turns 1.5, 2.5, 3.5; tool calls one fewer.
   assert result.turns["turns"] == {0: 2.0, 1: 3.5, "all": 2.5}
   assert result.turns["tool_calls"] == {0: 1.0, 1: 2.5, "all": 1.5}
+  # Correct with a call: question 0's samples are wrong, 1's and 2's correct with 1-3 calls.
+  assert result.turns["solved_with_call"] == {0: 0.5, 1: 1.0, "all": 2 / 3}
   assert result.pass_at[1] == {0: 0.5, 1: 1.0, "all": 2 / 3}
   assert EvalResult.from_json(result.to_json()) == result
   single = evaluate(

@@ -20,11 +20,15 @@ from jaxrl.config.schema import (
 )
 
 
-def resolved_correction(mode: BehaviourCorrection, engine: Engine) -> Correction:
-  """``loss.behaviour_correction`` with ``auto`` resolved: tis for a vLLM sidecar (other kernels
-  and dtypes than the trainer's), none for the JAX sampler (the trainer's own policy)."""
+def resolved_correction(
+  mode: BehaviourCorrection, engine: Engine, top_p: float = 1.0
+) -> Correction:
+  """``loss.behaviour_correction`` with ``auto`` resolved: tis where the rollouts' behaviour
+  policy differs from the trainer's — a vLLM sidecar (other kernels and dtypes), or nucleus
+  sampling (top_p < 1: tokens drawn from the truncated distribution, docs/algorithms.md §9);
+  none for the JAX sampler at top_p = 1 (the trainer's own policy)."""
   if mode == "auto":
-    return "tis" if engine == "vllm" else "none"
+    return "tis" if engine == "vllm" or top_p < 1.0 else "none"
   return mode
 
 
@@ -79,7 +83,9 @@ class LossConfig:
       use_kl=loss.kl_coef > 0,
       informative_only=loss.informative_only,
       scale_by_std=loss.scale_by_std,
-      behaviour_correction=resolved_correction(loss.behaviour_correction, cfg.rollout.engine),
+      behaviour_correction=resolved_correction(
+        loss.behaviour_correction, cfg.rollout.engine, cfg.rollout.top_p
+      ),
       modulation=cfg.modulation.enabled,
       mini_batches=loss.mini_batches,
       micro_batches=loss.micro_batches,

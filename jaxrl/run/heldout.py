@@ -26,7 +26,9 @@ class EvalResult:
   pass_at: dict  # k -> {level -> value}, and {"all" -> value}
   greedy: dict  # level -> accuracy, and "all"
   # Multi-turn only: "turns" and "tool_calls" -> {level -> mean per sample, and "all"} over the n
-  # samples per question; {} for single-turn rollouts.
+  # samples per question, and "solved_with_call" -> the share of samples that are correct and
+  # called the tool at least once (beside pass@1: how much of what is solved the tool solved);
+  # {} for single-turn rollouts.
   turns: dict = dataclasses.field(default_factory=dict)
 
   def to_json(self) -> dict:
@@ -161,6 +163,7 @@ def evaluate(
   correct_Q = np.zeros(num_q, np.int64)
   greedy_Q = np.zeros(num_q, np.float64)
   turns_Q, tool_calls_Q = np.zeros(num_q, np.float64), np.zeros(num_q, np.float64)
+  with_call_Q = np.zeros(num_q, np.float64)
   multi_turn = False
   for start in range(0, num_q, questions_per_call):
     idx = np.arange(start, min(start + questions_per_call, num_q))
@@ -175,7 +178,13 @@ def evaluate(
     correct_Q[idx] = per_q[: len(idx)].astype(np.int64)
     if out.turns_R is not None:
       multi_turn = True
-      for total_Q, per_row in ((turns_Q, out.turns_R), (tool_calls_Q, out.tool_calls_R)):
+      with_call_R = (rewards > 0) & (np.asarray(out.tool_calls_R) > 0)
+      per_rows = (
+        (turns_Q, out.turns_R),
+        (tool_calls_Q, out.tool_calls_R),
+        (with_call_Q, with_call_R),
+      )
+      for total_Q, per_row in per_rows:
         sums = np.bincount(group_ids, weights=per_row, minlength=questions_per_call)
         total_Q[idx] = sums[: len(idx)] / num_samples
     out = Sampled(*sample_fn(ids, mask, np.ones(questions_per_call, np.int32), k_greedy, True))
@@ -191,6 +200,7 @@ def evaluate(
     turns = {
       "turns": _per_level(turns_Q, levels_Q, levels),
       "tool_calls": _per_level(tool_calls_Q, levels_Q, levels),
+      "solved_with_call": _per_level(with_call_Q, levels_Q, levels),
     }
   return EvalResult(
     levels=levels,

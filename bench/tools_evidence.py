@@ -1,0 +1,186 @@
+"""Evidence for multi-turn rollouts with a tool: ``configs/tiny.py:tools`` (the calculator) beside
+the same task, model and budget without it, over seeds.
+
+  PYTHONPATH=. .venv/bin/python bench/tools_evidence.py --steps 200 --seeds 0 1 2 --jobs 2
+
+Each (setting, seed) is one ``python -m jaxrl.main`` run under --root (a finished run is kept and
+not run again, so the command resumes). "no tool" is ``tiny:tools`` with ``task.environment=""``:
+its SFT corpus answers every level in the head, its rollouts are single-turn. Writes --out
+(markdown) and a PNG beside it:
+  - held-out pass@1 per level after SFT and after RL, both settings (mean over seeds, and the
+    per-seed range);
+  - on the hard levels (the ones no SFT example shows), the share of samples solved with a tool
+    call (``solved_with_call`` of the evaluation);
+  - the mean model turns and tool calls per trajectory over training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench import tiny_runs  # noqa: E402
+
+CONFIG = "configs/tiny.py:tools"
+SETTINGS = {"tool": (), "no tool": ("task.environment=",)}
+
+
+def workdir(root: str, setting: str, seed: int) -> str:
+  return os.path.join(root, f"{setting.replace(' ', '_')}_s{seed}")
+
+
+def run(root: str, setting: str, seed: int, steps: int) -> str:
+  path = workdir(root, setting, seed)
+  if not tiny_runs.finished(path, steps):
+    tiny_runs.train(CONFIG, path, seed, steps, path + ".log", *SETTINGS[setting])
+  return path
+
+
+def _json(path: str) -> dict:
+  with open(path) as f:
+    return json.load(f)
+
+
+def _metrics(path: str) -> list[dict]:
+  with open(os.path.join(path, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def level_names() -> tuple[list[str], list[str]]:
+  """The levels' names in the evaluation's order, and those of the SFT corpus."""
+  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  from tiny import get_config
+
+  from jaxrl.tasks.data.arithmetic import parse_levels
+
+  task = get_config("tools").task
+  return [s.name for s in parse_levels(task.levels)], [
+    s.name for s in parse_levels(task.sft_levels)
+  ]
+
+
+def _cell(values) -> str:
+  """Mean over seeds, in %, with the seeds' range."""
+  v = 100 * np.asarray(values, float)
+  return f"{v.mean():.1f} ({v.min():.0f}–{v.max():.0f})" if len(v) > 1 else f"{v[0]:.1f}"
+
+
+def summarize(root: str, seeds, steps: int) -> tuple[str, dict]:
+  names, sft_names = level_names()
+  hard = [i for i, n in enumerate(names) if n not in sft_names]
+  evals = {
+    (setting, when): [
+      _json(os.path.join(workdir(root, setting, s), f"eval_{when}.json")) for s in seeds
+    ]
+    for setting in SETTINGS
+    for when in ("sft", f"step{steps}")
+  }
+  after = f"step{steps}"
+  lines = [
+    f"# Multi-turn rollouts with a calculator: `tiny:tools` with and without the tool "
+    f"({steps} RL steps, seeds {list(seeds)})\n",
+    "Held-out pass@1 (%, mean over seeds and the seeds' range); hard levels (no SFT example): "
+    + ", ".join(names[i] for i in hard)
+    + ".\n",
+    "| level | no tool, SFT | no tool, RL | tool, SFT | tool, RL |",
+    "|---|---|---|---|---|",
+  ]
+  for key, label in [(str(i), n) for i, n in enumerate(names)] + [("all", "all")]:
+    label = f"**{label}**" if key != "all" and int(key) in hard else label
+    cells = [
+      _cell([e["pass_at"]["1"][key] for e in evals[(setting, when)]])
+      for setting in SETTINGS
+      for when in ("sft", after)
+    ]
+    lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
+  lines += [
+    "\n## Hard levels solved with a tool call\n",
+    "Share of the held-out samples that are correct and called the calculator, beside pass@1 "
+    "(%, mean over seeds).\n",
+    "| level | SFT: solved | SFT: solved with a call | RL: solved | RL: solved with a call |",
+    "|---|---|---|---|---|",
+  ]
+  for i in hard:
+    cells = []
+    for when in ("sft", after):
+      tool = evals[("tool", when)]
+      cells.append(_cell([e["pass_at"]["1"][str(i)] for e in tool]))
+      cells.append(_cell([e["turns"]["solved_with_call"][str(i)] for e in tool]))
+    lines.append(f"| {names[i]} | " + " | ".join(cells) + " |")
+
+  res = {s: _metrics(workdir(root, "tool", s)) for s in seeds}
+  lines += [
+    "\n## Turns and tool calls per trajectory over training (tool runs, mean over seeds)\n",
+    "| steps | turns | tool calls | batch reward |",
+    "|---|---|---|---|",
+  ]
+  tenth = max(steps // 10, 1)
+  for start in range(0, steps, tenth):
+    end = min(start + tenth, steps)
+
+    def mean(key):
+      return np.mean([np.mean([r[key] for r in res[s][start:end]]) for s in seeds])
+
+    turns, calls, reward = mean("turns_mean"), mean("tool_calls_mean"), mean("reward")
+    lines.append(f"| {start + 1}–{end} | {turns:.2f} | {calls:.2f} | {reward:.3f} |")
+  no_tool = {s: _metrics(workdir(root, "no tool", s)) for s in seeds}
+  return "\n".join(lines) + "\n", {"tool": res, "no tool": no_tool}
+
+
+def plot(res: dict, seeds, out_png: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+  w = 10
+  for setting, rows in res.items():
+    ys = np.mean([[r["reward"] for r in rows[s]] for s in seeds], axis=0)
+    axes[0].plot(np.convolve(ys, np.ones(w) / w, mode="valid"), label=setting)
+  ys = np.mean([[r["tool_calls_mean"] for r in res["tool"][s]] for s in seeds], axis=0)
+  axes[1].plot(np.convolve(ys, np.ones(w) / w, mode="valid"), label="tool calls")
+  ys = np.mean([[r["turns_mean"] for r in res["tool"][s]] for s in seeds], axis=0)
+  axes[1].plot(np.convolve(ys, np.ones(w) / w, mode="valid"), label="turns")
+  for ax, title in zip(axes, ("batch reward", "per trajectory (tool runs)")):
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("RL step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(out_png, dpi=90)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--steps", type=int, default=200)
+  ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  ap.add_argument("--jobs", type=int, default=2)
+  ap.add_argument("--root", default="runs/tools_evidence")
+  ap.add_argument("--out", default="bench/results/tools.md")
+  ap.add_argument("--summarize-only", action="store_true")
+  args = ap.parse_args()
+  os.makedirs(args.root, exist_ok=True)
+  if not args.summarize_only:
+    jobs = [(setting, s) for s in args.seeds for setting in SETTINGS]
+    with cf.ThreadPoolExecutor(args.jobs) as pool:
+      list(pool.map(lambda job: run(args.root, job[0], job[1], args.steps), jobs))
+  text, res = summarize(args.root, args.seeds, args.steps)
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  with open(args.out, "w") as f:
+    f.write(text)
+  plot(res, args.seeds, os.path.splitext(args.out)[0] + ".png")
+  print(text)
+
+
+if __name__ == "__main__":
+  main()
