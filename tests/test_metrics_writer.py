@@ -9,6 +9,7 @@ import glob
 import json
 import logging
 import os
+import re
 import struct
 import threading
 
@@ -181,4 +182,6 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
   resumed.write(2, {"reward": 0.5})
   resumed.close()
   runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
-  assert len(runs) == 2 and all(r.endswith(run_id) for r in runs)
+  # offline-run-DATE_TIME-ID; wandb appends "-1" to the second when both start in the same second
+  same_run = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?")
+  assert len(runs) == 2 and all(same_run.fullmatch(os.path.basename(r)) for r in runs), runs

@@ -15,16 +15,16 @@ from jaxrl.run.train import Trainer
 
 
 def _poison(trainer: Trainer, bad_calls: set[int]):
-  """Make π_old of the given rollout calls NaN: the ratio, the loss and the gradients follow."""
+  """Make the given rollout calls' log-probs NaN (π_old, as the JAX sampler reports it beside the
+  behaviour log-probs): the ratio, the loss and the gradients follow."""
   generate, calls = trainer.engine.generate, [0]
 
   def generate_with_nan(*args, **kwargs):
     out = generate(*args, **kwargs)
     calls[0] += 1
     if calls[0] in bad_calls:
-      return dataclasses.replace(
-        out, behaviour_logp_RxN=jnp.full_like(out.behaviour_logp_RxN, jnp.nan)
-      )
+      nan = jnp.full_like(out.behaviour_logp_RxN, jnp.nan)
+      return dataclasses.replace(out, behaviour_logp_RxN=nan, prox_logp_RxN=nan)
     return out
 
   trainer.engine.generate = generate_with_nan
