@@ -1,0 +1,41 @@
+"""The docs a user has: every ``docs/algorithms.md §N`` cited in the code, tests, benchmarks and docs
+is a section of it, and nothing points outside the repository."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+from run_helpers import ROOT
+
+CITATION = re.compile(r"algorithms\.md[^§\n]{0,3}§\s?(\d+(?:\.\d+)*)")
+HEADING = re.compile(r"#+\s*§?(\d+(?:\.\d+)*)")
+
+
+def _files(*patterns: str) -> list[str]:
+  return sorted(f for p in patterns for f in glob.glob(os.path.join(ROOT, p), recursive=True))
+
+
+def _sections() -> set[str]:
+  with open(os.path.join(ROOT, "docs", "algorithms.md")) as f:
+    return {m.group(1) for line in f if (m := HEADING.match(line))}
+
+
+def test_every_cited_section_of_the_algorithms_doc_exists():
+  sections = _sections()
+  assert {"0", "1", "9.1", "11"} <= sections  # the headings are read as numbered
+  files = _files("jaxrl/**/*.py", "tests/*.py", "bench/*.py", "configs/*.py", "docs/*.md")
+  files += _files("README.md", "WORKSPACE.md")
+  cited = {
+    (os.path.relpath(f, ROOT), m.group(1))
+    for f in files
+    for m in CITATION.finditer(open(f, encoding="utf-8").read())
+  }
+  assert len(cited) > 30
+  assert not [(f, s) for f, s in cited if s not in sections]
+
+
+def test_nothing_points_outside_the_repository():
+  files = _files("jaxrl/**/*.py", "docs/*.md", "README.md", "WORKSPACE.md")
+  assert not [f for f in files if "shared/" in open(f, encoding="utf-8").read()]
