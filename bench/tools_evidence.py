@@ -90,7 +90,7 @@ def summarize(root: str, seeds, steps: int) -> tuple[str, dict]:
     "Held-out pass@1 (%, mean over seeds and the seeds' range); hard levels (no SFT example): "
     + ", ".join(names[i] for i in hard)
     + ".\n",
-    "| level | no tool, SFT | no tool, RL | tool, SFT | tool, RL |",
+    "| level | " + " | ".join(f"{s}, {w}" for s in SETTINGS for w in ("SFT", "RL")) + " |",
     "|---|---|---|---|---|",
   ]
   for key, label in [(str(i), n) for i, n in enumerate(names)] + [("all", "all")]:
