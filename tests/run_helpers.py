@@ -8,6 +8,8 @@ once per import."""
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import jax
@@ -60,6 +62,21 @@ def snapshot(directory) -> dict:
       st = os.stat(os.path.join(root, name))
       out[os.path.relpath(os.path.join(root, name), directory)] = (st.st_size, st.st_mtime_ns)
   return out
+
+
+def jaxrl_eval(*flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
+  """``python -m jaxrl.eval FLAGS`` from the repository root (``env``: the process's environment,
+  default this one's with the repository on PYTHONPATH); it must exit 0."""
+  done = subprocess.run(
+    [sys.executable, "-m", "jaxrl.eval", *flags],
+    cwd=ROOT,
+    env=env or dict(os.environ, PYTHONPATH=ROOT),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert done.returncode == 0, done.stderr[-4000:]
+  return done
 
 
 def read_metrics(workdir):

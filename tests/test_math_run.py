@@ -19,7 +19,7 @@ import jax
 import math_fixtures
 import numpy as np
 import pytest
-from run_helpers import ROOT, read_metrics
+from run_helpers import ROOT, jaxrl_eval, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -87,26 +87,16 @@ def test_qwen7b_config_trains_two_steps_on_a_tiny_checkpoint(tiny):
 
   # The evaluation CLI on the run's last checkpoint and on the HF directory.
   for checkpoint, out_dir in ((work, base / "eval_run"), (ckpt, base / "eval_hf")):
-    ev = subprocess.run(
-      [
-        sys.executable,
-        "-m",
-        "jaxrl.eval",
-        "--config=configs/qwen7b.py:test",
-        f"--checkpoint={checkpoint}",
-        f"--benchmarks=val={val},train={train}",
-        f"--out={out_dir}",
-        "--num_samples=2",
-        "--ks=1,2",
-        *_flags(ckpt, train, val),
-      ],
-      cwd=ROOT,
+    jaxrl_eval(
+      "--config=configs/qwen7b.py:test",
+      f"--checkpoint={checkpoint}",
+      f"--benchmarks=val={val},train={train}",
+      f"--out={out_dir}",
+      "--num_samples=2",
+      "--ks=1,2",
+      *_flags(ckpt, train, val),
       env=_env(),
-      capture_output=True,
-      text=True,
-      timeout=600,
     )
-    assert ev.returncode == 0, ev.stderr[-4000:]
     results = json.loads((out_dir / "eval_results.json").read_text())
     assert set(results["benchmarks"]) == {"val", "train"}
     val_result = results["benchmarks"]["val"]

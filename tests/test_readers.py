@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import threading
 
 import jax
@@ -19,7 +17,7 @@ import math_fixtures
 import numpy as np
 import pytest
 from orbax.checkpoint._src.path import atomicity
-from run_helpers import ROOT, snapshot, tiny_config
+from run_helpers import ROOT, jaxrl_eval, snapshot, tiny_config
 
 from jaxrl.config import from_configdict, to_dict
 from jaxrl.nn import arch, lora, model
@@ -155,24 +153,14 @@ def test_eval_of_a_live_run_writes_its_results_beside_the_checkpoints(tmp_path, 
   run = str(tmp_path / "run")
   writer, moved = _live_run(run, cfg, held_commit)
   before = snapshot(run)
-  out = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "jaxrl.eval",
-      f"--config={run}/config.json",
-      f"--checkpoint={run}/checkpoints/1",
-      f"--benchmarks=val={val}",
-      "--num_samples=2",
-      "--ks=1,2",
-    ],
-    cwd=ROOT,
+  out = jaxrl_eval(
+    f"--config={run}/config.json",
+    f"--checkpoint={run}/checkpoints/1",
+    f"--benchmarks=val={val}",
+    "--num_samples=2",
+    "--ks=1,2",
     env=dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"),
-    capture_output=True,
-    text=True,
-    timeout=600,
   )
-  assert out.returncode == 0, out.stderr[-4000:]
   results = os.path.join(run, "eval", "step1")
   assert f"written: {results}/eval_results.json" in out.stdout, out.stdout
   after = snapshot(run)

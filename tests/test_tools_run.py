@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
-from run_helpers import ROOT, TIMING, read_metrics, snapshot, tiny_config
+from run_helpers import ROOT, TIMING, jaxrl_eval, read_metrics, snapshot, tiny_config
 
 from jaxrl.config import ConfigError
 from jaxrl.nn import model
@@ -126,27 +124,17 @@ def test_jaxrl_eval_of_a_tools_checkpoint_is_the_trainers_evaluation(straight, t
     trained = json.load(f)
   assert trained["turns"]["tool_calls"]["all"] > 0
   before = snapshot(run)
-  out = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "jaxrl.eval",
-      f"--config={run}/config.json",
-      f"--checkpoint={run}",
-      f"--out={tmp_path / 'eval'}",
-    ],
-    cwd=ROOT,
+  out = jaxrl_eval(
+    f"--config={run}/config.json",
+    f"--checkpoint={run}",
+    f"--out={tmp_path / 'eval'}",
     # without the session's shared cache: the run's own compile_cache is read, never written
     env={
       **{k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"},
       "PYTHONPATH": ROOT,
       "JAX_PLATFORMS": "cpu",
     },
-    capture_output=True,
-    text=True,
-    timeout=600,
   )
-  assert out.returncode == 0, out.stderr[-4000:]
   assert snapshot(run) == before  # a reader: nothing created, changed or removed
   assert os.listdir(tmp_path / "eval" / "compile_cache")  # its programs, beside its results
   with open(tmp_path / "eval" / "eval_results.json") as f:
