@@ -14,7 +14,6 @@ update and push times are ``bench/lora_timing.py``'s.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
 import json
 import os
@@ -136,15 +135,7 @@ def summarize(root: str, seeds, steps: int) -> str:
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--steps", type=int, default=300)
-  ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-  ap.add_argument("--jobs", type=int, default=2)  # runs at a time (each mostly on one core)
-  ap.add_argument("--root", default="runs/lora_evidence")
-  ap.add_argument("--out", default="bench/results/lora.md")
-  ap.add_argument("--summarize-only", action="store_true")
-  args = ap.parse_args()
-  os.makedirs(args.root, exist_ok=True)
+  args = tiny_runs.evidence_args(300, "runs/lora_evidence", "bench/results/lora.md")
   if not args.summarize_only:
     with cf.ThreadPoolExecutor(args.jobs) as pool:
       # each seed's shared warm start, then the search on seed 0, then every seed at the best rate

@@ -10,7 +10,6 @@ the same budget: batch_questions × group_size rollouts per step.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
 import json
 import os
@@ -197,15 +196,7 @@ def plot(res: dict, seeds, out_png: str) -> None:
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--steps", type=int, default=200)
-  ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-  ap.add_argument("--jobs", type=int, default=2)
-  ap.add_argument("--root", default="runs/evidence")
-  ap.add_argument("--out", default="bench/results/methods_evidence.md")
-  ap.add_argument("--summarize-only", action="store_true")
-  args = ap.parse_args()
-  os.makedirs(args.root, exist_ok=True)
+  args = tiny_runs.evidence_args(200, "runs/evidence", "bench/results/methods_evidence.md")
   if not args.summarize_only:
     with cf.ThreadPoolExecutor(args.jobs) as pool:  # grpo first: it makes each seed's SFT
       list(pool.map(lambda s: run("grpo", s, args.steps, args.root), args.seeds))

@@ -7,6 +7,7 @@ evaluation, so every setting starts RL from the same policy.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -41,3 +42,18 @@ def train(config: str, workdir: str, seed: int, steps: int, log_path: str, *over
     subprocess.run(
       cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=log, stderr=log, check=True
     )
+
+
+def evidence_args(steps: int, root: str, out: str) -> argparse.Namespace:
+  """The command line the evidence benchmarks share: runs (steps, seeds, parallel jobs) under
+  ``--root``, a summary to ``--out``; ``--summarize-only`` reads finished runs."""
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--steps", type=int, default=steps)
+  ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  ap.add_argument("--jobs", type=int, default=2)  # runs at a time (each mostly on one core)
+  ap.add_argument("--root", default=root)
+  ap.add_argument("--out", default=out)
+  ap.add_argument("--summarize-only", action="store_true")
+  args = ap.parse_args()
+  os.makedirs(args.root, exist_ok=True)
+  return args

@@ -16,7 +16,6 @@ its SFT corpus answers every level in the head, its rollouts are single-turn. Wr
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
 import json
 import os
@@ -161,15 +160,7 @@ def plot(res: dict, seeds, out_png: str) -> None:
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--steps", type=int, default=200)
-  ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-  ap.add_argument("--jobs", type=int, default=2)
-  ap.add_argument("--root", default="runs/tools_evidence")
-  ap.add_argument("--out", default="bench/results/tools.md")
-  ap.add_argument("--summarize-only", action="store_true")
-  args = ap.parse_args()
-  os.makedirs(args.root, exist_ok=True)
+  args = tiny_runs.evidence_args(200, "runs/tools_evidence", "bench/results/tools.md")
   if not args.summarize_only:
     jobs = [(setting, s) for s in args.seeds for setting in SETTINGS]
     with cf.ThreadPoolExecutor(args.jobs) as pool:
