@@ -48,32 +48,45 @@ def test_mini_batches_are_sequential_updates_on_strided_rows():
   )
 
 
-def test_micro_batches_give_the_same_update():
-  graphdef, params = model.create(SMALL_MODEL, 1)
+def _updates_by_micro_batches(params, batch, hp, **loss_fields):
+  """``rl_update`` (SGD, lr 0.1) with ``loss.micro_batches`` 1 and 4: [(state, metrics)] each."""
+  graphdef = model.create(SMALL_MODEL, 0)[0]
   tx = optax.sgd(0.1)
-  batch = random_batch(np.random.default_rng(1))
   out = []
   for micro in (1, 4):
-    cfg = losses.LossConfig(
-      aggregation="seq-mean-token-mean", informative_only=False, num_groups=2, micro_batches=micro
+    cfg = losses.LossConfig(micro_batches=micro, **loss_fields)
+    out.append(
+      jax.jit(functools.partial(step.rl_update, graphdef, tx, cfg))(
+        step.init_state(params, tx), batch, hp
+      )
     )
-    s, m = jax.jit(functools.partial(step.rl_update, graphdef, tx, cfg))(
-      step.init_state(params, tx), batch, update_hparams()
-    )
-    out.append((s, m))
-  # Four micro-batches sum the gradient over the rows in another order than one pass. SGD: each
-  # weight is fl(p − lr·g), so the two differ by lr times the gradients' gap (``grad_rtol`` of a
-  # leaf's largest lr·|g| = |Δp|, over the 8 rows of P + N = 9 slots) and by the rounding of the
-  # subtraction (one ulp of the new weights: 0.5 each way).
-  rtol = grad_rtol(SMALL_MODEL, 9, 8 * 9)
+  return out
+
+
+def _assert_same_update(out, params, rtol: float):
+  """Each weight within ``rtol`` of its leaf's largest step and one ulp; the losses within rtol."""
   for a, b, p in zip(*(jax.tree.leaves(x) for x in (out[0][0].params, out[1][0].params, params))):
     a, b = np.asarray(a), np.asarray(b)
     bound = rtol * np.max(np.abs(b - np.asarray(p))) + np.spacing(np.max(np.abs(b)))
     np.testing.assert_allclose(a, b, rtol=0, atol=bound)
-  # The loss: the forward half of the same chain, over terms of scale ~1.
   np.testing.assert_allclose(
     float(out[0][1]["loss"]), float(out[1][1]["loss"]), rtol=rtol, atol=rtol
   )
+
+
+def test_micro_batches_give_the_same_update():
+  params = model.create(SMALL_MODEL, 1)[1]
+  batch = random_batch(np.random.default_rng(1))
+  out = _updates_by_micro_batches(
+    params, batch, update_hparams(),
+    aggregation="seq-mean-token-mean", informative_only=False, num_groups=2,
+  )  # fmt: skip
+  # Four micro-batches sum the gradient over the rows in another order than one pass. SGD: each
+  # weight is fl(p − lr·g), so the two differ by lr times the gradients' gap (``grad_rtol`` of a
+  # leaf's largest lr·|g| = |Δp|, over the 8 rows of P + N = 9 slots) and by the rounding of the
+  # subtraction (one ulp of the new weights: 0.5 each way). The loss: the forward half of the same
+  # chain, over terms of scale ~1.
+  _assert_same_update(out, params, grad_rtol(SMALL_MODEL, 9, 8 * 9))
 
 
 def test_dynamo_modulation_does_not_depend_on_the_micro_batches():
@@ -82,30 +95,19 @@ def test_dynamo_modulation_does_not_depend_on_the_micro_batches():
   the first on-policy, the second's ℓ and H under the params the first moved (ρ ≠ 1, the clip
   indicator acts). With each micro-batch's own statistics the two differed by as much as the
   update itself (measured: 1.05× a leaf's largest step, loss 0.279 vs 0.259)."""
-  graphdef, params = model.create(SMALL_MODEL, 2)
-  tx = optax.sgd(0.1)
+  params = model.create(SMALL_MODEL, 2)[1]
   batch = random_batch(np.random.default_rng(2), R=16)
   hp = update_hparams()
-  out = []
-  for micro in (1, 4):
-    cfg = losses.LossConfig(
-      aggregation="token-mean", informative_only=False, num_groups=2, modulation=True,
-      mini_batches=2, micro_batches=micro,
-    )  # fmt: skip
-    s, m = jax.jit(functools.partial(step.rl_update, graphdef, tx, cfg))(
-      step.init_state(params, tx), batch, hp
-    )
-    out.append((s, m))
+  out = _updates_by_micro_batches(
+    params, batch, hp,
+    aggregation="token-mean", informative_only=False, num_groups=2, modulation=True,
+    mini_batches=2,
+  )  # fmt: skip
   # As ``test_micro_batches_give_the_same_update`` (SGD, 8 rows of P + N = 9 slots per
   # mini-batch), and the modulation's f amplifies the forward's rounding of x = Ξ/max Ξ by its
   # slope, at most α·γ/4 = 5, relative to f ≥ 1 − α: a factor 1 + α·γ/(4·(1 − α)) on the bound.
   # (Measured: 2.4e-5 of a leaf's largest step; the bound is 1.5e-3.)
   alpha, gamma = float(hp.modulation_alpha), float(hp.modulation_gamma)
-  rtol = grad_rtol(SMALL_MODEL, 9, 8 * 9) * (1 + alpha * gamma / (4 * (1 - alpha)))
-  for a, b, p in zip(*(jax.tree.leaves(x) for x in (out[0][0].params, out[1][0].params, params))):
-    a, b = np.asarray(a), np.asarray(b)
-    bound = rtol * np.max(np.abs(b - np.asarray(p))) + np.spacing(np.max(np.abs(b)))
-    np.testing.assert_allclose(a, b, rtol=0, atol=bound)
-  np.testing.assert_allclose(
-    float(out[0][1]["loss"]), float(out[1][1]["loss"]), rtol=rtol, atol=rtol
+  _assert_same_update(
+    out, params, grad_rtol(SMALL_MODEL, 9, 8 * 9) * (1 + alpha * gamma / (4 * (1 - alpha)))
   )
