@@ -86,17 +86,18 @@ def _apply_size(c, name: str) -> None:
 
 
 def _apply_tools(c) -> None:
-  """The arithmetic task with the calculator environment (jaxrl/tasks/envs/calculator.py): easy
-  levels a tiny model learns in its head, on which the SFT corpus shows the calls, and hard ones
-  (5-digit x 3-digit products, sums of 6 and 8 digit numbers) it solves only by calling the
-  calculator and copying its result. Numbers are written as usual, so that a result is copied as
-  it is."""
+  """The arithmetic task with the calculator environment (jaxrl/tasks/envs/calculator.py): levels a
+  tiny model learns in its head, long ones it cannot, and three hard levels (5-digit x 3-digit
+  products, sums of 6 and 8 digit numbers) it solves only by calling the calculator and copying its
+  result. Numbers are written as usual, so that a result is copied as it is."""
   c.task.environment = "calculator"
   c.task.digit_width = 0
   c.task.reverse_answer = False
-  # The SFT levels show the calls; 5+1 and 8+1 (easy in the head too) show long operands and results
-  # copied. The others only RL trains on.
-  c.task.sft_levels = "2x1+,2x2+,2x1*,2x2*,5x1+,8x1+"
+  # The SFT corpus calls on half its examples. A tiny model copies only operand lengths it has seen
+  # copied (calls on 6+6 sums with 5+1 and 8+1 shown came out as "<calc>90448+4</calc>"), so the
+  # SFT levels include the hard levels' shapes with another operator (5+3, 6-6, 8-8): the copy is
+  # shown; when to call, on a product or a long sum it never saw, only RL finds out.
+  c.task.sft_levels = "2x1+,2x2+,2x1*,2x2*,5x1+,8x1+,5x3+,6x6-,8x8-"
   c.task.levels = c.task.sft_levels + ",5x3*,6x6+,8x8+"
   # The longest trajectory (8+8): a 19-token call, an 11-token result, 9 digits and EOS.
   # The sampler asks for an observation only where a whole turn fits after it: a first turn of up

@@ -1,11 +1,11 @@
 """The arithmetic task with the calculator: the examples its SFT corpus shows.
 
-The corpus draws from the levels ``task.sft_levels`` names (``tiny:tools``: the easy ones, which a
-tiny model can also compute in its head, some with long operands so that copying them into a call
-is shown): a ``SFT_TOOL_FRACTION`` of its examples call the calculator with the question's
-expression and copy the result, the others answer directly. RL then has both behaviours to choose
-from on the other levels (5-digit by 3-digit products, sums of 6 and 8 digit numbers), where only
-a call and a faithful copy score: it learns when to call and to copy. Draws come from
+The corpus draws from the levels ``task.sft_levels`` names (``tiny:tools``: levels a tiny model
+also computes in its head, and long ones with the hard levels' operand lengths, so that copying
+them into a call is shown): a ``SFT_TOOL_FRACTION`` of its examples call the calculator with the
+question's expression and copy the result, the others answer directly. RL then has both behaviours
+to choose from on the other levels (5-digit by 3-digit products, sums of 6 and 8 digit numbers),
+where only a call and a faithful copy score: it learns when to call. Draws come from
 ``arithmetic.sft_corpus`` (train buckets only).
 """
 
