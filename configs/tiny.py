@@ -16,7 +16,9 @@ rollouts per question, longer responses from 60% of the steps, or where the entr
 anneals), e.g. ``configs/tiny.py:e3,anneal``; ``tools`` is the arithmetic task with a calculator
 (multi-turn: the model may write ``<calc>12345*678</calc>``, the environment answers
 ``<result>8369910</result>``, the model copies the answer; the SFT corpus shows calls on the easy
-levels, RL has to learn to call and copy on the hard ones), e.g. ``tiny:e3,tools``. Every field
+levels, RL has to learn when to call on the hard ones), e.g. ``tiny:e3,tools``; ``countdown`` is
+the countdown task (reach a target with the given numbers: a search where exploration matters),
+e.g. ``tiny:e3,countdown``. Every field
 stays overridable: ``--config.allocation.method=dynamo``.
 """
 
@@ -25,7 +27,7 @@ from jaxrl.config import default_configdict
 PRESETS = ("grpo", "e3", "dynamo", "eepo", "es", "all")
 SIZES = ("quick", "test")
 PHASES = ("anneal",)
-TASKS = ("tools",)
+TASKS = ("tools", "countdown")
 VARIANTS = PRESETS + SIZES + PHASES + TASKS  # listed by --help
 
 
@@ -108,6 +110,20 @@ def _apply_tools(c) -> None:
   c.rollout.max_observation_tokens = 32  # every error observation, results up to 30 digits
 
 
+def _apply_countdown(c) -> None:
+  """Countdown (jaxrl/tasks/data/countdown.py): reach a target with 2 to 5 given numbers, each once,
+  with + - * and parentheses. Many expressions are right and few of those sampled are: after the
+  warm start the upper half of the levels (4 and 5 numbers) is rarely solved at pass@1, more often
+  at pass@32, so which rollouts a method samples decides what it learns."""
+  c.task.name = "countdown"
+  c.task.levels = ""  # 2, 3, 4, 5 numbers, each up to 9 or up to 19
+  c.task.digit_width = 0
+  c.rollout.max_new_tokens = 24  # the longest reference solution (5 two-digit numbers) is 20 + EOS
+  # The corpus shows one of many solutions (the chain the problem was made from), so its loss has
+  # a floor far above the arithmetic task's: the warm start runs its steps.
+  c.sft.target_loss = 0.0
+
+
 def _apply_anneal_phase(c) -> None:
   """The annealing-phase curriculum (Entropy Scheduling §5): where the entropy schedule anneals
   (E3: 60% of the steps), switch to the harder half of the levels with twice the rollouts per
@@ -149,6 +165,8 @@ def get_config(arg: str = ""):
       )
   if "tools" in names:  # after the sizes: its levels and lengths are the task's own
     _apply_tools(c)
+  if "countdown" in names:
+    _apply_countdown(c)
   if "anneal" in names:  # last: it derives from the levels and sizes chosen above
     _apply_anneal_phase(c)
   return c

@@ -16,6 +16,7 @@ from run_helpers import ROOT, tiny_config
 from jaxrl.config import LossConfig, from_configdict
 from jaxrl.nn import hf_config, model
 from jaxrl.run import cli, plan, plan_report
+from jaxrl.tasks.data import tokenizer
 
 GiB = 1024**3
 
@@ -257,7 +258,8 @@ def test_tools_plan_counts_the_multi_turn_buffers():
   """With ``task.environment`` the rollout side is the multi-turn sampler's (docs/algorithms.md
   §11): the single-turn buffers it shares, plus its turn state, observation block and observation
   forward, in place of the decode segments' growth (its cache has P + N slots from the prefill)."""
-  cfg = tiny_config("tools")
+  # One vocabulary for both (without the environment the task would plan the default's).
+  cfg = tiny_config("tools", **{"model.vocab_size": tokenizer.vocab_size("tools")})
   single_cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, environment=""))
   multi = plan.build(cfg, compile_steps=False).phases[0].rollout
   single = plan.build(single_cfg, compile_steps=False).phases[0].rollout

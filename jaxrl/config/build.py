@@ -53,6 +53,7 @@ def _validate(cfg: Config) -> None:
   LossConfig.from_config(cfg)  # the update's static fields, checked where they are built
   _check_batch_shapes(cfg)
   _check_math_task(cfg)
+  _check_countdown_task(cfg)
   _check_environment(cfg)
   _check_eval(cfg)
   _check_methods(cfg)
@@ -111,6 +112,21 @@ def _check_math_task(cfg: Config) -> None:
     cfg.sft.steps == 0,
     "sft.steps",
     "the math task has no SFT corpus (it starts from a pretrained checkpoint): set sft.steps=0",
+  )
+
+
+def _check_countdown_task(cfg: Config) -> None:
+  if cfg.task.name != "countdown":
+    return
+  _need(
+    cfg.task.digit_width == 0,
+    "task.digit_width",
+    "the countdown task writes numbers as usual: set task.digit_width=0",
+  )
+  _need(
+    not cfg.task.environment,
+    "task.environment",
+    "the countdown task is single-turn: its verifier reads the whole response as the expression",
   )
 
 

@@ -30,7 +30,7 @@ Engine = Literal["jax", "vllm"]
 WeightTransfer = Literal["files", "nccl"]
 LoraSync = Literal["adapter", "merged"]
 VllmDtype = Literal["", "float32", "bfloat16", "float16"]
-TaskName = Literal["arithmetic", "math"]
+TaskName = Literal["arithmetic", "countdown", "math"]
 Overlength = Literal["drop", "truncate", "error"]
 OldLogpFrom = Literal["rollout", "policy"]
 
@@ -140,13 +140,16 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class TaskSection:
-  """The task: the built-in arithmetic (levels, sizes, layout) or ``math`` (datasets in ``data``)."""
+  """The task: the built-in arithmetic (levels, sizes, layout) or countdown (levels, sizes), or
+  ``math`` (datasets in ``data``)."""
 
   name: TaskName = "arithmetic"
-  levels: str = ""  # "" = the task's default grid; else "da x db op, ..." e.g. "1x1+,2x2+"
+  # "" = the task's default grid; arithmetic: "da x db op, ..." e.g. "1x1+,2x2+"; countdown:
+  # "COUNTnMAX, ..." e.g. "3n9,4n19" (COUNT numbers in 1..MAX)
+  levels: str = ""
   num_train_per_level: int = 400
   num_heldout_per_level: int = 48
-  reverse_answer: bool = True
+  reverse_answer: bool = True  # arithmetic: answers written least-significant digit first
   digit_width: int = (
     0  # > 0: aligned layout, numbers zero-padded LSB-first (see data/arithmetic.py)
   )

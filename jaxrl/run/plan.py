@@ -143,10 +143,11 @@ def architecture(cfg: Config) -> tuple[model.ModelConfig, str]:
   if m.checkpoint and arch.checkpoint_error(cfg) is None:
     return arch.model_config(cfg), f"config.json of {m.checkpoint}"
   vocab = m.vocab_size
-  if not vocab and cfg.task.name == "arithmetic":
-    from jaxrl.tasks.data.tokenizer import VOCAB
+  if not vocab and cfg.task.name != "math":
+    from jaxrl.tasks import task
+    from jaxrl.tasks.data.tokenizer import vocab_size
 
-    vocab = len(VOCAB)
+    vocab = vocab_size(task.tokenizer_variant(cfg))
   if not vocab:
     raise ConfigError(
       "model.vocab_size",
@@ -163,10 +164,8 @@ def prompt_len(cfg: Config) -> int:
   if cfg.task.name == "math":
     raise ConfigError("task.max_prompt_len", "the plan needs a fixed prompt length: set it")
   from jaxrl.tasks import task
-  from jaxrl.tasks.data import arithmetic
 
-  tcfg = task.task_config(cfg)
-  return arithmetic.max_lengths(tcfg.levels, tcfg.digit_width)[0] + 1
+  return task.prompt_len(cfg)
 
 
 def plan_mesh(cfg: Config):

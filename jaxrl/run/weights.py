@@ -224,12 +224,13 @@ def _tokenizer(cfg, run_dir: str):
   import transformers
 
   from jaxrl.tasks.data.tokenizer import build_tokenizer
+  from jaxrl.tasks.task import tokenizer_variant
 
   cached = os.path.join(run_dir, "tokenizer")
   if os.path.isfile(os.path.join(cached, "tokenizer.json")):
     return transformers.AutoTokenizer.from_pretrained(cached)
   with tempfile.TemporaryDirectory() as tmp:
-    return build_tokenizer(tmp)
+    return build_tokenizer(tmp, tokenizer_variant(cfg))
 
 
 def export(checkpoint: str, out: str, dtype: str = "", config: str = "") -> str:

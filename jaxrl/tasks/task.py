@@ -1,8 +1,10 @@
 """The task as arrays: tokenised prompts and answers of both splits, the SFT corpus, and the
 host-side decode + score used by the loop and by evaluation.
 
-Two tasks fill it: the built-in arithmetic task (its own tokenizer, exact-match rewards in process)
-and the math task (``jaxrl.tasks.math_task``: a checkpoint's tokenizer, datasets, math-verify in a pool).
+Three tasks fill it: the built-in arithmetic task (its own tokenizer, exact-match rewards in
+process), the built-in countdown task (``jaxrl.tasks.countdown_task``: reach a target with given
+numbers, an expression checked in process) and the math task (``jaxrl.tasks.math_task``: a
+checkpoint's tokenizer, datasets, math-verify in a pool).
 With ``task.environment`` set, it also holds the run's environment (``jaxrl.tasks.envs``); the
 arithmetic task with the calculator is its tools form (``jaxrl.tasks.tools_task``: the tools
 vocabulary, an SFT corpus of calls whose environment tokens are not learned, the final answer
@@ -17,7 +19,7 @@ import numpy as np
 
 from jaxrl import rng
 from jaxrl.config import Config, ConfigError, parse_mixture
-from jaxrl.tasks import tools_task
+from jaxrl.tasks import countdown_task, tools_task
 from jaxrl.tasks.data import arithmetic, tool_calls
 from jaxrl.tasks.data import tokenizer as vocab
 from jaxrl.tasks.data.cursor import Mixture
@@ -126,48 +128,80 @@ def task_config(cfg: Config) -> arithmetic.TaskConfig:
   )
 
 
+def tokenizer_variant(cfg: Config) -> str:
+  """The built-in tasks' tokenizer variant (``jaxrl.tasks.data.tokenizer.VARIANTS``)."""
+  if cfg.task.name == countdown_task.NAME:
+    return countdown_task.TOKENIZER
+  return "tools" if cfg.task.environment == calculator.NAME else ""
+
+
+def prompt_len(cfg: Config) -> int:
+  """P of a built-in task: task.max_prompt_len, or its longest prompt + BOS (prompts are padded
+  to the task's longest so that no step computes on dead columns)."""
+  if cfg.task.name == countdown_task.NAME:
+    return countdown_task.prompt_len(cfg)
+  tcfg = task_config(cfg)
+  return cfg.task.max_prompt_len or arithmetic.max_lengths(tcfg.levels, tcfg.digit_width)[0] + 1
+
+
+def _split(tok, problems, p: int) -> tuple:
+  """One split's TaskData fields: prompt ids and mask, answers, levels."""
+  ids, mask = encode_prompts(tok, [q.prompt for q in problems], p)
+  return (
+    ids,
+    mask,
+    np.asarray([q.answer for q in problems], dtype=object),
+    np.asarray([q.level for q in problems], np.int32),
+  )
+
+
+def _sft_fields(tok, pairs: list[tuple[str, str]], p: int, n: int) -> dict:
+  """The SFT fields of (prompt, completion) pairs: every completion token is learned."""
+  sft_ids, sft_mask = encode_prompts(tok, [a for a, _ in pairs], p)
+  tgt_ids, tgt_mask = encode_completions(tok, [b for _, b in pairs], n)
+  return dict(
+    sft_prompt_ids=sft_ids,
+    sft_prompt_mask=sft_mask,
+    sft_target_ids=tgt_ids,
+    sft_target_mask=tgt_mask,
+  )
+
+
 def load_task(cfg: Config, tokenizer_dir: str) -> TaskData:
   if cfg.task.name == "math":
     from jaxrl.tasks import math_task
 
     fields = math_task.load(cfg)
     return TaskData(**fields, environment=build_environment(cfg, fields["tokenizer"]))
+  tok = vocab.build_tokenizer(tokenizer_dir, tokenizer_variant(cfg))
+  p, n = prompt_len(cfg), cfg.rollout.max_new_tokens
+  # Fresh examples for every SFT step (drawing is cheap): the warm start never repeats an example.
+  num_sft, sft_seed = max(cfg.sft.steps, 1) * cfg.sft.batch_size, rng.numpy_seed(cfg.seed, rng.SFT)
+  if cfg.task.name == countdown_task.NAME:
+    train, heldout = countdown_task.problems(cfg)
+    return TaskData(
+      tok,
+      len(tok),
+      tok.pad_token_id,
+      tok.eos_token_id,
+      tuple(s.name for s in countdown_task.task_config(cfg).levels),
+      *_split(tok, train, p),
+      *_split(tok, heldout, p),
+      **_sft_fields(tok, countdown_task.sft_pairs(cfg, num_sft, sft_seed), p, n),
+      scorer=countdown_task.scorer(),
+    )
   tools = cfg.task.environment == calculator.NAME
   if tools:
     tools_task.check(cfg)
   tcfg = task_config(cfg)
-  tok = vocab.build_tokenizer(tokenizer_dir, "tools" if tools else "")
   environment = build_environment(cfg, tok)
   train, heldout = arithmetic.build_task(tcfg)
-  # Prompts are padded to the task's longest (+1 for BOS) so no step computes on dead columns.
-  p = cfg.task.max_prompt_len or arithmetic.max_lengths(tcfg.levels, tcfg.digit_width)[0] + 1
-  n = cfg.rollout.max_new_tokens
-
-  def split(problems):
-    ids, mask = encode_prompts(tok, [q.prompt for q in problems], p)
-    return (
-      ids,
-      mask,
-      np.asarray([q.answer for q in problems], dtype=object),
-      np.asarray([q.level for q in problems], np.int32),
-    )
-
-  # Fresh examples for every SFT step (drawing is cheap): the warm start never repeats an example.
-  num_sft, sft_seed = max(cfg.sft.steps, 1) * cfg.sft.batch_size, rng.numpy_seed(cfg.seed, rng.SFT)
   if tools:
     examples = tool_calls.sft_examples(tcfg, num_sft, sft_seed)
     sft = tools_task.sft_arrays(tok, environment, examples, p, n)
     scorer = FinalAnswerScorer(calculator.RESULT_CLOSE)
   else:
-    pairs = arithmetic.sft_corpus(tcfg, num_sft, seed=sft_seed)
-    sft_ids, sft_mask = encode_prompts(tok, [a for a, _ in pairs], p)
-    tgt_ids, tgt_mask = encode_completions(tok, [b for _, b in pairs], n)
-    sft = dict(
-      sft_prompt_ids=sft_ids,
-      sft_prompt_mask=sft_mask,
-      sft_target_ids=tgt_ids,
-      sft_target_mask=tgt_mask,
-    )
+    sft = _sft_fields(tok, arithmetic.sft_corpus(tcfg, num_sft, seed=sft_seed), p, n)
     scorer = None
   return TaskData(
     tok,
@@ -175,8 +209,8 @@ def load_task(cfg: Config, tokenizer_dir: str) -> TaskData:
     tok.pad_token_id,
     tok.eos_token_id,
     tuple(s.name for s in tcfg.levels),
-    *split(train),
-    *split(heldout),
+    *_split(tok, train, p),
+    *_split(tok, heldout, p),
     **sft,
     scorer=scorer,
     environment=environment,

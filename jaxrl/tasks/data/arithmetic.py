@@ -265,12 +265,13 @@ def sft_corpus(
   return out  # type: ignore[return-value]
 
 
-def sft_weights(levels: Sequence[LevelSpec], text: str) -> tuple[float, ...] | None:
+def sft_weights(levels: Sequence, text: str, parse=None) -> tuple[float, ...] | None:
   """``TaskConfig.sft_level_weights`` of a config string naming some of ``levels`` ("2x2+,5x1+"):
-  1 for those, 0 for the others; None (every level) for ''."""
+  1 for those, 0 for the others; None (every level) for ''. ``parse``: the task's level parser
+  (default this task's ``parse_levels``)."""
   if not text.strip():
     return None
-  chosen = set(parse_levels(text))
+  chosen = set((parse or parse_levels)(text))
   unknown = chosen - set(levels)
   if unknown:
     raise ValueError(

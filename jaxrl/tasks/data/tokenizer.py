@@ -9,7 +9,9 @@ rest of jaxrl (and HF tools) load it with ``AutoTokenizer`` like any other token
 The ``tools`` variant (the arithmetic task with the calculator, ``jaxrl.tasks.envs``) extends the
 vocabulary: its first ids are the default's, then lowercase letters and a little punctuation (the
 calculator's error observations) and the four tool tags, each one token. It is cached with its
-own version marker, so a directory holds one variant and a switch rebuilds it.
+own version marker, so a directory holds one variant and a switch rebuilds it. The ``countdown``
+variant (``jaxrl.tasks.data.countdown``) adds the comma, colon and parentheses its prompts and
+expressions use.
 """
 
 from __future__ import annotations
@@ -38,7 +40,21 @@ TOOLS_VOCAB: dict[str, int] = {
   tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS + TOOL_CHARS + TOOL_TOKENS)
 }
 _TOOLS_VERSION = "arith-tools-v1:" + "|".join(SPECIAL_TOKENS + CHARS + TOOL_CHARS + TOOL_TOKENS)
-VARIANTS = ("", "tools")
+# The countdown variant (jaxrl.tasks.data.countdown): the default's ids, then what its prompts and
+# expressions add.
+COUNTDOWN_CHARS = (",", ":", "(", ")")
+COUNTDOWN_VOCAB: dict[str, int] = {
+  tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS + COUNTDOWN_CHARS)
+}
+_COUNTDOWN_VERSION = "countdown-char-v1:" + "|".join(SPECIAL_TOKENS + CHARS + COUNTDOWN_CHARS)
+VARIANTS = ("", "tools", "countdown")
+_VERSIONS = {"": _VERSION, "tools": _TOOLS_VERSION, "countdown": _COUNTDOWN_VERSION}
+
+
+def vocab_size(variant: str = "") -> int:
+  """The number of ids of a variant's vocabulary (the model's vocab_size for the built-in tasks)."""
+  _version(variant)
+  return len({"": VOCAB, "tools": TOOLS_VOCAB, "countdown": COUNTDOWN_VOCAB}[variant])
 
 
 def _raw_tokenizer() -> Tokenizer:
@@ -56,12 +72,18 @@ def _raw_tokenizer() -> Tokenizer:
   return tok
 
 
-def _raw_tools_tokenizer() -> Tokenizer:
-  """The tools variant: every character its own token (letters included), the tags whole."""
-  tok = Tokenizer(models.WordLevel(vocab=TOOLS_VOCAB, unk_token=UNK))
+def _raw_char_tokenizer(vocab: dict[str, int]) -> Tokenizer:
+  """Every character its own token."""
+  tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
   tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
   tok.decoder = decoders.Fuse()
   tok.add_special_tokens(list(SPECIAL_TOKENS))
+  return tok
+
+
+def _raw_tools_tokenizer() -> Tokenizer:
+  """The tools variant: every character its own token (letters included), the tags whole."""
+  tok = _raw_char_tokenizer(TOOLS_VOCAB)
   # Added (not special) tokens: matched whole before the split, at their vocabulary ids, and kept
   # by any decode, which shows who called the tool and what it answered.
   tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in TOOL_TOKENS])
@@ -71,7 +93,7 @@ def _raw_tools_tokenizer() -> Tokenizer:
 def _version(variant: str) -> str:
   if variant not in VARIANTS:
     raise ValueError(f"tokenizer variant {variant!r} is not one of {VARIANTS}")
-  return _TOOLS_VERSION if variant == "tools" else _VERSION
+  return _VERSIONS[variant]
 
 
 def _is_cached(cache_dir: Path, variant: str = "") -> bool:
@@ -83,12 +105,16 @@ def _is_cached(cache_dir: Path, variant: str = "") -> bool:
 def build_tokenizer(
   cache_dir: str | Path, variant: str = ""
 ) -> transformers.PreTrainedTokenizerFast:
-  """The task tokenizer (``variant`` "tools": with the tool tags), built into ``cache_dir`` on
-  first use and loaded from there afterwards."""
+  """The task tokenizer (``variant`` "tools": with the tool tags; "countdown": with its
+  punctuation), built into ``cache_dir`` on first use and loaded from there afterwards."""
   cache_dir = Path(cache_dir)
   version = _version(variant)
   if not _is_cached(cache_dir, variant):
-    raw = _raw_tools_tokenizer() if variant == "tools" else _raw_tokenizer()
+    raw = {
+      "": _raw_tokenizer,
+      "tools": _raw_tools_tokenizer,
+      "countdown": lambda: _raw_char_tokenizer(COUNTDOWN_VOCAB),
+    }[variant]()
     fast = transformers.PreTrainedTokenizerFast(
       tokenizer_object=raw,
       pad_token=PAD,

@@ -1,0 +1,52 @@
+"""The countdown task (``task.name = "countdown"``): its config, prompt length and the parts of
+``TaskData`` that differ from the arithmetic task (``jaxrl.tasks.task.load_task`` builds the rest).
+
+Its levels are ``jaxrl.tasks.data.countdown`` specs ("4n19"); its vocabulary is the tokenizer's
+``countdown`` variant; its scorer checks each response's expression in process
+(``jaxrl.tasks.rewards.countdown``); its SFT corpus shows one reference solution per problem.
+"""
+
+from __future__ import annotations
+
+from jaxrl.config import Config, ConfigError
+from jaxrl.tasks.data import arithmetic, countdown
+from jaxrl.tasks.rewards.countdown import CountdownScorer
+
+NAME = "countdown"
+TOKENIZER = "countdown"  # jaxrl.tasks.data.tokenizer's variant
+
+
+def task_config(cfg: Config) -> countdown.CountdownConfig:
+  try:
+    levels = countdown.parse_levels(cfg.task.levels)
+  except ValueError as e:
+    raise ConfigError("task.levels", str(e)) from None
+  try:
+    sft_weights = arithmetic.sft_weights(levels, cfg.task.sft_levels, countdown.parse_levels)
+  except ValueError as e:
+    raise ConfigError("task.sft_levels", str(e)) from None
+  return countdown.CountdownConfig(
+    levels=levels,
+    num_train_per_level=cfg.task.num_train_per_level,
+    num_heldout_per_level=cfg.task.num_heldout_per_level,
+    seed=cfg.seed,
+    sft_level_weights=sft_weights,
+  )
+
+
+def prompt_len(cfg: Config) -> int:
+  """P: task.max_prompt_len, or the longest prompt of the levels + BOS."""
+  return cfg.task.max_prompt_len or countdown.max_lengths(task_config(cfg).levels)[0] + 1
+
+
+def problems(cfg: Config):
+  """(train, held-out) problems."""
+  return countdown.build_task(task_config(cfg))
+
+
+def sft_pairs(cfg: Config, num_examples: int, seed: int) -> list[tuple[str, str]]:
+  return countdown.sft_corpus(task_config(cfg), num_examples, seed)
+
+
+def scorer() -> CountdownScorer:
+  return CountdownScorer()
