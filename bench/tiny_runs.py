@@ -50,6 +50,7 @@ def ensure_run(
   """``workdir`` trained by ``train`` unless it is finished (a stopped run resumes); its warm start
   copied first from the run ``warm_start`` (None: computed by the run itself)."""
   if not finished(workdir, steps):
+    os.makedirs(os.path.dirname(workdir) or ".", exist_ok=True)
     if warm_start is not None:
       share_warm_start(warm_start, workdir)
     train(config, workdir, seed, steps, workdir + ".log", *overrides)
