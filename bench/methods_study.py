@@ -91,20 +91,11 @@ class Study:
 def run_cell(study: Study, method: str, task: str, seed: int) -> str:
   """Trains the cell unless it is finished, from the warm start of the (task, seed) when one of
   its cells has made it."""
+  made = (study.workdir(m, task, seed) for m in METHODS)
+  warm = next((w for w in made if os.path.exists(os.path.join(w, "eval_sft.json"))), None)
   workdir = study.workdir(method, task, seed)
-  warm = [
-    w
-    for m in METHODS
-    if os.path.exists(os.path.join(w := study.workdir(m, task, seed), "eval_sft.json"))
-  ]
-  return tiny_runs.ensure_run(
-    study.config(method, task),
-    workdir,
-    seed,
-    study.steps,
-    warm[0] if warm else None,
-    *study.overrides(method),
-  )
+  config, overrides = study.config(method, task), study.overrides(method)
+  return tiny_runs.ensure_run(config, workdir, seed, study.steps, warm, *overrides)
 
 
 def cell_record(study: Study, method: str, task: str, seed: int) -> dict:
@@ -228,7 +219,7 @@ def main(argv=None):
     records = [r for c in cell_ids if (r := cells.find(c)) is not None]
   else:
     records = run_study(study, args.methods, args.tasks, args.seeds, args.jobs)
-  text = study_report.report(study, records, args.resamples)
+  text = study_report.report(study, records, args.resamples, args.jobs)
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
   with open(args.out, "w") as f:
     f.write(text)

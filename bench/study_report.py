@@ -97,13 +97,13 @@ def cell_line(rec: dict) -> str:
   )
 
 
-def report(study, records: list[dict], resamples: int = 2000) -> str:
+def report(study, records: list[dict], resamples: int = 2000, jobs: int = 1) -> str:
   """The whole summary: how it was measured, a table per task, the command of every cell."""
   tasks = list(dict.fromkeys(r["task"] for r in records))
   seeds = sorted({r["seed"] for r in records})
   lines = [
     f"# Methods study: {study.steps} RL steps, seeds {seeds}\n",
-    f"Machine: {machine()}. Wall times are this machine's (runs two at a time).\n",
+    f"Machine: {machine()}. Wall times are this machine's, {jobs} run(s) at a time.\n",
     f"Held-out evaluation every {study.eval_every} steps and after the last, "
     f"{study.eval_samples} samples per question at τ = 1: unbiased pass@k per question, the mean "
     "over questions and then over seeds, with its "
