@@ -98,6 +98,18 @@ def run_cell(study: Study, method: str, task: str, seed: int) -> str:
   return tiny_runs.ensure_run(config, workdir, seed, study.steps, warm, *overrides)
 
 
+def cell_key(study: Study, method: str, task: str, seed: int) -> dict:
+  """What a cell's record must match to stand for the cell in this study."""
+  return dict(
+    method=method,
+    task=task,
+    seed=seed,
+    steps=study.steps,
+    config=study.config(method, task),
+    overrides=list(study.overrides(method)),
+  )
+
+
 def cell_record(study: Study, method: str, task: str, seed: int) -> dict:
   """A finished cell as one JSON line: per evaluation its step, the tokens generated before it and
   each held-out question's correct count (levels in order); the run's generated tokens, RL wall
@@ -123,28 +135,12 @@ def cell_record(study: Study, method: str, task: str, seed: int) -> dict:
       dict(step=step, tokens=float(tokens), num_samples=questions["num_samples"], correct=correct)
     )
   return dict(
-    method=method,
-    task=task,
-    seed=seed,
-    steps=study.steps,
-    config=study.config(method, task),
-    overrides=list(study.overrides(method)),
+    **cell_key(study, method, task, seed),
     tokens=float(sum(tokens_T)),
     rl_seconds=float(sum(r["step_time"] for r in rows)),
     zero_adv_share=1.0 - sum(r["informative_frac"] for r in rows) / len(rows),
     evals=evals,
   )
-
-
-def _same_cell(rec: dict, study: Study, cell: tuple) -> bool:
-  method, task, seed = cell
-  return (rec["method"], rec["task"], rec["seed"], rec["steps"], rec["config"]) == (
-    method,
-    task,
-    seed,
-    study.steps,
-    study.config(method, task),
-  ) and rec["overrides"] == list(study.overrides(method))
 
 
 class Cells:
@@ -156,7 +152,8 @@ class Cells:
     self.records = read_jsonl(self.path) if os.path.exists(self.path) else []
 
   def find(self, cell: tuple) -> dict | None:
-    found = [r for r in self.records if _same_cell(r, self.study, cell)]
+    key = cell_key(self.study, *cell)
+    found = [r for r in self.records if all(r[k] == v for k, v in key.items())]
     return found[-1] if found else None
 
   def add(self, rec: dict) -> None:
