@@ -43,12 +43,12 @@ def _name(setting: str, lr: float, seed: int) -> str:
 
 
 def run(setting: str, lr: float, seed: int, steps: int, root: str) -> str:
-  workdir = os.path.join(root, _name(setting, lr, seed))
-  if not tiny_runs.finished(workdir, steps):
-    tiny_runs.share_warm_start(os.path.join(root, _name(*SHARED_SFT, seed)), workdir)
-    overrides = (f"optim.learning_rate={lr}", f"model.lora.rank={SETTINGS[setting][0]}")
-    tiny_runs.train("configs/tiny.py", workdir, seed, steps, workdir + ".log", *overrides)
-  return workdir
+  workdir, shared = (
+    os.path.join(root, _name(setting, lr, seed)),
+    os.path.join(root, _name(*SHARED_SFT, seed)),
+  )
+  overrides = (f"optim.learning_rate={lr}", f"model.lora.rank={SETTINGS[setting][0]}")
+  return tiny_runs.ensure_run("configs/tiny.py", workdir, seed, steps, shared, *overrides)
 
 
 def _json(path: str) -> dict:

@@ -27,12 +27,8 @@ from bench import tiny_runs  # noqa: E402
 
 
 def run(preset: str, seed: int, steps: int, root: str) -> str:
-  workdir = os.path.join(root, f"{preset}_s{seed}")
-  if not tiny_runs.finished(workdir, steps):
-    tiny_runs.share_warm_start(os.path.join(root, f"grpo_s{seed}"), workdir)
-    log = os.path.join(root, f"{preset}_s{seed}.log")
-    tiny_runs.train(f"configs/tiny.py:{preset}", workdir, seed, steps, log)
-  return workdir
+  workdir, shared = os.path.join(root, f"{preset}_s{seed}"), os.path.join(root, f"grpo_s{seed}")
+  return tiny_runs.ensure_run(f"configs/tiny.py:{preset}", workdir, seed, steps, shared)
 
 
 def metrics(workdir: str) -> list[dict]:

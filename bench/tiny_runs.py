@@ -44,16 +44,34 @@ def train(config: str, workdir: str, seed: int, steps: int, log_path: str, *over
     )
 
 
-def evidence_args(steps: int, root: str, out: str) -> argparse.Namespace:
+def ensure_run(
+  config: str, workdir: str, seed: int, steps: int, warm_start: str | None, *overrides: str
+) -> str:
+  """``workdir`` trained by ``train`` unless it is finished (a stopped run resumes); its warm start
+  copied first from the run ``warm_start`` (None: computed by the run itself)."""
+  if not finished(workdir, steps):
+    os.makedirs(os.path.dirname(workdir) or ".", exist_ok=True)
+    if warm_start is not None:
+      share_warm_start(warm_start, workdir)
+    train(config, workdir, seed, steps, workdir + ".log", *overrides)
+  return workdir
+
+
+def evidence_parser(steps: int, root: str, out: str, seeds=(0, 1, 2)) -> argparse.ArgumentParser:
   """The command line the evidence benchmarks share: runs (steps, seeds, parallel jobs) under
   ``--root``, a summary to ``--out``; ``--summarize-only`` reads finished runs."""
   ap = argparse.ArgumentParser()
   ap.add_argument("--steps", type=int, default=steps)
-  ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  ap.add_argument("--seeds", type=int, nargs="+", default=list(seeds))
   ap.add_argument("--jobs", type=int, default=2)  # runs at a time (each mostly on one core)
   ap.add_argument("--root", default=root)
   ap.add_argument("--out", default=out)
   ap.add_argument("--summarize-only", action="store_true")
-  args = ap.parse_args()
+  return ap
+
+
+def evidence_args(steps: int, root: str, out: str) -> argparse.Namespace:
+  """``evidence_parser``'s arguments, ``--root`` made."""
+  args = evidence_parser(steps, root, out).parse_args()
   os.makedirs(args.root, exist_ok=True)
   return args

@@ -37,10 +37,9 @@ def workdir(root: str, setting: str, seed: int) -> str:
 
 
 def run(root: str, setting: str, seed: int, steps: int) -> str:
-  path = workdir(root, setting, seed)
-  if not tiny_runs.finished(path, steps):
-    tiny_runs.train(CONFIG, path, seed, steps, path + ".log", *SETTINGS[setting])
-  return path
+  return tiny_runs.ensure_run(
+    CONFIG, workdir(root, setting, seed), seed, steps, None, *SETTINGS[setting]
+  )
 
 
 def _json(path: str) -> dict:

@@ -123,6 +123,12 @@ def test_dynamic_steps_train_only_informative_groups_when_full(tmp_path):
     assert r["dynamic_fill"] == min(r["dynamic_informative"], b) / b
     if r["dynamic_fill"] == 1.0:
       assert r["informative_frac"] == 1.0
+    # Every round's rows count, dropped or trained: 1 to N tokens each (EOS included); one round's
+    # are the trained rows themselves.
+    drawn_rows = r["dynamic_rounds"] * b * g
+    assert drawn_rows <= r["generated_tokens"] <= drawn_rows * cfg.rollout.max_new_tokens
+    if r["dynamic_rounds"] == 1:
+      assert r["generated_tokens"] == r["response_len"] * b * g
 
 
 def test_dynamic_sampling_with_variable_groups_is_one_compiled_update(tmp_path):

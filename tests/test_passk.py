@@ -103,6 +103,8 @@ def test_heldout_evaluation_counts_turns_of_real_questions_only():
   # Correct with a call: question 0's samples are wrong, 1's and 2's correct with 1-3 calls.
   assert result.turns["solved_with_call"] == {0: 0.5, 1: 1.0, "all": 2 / 3}
   assert result.pass_at[1] == {0: 0.5, 1: 1.0, "all": 2 / 3}
+  # Per question, by level: question 0 has no correct sample, 1 and 2 both of theirs.
+  assert result.to_json()["questions"] == {"num_samples": 2, "correct": {"0": [0, 2], "1": [2]}}
   assert EvalResult.from_json(result.to_json()) == result
   single = evaluate(
     lambda *args: Sampled(*sample_fn(*args)[:2]),

@@ -141,7 +141,7 @@ def test_jaxrl_eval_of_a_tools_checkpoint_is_the_trainers_evaluation(straight, t
     results = json.load(f)
   assert results["checkpoint"] == os.path.join(run, "checkpoints", str(STEPS))
   heldout = results["benchmarks"]["heldout"]
-  for key in ("pass_at", "greedy", "turns", "num_questions"):
+  for key in ("pass_at", "greedy", "turns", "num_questions", "questions"):
     assert heldout[key] == trained[key], key
   assert heldout["avg@2"] == trained["pass_at"]["1"]["all"]
   assert "| heldout | 18 |" in out.stdout and "| turns | tool calls |" in out.stdout

@@ -30,6 +30,11 @@ class EvalResult:
   # called the tool at least once (beside pass@1: how much of what is solved the tool solved);
   # {} for single-turn rollouts.
   turns: dict = dataclasses.field(default_factory=dict)
+  # Per question: the correct samples of the ``num_samples`` drawn, level -> counts in held-out
+  # order (what a bootstrap over questions resamples: bench/study_stats.py); {} in files written
+  # before it was kept.
+  correct: dict = dataclasses.field(default_factory=dict)
+  num_samples: int = 0
 
   def to_json(self) -> dict:
     out = {
@@ -40,6 +45,11 @@ class EvalResult:
     }
     if self.turns:
       out["turns"] = {name: {str(l): v for l, v in d.items()} for name, d in self.turns.items()}
+    if self.correct:
+      out["questions"] = {
+        "num_samples": self.num_samples,
+        "correct": {str(l): list(v) for l, v in self.correct.items()},
+      }
     return out
 
   @staticmethod
@@ -47,12 +57,15 @@ class EvalResult:
     def lv(x):
       return x if x == "all" else int(x)
 
+    questions = d.get("questions", {})
     return EvalResult(
       levels=tuple(d["levels"]),
       num_questions={int(k): v for k, v in d["num_questions"].items()},
       pass_at={int(k): {lv(l): v for l, v in m.items()} for k, m in d["pass_at"].items()},
       greedy={lv(l): v for l, v in d["greedy"].items()},
       turns={name: {lv(l): v for l, v in m.items()} for name, m in d.get("turns", {}).items()},
+      correct={int(l): tuple(v) for l, v in questions.get("correct", {}).items()},
+      num_samples=questions.get("num_samples", 0),
     )
 
 
@@ -208,6 +221,8 @@ def evaluate(
     pass_at=pass_at,
     greedy=_per_level(greedy_Q, levels_Q, levels),
     turns=turns,
+    correct={lvl: tuple(int(c) for c in correct_Q[levels_Q == lvl]) for lvl in levels},
+    num_samples=num_samples,
   )
 
 

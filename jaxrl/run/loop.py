@@ -249,7 +249,7 @@ class Arrival:
   stats: QuestionStats  # every sampled group counted
   verified: dict  # the verifier's counters, summed over rounds
   epochs_ended: tuple[int, ...]
-  metrics: dict  # dynamic sampling's
+  metrics: dict  # the model tokens its sampling generated (every round), dynamic sampling's
   qids_B: np.ndarray  # the trained groups' questions ...
   counts_B: np.ndarray  # ... and their allocated G
 
@@ -274,29 +274,38 @@ def _arrive(ctx: StepContext, loop: LoopState, batch: batches.Batch, i: int):
   """Rewards and statistics of step ``i``'s batch (dynamic sampling: its further rounds, which
   advance the cursor); returns the loop with that cursor and the ``Arrival``."""
   issue = batch.issue
+  generated = records.generated_tokens(batch.rollouts)
   first, verified = _verify(ctx, issue.qids_B, batch.rollouts)
   rounds = [(issue, first)]
   ended = (issue.epoch_ended,) if issue.epoch_ended >= 0 else ()
   if ctx.cfg.rollout.dynamic_sampling:
-    loop, rounds, more, ended = _more_rounds(ctx, loop, batch, i, rounds, ended)
+    loop, rounds, more, ended, extra_tokens = _more_rounds(ctx, loop, batch, i, rounds, ended)
     verified = {k: verified[k] + more.get(k, 0.0) for k in verified}
+    generated += extra_tokens
   stats = loop.stats
   for r_issue, r_out in rounds:
     stats = update_stats(stats, r_issue.qids_B, np.asarray(r_out.group_ids_R), r_out.rewards_R, i)
   if not ctx.cfg.rollout.dynamic_sampling:
     rollouts = rounds[0][1]
     return loop, Arrival(
-      rollouts, stats, verified, ended, {}, np.asarray(issue.qids_B), issue.counts_B
+      rollouts,
+      stats,
+      verified,
+      ended,
+      {"generated_tokens": generated},
+      np.asarray(issue.qids_B),
+      issue.counts_B,
     )
-  return loop, _dynamic_arrival(ctx, batch, rounds, stats, verified, ended)
+  got = _dynamic_arrival(ctx, batch, rounds, stats, verified, ended)
+  return loop, dataclasses.replace(got, metrics={**got.metrics, "generated_tokens": generated})
 
 
 def _more_rounds(ctx: StepContext, loop: LoopState, batch, i: int, rounds, ended):
   """Dynamic sampling (docs/algorithms.md §10): draw rounds of B questions from the cursor,
-  sampled by θ_i with the step's τ, until B informative groups or ``rollout.max_rounds`` rounds.
-  Allocation reads the statistics known at the step's start; the gate's decision is the step's."""
+  sampled by θ_i with the step's τ, until B informative groups or ``rollout.max_rounds`` rounds;
+  also the model tokens the extra rounds generated. Allocation reads the statistics known at the step's start; the gate's decision is the step's."""
   c, rt = ctx.cfg, ctx.runtime(batch.issue.phase)
-  b, verified = c.batch_questions, {}
+  b, verified, tokens = c.batch_questions, {}, 0.0
   found = int(dynamic.informative_groups(rounds[0][1].rewards_R, rounds[0][1].group_ids_R, b).sum())
   fire = batch.metrics.get("eepo_gate")
   mixture = ctx.runtime(loop.phase).mixture
@@ -327,11 +336,12 @@ def _more_rounds(ctx: StepContext, loop: LoopState, batch, i: int, rounds, ended
 
     # Through the rollout thread when there is one: the engine serves one caller at a time.
     out = (job() if ctx.rollout_pool is None else ctx.rollout_pool.submit(job).result()).rollouts
+    tokens += records.generated_tokens(out)
     out, v = _verify(ctx, issue.qids_B, out)
     verified = {k: verified.get(k, 0.0) + v[k] for k in v}
     rounds.append((issue, out))
     found += int(dynamic.informative_groups(out.rewards_R, out.group_ids_R, b).sum())
-  return loop, rounds, verified, ended
+  return loop, rounds, verified, ended, tokens
 
 
 def _dynamic_arrival(ctx: StepContext, batch, rounds, stats, verified, ended) -> Arrival:

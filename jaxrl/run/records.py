@@ -21,6 +21,13 @@ def group_outcomes(rewards_R: np.ndarray, group_ids_R: np.ndarray, num_groups: i
   )
 
 
+def generated_tokens(rollouts) -> float:
+  """The model tokens a batch's sampling generated, every row (rows a dynamic-sampling step drops
+  and answers the verifier sets aside cost them too): the compute a comparison of methods at
+  equal generated tokens counts (bench/methods_study.py)."""
+  return float(np.asarray(rollouts.loss_mask_RxN).sum())
+
+
 def allocation_metrics(counts_B) -> dict:
   """How the step's rollout budget was spread over its questions."""
   counts = np.asarray(counts_B)
