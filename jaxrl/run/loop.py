@@ -303,7 +303,8 @@ def _arrive(ctx: StepContext, loop: LoopState, batch: batches.Batch, i: int):
 def _more_rounds(ctx: StepContext, loop: LoopState, batch, i: int, rounds, ended):
   """Dynamic sampling (docs/algorithms.md §10): draw rounds of B questions from the cursor,
   sampled by θ_i with the step's τ, until B informative groups or ``rollout.max_rounds`` rounds;
-  also the model tokens the extra rounds generated. Allocation reads the statistics known at the step's start; the gate's decision is the step's."""
+  also the model tokens the extra rounds generated. Allocation reads the statistics known at the
+  step's start; the gate's decision is the step's."""
   c, rt = ctx.cfg, ctx.runtime(batch.issue.phase)
   b, verified, tokens = c.batch_questions, {}, 0.0
   found = int(dynamic.informative_groups(rounds[0][1].rewards_R, rounds[0][1].group_ids_R, b).sum())
