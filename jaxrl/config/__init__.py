@@ -51,4 +51,5 @@ from jaxrl.config.schema import (  # noqa: F401
   VllmDtype,
   VllmSection,
   WeightTransfer,
+  resolve_ks,
 )

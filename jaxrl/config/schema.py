@@ -441,6 +441,8 @@ class EvalSection:
 
   num_samples: int = 8  # n samples per held-out question at temperature
   temperature: float = 1.0
+  # The k of pass@k: comma-separated integers, or "pow2" for every power of two ≤ num_samples and
+  # num_samples itself (num_samples = 64: 1, 2, 4, 8, 16, 32, 64).
   ks: str = "1,8"
   every: int = 0  # 0 = only before and after training
 
@@ -648,7 +650,19 @@ class Config:
 
   @property
   def eval_ks(self) -> tuple[int, ...]:
-    return tuple(int(k) for k in self.eval.ks.split(","))
+    return resolve_ks(self.eval.ks, self.eval.num_samples)
+
+
+POWERS_OF_TWO = "pow2"
+
+
+def resolve_ks(spec: str, num_samples: int) -> tuple[int, ...]:
+  """The k of pass@k that ``spec`` names for n = ``num_samples`` samples: "1,8" → (1, 8);
+  "pow2" → every power of two ≤ n, then n (n = 24: 1, 2, 4, 8, 16, 24). ValueError if malformed."""
+  if spec.strip() == POWERS_OF_TWO:
+    powers = [2**e for e in range(max(num_samples, 1).bit_length()) if 2**e <= num_samples]
+    return tuple(sorted({*powers, num_samples}))
+  return tuple(int(k) for k in spec.split(","))
 
 
 def _check_type(path: str, value: Any, annotation: Any) -> Any:

@@ -408,7 +408,10 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
     rewards_R=real.rewards_R,
     entropy=h_t,
     num_groups=c.batch_questions,
-    decisions=records.decision_metrics(methods, ctl, tau, hp),
+    decisions={
+      **records.decision_metrics(methods, ctl, tau, hp),
+      **records.paper_metrics_row(methods, ctl, h_t),
+    },
     counts_B=batch.issue.counts_B,
     times=(t0, t1, t2, t3),
     context=_context(ctx, ctx.runtime(loop.phase), loop.cursor),
