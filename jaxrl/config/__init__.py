@@ -22,6 +22,7 @@ from jaxrl.config.schema import (  # noqa: F401
   ConfigError,
   Correction,
   DataSection,
+  DiagnosticsSection,
   Dtype,
   DynamoAllocationSection,
   E3AllocationSection,

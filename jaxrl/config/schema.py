@@ -482,6 +482,22 @@ class LogSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class DiagnosticsSection:
+  """Measurements at fixed params that change no step of training (docs/algorithms.md §12.1)."""
+
+  # Every this many steps (0: never), DynaMO's gradient-variance ratio of the step's allocation
+  # against uniform allocation of the same budget: grad_variance_draws resampled batches of each,
+  # at the step's params, logged as dynamo_grad_var_ratio. Costs 2 × draws rollout batches and
+  # gradients per measured step.
+  grad_variance_every: int = 0
+  grad_variance_draws: int = 4
+
+  def check(self) -> None:
+    _need(self.grad_variance_every >= 0, "diagnostics.grad_variance_every", "must be >= 0")
+    _need(self.grad_variance_draws >= 2, "diagnostics.grad_variance_draws", "must be >= 2")
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointSection:
   """Orbax checkpoints of the whole loop state: how often, how many kept, async writes."""
 
@@ -642,6 +658,7 @@ class Config:
   eepo: EEPOSection = EEPOSection()
   modulation: ModulationSection = ModulationSection()
   anneal_phase: AnnealPhaseSection = AnnealPhaseSection()
+  diagnostics: DiagnosticsSection = DiagnosticsSection()
 
   @property
   def num_rollouts(self) -> int:

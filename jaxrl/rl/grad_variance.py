@@ -20,7 +20,7 @@ How a caller measures it, at step t with params θ, the step's questions and all
 
     sample = lambda counts_B, key: <rollouts of the step's questions with counts_B, sampled by θ
                                     with ``key``, rewards verified>
-    grad = lambda batch: <ravel_pytree(jax.grad(loss)(θ, batch))[0]: the update's loss gradient>
+    grad = lambda batch: <the gradient of the update's loss at θ on batch (a pytree)>
     ratio = allocation_grad_variance_ratio(grad, sample, counts_B, variance_key(seed, t), M)
 
 ``variance_key`` is the run's ``rng.GRAD_VARIANCE`` stream: no key of training is drawn, and
@@ -29,32 +29,44 @@ nothing here updates params, so measuring changes no step of the run.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Iterable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl import rng
 
 
-def trace_variance(grads_MxD) -> float:
-  """(1/M) Σ_m ‖g_m − ḡ‖² over M ≥ 2 draws of a D-dimensional gradient (float64 on the host)."""
-  g_MxD = np.asarray(grads_MxD, np.float64)
-  if g_MxD.ndim != 2 or g_MxD.shape[0] < 2:
-    raise ValueError(f"need M >= 2 draws of a flat gradient, got shape {g_MxD.shape}")
-  return float(np.mean(np.sum((g_MxD - g_MxD.mean(axis=0)) ** 2, axis=1)))
+def trace_variance(grads) -> float:
+  """(1/M) Σ_m ‖g_m − ḡ‖² over an iterable of M ≥ 2 gradients, each a pytree of arrays (a flat
+  f32[D] is one). Accumulated one at a time (Welford: the running mean, and Σ ⟨g − ḡ_old, g − ḡ⟩),
+  in f32 on the gradients' devices: a model's M gradients are never held at once."""
+  mean, m2, m = None, 0.0, 0
+  for g in grads:
+    g = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), g)
+    m += 1
+    if mean is None:
+      mean = g
+      continue
+    delta = jax.tree.map(jnp.subtract, g, mean)
+    mean = jax.tree.map(lambda mu, d: mu + d / m, mean, delta)
+    after = jax.tree.map(jnp.subtract, g, mean)
+    m2 += sum(float(jnp.vdot(d, a)) for d, a in zip(jax.tree.leaves(delta), jax.tree.leaves(after)))
+  if m < 2:
+    raise ValueError(f"need M >= 2 draws of the gradient, got {m}")
+  return m2 / m
 
 
 def grad_variance_ratio(
-  grad_fn: Callable[[object], object], batches_a: Sequence, batches_uniform: Sequence
+  grad_fn: Callable[[object], object], batches_a: Iterable, batches_uniform: Iterable
 ) -> float:
-  """tr Var̂(A) / tr Var̂(uniform): ``grad_fn(batch)`` → the flat gradient f32[D] of one batch;
-  the two sequences hold M batches each, sampled under allocation A and under uniform allocation
-  with the same total rollouts. NaN when the uniform draws do not vary (no signal to compare)."""
-  if len(batches_a) != len(batches_uniform):
-    raise ValueError(f"need as many draws of each: {len(batches_a)} vs {len(batches_uniform)}")
-  var_a = trace_variance([np.asarray(grad_fn(b)) for b in batches_a])
-  var_u = trace_variance([np.asarray(grad_fn(b)) for b in batches_uniform])
+  """tr Var̂(A) / tr Var̂(uniform): ``grad_fn(batch)`` → the gradient of one batch (a pytree, or
+  flattened f32[D]); the iterables yield M batches each, sampled under allocation A and under
+  uniform allocation with the same total rollouts (a generator samples each batch when its
+  gradient is due). NaN when the uniform draws do not vary (no signal to compare)."""
+  var_a = trace_variance(grad_fn(b) for b in batches_a)
+  var_u = trace_variance(grad_fn(b) for b in batches_uniform)
   return var_a / var_u if var_u > 0 else float("nan")
 
 
@@ -83,6 +95,6 @@ def allocation_grad_variance_ratio(
   key_a, key_u = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
   counts_B = np.asarray(counts_B, np.int32)
   flat_B = uniform_counts(counts_B)
-  batches_a = [sample_fn(counts_B, jax.random.fold_in(key_a, m)) for m in range(draws)]
-  batches_u = [sample_fn(flat_B, jax.random.fold_in(key_u, m)) for m in range(draws)]
+  batches_a = (sample_fn(counts_B, jax.random.fold_in(key_a, m)) for m in range(draws))
+  batches_u = (sample_fn(flat_B, jax.random.fold_in(key_u, m)) for m in range(draws))
   return grad_variance_ratio(grad_fn, batches_a, batches_u)

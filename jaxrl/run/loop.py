@@ -31,7 +31,7 @@ from jaxrl.rl.step import rl_update
 from jaxrl.rollout import dynamic, multiturn
 from jaxrl.rollout.collect import Collector, token_mean_entropy
 from jaxrl.rollout.sampler import sample_program
-from jaxrl.run import batches, mfu, records
+from jaxrl.run import batches, diagnostics, mfu, records
 from jaxrl.run.compiles import CompileCounter
 from jaxrl.tasks.data.cursor import Mixture, MixtureCursor, next_mixture_batch
 from jaxrl.tasks.task import TaskData
@@ -385,6 +385,13 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
   h_t = token_mean_entropy(rollouts)
   clip_state = methods.update_clip(ctl.clip, h_t)
   hp = LossHparams.from_config(c, tau, methods.clip.current(clip_state))
+  measured = {}
+  if diagnostics.grad_variance_due(c, i):  # before the update, which donates θ_i
+    for pending in loop.pending:  # the engine serves one caller: let the thread finish
+      pending.generated(wait=True)
+    measured["dynamo_grad_var_ratio"] = diagnostics.grad_variance_ratio(
+      ctx, batch.issue, loop.train.params, hp, i, lambda q, r: _verify(ctx, q, r)
+    )
   t2 = time.time()
   train, update = rt.update(
     loop.train, sharding.shard_batch(rollouts, ctx.programs.mesh), hp, ctx.ref_params
@@ -421,6 +428,7 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
       **got.metrics,
       "rollout_staleness": float(i - batch.issue.version),
       **_mfu(ctx, batch.issue.phase, t3 - t2),
+      **measured,
     },
   )
   # Text rows for samples.jsonl (the trainer takes them out of the metrics row).
