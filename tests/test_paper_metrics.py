@@ -4,6 +4,7 @@ examples worked by hand."""
 import math
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -12,6 +13,7 @@ from jaxrl.methods import schedules as sch
 from jaxrl.methods.controllers import ControllerStates
 from jaxrl.rl.paper_metrics import eepo_entropy_ratio, entropy_rel_init, entropy_tracking_error
 from jaxrl.rl.passk import pass_at_k, pass_at_k_array
+from jaxrl.run.heldout import Sampled, evaluate
 from jaxrl.run.records import paper_metrics_row
 from jaxrl.workdir.metric_writers import MetricsWriter, plot_run, read_jsonl
 
@@ -113,3 +115,27 @@ def test_a_metric_of_some_steps_is_written_and_plotted(tmp_path):
   rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
   assert [r["eepo_entropy_ratio"] for r in rows] == ["nan", 1.5, "nan", 1.25]
   assert os.path.getsize(plot_run(str(tmp_path / "metrics.jsonl"), str(tmp_path / "run.png"))) > 0
+
+
+def test_evaluation_reports_pass_at_every_power_of_two():
+  # One question, n = 64 samples of which the first 2 are correct: eval.ks = "pow2" reports
+  # pass@1 = 2/64, pass@32 = 95/126 (above), pass@64 = 1.
+  def sample_fn(ids_BxP, mask_BxP, counts_B, key, greedy):
+    group_ids_R = np.repeat(np.arange(len(counts_B)), counts_B)
+    return Sampled([str(r) for r in range(len(group_ids_R))], group_ids_R)
+
+  result = evaluate(
+    sample_fn,
+    np.zeros((1, 1), np.int32),
+    np.ones((1, 1), bool),
+    np.array([0]),
+    lambda responses, q: (np.asarray([int(r) for r in responses]) < 2).astype(np.float32),
+    num_samples=64,
+    ks=resolve_ks("pow2", 64),
+    questions_per_call=1,
+    key=jax.random.PRNGKey(0),
+  )
+  assert sorted(result.pass_at) == [1, 2, 4, 8, 16, 32, 64]
+  assert result.pass_at[1]["all"] == pytest.approx(2 / 64, abs=1e-15)
+  assert result.pass_at[32]["all"] == pytest.approx(95 / 126, abs=1e-15)
+  assert result.pass_at[64]["all"] == 1.0
