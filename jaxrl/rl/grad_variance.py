@@ -1,7 +1,7 @@
 """DynaMO's variance argument, measured (docs/algorithms.md §12): the policy-gradient estimator's
 variance under an allocation against uniform allocation of the same budget, at fixed params.
 
-DynaMO (§3.1, Appendix C) allocates n_i rollouts to question i to minimise the total variance
+DynaMO (§4.2.1, Appendix C) allocates n_i rollouts to question i to minimise the total variance
 Σ_i σ_i²/n_i of the batch gradient under Σ_i n_i = R; its optimum n_i ∝ σ_i gives the ratio
 (Σ σ_i)² / (B·Σ σ_i²) ≤ 1 against uniform n_i = R/B. The diagnostic measures that ratio rather than
 trusting the proxy: draw M batches of rollouts under each allocation (the same questions, the same

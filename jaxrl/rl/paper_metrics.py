@@ -21,7 +21,7 @@ def _ratio(num, den) -> float:
 
 
 def entropy_rel_init(h, h_init) -> float:
-  """E3 Fig. 7–8: the step's rollout entropy relative to H_init = H_1, H/H_init."""
+  """E3 Fig. 1 (§4.2): the step's rollout entropy relative to H_init = H_1, H/H_init."""
   return _ratio(h, h_init)
 
 

@@ -4,8 +4,10 @@
 allocation, τ → rollouts, one stage or EEPO's two; ``rollout.max_staleness = k`` issues step
 i + k's) → take step i's batch → rewards on the host (dynamic sampling: more rounds until B groups
 carry a signal) → ℓ_prox under the step's params when the batch is stale → question statistics →
-clip controller → jitted GRPO update → temperature controller → epoch-end re-ranking → the step's
-metrics row. Nothing in it touches files: the trainer saves, logs and stops around it.
+clip controller → (every ``diagnostics.grad_variance_every`` steps, the gradient-variance
+measurement at θ_i, ``run.diagnostics``) → jitted GRPO update → temperature controller → epoch-end
+re-ranking → the step's metrics row. Nothing in it touches files: the trainer saves, logs and
+stops around it.
 """
 
 from __future__ import annotations
