@@ -13,6 +13,9 @@ RL = 2  # rollouts of RL step i: key(seed, RL, i)
 EVAL = 3  # held-out and benchmark evaluation: key(seed, EVAL)
 ROUND = 4  # dynamic sampling's extra rounds of step i: fold_in(key(seed, ROUND, i), round)
 SFT = 7  # the SFT corpus (numpy_seed)
+GRAD_VARIANCE = (
+  8  # the gradient-variance diagnostic's resampled batches at step i (rl/grad_variance)
+)
 
 
 def key(seed: int, stream: int, step: int | None = None) -> jax.Array:

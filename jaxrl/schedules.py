@@ -3,6 +3,7 @@
 from jaxrl.methods.schedules import (  # noqa: F401  (public re-exports)
   adaptive_clip,
   adaptive_clip_controller,
+  clip_saturated,
   constant_schedule,
   cosine_schedule,
   e3_entropy_target,

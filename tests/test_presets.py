@@ -78,6 +78,27 @@ def test_preset_runs_without_recompiling(tmp_path, preset):
       assert np.isfinite(x["eepo_unlearn_loss"]) and x["eepo_unlearn_loss"] < 0, x  # log(1 - p)
   else:
     assert not any("eepo_gate" in x or "entropy_stage1" in x for x in r)
+  paper_metrics(r, es=preset == "es", eepo=eepo)
+
+
+def paper_metrics(r, *, es: bool, eepo: bool):
+  """Each paper's own diagnostic (docs/algorithms.md §12), from the row's own numbers: H/H_init
+  with H_init the first step's entropy, whatever τ does; against the clip schedule and its bounds
+  only with an adaptive clip (otherwise "nan", as metrics.jsonl writes NaN); EEPO's H2/H1 on every
+  step (its gate fires at every step in tests)."""
+  h_init = r[0]["entropy_rollout"]
+  for x in r:
+    # f32 H_init against the f64 row value: within u = 6e-8 relative, rel 1e-6
+    assert x["entropy_rel_init"] == pytest.approx(x["entropy_rollout"] / h_init, rel=1e-6), x
+    if es:
+      err = (x["entropy_rollout"] - x["clip_target"]) / x["clip_target"]
+      assert x["entropy_tracking_error"] == pytest.approx(err, rel=1e-6, abs=1e-7), x
+      assert x["clip_saturated"] in (0.0, 1.0)
+    else:
+      assert x["entropy_tracking_error"] == x["clip_saturated"] == "nan", x
+    if eepo:
+      ratio = x["entropy_stage2"] / x["entropy_stage1"]
+      assert x["eepo_entropy_ratio"] == pytest.approx(ratio, rel=1e-12), x
 
 
 @pytest.mark.slow

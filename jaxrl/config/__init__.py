@@ -22,6 +22,7 @@ from jaxrl.config.schema import (  # noqa: F401
   ConfigError,
   Correction,
   DataSection,
+  DiagnosticsSection,
   Dtype,
   DynamoAllocationSection,
   E3AllocationSection,
@@ -51,4 +52,5 @@ from jaxrl.config.schema import (  # noqa: F401
   VllmDtype,
   VllmSection,
   WeightTransfer,
+  resolve_ks,
 )

@@ -169,7 +169,7 @@ def _check_eval(cfg: Config) -> None:
     ks = cfg.eval_ks
   except ValueError:
     raise ConfigError(
-      "eval.ks", f"expected comma-separated integers, got {cfg.eval.ks!r}"
+      "eval.ks", f"expected comma-separated integers or 'pow2', got {cfg.eval.ks!r}"
     ) from None
   _need(
     all(1 <= k <= cfg.eval.num_samples for k in ks),

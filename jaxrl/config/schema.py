@@ -444,6 +444,8 @@ class EvalSection:
 
   num_samples: int = 8  # n samples per held-out question at temperature
   temperature: float = 1.0
+  # The k of pass@k: comma-separated integers, or "pow2" for every power of two ≤ num_samples and
+  # num_samples itself (num_samples = 64: 1, 2, 4, 8, 16, 32, 64).
   ks: str = "1,8"
   every: int = 0  # 0 = only before and after training
 
@@ -480,6 +482,22 @@ class LogSection:
     _need(self.profile_steps >= 1, "log.profile_steps", "must be >= 1")
     if self.wandb and importlib.util.find_spec("wandb") is None:
       raise ConfigError("log.wandb", "is on but wandb is not installed: pip install wandb")
+
+
+@dataclasses.dataclass(frozen=True)
+class DiagnosticsSection:
+  """Measurements at fixed params that change no step of training (docs/algorithms.md §12.1)."""
+
+  # Every this many steps (0: never), DynaMO's gradient-variance ratio of the step's allocation
+  # against uniform allocation of the same budget: grad_variance_draws resampled batches of each,
+  # at the step's params, logged as dynamo_grad_var_ratio. Costs 2 × draws rollout batches and
+  # gradients per measured step.
+  grad_variance_every: int = 0
+  grad_variance_draws: int = 4
+
+  def check(self) -> None:
+    _need(self.grad_variance_every >= 0, "diagnostics.grad_variance_every", "must be >= 0")
+    _need(self.grad_variance_draws >= 2, "diagnostics.grad_variance_draws", "must be >= 2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -643,6 +661,7 @@ class Config:
   eepo: EEPOSection = EEPOSection()
   modulation: ModulationSection = ModulationSection()
   anneal_phase: AnnealPhaseSection = AnnealPhaseSection()
+  diagnostics: DiagnosticsSection = DiagnosticsSection()
 
   @property
   def num_rollouts(self) -> int:
@@ -651,7 +670,19 @@ class Config:
 
   @property
   def eval_ks(self) -> tuple[int, ...]:
-    return tuple(int(k) for k in self.eval.ks.split(","))
+    return resolve_ks(self.eval.ks, self.eval.num_samples)
+
+
+POWERS_OF_TWO = "pow2"
+
+
+def resolve_ks(spec: str, num_samples: int) -> tuple[int, ...]:
+  """The k of pass@k that ``spec`` names for n = ``num_samples`` samples: "1,8" → (1, 8);
+  "pow2" → every power of two ≤ n, then n (n = 24: 1, 2, 4, 8, 16, 24). ValueError if malformed."""
+  if spec.strip() == POWERS_OF_TWO:
+    powers = [2**e for e in range(max(num_samples, 1).bit_length()) if 2**e <= num_samples]
+    return tuple(sorted({*powers, num_samples}))
+  return tuple(int(k) for k in spec.split(","))
 
 
 def _check_type(path: str, value: Any, annotation: Any) -> Any:

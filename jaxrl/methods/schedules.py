@@ -1,7 +1,7 @@
 """Entropy-steering schedules and controllers: E3 temperature, adaptive clip-higher, EEPO gate.
 
 The reference formulas of docs/algorithms.md §0 (`e3_temperature`, `e3_entropy_target`,
-`adaptive_clip`, `eepo_gate`) are plain functions of arrays; the controllers below are built on
+`adaptive_clip`, `clip_saturated`, `eepo_gate`) are plain functions of arrays; the controllers below are built on
 them, never beside them. Controllers look like optax: a factory closes over the static
 hyperparameters and returns a NamedTuple of pure functions over a small pytree state, so the
 trainer can run them inside its jitted step; every value they hand out is a traced f32 array.
@@ -71,6 +71,12 @@ def adaptive_clip(c, h_sched, h_curr, delta, c_min, c_max) -> Array:
   c = jnp.asarray(c, jnp.float32)
   direction = jnp.sign(jnp.asarray(h_sched, jnp.float32) - jnp.asarray(h_curr, jnp.float32))
   return jnp.clip(c + delta * direction, c_min, c_max)
+
+
+def clip_saturated(c, c_min, c_max) -> Array:
+  """1 where ε_high sits at a bound of [c_min, c_max] (compared in f32, as the clip stores it)."""
+  c = jnp.asarray(c, jnp.float32)
+  return ((c <= jnp.float32(c_min)) | (c >= jnp.float32(c_max))).astype(jnp.float32)
 
 
 def eepo_gate(entropy_history, m, alpha, count=None) -> Array:
@@ -208,12 +214,18 @@ class ClipState:
 
 
 class ClipController(NamedTuple):
-  """update(state, H_t) first, then current(state) → ε_high for step t; target(state) → S(t)."""
+  """update(state, H_t) first, then current(state) → ε_high for step t; target(state) → S(t);
+  saturated(state) → 1 when ε_high sits at a bound (NaN for a fixed ε_high, which has none)."""
 
   init: Callable[[], ClipState]
   current: Callable[[ClipState], Array]
   update: Callable[[ClipState, Array], ClipState]
   target: Callable[[ClipState], Array]
+  saturated: Callable[[ClipState], Array]
+
+
+def _nan(state):
+  return jnp.full((), jnp.nan, jnp.float32)
 
 
 def _ring_push(buf_W, count, value):
@@ -253,9 +265,7 @@ def fixed_clip(eps_high) -> ClipController:
       entropy_W=_ring_push(state.entropy_W, state.step, h_t),
     )
 
-  return ClipController(
-    _clip_init(eps_high, 1), _current_clip, update, lambda state: jnp.full((), jnp.nan, jnp.float32)
-  )
+  return ClipController(_clip_init(eps_high, 1), _current_clip, update, _nan, _nan)
 
 
 def adaptive_clip_controller(
@@ -280,7 +290,10 @@ def adaptive_clip_controller(
   def target(state):
     return jnp.asarray(schedule(state.step), jnp.float32)
 
-  return ClipController(_clip_init(c0, window), _current_clip, update, target)
+  def saturated(state):
+    return clip_saturated(state.c, c_min, c_max)
+
+  return ClipController(_clip_init(c0, window), _current_clip, update, target, saturated)
 
 
 @pytree_dataclass

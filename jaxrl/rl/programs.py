@@ -134,6 +134,17 @@ class Programs:
       ),
     )
 
+  def policy_grad(self, loss_cfg: LossConfig):
+    """``(params, batch, LossHparams, ref_params) → grads`` of the GRPO loss (the trainable part,
+    sharded as the params), nothing updated or donated: the gradient-variance diagnostic's."""
+    return self._once(
+      ("policy_grad", loss_cfg),
+      lambda: jax.jit(
+        functools.partial(step.policy_grad, self.graphdef, loss_cfg, trainable=self.trainable),
+        compiler_options=differentiating_options(self.mesh),
+      ),
+    )
+
   def sft_update(self, chunk: int):
     """One supervised step ``(state, prompt ids, mask, target ids, mask[, loss mask]) → (state,
     metrics)``."""

@@ -287,6 +287,38 @@ def _modulation_stats(graphdef, cfg: LossConfig, hp: LossHparams, params, rows: 
   return losses.DynamoStats.reduce(jax.lax.map(chunk_stats, _split_micro(rows, cfg.micro_batches)))
 
 
+def _minibatch_grads(graphdef, cfg: LossConfig, hp: LossHparams, grad_fn, params, rows: UpdateRows):
+  """((loss, metrics), grads) of one mini-batch at ``params``: its denominator and DynaMO's
+  statistics first, then the gradient accumulated over its micro-batches."""
+  denom = losses.loss_denominator(rows.loss_mask_RxN, rows.informative_R, cfg)
+  stats = None  # one micro-batch: the loss's own forward covers the mini-batch
+  if cfg.modulation and cfg.micro_batches > 1:
+    stats = _modulation_stats(graphdef, cfg, hp, params, rows)
+  return accumulate(lambda mb: grad_fn(params, mb, denom, stats), rows, cfg.micro_batches)
+
+
+def policy_grad(
+  graphdef,
+  cfg: LossConfig,
+  params,
+  batch: Rollouts,
+  hp: LossHparams,
+  ref_params=None,
+  *,
+  trainable: lora.Trainable = "all",
+):
+  """The gradient of the GRPO loss of ``batch`` at ``params`` with the whole batch as one
+  mini-batch (the gradient of ``rl_update``'s first update when ``loss.mini_batches`` = 1), of the
+  ``trainable`` part: what the gradient-variance diagnostic compares (docs/algorithms.md §12.1).
+  Nothing is updated."""
+  if cfg.use_kl and ref_params is None:
+    ref_params = lora.without_adapters(params)
+  rows = _row_inputs(graphdef, cfg, batch, hp, ref_params)
+  grad_fn = _grad_of_part(_micro_loss(graphdef, cfg, hp), trainable)
+  _, grads = _minibatch_grads(graphdef, cfg, hp, grad_fn, params, rows)
+  return grads
+
+
 def rl_update(
   graphdef,
   tx: optax.GradientTransformation,
@@ -318,13 +350,7 @@ def rl_update(
   grad_fn = _grad_of_part(_micro_loss(graphdef, cfg, hp), trainable)
 
   def one_update(state, rows: UpdateRows):
-    denom = losses.loss_denominator(rows.loss_mask_RxN, rows.informative_R, cfg)
-    stats = None  # one micro-batch: the loss's own forward covers the mini-batch
-    if cfg.modulation and cfg.micro_batches > 1:
-      stats = _modulation_stats(graphdef, cfg, hp, state.params, rows)
-    (loss, metrics), grads = accumulate(
-      lambda mb: grad_fn(state.params, mb, denom, stats), rows, cfg.micro_batches
-    )
+    (loss, metrics), grads = _minibatch_grads(graphdef, cfg, hp, grad_fn, state.params, rows)
     grad_norm = optax.global_norm(grads)
     # A non-finite loss or gradient (an overflow, a NaN reward) is never applied: the update is
     # skipped (state unchanged, so never checkpointed) and counted; the loop decides when to stop.

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.methods.controllers import eepo_stage1_counts
+from jaxrl.rl.paper_metrics import eepo_entropy_ratio
 from jaxrl.rl.programs import ForgetConfig
 from jaxrl.rollout.collect import Collector, token_mean_entropy
 from jaxrl.rollout.engine import forget_version
@@ -90,13 +91,13 @@ def two_stage_rollouts(
   if score and bool(fire) and old_logp_from == "policy":
     prox, _ = collector.logp(params, out, tau)
     out = dataclasses.replace(out, prox_logp_RxN=prox)
+  # (a stale batch from a server that gives no entropies has none to read until it is rescored)
+  h2 = token_mean_entropy(out2) if score or collector.engine.provides_entropy else float("nan")
   metrics = {
     "eepo_gate": float(bool(fire)),
     "eepo_unlearn_loss": float(unlearn),
     "entropy_stage1": h1,
-    # (a stale batch from a server that gives no entropies has none to read until it is rescored)
-    "entropy_stage2": token_mean_entropy(out2)
-    if score or collector.engine.provides_entropy
-    else float("nan"),
+    "entropy_stage2": h2,
+    "eepo_entropy_ratio": eepo_entropy_ratio(h1, h2, fire),
   }
   return TwoStage(out, gate_state, metrics)

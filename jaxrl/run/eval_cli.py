@@ -34,6 +34,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from jaxrl.config.schema import resolve_ks
 from jaxrl.run import cli, weights
 from jaxrl.workdir import run_log
 
@@ -57,7 +58,9 @@ _OUT = flags.DEFINE_string(
 _NUM_SAMPLES = flags.DEFINE_integer(
   "num_samples", 0, "n samples per question (0: eval.num_samples)."
 )
-_KS = flags.DEFINE_string("ks", "", "k values of pass@k (default: eval.ks).")
+_KS = flags.DEFINE_string(
+  "ks", "", "k values of pass@k, or pow2: the powers of two up to n, and n (default: eval.ks)."
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +109,7 @@ def evaluate_checkpoint(
   from jaxrl.tasks import math_task
 
   num_samples = num_samples or cfg.eval.num_samples
-  ks = ks or cfg.eval_ks
+  ks = ks or resolve_ks(cfg.eval.ks, num_samples)  # "pow2" follows this evaluation's n
   if (
     weights.run_checkpoint(checkpoint) is None
   ):  # an HF directory: its own architecture and tokenizer
@@ -304,7 +307,8 @@ def main(argv):
 
     cfg = cli.with_local_checkpoint(from_configdict(_CONFIG.value))
     benchmarks = benchmarks_of(cfg, _BENCHMARKS.value)
-    ks = tuple(int(k) for k in _KS.value.split(",")) if _KS.value else ()
+    n = _NUM_SAMPLES.value or cfg.eval.num_samples
+    ks = resolve_ks(_KS.value, n) if _KS.value else ()
     checkpoint = hub.model_snapshot(_CHECKPOINT.value)  # a Hub id: its local snapshot
     if not os.path.exists(checkpoint):
       raise ValueError(f"--checkpoint {checkpoint!r} does not exist")

@@ -4,8 +4,10 @@
 allocation, τ → rollouts, one stage or EEPO's two; ``rollout.max_staleness = k`` issues step
 i + k's) → take step i's batch → rewards on the host (dynamic sampling: more rounds until B groups
 carry a signal) → ℓ_prox under the step's params when the batch is stale → question statistics →
-clip controller → jitted GRPO update → temperature controller → epoch-end re-ranking → the step's
-metrics row. Nothing in it touches files: the trainer saves, logs and stops around it.
+clip controller → (every ``diagnostics.grad_variance_every`` steps, the gradient-variance
+measurement at θ_i, ``run.diagnostics``) → jitted GRPO update → temperature controller → epoch-end
+re-ranking → the step's metrics row. Nothing in it touches files: the trainer saves, logs and
+stops around it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from jaxrl.rl.step import rl_update
 from jaxrl.rollout import dynamic, multiturn
 from jaxrl.rollout.collect import Collector, token_mean_entropy
 from jaxrl.rollout.sampler import sample_program
-from jaxrl.run import batches, mfu, records
+from jaxrl.run import batches, diagnostics, mfu, records
 from jaxrl.run.compiles import CompileCounter
 from jaxrl.tasks.data.cursor import Mixture, MixtureCursor, next_mixture_batch
 from jaxrl.tasks.task import TaskData
@@ -396,6 +398,13 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
   h_t = token_mean_entropy(rollouts)
   clip_state = methods.update_clip(ctl.clip, h_t)
   hp = LossHparams.from_config(c, tau, methods.clip.current(clip_state))
+  measured = {}
+  if diagnostics.grad_variance_due(c, i):  # before the update, which donates θ_i
+    for pending in loop.pending:  # the engine serves one caller: let the thread finish
+      pending.generated(wait=True)
+    measured["dynamo_grad_var_ratio"] = diagnostics.grad_variance_ratio(
+      ctx, batch.issue, loop.train.params, hp, i, lambda q, r: _verify(ctx, q, r)
+    )
   t2 = time.time()
   train, update = rt.update(
     loop.train, sharding.shard_batch(rollouts, ctx.programs.mesh), hp, ctx.ref_params
@@ -419,7 +428,10 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
     rewards_R=real.rewards_R,
     entropy=h_t,
     num_groups=c.batch_questions,
-    decisions=records.decision_metrics(methods, ctl, tau, hp),
+    decisions={
+      **records.decision_metrics(methods, ctl, tau, hp),
+      **records.paper_metrics_row(methods, ctl, h_t),
+    },
     counts_B=batch.issue.counts_B,
     times=(t0, t1, t2, t3),
     context=_context(ctx, ctx.runtime(loop.phase), loop.cursor),
@@ -429,6 +441,7 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
       **got.metrics,
       "rollout_staleness": float(i - batch.issue.version),
       **_mfu(ctx, batch.issue.phase, t3 - t2),
+      **measured,
     },
   )
   # Text rows for samples.jsonl (the trainer takes them out of the metrics row).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxrl.rl import paper_metrics
 from jaxrl.tasks.data.prompts import decode_responses
 from jaxrl.tasks.envs.trajectory import compact, trajectory_parts
 
@@ -50,6 +51,17 @@ def decision_metrics(methods, controllers, tau, hp) -> dict:
     eps_low=float(hp.eps_low),
     eps_high=float(hp.eps_high),
     clip_target=float(methods.clip.target(controllers.clip)),
+  )
+
+
+def paper_metrics_row(methods, controllers, entropy) -> dict:
+  """The papers' own diagnostics of the step's rollout entropy H (docs/algorithms.md §12):
+  H/H_init (E3), (H − S(t))/S(t) against the clip schedule and whether ε_high is saturated (ES)."""
+  clip = controllers.clip
+  return dict(
+    entropy_rel_init=paper_metrics.entropy_rel_init(entropy, controllers.temperature.h_init),
+    entropy_tracking_error=paper_metrics.entropy_tracking_error(entropy, methods.clip.target(clip)),
+    clip_saturated=float(methods.clip.saturated(clip)),
   )
 
 

@@ -46,6 +46,8 @@ SAFE = (
   "reward.workers",
   # The tool pool's size: each call is answered alike by any worker, within the same limits.
   "tool.workers",
+  # Measurements at fixed params on their own random stream: no step reads them.
+  "diagnostics",
   # How many consecutive skipped non-finite updates stop the run: a guard, not the update.
   "optim.max_nonfinite_steps",
   # Named only in an error message (where to download model.checkpoint from).

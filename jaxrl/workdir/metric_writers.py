@@ -257,11 +257,19 @@ def plot_run(
     "kl",
     "clip_frac",
     "grad_norm",
+    # each paper's own diagnostic (docs/algorithms.md §12)
+    "entropy_rel_init",
+    "entropy_tracking_error",
+    "clip_saturated",
+    "eepo_entropy_ratio",
+    "dynamo_grad_var_ratio",
   ),
 ) -> str:
   """A grid of per-step curves (raw and smoothed) from metrics.jsonl, saved as a PNG.
 
-  Curves that are zero throughout (KL without a reference, clipping in on-policy steps) are left out.
+  Curves that are zero throughout (KL without a reference, clipping in on-policy steps) are left
+  out, and so are steps where a metric is absent or NaN (written "nan"): a curve that exists only
+  on some steps (EEPO's ratio when its gate fires) is drawn through those.
   """
   import matplotlib
 
