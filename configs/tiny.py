@@ -119,6 +119,8 @@ def _apply_countdown(c) -> None:
   c.task.levels = ""  # 2, 3, 4, 5 numbers, each up to 9 or up to 19
   c.task.digit_width = 0
   c.rollout.max_new_tokens = 24  # the longest reference solution (5 two-digit numbers) is 20 + EOS
+  c.eval.num_samples = 32  # what exploration changes shows at large k
+  c.eval.ks = "1,8,32"
   # The corpus shows one of many solutions (the chain the problem was made from), so its loss has
   # a floor far above the arithmetic task's: the warm start runs its steps.
   c.sft.target_loss = 0.0

@@ -211,3 +211,38 @@ def test_tools_steps_through_the_sidecar_with_k1(served, tmp_path):
   for r in rows:
     assert r["turns_mean"] >= 1 and np.isfinite(r["tool_calls_mean"]) and np.isfinite(r["loss"])
   assert rows[0]["behaviour_logp_diff_max"] < 1e-4  # on-policy: ℓ_μ = the trainer's ℓ_prox
+
+
+class KillOnFirstTurn(Recorder):
+  """A ``Recorder`` that SIGKILLs the server the first time the environment answers, before the
+  next turn's request: that request finds the server gone, whatever the machine's load."""
+
+  def __init__(self, environment, question_ids_R, sidecar):
+    super().__init__(environment, question_ids_R)
+    self.sidecar, self.kills = sidecar, 0
+
+  def __call__(self, asked_R, turn_tokens):
+    if not self.kills:
+      self.kills += 1
+      self.sidecar.kill_server()
+    return super().__call__(asked_R, turn_tokens)
+
+
+def test_a_server_killed_between_turns_is_restarted_and_the_turn_retried(served):
+  """The server dies between two turns: the engine restarts it from the current weights and sends
+  that turn again, with the same seeds. The rollouts are those of a batch that never failed, and
+  the environment answered each call once (the retry does not step it again)."""
+  _, engine, _, _, task = served
+  ids, mask = task.train_prompt_ids[:4], task.train_prompt_mask[:4]
+  counts = np.full(4, 8)
+  qids_R = np.repeat(np.arange(4), counts)
+  key = jax.random.PRNGKey(5)
+  want = engine.generate(ids, mask, counts, 1.0, key, respond=Recorder(task.environment, qids_R))
+  starts = engine.sidecar.starts
+  killer = KillOnFirstTurn(task.environment, qids_R, engine.sidecar)
+  out = engine.generate(ids, mask, counts, 1.0, key, respond=killer)
+  assert killer.kills == 1 and engine.sidecar.starts == starts + 1
+  assert sum(map(len, killer.asked.values())) == int(engine.turn_counts.tool_calls_R.sum()) > 0
+  for field in ("tokens_RxN", "mask_RxN", "loss_mask_RxN", "lengths_R", "finished_R"):
+    np.testing.assert_array_equal(getattr(out, field), getattr(want, field), field)
+  np.testing.assert_allclose(out.behaviour_logp_RxN, want.behaviour_logp_RxN, rtol=0, atol=1e-5)
