@@ -116,7 +116,7 @@ def _apply_countdown(c) -> None:
   warm start the upper half of the levels (4 and 5 numbers) is rarely solved at pass@1, more often
   at pass@32, so which rollouts a method samples decides what it learns."""
   c.task.name = "countdown"
-  c.task.levels = ""  # 2, 3, 4, 5 numbers, each up to 9 or up to 19
+  c.task.levels = "2n9,2n19,3n9,3n19,4n9,4n19,5n9,5n19"  # 2 to 5 numbers, each up to 9 or 19
   c.task.digit_width = 0
   c.rollout.max_new_tokens = 24  # the longest reference solution (5 two-digit numbers) is 20 + EOS
   c.eval.num_samples = 32  # what exploration changes shows at large k

@@ -4,14 +4,16 @@ any right expression and nothing else, and its config checks."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
 import pytest
-from run_helpers import tiny_config
+from run_helpers import read_metrics, tiny_config
 
 from jaxrl.config import ConfigError
 from jaxrl.run import plan
+from jaxrl.run.train import Trainer
 from jaxrl.tasks import task as task_lib
 from jaxrl.tasks.data import countdown
 from jaxrl.tasks.data import tokenizer as vocab
@@ -197,3 +199,18 @@ def test_config_refuses_what_countdown_does_not_do(overrides, field):
 def test_a_bad_level_names_the_field(tmp_path):
   with pytest.raises(ConfigError, match="task.levels"):
     task_lib.load_task(tiny_config("test,countdown", **{"task.levels": "3x2+"}), str(tmp_path))
+
+
+def test_a_short_run_trains_and_evaluates_every_level(tmp_path):
+  """tiny:countdown end to end at test size, with the annealing phase on its upper half: the
+  steps run, the held-out evaluation reports pass@1/8/32 for each of the eight levels."""
+  cfg = tiny_config("test,countdown,anneal", steps=4)
+  assert cfg.anneal_phase.mixture == "4n9,4n19,5n9,5n19"
+  Trainer.open(cfg, str(tmp_path)).run()
+  rows = read_metrics(tmp_path)
+  assert [r["step"] for r in rows] == [1, 2, 3, 4]
+  assert all(np.isfinite(r["loss"]) and 0 <= r["reward"] <= 1 for r in rows)
+  with open(tmp_path / "eval_step4.json") as f:
+    result = json.load(f)
+  assert sorted(result["pass_at"]) == ["1", "32", "8"]
+  assert [result["num_questions"][str(i)] for i in range(8)] == [2] * 8
