@@ -136,7 +136,9 @@ def test_levels_parse_and_refuse_what_the_task_cannot_make():
     ("21+2", 0.0),  # not the given numbers
     ("7*3+4/2", 0.0),  # division is not an operator of the task
     ("7*3+2=23", 0.0),  # an expression, nothing else
-    ("-2+7*3+2+2", 0.0),
+    ("7*3--2", 0.0),  # negation is not an operator of the task
+    ("2-(-7*3)", 0.0),
+    ("-2+7*3+4", 0.0),
     ("7*3+(2", 0.0),  # syntax
     ("", 0.0),
     ("7" * 1_000_000, 0.0),  # a megabyte of digits: refused before it is read
@@ -194,6 +196,33 @@ def test_the_task_loads_with_its_tokenizer_scorer_and_plan(tmp_path):
 def test_config_refuses_what_countdown_does_not_do(overrides, field):
   with pytest.raises(ConfigError, match=field):
     tiny_config("test,countdown", **overrides)
+
+
+def test_a_response_too_short_for_the_levels_is_refused(tmp_path):
+  """5 numbers up to 19 need 20 characters and EOS."""
+  with pytest.raises(ConfigError, match="rollout.max_new_tokens.*need up to 21 tokens"):
+    task_lib.load_task(
+      tiny_config("test,countdown", **{"rollout.max_new_tokens": 20}), str(tmp_path)
+    )
+
+
+def test_levels_of_one_count_never_share_a_problem():
+  """A problem belongs to the level of its count with the smallest bound that holds it; a level's
+  problems do not depend on the split sizes (a larger one extends them) or on later levels."""
+  levels = countdown.parse_levels("2n9,2n19,3n19")
+  assert countdown.owns(levels[0], [3, 9], levels) and not countdown.owns(levels[1], [3, 9], levels)
+  assert countdown.owns(levels[1], [3, 10], levels) and countdown.owns(levels[2], [1, 2, 3], levels)
+  train, _ = countdown.build_task(countdown.CountdownConfig(levels=levels, num_train_per_level=50))
+  assert all(max(_parse(p.prompt)[0]) > 9 for p in train if p.level == 1)
+  bigger, _ = countdown.build_task(countdown.CountdownConfig(levels=levels, num_train_per_level=80))
+  fewer, _ = countdown.build_task(
+    countdown.CountdownConfig(levels=levels[:2], num_train_per_level=50)
+  )
+  for level in range(3):
+    prompts = [p.prompt for p in train if p.level == level]
+    assert [p.prompt for p in bigger if p.level == level][: len(prompts)] == prompts
+    if level < 2:
+      assert [p.prompt for p in fewer if p.level == level] == prompts
 
 
 def test_a_bad_level_names_the_field(tmp_path):

@@ -11,10 +11,11 @@ field mapping and prompt template (default: ``data.heldout``); n samples per que
 ``eval_results.json`` and ``eval_results.md`` into ``--out`` (default: ``RUN/eval/stepN`` for a
 run's checkpoint N, the latest when given the run; ``CHECKPOINT/eval`` for an HF directory).
 
-The built-in arithmetic task (``tiny``, ``tiny:tools``) has no benchmark files: its own held-out
-split is evaluated, per level, by the trainer's held-out evaluation (``heldout.evaluate_task``:
-the same engine, with the task's environment and multi-turn rollouts where it has one, the same
-keys and chunks), so a checkpoint's numbers are those the run reported at its step. With an
+A built-in task (``tiny``, ``tiny:tools``, ``tiny:countdown``) has no benchmark files: its own
+held-out split is evaluated, per level, by the trainer's held-out evaluation
+(``heldout.evaluate_task``: the same engine, with the task's environment and multi-turn rollouts
+where it has one, the same keys and chunks), so a checkpoint's numbers are those the run reported
+at its step. With an
 environment the results also give the mean model turns and tool calls per sample.
 
 A run's checkpoints are read read-only: a run may be evaluated while it trains (and writes its next
@@ -50,7 +51,7 @@ _CHECKPOINT = flags.DEFINE_string(
 _BENCHMARKS = flags.DEFINE_string(
   "benchmarks",
   "",
-  "NAME=PATH,... (default: data.heldout); none for the arithmetic task (its held-out split).",
+  "NAME=PATH,... (default: data.heldout); none for the built-in tasks (their held-out split).",
 )
 _OUT = flags.DEFINE_string(
   "out", "", "Where to write eval_results.{json,md} (default: RUN/eval/stepN, or HF_DIR/eval)."
@@ -104,7 +105,7 @@ def evaluate_checkpoint(
   num_samples: int = 0,
   ks: tuple[int, ...] = (),
 ) -> dict:
-  """Evaluate ``checkpoint`` on each benchmark (the arithmetic task: on its held-out split, and
+  """Evaluate ``checkpoint`` on each benchmark (a built-in task: on its held-out split, and
   ``benchmarks`` is empty); write and return the results."""
   from jaxrl.tasks import math_task
 
@@ -139,11 +140,11 @@ def evaluate_checkpoint(
   return {"results": results, "table": table}
 
 
-HELDOUT = "heldout"  # the arithmetic task's results: its held-out split
+HELDOUT = "heldout"  # a built-in task's results: its held-out split
 
 
 def benchmarks_of(cfg, spec: str) -> list[tuple[str, str]]:
-  """``--benchmarks`` (default ``data.heldout``) for the math task; none for the arithmetic task,
+  """``--benchmarks`` (default ``data.heldout``) for the math task; none for a built-in task,
   which is evaluated on its own held-out split."""
   if cfg.task.name == "math":
     return parse_benchmarks(spec, cfg.data.heldout)
@@ -156,7 +157,7 @@ def benchmarks_of(cfg, spec: str) -> list[tuple[str, str]]:
 
 
 def _evaluate_heldout(cfg, checkpoint: str, out_dir: str, num_samples: int, ks) -> dict:
-  """The arithmetic task's held-out split, as the trainer evaluates it at a step: its task and
+  """A built-in task's held-out split, as the trainer evaluates it at a step: its task and
   engine built as ``Trainer.open`` builds them (the environment's multi-turn rollouts too) and
   ``heldout.evaluate_task``. The task's tokenizer is built aside (the run's directory is only
   read)."""

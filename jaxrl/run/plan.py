@@ -158,7 +158,7 @@ def architecture(cfg: Config) -> tuple[model.ModelConfig, str]:
 
 
 def prompt_len(cfg: Config) -> int:
-  """P as the task pads prompts: task.max_prompt_len, or the arithmetic task's longest + BOS."""
+  """P as the task pads prompts: task.max_prompt_len, or a built-in task's longest + BOS."""
   if cfg.task.max_prompt_len:
     return cfg.task.max_prompt_len
   if cfg.task.name == "math":

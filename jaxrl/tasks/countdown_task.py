@@ -9,6 +9,7 @@ Its levels are ``jaxrl.tasks.data.countdown`` specs ("4n19"); its vocabulary is 
 from __future__ import annotations
 
 from jaxrl.config import Config, ConfigError
+from jaxrl.config.phases import shortest_response
 from jaxrl.tasks.data import arithmetic, countdown
 from jaxrl.tasks.rewards.countdown import CountdownScorer
 
@@ -32,6 +33,18 @@ def task_config(cfg: Config) -> countdown.CountdownConfig:
     seed=cfg.seed,
     sft_level_weights=sft_weights,
   )
+
+
+def check(cfg: Config) -> None:
+  """Every phase's response holds the longest expression a level can need, and EOS."""
+  need = countdown.max_lengths(task_config(cfg).levels)[1] + 1
+  n = shortest_response(cfg)
+  if n < need:
+    raise ConfigError(
+      "rollout.max_new_tokens",
+      f"the countdown levels {cfg.task.levels or '(default)'} need up to {need} tokens for an "
+      f"expression and EOS; the shortest phase's response is {n}",
+    )
 
 
 def prompt_len(cfg: Config) -> int:

@@ -178,6 +178,7 @@ def load_task(cfg: Config, tokenizer_dir: str) -> TaskData:
   # Fresh examples for every SFT step (drawing is cheap): the warm start never repeats an example.
   num_sft, sft_seed = max(cfg.sft.steps, 1) * cfg.sft.batch_size, rng.numpy_seed(cfg.seed, rng.SFT)
   if cfg.task.name == countdown_task.NAME:
+    countdown_task.check(cfg)
     train, heldout = countdown_task.problems(cfg)
     return TaskData(
       tok,

@@ -14,7 +14,7 @@ taken on the unordered pair, so ``12+34`` and ``34+12`` always land on the same 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -265,10 +265,12 @@ def sft_corpus(
   return out  # type: ignore[return-value]
 
 
-def sft_weights(levels: Sequence, text: str, parse=None) -> tuple[float, ...] | None:
+def sft_weights(
+  levels: Sequence, text: str, parse: Callable[[str], tuple] | None = None
+) -> tuple[float, ...] | None:
   """``TaskConfig.sft_level_weights`` of a config string naming some of ``levels`` ("2x2+,5x1+"):
   1 for those, 0 for the others; None (every level) for ''. ``parse``: the task's level parser
-  (default this task's ``parse_levels``)."""
+  (None: this task's ``parse_levels``)."""
   if not text.strip():
     return None
   chosen = set((parse or parse_levels)(text))

@@ -7,10 +7,12 @@ factorially while the model's prior stays broad, so after a warm start the pass 
 a method samples decides what it learns. The verifier is exact (``jaxrl.tasks.rewards.countdown``).
 
 A level is how many numbers are given and how large they are (``"4n19"``: four numbers in 1..19).
-Every problem is made by a chain over all its numbers in a random order, ((n1 op n2) op n3) ...,
-whose intermediates stay in [0, ``MAX_VALUE``] and whose value, the target, in [1, ``MAX_VALUE``];
-that chain, written with the fewest parentheses, is the reference solution the SFT corpus shows and
-the evaluation logs. The numbers are shown in another random order.
+Levels of one count never share a problem: a problem belongs to the level with the smallest bound
+that holds its numbers (with 2n9 a level too, 2n19's problems have a number above 9). Every problem
+is made by a chain over all its numbers in a random order, ((n1 op n2) op n3) ..., whose
+intermediates stay in [0, ``MAX_VALUE``] and whose value, the target, in [1, ``MAX_VALUE``]; that
+chain, written with the fewest parentheses, is the reference solution the SFT corpus shows and the
+evaluation logs. The numbers are shown in another random order.
 
 The train / held-out split holds by construction, independently of the seed: a problem is held-out
 iff a fixed hash of (its numbers sorted, its target) falls in bucket 0 of ``heldout_modulus``, so the
@@ -117,12 +119,29 @@ def _draw(level: CountdownLevel, rng: np.random.Generator) -> tuple[list[int], i
   return shown, values[-1], solution
 
 
-def _problems(level, n, heldout, modulus, rng, taken: set) -> list[tuple[str, str]]:
-  """Up to ``n`` (prompt, solution) pairs of one split of one level, distinct by (numbers sorted,
-  target) from each other and from ``taken`` (the split's earlier levels: 2n9's problems are 2n19's
-  too), which it extends; fewer when the level has fewer (two numbers up to 9 make a few hundred)."""
-  chosen: list[tuple[str, str]] = []
-  for _ in range(50 * n + 1000):
+def owns(level: CountdownLevel, numbers: Sequence[int], levels: Sequence[CountdownLevel]) -> bool:
+  """Whether a problem with ``numbers`` belongs to ``level`` among ``levels``: to the level of its
+  count with the smallest bound that holds it (2n19's problems are those with a number above 9
+  when 2n9 is a level too), so levels never share a problem, whatever their order or sizes."""
+  top = max(numbers)
+  return level.max_value == min(
+    s.max_value for s in levels if s.count == level.count and s.max_value >= top
+  )
+
+
+def _problems(
+  level: CountdownLevel,
+  levels: Sequence[CountdownLevel],
+  n: int,
+  heldout: bool,
+  modulus: int,
+  rng: np.random.Generator,
+) -> list[tuple[str, str]]:
+  """Up to ``n`` distinct (prompt, solution) pairs of one split of one level (distinct by numbers
+  sorted and target); fewer when the level has fewer (two numbers up to 9 make a few hundred)."""
+  chosen: dict[tuple, tuple[str, str]] = {}
+  # A candidate lands in the held-out split one time in `modulus`.
+  for _ in range((50 * n + 1000) * (modulus if heldout else 1)):
     if len(chosen) == n:
       break
     drawn = _draw(level, rng)
@@ -130,10 +149,13 @@ def _problems(level, n, heldout, modulus, rng, taken: set) -> list[tuple[str, st
       continue
     numbers, target, solution = drawn
     key = (tuple(sorted(numbers)), target)
-    if key not in taken and is_heldout(numbers, target, modulus) == heldout:
-      taken.add(key)
-      chosen.append((format_prompt(numbers, target), solution))
-  return chosen
+    if (
+      key not in chosen
+      and owns(level, numbers, levels)
+      and is_heldout(numbers, target, modulus) == heldout
+    ):
+      chosen[key] = (format_prompt(numbers, target), solution)
+  return list(chosen.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +171,21 @@ class CountdownConfig:
   heldout_modulus: int = 10
   sft_level_weights: tuple[float, ...] | None = None
 
+  def __post_init__(self):
+    if not self.levels:
+      raise ValueError("levels must not be empty")
+    if len(set(self.levels)) != len(self.levels):
+      raise ValueError(f"duplicate levels: {', '.join(s.name for s in self.levels)}")
+    if self.heldout_modulus < 2:
+      raise ValueError("heldout_modulus must be >= 2 (bucket 0 is held-out, the rest is train)")
+    if min(self.num_train_per_level, self.num_heldout_per_level) < 0:
+      raise ValueError("split sizes must be non-negative")
+    weights = self.sft_level_weights
+    if weights is not None and (
+      len(weights) != len(self.levels) or min(weights) < 0 or not any(weights)
+    ):
+      raise ValueError(f"need {len(self.levels)} non-negative SFT level weights, got {weights}")
+
 
 def build_task(cfg: CountdownConfig) -> tuple[list[Problem], list[Problem]]:
   """(train, held-out) problems, deterministic in ``cfg``; qids are 0..N-1 per split; a problem's
@@ -157,11 +194,10 @@ def build_task(cfg: CountdownConfig) -> tuple[list[Problem], list[Problem]]:
   for split, (heldout, n) in enumerate(
     ((False, cfg.num_train_per_level), (True, cfg.num_heldout_per_level))
   ):
-    taken: set = set()
     for level, spec in enumerate(cfg.levels):
-      # One stream per (seed, split, level).
+      # One stream per (seed, split, level): resizing one level leaves the others as they were.
       rng = np.random.default_rng([cfg.seed, split, level, 7])
-      for prompt, solution in _problems(spec, n, heldout, cfg.heldout_modulus, rng, taken):
+      for prompt, solution in _problems(spec, cfg.levels, n, heldout, cfg.heldout_modulus, rng):
         splits[split].append(Problem(len(splits[split]), level, prompt, solution))
   return splits
 
@@ -184,7 +220,11 @@ def sft_corpus(cfg: CountdownConfig, num_examples: int, seed: int) -> list[tuple
       if len(drawn) == len(slots):
         break
       candidate = _draw(spec, rng)
-      if candidate is not None and not is_heldout(*candidate[:2], cfg.heldout_modulus):
+      if (
+        candidate is not None
+        and owns(spec, candidate[0], cfg.levels)
+        and not is_heldout(*candidate[:2], cfg.heldout_modulus)
+      ):
         drawn.append((format_prompt(*candidate[:2]), candidate[2]))
     if len(drawn) < len(slots):
       raise ValueError(f"level {spec.name} has no train problems to draw")

@@ -47,14 +47,19 @@ COUNTDOWN_VOCAB: dict[str, int] = {
   tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS + COUNTDOWN_CHARS)
 }
 _COUNTDOWN_VERSION = "countdown-char-v1:" + "|".join(SPECIAL_TOKENS + CHARS + COUNTDOWN_CHARS)
-VARIANTS = ("", "tools", "countdown")
-_VERSIONS = {"": _VERSION, "tools": _TOOLS_VERSION, "countdown": _COUNTDOWN_VERSION}
+# variant -> (its vocabulary, its cache's version marker)
+_VARIANTS = {
+  "": (VOCAB, _VERSION),
+  "tools": (TOOLS_VOCAB, _TOOLS_VERSION),
+  "countdown": (COUNTDOWN_VOCAB, _COUNTDOWN_VERSION),
+}
+VARIANTS = tuple(_VARIANTS)
 
 
 def vocab_size(variant: str = "") -> int:
   """The number of ids of a variant's vocabulary (the model's vocab_size for the built-in tasks)."""
   _version(variant)
-  return len({"": VOCAB, "tools": TOOLS_VOCAB, "countdown": COUNTDOWN_VOCAB}[variant])
+  return len(_VARIANTS[variant][0])
 
 
 def _raw_tokenizer() -> Tokenizer:
@@ -93,7 +98,7 @@ def _raw_tools_tokenizer() -> Tokenizer:
 def _version(variant: str) -> str:
   if variant not in VARIANTS:
     raise ValueError(f"tokenizer variant {variant!r} is not one of {VARIANTS}")
-  return _VERSIONS[variant]
+  return _VARIANTS[variant][1]
 
 
 def _is_cached(cache_dir: Path, variant: str = "") -> bool:

@@ -4,9 +4,9 @@ each once, and equals its target; else 0.0.
 The reference solution carries both: its number literals are the problem's numbers and its value is
 the target, so the verifier needs nothing but (response, solution). The response is read by the
 calculator's parser (``jaxrl.tasks.envs.calculator.evaluate``: bounded, never ``eval``) after a
-check that it holds only digits, ``+``, ``-``, ``*`` and parentheses (no division, no other text);
-a response longer than ``MAX_RESPONSE_CHARS`` scores 0 in O(1). A number literal with a leading zero
-("07") is not one of the problem's numbers.
+check that it holds only digits, ``+``, ``-``, ``*`` and parentheses (no division, no negation, no
+other text); a response longer than ``MAX_RESPONSE_CHARS`` scores 0 in O(1). A number literal with a
+leading zero ("07") is not one of the problem's numbers.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from jaxrl.tasks.rewards.pool import VerifyResult
 MAX_RESPONSE_CHARS = 64
 _ALLOWED = frozenset("0123456789+-*() ")
 _NUMBER = re.compile(r"\d+")
+# A '-' that starts the expression or follows '(' or an operator negates: not an operator of the
+# task (the calculator's grammar allows it).
+_UNARY_MINUS = re.compile(r"(^|[-+*(])\s*-")
 
 
 def _numbers(expression: str) -> list[int] | None:
@@ -38,6 +41,8 @@ def score(response, solution) -> float:
   if not isinstance(response, str) or not isinstance(solution, str):
     return 0.0
   if len(response) > MAX_RESPONSE_CHARS or not set(response) <= _ALLOWED:
+    return 0.0
+  if _UNARY_MINUS.search(response):
     return 0.0
   numbers = _numbers(response)
   if numbers is None or numbers != _numbers(solution):
