@@ -1,8 +1,8 @@
 """Entropy-steering schedules and controllers: E3 temperature, adaptive clip-higher, EEPO gate.
 
 The reference formulas of docs/algorithms.md §0 (`e3_temperature`, `e3_entropy_target`,
-`adaptive_clip`, `clip_saturated`, `eepo_gate`) are plain functions of arrays; the controllers below are built on
-them, never beside them. Controllers look like optax: a factory closes over the static
+`adaptive_clip`, `clip_saturated`, `eepo_gate`) are plain functions of arrays; the controllers
+below are built on them, never beside them. Controllers look like optax: a factory closes over the static
 hyperparameters and returns a NamedTuple of pure functions over a small pytree state, so the
 trainer can run them inside its jitted step; every value they hand out is a traced f32 array.
 
