@@ -232,7 +232,10 @@ def test_a_server_killed_between_turns_is_restarted_and_the_turn_retried(served)
   """The server dies between two turns: the engine restarts it from the current weights and sends
   that turn again, with the same seeds. The rollouts are those of a batch that never failed, and
   the environment answered each call once (the retry does not step it again)."""
-  _, engine, _, _, task = served
+  _, engine, _, params, task = served
+  # The weights the engine holds are the ones a restart loads: push them as their own version, so
+  # the server serves them whatever an earlier test attached to it pushed.
+  engine.set_weights(params, 7)
   ids, mask = task.train_prompt_ids[:4], task.train_prompt_mask[:4]
   counts = np.full(4, 8)
   qids_R = np.repeat(np.arange(4), counts)
