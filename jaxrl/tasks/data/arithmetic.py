@@ -99,14 +99,19 @@ class TaskConfig:
   sft_level_weights: tuple[float, ...] | None = None
 
   def __post_init__(self):
-    if not self.levels:
-      raise ValueError("levels must not be empty")
-    if len(set(self.levels)) != len(self.levels):
-      raise ValueError(f"duplicate level specs: {self.levels}")
-    if self.heldout_modulus < 2:
-      raise ValueError("heldout_modulus must be >= 2 (bucket 0 is held-out, the rest is train)")
-    if min(self.num_train_per_level, self.num_heldout_per_level) < 0:
-      raise ValueError("split sizes must be non-negative")
+    check_splits(self)
+
+
+def check_splits(cfg) -> None:
+  """A built-in task config's levels and split sizes (this task's ``TaskConfig``, countdown's)."""
+  if not cfg.levels:
+    raise ValueError("levels must not be empty")
+  if len(set(cfg.levels)) != len(cfg.levels):
+    raise ValueError(f"duplicate levels: {', '.join(s.name for s in cfg.levels)}")
+  if cfg.heldout_modulus < 2:
+    raise ValueError("heldout_modulus must be >= 2 (bucket 0 is held-out, the rest is train)")
+  if min(cfg.num_train_per_level, cfg.num_heldout_per_level) < 0:
+    raise ValueError("split sizes must be non-negative")
 
 
 def operand_range(digits: int) -> tuple[int, int]:

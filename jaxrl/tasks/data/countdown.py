@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxrl.tasks.data.arithmetic import Problem
+from jaxrl.tasks.data.arithmetic import Problem, check_splits
 
 OPS = ("+", "-", "*")
 MAX_VALUE = 999  # targets and every intermediate of a reference chain
@@ -172,14 +172,7 @@ class CountdownConfig:
   sft_level_weights: tuple[float, ...] | None = None
 
   def __post_init__(self):
-    if not self.levels:
-      raise ValueError("levels must not be empty")
-    if len(set(self.levels)) != len(self.levels):
-      raise ValueError(f"duplicate levels: {', '.join(s.name for s in self.levels)}")
-    if self.heldout_modulus < 2:
-      raise ValueError("heldout_modulus must be >= 2 (bucket 0 is held-out, the rest is train)")
-    if min(self.num_train_per_level, self.num_heldout_per_level) < 0:
-      raise ValueError("split sizes must be non-negative")
+    check_splits(self)
     weights = self.sft_level_weights
     if weights is not None and (
       len(weights) != len(self.levels) or min(weights) < 0 or not any(weights)
