@@ -15,7 +15,8 @@ from run_helpers import ROOT, tiny_config
 from jaxrl.nn import arch, model
 from jaxrl.parallel import sharding
 from jaxrl.run import weights
-from jaxrl.tasks.data.tokenizer import VOCAB
+from jaxrl.tasks import task
+from jaxrl.tasks.data import tokenizer
 
 
 def free_port() -> int:
@@ -70,11 +71,12 @@ def run_ranks(flags, workdir, steps: int, processes: int, devices: int, timeout=
   return errs
 
 
-def checkpoint_params(workdir, step=None, sft=False, **overrides) -> np.ndarray:
-  """All params of checkpoint ``step`` (or the SFT warm start) as one flat vector (a LoRA run's:
-  its adapters on the base it rebuilds, as ``jaxrl-export`` loads them)."""
-  cfg = tiny_config("test", **overrides)
-  model_cfg = arch.model_config(cfg, len(VOCAB))
+def checkpoint_params(workdir, step=None, sft=False, variant="test", **overrides) -> np.ndarray:
+  """All params of checkpoint ``step`` (or the SFT warm start) of a ``configs/tiny.py:VARIANT``
+  run as one flat vector (a LoRA run's: its adapters on the base it rebuilds, as ``jaxrl-export``
+  loads them)."""
+  cfg = tiny_config(variant, **overrides)
+  model_cfg = arch.model_config(cfg, tokenizer.vocab_size(task.tokenizer_variant(cfg)))
   _, abstract = model.abstract(model_cfg)
   shardings = sharding.tree_shardings(abstract, sharding.make_mesh(1, 1, 1))
   if sft:  # the warm start, and a LoRA model's fresh adapters (of the config's seed)

@@ -2,7 +2,8 @@
 (jax.distributed over Gloo, real subprocesses) trains exactly like 1 process with 4 devices, and a
 2-process run resumes from its own checkpoint in a new 2-process run; params split across processes
 are exported whole by each. The runs start RL from one warm start, trained once for the module
-(a 2-process SFT is tests/test_multihost_vllm.py's), so what is compared is the RL steps."""
+(a 2-process SFT is tests/test_multihost_vllm.py's), so what is compared is the RL steps. The same
+holds for multi-turn rollouts with a tool (`tiny:tools`)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,44 @@ def test_two_processes_train_like_one_and_resume(tmp_path, warm_start, overrides
   assert np.linalg.norm(two - one) < 1e-2 * np.linalg.norm(one - start)
   # Files are written once: metrics by process 0 only, a log per process.
   assert (multi / "log.txt").exists() and (multi / "log.process1.txt").exists()
+
+
+# tiny:tools at the test size, on the two easiest levels: 200 SFT steps teach the 32-wide model
+# to call the calculator on them, so that most steps before and after the resume have groups of
+# mixed reward (measured for seed 0: steps 1, 2, 3 and 5).
+TOOLS_FLAGS = [
+  "--config=configs/tiny.py:test,tools",
+  "--config.mesh.fsdp=4",
+  "--config.sft.steps=200",
+  "--config.task.levels=1x1+,2x1+",
+  "--config.task.sft_levels=",
+  "--config.checkpoint.every=2",
+  "--config.seed=0",
+]
+
+
+def test_two_processes_run_multi_turn_rollouts_like_one_and_resume(tmp_path):
+  """Multi-turn rollouts on 2 processes: every process runs the calculator for the rows that
+  called and feeds the same observations to its devices' turns in lockstep. The run equals the
+  1-process one (turns, calls, rewards, losses) and resumes from its own checkpoint."""
+  single, multi = tmp_path / "one_process", tmp_path / "two_processes"
+  run_ranks(TOOLS_FLAGS, single, steps=5, processes=1, devices=4)
+  shutil.copytree(single / "sft", multi / "sft")  # its warm start
+  run_ranks(TOOLS_FLAGS, multi, steps=3, processes=2, devices=2)  # checkpoints at steps 2 and 3
+  errs = run_ranks(TOOLS_FLAGS, multi, steps=5, processes=2, devices=2)
+  assert all("resumed from step 3" in e for e in errs)
+  one, two = read_metrics(single), read_metrics(multi)
+  assert [r["step"] for r in two] == [1, 2, 3, 4, 5]
+  assert all(r["tool_calls_mean"] > 0 for r in one)
+  # The policy moves before the checkpoint the resume starts from, and after it.
+  assert any(r["grad_norm"] > 0 for r in one[:3]) and any(r["grad_norm"] > 0 for r in one[3:])
+  # Compile counts are skipped: they count misses of the workdir's compile cache, which the
+  # 2-process run's first half filled for its second.
+  assert_same_metrics(one, two, rtol=1e-4, skip=[k for k in one[0] if k.startswith("compiles_")])
+  same = dict(variant="test,tools", seed=0, **{"task.levels": "1x1+,2x1+", "task.sft_levels": ""})
+  a, b = checkpoint_params(single, 5, **same), checkpoint_params(multi, 5, **same)
+  start = checkpoint_params(single, sft=True, **same)
+  assert np.linalg.norm(b - a) < 1e-2 * np.linalg.norm(a - start)
 
 
 def test_every_process_exports_the_whole_model(tmp_path):

@@ -156,6 +156,19 @@ def test_the_sft_corpus_shows_the_sft_levels_of_the_train_split_only():
     assert e.call in (None, e.prompt[:-1])
 
 
+def test_sft_levels_take_relative_weights():
+  levels = arithmetic.parse_levels("2x1+,2x2*,5x3*,8x8+")
+  weights = arithmetic.sft_weights(levels, "2x1+, 2x2*, 5x3*:0.1")
+  assert weights == (1.0, 1.0, 0.1, 0.0)
+  tcfg = arithmetic.TaskConfig(levels=levels, reverse_answer=False, sft_level_weights=weights)
+  examples = tool_calls.sft_examples(tcfg, 4200, seed=0)
+  products = sum("*" in e.prompt and len(e.prompt.split("*")[0]) == 5 for e in examples)
+  assert 200 - 45 < products < 200 + 45  # 4200 * 0.1 / 2.1 = 200, binomial sd 14
+  for bad in ("2x1+:0", "2x1+:-1", "2x1+:x", ":2", "2x1+,2x1+:2"):
+    with pytest.raises(ValueError):
+      arithmetic.sft_weights(levels, bad)
+
+
 def test_sft_levels_must_be_levels_of_the_task(tmp_path):
   with pytest.raises(ConfigError, match=r"^config\.task\.sft_levels: 9\+9 not among the levels"):
     load_task(tiny_config("tools,test", **{"task.sft_levels": "9x9+"}), str(tmp_path))

@@ -167,10 +167,9 @@ class JaxEngine:
   ) -> Rollouts:
     counts_B = np.asarray(counts_B, np.int32)
     if self._turns is not None:
-      out = self._multiturn(
+      return self._multiturn(
         prompt_ids_BxP, prompt_mask_BxP, counts_B, temperature, key, max_new_tokens, greedy, respond
       )
-      return distributed.to_host(out) if jax.process_count() > 1 else out
     if respond is not None:
       raise ValueError("respond is for an engine built with turns (multi-turn)")
     out = sampler.generate(
@@ -199,7 +198,7 @@ class JaxEngine:
       if self._respond_factory is None:
         raise ValueError("a multi-turn JaxEngine needs respond= or a respond_factory")
       respond = self._respond_factory(np.repeat(np.arange(len(counts_B)), counts_B))
-    out, self.turn_counts = multiturn.generate(
+    out_and_counts = multiturn.generate(
       self._graphdef,
       self._live_params(),
       ids_BxP,
@@ -216,5 +215,9 @@ class JaxEngine:
       pad_id=self._pad,
       model_cfg=self._model_cfg,
       greedy=greedy,
+    )
+    # Several processes: every one sees all rollouts and their turn counts, as single-turn.
+    out, self.turn_counts = (
+      distributed.to_host(out_and_counts) if jax.process_count() > 1 else out_and_counts
     )
     return out
