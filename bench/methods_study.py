@@ -11,13 +11,21 @@ first method's). Every run evaluates held-out pass@k with ``eval.num_samples`` s
 question (32 by default, for pass@32) every ``--eval-every`` steps, keeping each question's
 correct count. A finished cell is summarised as one JSON line in ``--root/cells.jsonl`` and kept:
 the command resumes (a stopped run resumes from its checkpoint). ``--out`` gets the markdown
-summary (study_report.py) and, beside it, the JSON lines of the study's cells.
+summary (study_report.py), beside it the JSON lines of the study's cells and, in ``STEM_figures/``,
+one figure per paper and task of the paper's own per-step metric (study_figures.py).
 
 Methods (``METHODS``): ``grpo`` is plain GRPO, the loss's denominator counting every token
 (``loss.informative_only=False``); ``informative_only`` is ``configs/tiny.py:grpo`` as it is (the
 denominator counts only the groups with a learning signal: DAPO's filter without resampling);
 ``dapo`` adds DAPO's dynamic sampling (``rollout.dynamic_sampling``: rounds until B informative
 groups); ``e3``, ``dynamo``, ``eepo``, ``es`` and ``all`` are the presets of ``configs/tiny.py``.
+Two more methods bound what ES's controller can reach: ``es_floor`` and ``es_ceiling`` are the
+``es`` preset with ε_high fixed (``clip.method=fixed``, ``loss.eps_high``) at the preset's
+``clip.c_min`` / ``clip.c_max``. The entropies they reach are the feasible range: a target outside
+it cannot be tracked however the controller steers. They are not run by default:
+
+  PYTHONPATH=. .venv/bin/python bench/methods_study.py --methods es es_floor es_ceiling
+
 Tasks (``TASKS``): the arithmetic task, and ``countdown`` (the variant ``configs/tiny.py:…,countdown``).
 """
 
@@ -27,6 +35,7 @@ import concurrent.futures as cf
 import dataclasses
 import glob
 import json
+import math
 import os
 import re
 import shlex
@@ -36,7 +45,7 @@ import threading
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench import study_report, tiny_runs  # noqa: E402
+from bench import study_figures, study_report, tiny_runs  # noqa: E402
 from bench.study_stats import cumulative_tokens  # noqa: E402
 from jaxrl.workdir.metric_writers import read_jsonl  # noqa: E402
 
@@ -50,7 +59,11 @@ METHODS = {
   "eepo": ("eepo", ()),
   "es": ("es", ()),
   "all": ("all", ()),
+  # ε_high fixed at the es preset's clip.c_min / clip.c_max (configs/tiny.py keeps the schema's)
+  "es_floor": ("es", ("clip.method=fixed", "loss.eps_high=0.2")),
+  "es_ceiling": ("es", ("clip.method=fixed", "loss.eps_high=0.4")),
 }
+DEFAULT_METHODS = [m for m in METHODS if m not in ("es_floor", "es_ceiling")]
 TASKS = {"arithmetic": "", "countdown": "countdown"}  # name -> variant of configs/tiny.py
 KS = (1, 8, 32)
 CELLS = "cells.jsonl"
@@ -113,7 +126,8 @@ def cell_key(study: Study, method: str, task: str, seed: int) -> dict:
 def cell_record(study: Study, method: str, task: str, seed: int) -> dict:
   """A finished cell as one JSON line: per evaluation its step, the tokens generated before it and
   each held-out question's correct count (levels in order); the run's generated tokens, RL wall
-  time (the steps' own, without evaluation and the warm start) and zero-advantage share."""
+  time (the steps' own, without evaluation and the warm start) and zero-advantage share; the
+  papers' per-step metrics (``step_series``) for the figures."""
   workdir = study.workdir(method, task, seed)
   by_step = {r["step"]: r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"))}
   rows = [by_step[s] for s in range(1, study.steps + 1)]  # a resumed run logs a step again
@@ -140,7 +154,23 @@ def cell_record(study: Study, method: str, task: str, seed: int) -> dict:
     rl_seconds=float(sum(r["step_time"] for r in rows)),
     zero_adv_share=1.0 - sum(r["informative_frac"] for r in rows) / len(rows),
     evals=evals,
+    series=step_series(rows),
   )
+
+
+def _value(v) -> float | None:
+  """A metric as the record keeps it: 4 significant digits; None for NaN (written "nan") or
+  absent."""
+  if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+    return float(f"{v:.4g}")
+  return None
+
+
+def step_series(rows: list[dict]) -> dict:
+  """Per ``study_figures.SERIES_KEYS`` metric, its value at each of the steps ``rows`` (1..T);
+  a metric the run never gave a value is left out."""
+  series = {key: [_value(r.get(key)) for r in rows] for key in study_figures.SERIES_KEYS}
+  return {k: v for k, v in series.items() if any(x is not None for x in v)}
 
 
 class Cells:
@@ -188,7 +218,7 @@ def parse_args(argv=None):
   ap = tiny_runs.evidence_parser(
     200, "runs/methods_study", "bench/results/methods_study.md", seeds=range(5)
   )
-  ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+  ap.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(METHODS))
   ap.add_argument("--tasks", nargs="+", default=["arithmetic"], choices=list(TASKS))
   ap.add_argument("--eval-every", type=int, default=50)
   ap.add_argument("--eval-samples", type=int, default=32)
@@ -216,8 +246,11 @@ def main(argv=None):
     records = [r for c in cell_ids if (r := cells.find(c)) is not None]
   else:
     records = run_study(study, args.methods, args.tasks, args.seeds, args.jobs)
-  text = study_report.report(study, records, args.resamples, args.jobs)
-  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+  out_dir = os.path.dirname(args.out) or "."
+  written = study_figures.figures(records, os.path.splitext(args.out)[0] + "_figures")
+  figs = [os.path.relpath(p, out_dir) for p in written]  # links relative to the markdown
+  text = study_report.report(study, records, args.resamples, args.jobs, figs)
+  os.makedirs(out_dir, exist_ok=True)
   with open(args.out, "w") as f:
     f.write(text)
   with open(os.path.splitext(args.out)[0] + ".jsonl", "w") as f:

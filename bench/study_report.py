@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from bench.study_stats import at_budget, bootstrap_ci
@@ -97,8 +99,17 @@ def cell_line(rec: dict) -> str:
   )
 
 
-def report(study, records: list[dict], resamples: int = 2000, jobs: int = 1) -> str:
-  """The whole summary: how it was measured, a table per task, the command of every cell."""
+def figure_lines(figures) -> list[str]:
+  """A line per figure (paths relative to the summary), named by its file: TASK_PAPER.png."""
+  if not figures:
+    return []
+  lines = ["\n## Figures\n", "Each paper's own per-step metric, mean over seeds, band min–max:\n"]
+  return lines + [f"![{os.path.splitext(os.path.basename(p))[0]}]({p})\n" for p in figures]
+
+
+def report(study, records: list[dict], resamples: int = 2000, jobs: int = 1, figures=()) -> str:
+  """The whole summary: how it was measured, a table per task, links to the ``figures`` (paths
+  relative to the summary), the command of every cell."""
   tasks = list(dict.fromkeys(r["task"] for r in records))
   seeds = sorted({r["seed"] for r in records})
   lines = [
@@ -124,6 +135,7 @@ def report(study, records: list[dict], resamples: int = 2000, jobs: int = 1) -> 
   for task in tasks:
     lines.append(f"\n## {task}\n")
     lines += task_table([r for r in records if r["task"] == task], resamples)
+  lines += figure_lines(figures)
   rerun = study.root.rstrip("/") + "-rerun"
   lines += [
     "\n## Rerunning a cell\n",

@@ -1,28 +1,33 @@
-"""bench/methods_study.py: cells read from run directories, the summary's numbers, the command of a
-cell; fast tests on hand-written runs, and one slow end-to-end study of real tiny runs."""
+"""bench/methods_study.py: cells read from run directories (with the papers' per-step metrics), the
+summary's numbers, its figures (bench/study_figures.py), the command of a cell, the methods' configs;
+fast tests on hand-written runs, and one slow end-to-end study of real tiny runs."""
 
 import json
 import os
 import shlex
 
 import pytest
+from run_helpers import tiny_config
 
-from bench import methods_study, study_report
+from bench import methods_study, study_figures, study_report
 from bench.methods_study import Study
+from jaxrl.methods.registry import CLIPS
 
 STUDY = Study(root="runs/s", steps=4, eval_every=2, eval_samples=4)
 
 
-def fake_run(workdir, tokens_T, correct_by_step):
-  """A finished run: metrics rows of ``tokens_T`` generated tokens (step 3 logged twice, as a
-  resumed run does: the later row counts), and per evaluated step the correct counts of 4
-  samples per question, by level."""
+def fake_run(workdir, tokens_T, correct_by_step, metrics_T=None):
+  """A finished run: metrics rows of ``tokens_T`` generated tokens and the step's ``metrics_T``
+  (step 3 logged twice, as a resumed run does: the later row counts), and per evaluated step the
+  correct counts of 4 samples per question, by level."""
   os.makedirs(workdir)
   rows = [
-    dict(step=i + 1, generated_tokens=t, step_time=2.0, informative_frac=0.25)
-    for i, t in enumerate(tokens_T)
+    dict(step=i + 1, generated_tokens=t, step_time=2.0, informative_frac=0.25, **m)
+    for i, (t, m) in enumerate(zip(tokens_T, metrics_T or [{}] * len(tokens_T)))
   ]
-  rows.insert(2, dict(rows[2], generated_tokens=999.0))  # the row of the run stopped in step 3
+  rows.insert(
+    2, dict(rows[2], generated_tokens=999.0, frac_all_wrong=0.999)
+  )  # the row of the run stopped in step 3
   with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
     f.writelines(json.dumps(r) + "\n" for r in rows)
   for step, correct in correct_by_step.items():
@@ -53,17 +58,132 @@ def test_cell_record_reads_tokens_evaluations_and_step_metrics(tmp_path):
   ]
 
 
-def _record(method, seed, evals, tokens):
-  return dict(
+def _record(method, seed, evals, tokens, series=None, task="arithmetic", num_samples=4):
+  rec = dict(
     method=method,
-    task="arithmetic",
+    task=task,
     seed=seed,
     steps=4,
     tokens=tokens,
     rl_seconds=8.0,
     zero_adv_share=0.5,
-    evals=[dict(step=s, tokens=t, num_samples=4, correct=c) for s, t, c in evals],
+    evals=[dict(step=s, tokens=t, num_samples=num_samples, correct=c) for s, t, c in evals],
   )
+  return rec if series is None else dict(rec, series=series)
+
+
+def test_cell_record_keeps_the_papers_per_step_metrics(tmp_path):
+  """Rounded to 4 significant digits; NaN (written "nan") and steps without the metric as None;
+  metrics the run never gave a value (never logged, NaN throughout) left out."""
+  study = Study(str(tmp_path), 4, 2, 4)
+  metrics_T = [
+    dict(frac_all_wrong=0.5, eepo_entropy_ratio="nan", clip_target="nan"),
+    dict(frac_all_wrong=0.123456, eepo_entropy_ratio=1.5, clip_target="nan"),
+    dict(frac_all_wrong=0.25, eepo_entropy_ratio="nan", clip_target="nan"),
+    dict(frac_all_wrong=0.0, eepo_entropy_ratio=0.9, clip_target="nan"),
+  ]
+  metrics_T[1]["dynamo_grad_var_ratio"] = 0.75  # measured on step 2 only
+  fake_run(
+    study.workdir("eepo", "arithmetic", 0), [1.0] * 4, {0: {"1": [1]}, 4: {"1": [2]}}, metrics_T
+  )
+  rec = methods_study.cell_record(study, "eepo", "arithmetic", 0)
+  assert rec["series"] == {
+    "frac_all_wrong": [0.5, 0.1235, 0.25, 0.0],
+    "dynamo_grad_var_ratio": [None, 0.75, None, None],
+    "eepo_entropy_ratio": [None, 1.5, None, 0.9],
+  }
+  json.dumps(rec, allow_nan=False)  # a plain JSON line
+
+
+def _series(steps=4, **values):
+  """A record's ``series``: each metric constant over ``steps`` steps (None: NaN)."""
+  return {k: [v] * steps for k, v in values.items()}
+
+
+def _evals(correct_end):
+  return [(0, 0.0, [8, 8]), (4, 100.0, correct_end)]
+
+
+def figure_records() -> list[dict]:
+  """Two seeds of every method whose paper has a figure, on arithmetic; on countdown an e3 cell
+  and an older record without series."""
+  e3 = dict(frac_all_wrong=0.3, entropy_rel_init=0.9)
+  es = dict(entropy_rollout=0.3, clip_target=0.25, clip_saturated=1.0, eps_high=0.4)
+  cells = {
+    "grpo": dict(frac_all_wrong=0.4, eps_high=0.28),
+    "e3": e3,
+    "dynamo": dict(frac_all_wrong=0.4, dynamo_grad_var_ratio=0.8),
+    "eepo": dict(frac_all_wrong=0.4, eepo_entropy_ratio=1.2),
+    "es": es,
+    "es_floor": dict(entropy_rollout=0.2, eps_high=0.2),
+    "es_ceiling": dict(entropy_rollout=0.35, eps_high=0.4),
+  }
+  records = [
+    _record(m, s, _evals([16, 8 + s]), 100.0, _series(**v), num_samples=32)
+    for m, v in cells.items()
+    for s in (0, 1)
+  ]
+  records[-1]["series"]["entropy_rollout"][1] = None  # a step a seed has no value on
+  return records + [
+    _record("e3", 0, _evals([16, 8]), 100.0, _series(**e3), task="countdown", num_samples=32),
+    _record("grpo", 0, _evals([16, 8]), 100.0, task="countdown", num_samples=32),
+  ]
+
+
+def test_figures_are_drawn_for_the_papers_whose_metrics_the_records_carry(tmp_path):
+  out = str(tmp_path / "figs")
+  written = study_figures.figures(figure_records(), out)
+  names = ["arithmetic_e3", "arithmetic_dynamo", "arithmetic_eepo", "arithmetic_es", "countdown_e3"]
+  assert written == [os.path.join(out, n + ".png") for n in names]
+  for path in written:
+    with open(path, "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  assert study_figures.seed_stats(figure_records(), "es_ceiling", "entropy_rollout")[1][1] == 0.35
+
+
+def test_older_records_without_series_report_and_draw_nothing(tmp_path):
+  old = [_record(m, 0, _evals([16, c]), 100.0, num_samples=32) for m, c in (("grpo", 8), ("e3", 9))]
+  assert study_figures.figures(old, str(tmp_path / "figs")) == []
+  assert not os.path.exists(tmp_path / "figs")
+  text = study_report.report(STUDY, old, resamples=10)
+  assert "| e3 | 1 |" in text and "## Figures" not in text
+
+
+def test_the_summary_links_the_figures_written_beside_it(tmp_path):
+  """--summarize-only over hand-written cells: the figures in STEM_figures/, a line per figure."""
+  study = Study(str(tmp_path / "study"), 4, 2, 4)
+  cells = methods_study.Cells(study)
+  for method, ratio in (("grpo", "nan"), ("e3", 0.8)):
+    metrics_T = [dict(frac_all_wrong=0.5, entropy_rel_init=ratio)] * 4
+    fake_run(
+      study.workdir(method, "arithmetic", 0), [1.0] * 4, {0: {"1": [1]}, 4: {"1": [2]}}, metrics_T
+    )
+    cells.add(methods_study.cell_record(study, method, "arithmetic", 0))
+  out = str(tmp_path / "out" / "study.md")
+  methods_study.main([
+    "--root", study.root, "--out", out, "--steps", "4", "--eval-every", "2", "--eval-samples", "4",
+    "--methods", "grpo", "e3", "--seeds", "0", "--summarize-only",
+  ])  # fmt: skip
+  assert os.path.exists(tmp_path / "out" / "study_figures" / "arithmetic_e3.png")
+  text = open(out).read()
+  assert "![arithmetic_e3](study_figures/arithmetic_e3.png)" in text
+  assert "dynamo" not in text.split("## Figures")[1].split("##")[0]
+
+
+def test_the_es_bounds_fix_the_clip_at_the_presets_range_and_run_only_when_asked(tmp_path):
+  assert methods_study.parse_args(["--root", str(tmp_path)]).methods == [
+    "grpo", "informative_only", "dapo", "e3", "dynamo", "eepo", "es", "all",
+  ]  # fmt: skip
+  es = tiny_config("es").clip
+  for method, bound in (("es_floor", es.c_min), ("es_ceiling", es.c_max)):
+    preset, overrides = methods_study.METHODS[method]
+    assert (preset, overrides) == ("es", ("clip.method=fixed", f"loss.eps_high={bound}"))
+    cfg = tiny_config(
+      "es", **{"clip.method": "fixed", "loss.eps_high": float(overrides[1].split("=")[1])}
+    )
+    clip = CLIPS[cfg.clip.method](cfg)
+    assert float(clip.current(clip.init())) == pytest.approx(bound)  # a fixed clip is eps_high
+    assert cfg.loss.mini_batches == tiny_config("es").loss.mini_batches  # the rest is es's
 
 
 def test_report_matches_pass_at_k_and_the_equal_token_budget():
