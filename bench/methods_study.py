@@ -55,10 +55,12 @@ METHODS = {
   "informative_only": ("grpo", ()),
   "dapo": ("grpo", ("rollout.dynamic_sampling=True",)),
   "e3": ("e3", ()),
-  "dynamo": ("dynamo", ()),
+  # DynaMO's own metric: its allocation's gradient variance against uniform allocation at the
+  # same budget, measured every 25 steps (the training is bit-identical with it on).
+  "dynamo": ("dynamo", ("diagnostics.grad_variance_every=25",)),
   "eepo": ("eepo", ()),
   "es": ("es", ()),
-  "all": ("all", ()),
+  "all": ("all", ("diagnostics.grad_variance_every=25",)),
   # ε_high fixed at the es preset's clip.c_min / clip.c_max (configs/tiny.py keeps the schema's)
   "es_floor": ("es", ("clip.method=fixed", "loss.eps_high=0.2")),
   "es_ceiling": ("es", ("clip.method=fixed", "loss.eps_high=0.4")),
