@@ -11,9 +11,9 @@ from run_helpers import tiny_config
 
 from jaxrl.nn import arch
 from jaxrl.run.train import Trainer
+from jaxrl.tasks.arithmetic_task import task_config
 from jaxrl.tasks.data import arithmetic
 from jaxrl.tasks.data.tokenizer import VOCAB
-from jaxrl.tasks.task import task_config
 
 PRESETS = ("grpo", "e3", "dynamo", "eepo", "es", "all")
 

@@ -143,8 +143,9 @@ def architecture(cfg: Config) -> tuple[model.ModelConfig, str]:
   if m.checkpoint and arch.checkpoint_error(cfg) is None:
     return arch.model_config(cfg), f"config.json of {m.checkpoint}"
   vocab = m.vocab_size
-  if not vocab and cfg.task.name != "math":
-    from jaxrl.tasks import task
+  from jaxrl.tasks import task
+
+  if not vocab and cfg.task.name in task.BUILTIN_TASKS:
     from jaxrl.tasks.data.tokenizer import vocab_size
 
     vocab = vocab_size(task.tokenizer_variant(cfg))
@@ -161,10 +162,10 @@ def prompt_len(cfg: Config) -> int:
   """P as the task pads prompts: task.max_prompt_len, or a built-in task's longest + BOS."""
   if cfg.task.max_prompt_len:
     return cfg.task.max_prompt_len
-  if cfg.task.name == "math":
-    raise ConfigError("task.max_prompt_len", "the plan needs a fixed prompt length: set it")
   from jaxrl.tasks import task
 
+  if cfg.task.name not in task.BUILTIN_TASKS:
+    raise ConfigError("task.max_prompt_len", "the plan needs a fixed prompt length: set it")
   return task.prompt_len(cfg)
 
 

@@ -1,5 +1,5 @@
-"""The countdown task (``task.name = "countdown"``): its config, prompt length and the parts of
-``TaskData`` that differ from the arithmetic task (``jaxrl.tasks.task.load_task`` builds the rest).
+"""The countdown task (``task.name = "countdown"``): its config, prompt length and ``TaskData``
+fields.
 
 Its levels are ``jaxrl.tasks.data.countdown`` specs ("4n19"); its vocabulary is the tokenizer's
 ``countdown`` variant; its scorer checks each response's expression in process
@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from jaxrl.config import Config, ConfigError
 from jaxrl.config.phases import shortest_response
+from jaxrl.tasks import builtin
 from jaxrl.tasks.data import arithmetic, countdown
+from jaxrl.tasks.data import tokenizer as vocab
 from jaxrl.tasks.rewards.countdown import CountdownScorer
 
 NAME = "countdown"
-TOKENIZER = "countdown"  # jaxrl.tasks.data.tokenizer's variant
 
 
 def task_config(cfg: Config) -> countdown.CountdownConfig:
@@ -47,19 +48,26 @@ def check(cfg: Config) -> None:
     )
 
 
+def tokenizer_variant(cfg: Config) -> str:
+  """``jaxrl.tasks.data.tokenizer``'s variant: the default ids and ``, : ( )``."""
+  return "countdown"
+
+
 def prompt_len(cfg: Config) -> int:
   """P: task.max_prompt_len, or the longest prompt of the levels + BOS."""
   return cfg.task.max_prompt_len or countdown.max_lengths(task_config(cfg).levels)[0] + 1
 
 
-def problems(cfg: Config):
-  """(train, held-out) problems."""
-  return countdown.build_task(task_config(cfg))
-
-
-def sft_pairs(cfg: Config, num_examples: int, seed: int) -> list[tuple[str, str]]:
-  return countdown.sft_corpus(task_config(cfg), num_examples, seed)
-
-
-def scorer() -> CountdownScorer:
-  return CountdownScorer()
+def load(cfg: Config, tokenizer_dir: str) -> dict:
+  check(cfg)
+  tcfg = task_config(cfg)
+  tok = vocab.build_tokenizer(tokenizer_dir, tokenizer_variant(cfg))
+  p, n = prompt_len(cfg), cfg.rollout.max_new_tokens
+  num_sft, sft_seed = builtin.sft_draws(cfg)
+  train, heldout = countdown.build_task(tcfg)
+  pairs = countdown.sft_corpus(tcfg, num_sft, sft_seed)
+  return dict(
+    **builtin.fields(tok, [s.name for s in tcfg.levels], train, heldout, p),
+    **builtin.sft_fields(tok, pairs, p, n),
+    scorer=CountdownScorer(),
+  )

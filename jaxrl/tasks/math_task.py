@@ -17,6 +17,7 @@ import numpy as np
 from jaxrl.config import Config, ConfigError
 from jaxrl.tasks.data import datasets, math_prompts
 from jaxrl.tasks.data.cursor import Mixture
+from jaxrl.tasks.envs.registry import build_environment
 from jaxrl.tasks.rewards.math import MATH_REWARD, WARM_UP, answer_window
 from jaxrl.tasks.rewards.pool import VerifierPool
 
@@ -116,8 +117,9 @@ class MathScorer:
     self.pool.close()
 
 
-def load(cfg: Config) -> dict:
-  """The fields of a ``TaskData`` for the math task (``jaxrl.tasks.task.load_task`` builds it)."""
+def load(cfg: Config, tokenizer_dir: str) -> dict:
+  """The fields of a ``TaskData`` for the math task (``jaxrl.tasks.task.load_task`` builds it);
+  the tokenizer is the checkpoint's (``tokenizer_dir`` is for the built-in tasks)."""
   d = cfg.data
   tokenizer = math_prompts.load_tokenizer(cfg.model.checkpoint)
   stops = math_prompts.stop_token_ids(cfg.model.checkpoint, tokenizer)
@@ -169,4 +171,5 @@ def load(cfg: Config) -> dict:
     sft_target_mask=empty_tgt.astype(bool),
     scorer=MathScorer(cfg),
     base_mixture=mixture,
+    environment=build_environment(cfg, tokenizer),
   )

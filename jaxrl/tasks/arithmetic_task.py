@@ -1,0 +1,73 @@
+"""The arithmetic task (``task.name = "arithmetic"``, the embedded default): its config, prompt
+length and ``TaskData`` fields.
+
+Its levels are ``jaxrl.tasks.data.arithmetic`` specs ("5x3*"); answers are scored by exact match
+in process. With ``task.environment = "calculator"`` it is its tools form
+(``jaxrl.tasks.tools_task``): the tools vocabulary, an SFT corpus of calls whose environment
+tokens are not learned, the final answer after the last result scored.
+"""
+
+from __future__ import annotations
+
+from jaxrl.config import Config, ConfigError
+from jaxrl.tasks import builtin, tools_task
+from jaxrl.tasks.data import arithmetic, tool_calls
+from jaxrl.tasks.data import tokenizer as vocab
+from jaxrl.tasks.envs import calculator
+from jaxrl.tasks.envs.registry import build_environment
+from jaxrl.tasks.rewards.arithmetic import FinalAnswerScorer
+
+NAME = "arithmetic"
+
+
+def task_config(cfg: Config) -> arithmetic.TaskConfig:
+  levels = arithmetic.parse_levels(cfg.task.levels)
+  try:
+    sft_weights = arithmetic.sft_weights(levels, cfg.task.sft_levels)
+  except ValueError as e:
+    raise ConfigError("task.sft_levels", str(e)) from None
+  return arithmetic.TaskConfig(
+    levels=levels,
+    sft_level_weights=sft_weights,
+    num_train_per_level=cfg.task.num_train_per_level,
+    num_heldout_per_level=cfg.task.num_heldout_per_level,
+    seed=cfg.seed,
+    reverse_answer=cfg.task.reverse_answer,
+    digit_width=cfg.task.digit_width,
+  )
+
+
+def tokenizer_variant(cfg: Config) -> str:
+  """``jaxrl.tasks.data.tokenizer``'s variant: the tools vocabulary with the calculator."""
+  return "tools" if cfg.task.environment == calculator.NAME else ""
+
+
+def prompt_len(cfg: Config) -> int:
+  """P: task.max_prompt_len, or the longest prompt of the levels + BOS."""
+  tcfg = task_config(cfg)
+  return cfg.task.max_prompt_len or arithmetic.max_lengths(tcfg.levels, tcfg.digit_width)[0] + 1
+
+
+def load(cfg: Config, tokenizer_dir: str) -> dict:
+  tools = cfg.task.environment == calculator.NAME
+  if tools:
+    tools_task.check(cfg)
+  tcfg = task_config(cfg)
+  tok = vocab.build_tokenizer(tokenizer_dir, tokenizer_variant(cfg))
+  p, n = prompt_len(cfg), cfg.rollout.max_new_tokens
+  num_sft, sft_seed = builtin.sft_draws(cfg)
+  environment = build_environment(cfg, tok)
+  train, heldout = arithmetic.build_task(tcfg)
+  if tools:
+    examples = tool_calls.sft_examples(tcfg, num_sft, sft_seed)
+    sft = tools_task.sft_arrays(tok, environment, examples, p, n)
+    scorer = FinalAnswerScorer(calculator.RESULT_CLOSE)
+  else:
+    sft = builtin.sft_fields(tok, arithmetic.sft_corpus(tcfg, num_sft, seed=sft_seed), p, n)
+    scorer = None
+  return dict(
+    **builtin.fields(tok, [s.name for s in tcfg.levels], train, heldout, p),
+    **sft,
+    scorer=scorer,
+    environment=environment,
+  )

@@ -1,0 +1,56 @@
+"""What the built-in tasks (arithmetic, countdown) share: a character vocabulary built in code,
+problems as (prompt, answer, level) texts, and an SFT corpus drawn fresh for every step.
+
+Each one's module gives ``load(cfg, tokenizer_dir)`` the ``TaskData`` fields from these helpers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxrl import rng
+from jaxrl.config import Config
+from jaxrl.tasks.data.prompts import encode_completions, encode_prompts
+
+
+def sft_draws(cfg: Config) -> tuple[int, int]:
+  """(examples, seed) of the SFT corpus: fresh examples for every step (drawing is cheap), so the
+  warm start never repeats one."""
+  return max(cfg.sft.steps, 1) * cfg.sft.batch_size, rng.numpy_seed(cfg.seed, rng.SFT)
+
+
+def fields(tok, level_names: Sequence[str], train, heldout, p: int) -> dict:
+  """The tokenizer's and both splits' ``TaskData`` fields; prompts left-padded to ``p``."""
+  return dict(
+    tokenizer=tok,
+    vocab_size=len(tok),
+    pad_id=tok.pad_token_id,
+    eos_id=tok.eos_token_id,
+    level_names=tuple(level_names),
+    **_split("train", tok, train, p),
+    **_split("heldout", tok, heldout, p),
+  )
+
+
+def _split(name: str, tok, problems, p: int) -> dict:
+  ids, mask = encode_prompts(tok, [q.prompt for q in problems], p)
+  return {
+    f"{name}_prompt_ids": ids,
+    f"{name}_prompt_mask": mask,
+    f"{name}_answers": np.asarray([q.answer for q in problems], dtype=object),
+    f"{name}_levels": np.asarray([q.level for q in problems], np.int32),
+  }
+
+
+def sft_fields(tok, pairs: list[tuple[str, str]], p: int, n: int) -> dict:
+  """The SFT fields of (prompt, completion) pairs: every completion token is learned."""
+  sft_ids, sft_mask = encode_prompts(tok, [a for a, _ in pairs], p)
+  tgt_ids, tgt_mask = encode_completions(tok, [b for _, b in pairs], n)
+  return dict(
+    sft_prompt_ids=sft_ids,
+    sft_prompt_mask=sft_mask,
+    sft_target_ids=tgt_ids,
+    sft_target_mask=tgt_mask,
+  )
