@@ -9,8 +9,8 @@ its SFT corpus answers every level in the head, its rollouts are single-turn. Wr
 (markdown) and a PNG beside it:
   - held-out pass@1 per level after SFT and after RL, both settings (mean over seeds, and the
     per-seed range);
-  - on the hard levels (the ones no SFT example shows), the share of samples solved with a tool
-    call (``solved_with_call`` of the evaluation);
+  - on the hard levels (rare in the SFT corpus), the share of samples that call the calculator
+    and the share solved with a call (``solved_with_call`` of the evaluation);
   - the mean model turns and tool calls per trajectory over training.
 """
 
@@ -53,15 +53,14 @@ def _metrics(path: str) -> list[dict]:
 
 
 def level_names() -> tuple[list[str], list[str]]:
-  """The levels' names in the evaluation's order, and those of the SFT corpus."""
+  """The levels' names in the evaluation's order, and those of the hard levels."""
   sys.path.insert(0, os.path.join(ROOT, "configs"))
-  from tiny import get_config
+  from tiny import TOOLS_HARD_LEVELS, get_config
 
   from jaxrl.tasks.data.arithmetic import parse_levels
 
-  task = get_config("tools").task
-  return [s.name for s in parse_levels(task.levels)], [
-    s.name for s in parse_levels(task.sft_levels)
+  return [s.name for s in parse_levels(get_config("tools").task.levels)], [
+    s.name for s in parse_levels(TOOLS_HARD_LEVELS)
   ]
 
 
@@ -72,8 +71,8 @@ def _cell(values) -> str:
 
 
 def summarize(root: str, seeds, steps: int) -> tuple[str, dict]:
-  names, sft_names = level_names()
-  hard = [i for i, n in enumerate(names) if n not in sft_names]
+  names, hard_names = level_names()
+  hard = [i for i, n in enumerate(names) if n in hard_names]
   evals = {
     (setting, when): [
       _json(os.path.join(workdir(root, setting, s), f"eval_{when}.json")) for s in seeds
@@ -85,9 +84,8 @@ def summarize(root: str, seeds, steps: int) -> tuple[str, dict]:
   lines = [
     f"# Multi-turn rollouts with a calculator: `tiny:tools` with and without the tool "
     f"({steps} RL steps, seeds {list(seeds)})\n",
-    "Held-out pass@1 (%, mean over seeds and the seeds' range); hard levels (no SFT example): "
-    + ", ".join(names[i] for i in hard)
-    + ".\n",
+    "Held-out pass@1 (%, mean over seeds and the seeds' range); hard levels (1% of the SFT "
+    "corpus each): " + ", ".join(names[i] for i in hard) + ".\n",
     "| level | " + " | ".join(f"{s}, {w}" for s in SETTINGS for w in ("SFT", "RL")) + " |",
     "|---|---|---|---|---|",
   ]
@@ -102,15 +100,18 @@ def summarize(root: str, seeds, steps: int) -> tuple[str, dict]:
 
   lines += [
     "\n## Hard levels solved with a tool call\n",
-    "Share of the held-out samples that are correct and called the calculator, beside pass@1 "
-    "(%, mean over seeds).\n",
-    "| level | SFT: solved | SFT: solved with a call | RL: solved | RL: solved with a call |",
-    "|---|---|---|---|---|",
+    "Calculator calls per held-out sample; the share of samples that are correct, and that are "
+    "correct and called it (%) (mean over seeds and the seeds' range).\n",
+    "| level | SFT: calls | SFT: solved | SFT: solved with a call "
+    "| RL: calls | RL: solved | RL: solved with a call |",
+    "|---|---|---|---|---|---|---|",
   ]
   for i in hard:
     cells = []
     for when in ("sft", after):
       tool = evals[("tool", when)]
+      calls = [e["turns"]["tool_calls"][str(i)] for e in tool]
+      cells.append(f"{np.mean(calls):.2f} ({min(calls):.2f}–{max(calls):.2f})")
       cells.append(_cell([e["pass_at"]["1"][str(i)] for e in tool]))
       cells.append(_cell([e["turns"]["solved_with_call"][str(i)] for e in tool]))
     lines.append(f"| {names[i]} | " + " | ".join(cells) + " |")

@@ -28,6 +28,11 @@ PRESETS = ("grpo", "e3", "dynamo", "eepo", "es", "all")
 SIZES = ("quick", "test")
 PHASES = ("anneal",)
 TASKS = ("tools", "countdown")
+# tiny:tools' levels: those shown in its SFT corpus, and the hard ones (products and long sums a
+# 0.8M model cannot compute in its head), rare in the corpus.
+TOOLS_SHOWN_LEVELS = "2x1+,2x2+,2x1*,2x2*,5x1+,3x2+,3x3+,5x5-"
+TOOLS_HARD_LEVELS = "3x2*,3x3*,5x5+"
+TOOLS_HARD_SFT_WEIGHT = 0.1  # relative to 1 for each of the other levels
 VARIANTS = PRESETS + SIZES + PHASES + TASKS  # listed by --help
 
 
@@ -89,19 +94,23 @@ def _apply_size(c, name: str) -> None:
 
 def _apply_tools(c) -> None:
   """The arithmetic task with the calculator environment (jaxrl/tasks/envs/calculator.py): levels a
-  tiny model learns in its head, long ones it cannot, and three hard levels (5-digit x 3-digit
-  products, sums of 6 and 8 digit numbers) it solves only by calling the calculator and copying its
-  result. Numbers are written as usual, so that a result is copied as it is."""
+  tiny model learns in its head, and others it cannot compute there (numbers are written
+  most-significant digit first, so a sum's carries come before the digits that cause them):
+  3-digit sums, 5-digit differences and, hardest, 3-digit products and 5-digit sums. It solves
+  those by calling the calculator and copying its result."""
   c.task.environment = "calculator"
   c.task.digit_width = 0
   c.task.reverse_answer = False
-  # The SFT corpus calls on half its examples. A tiny model copies only operand lengths it has seen
-  # copied (calls on 6+6 sums with 5+1 and 8+1 shown came out as "<calc>90448+4</calc>"), so the
-  # SFT levels include the hard levels' shapes with another operator (5+3, 6-6, 8-8): the copy is
-  # shown; when to call, on a product or a long sum it never saw, only RL finds out.
-  c.task.sft_levels = "2x1+,2x2+,2x1*,2x2*,5x1+,8x1+,5x3+,6x6-,8x8-"
-  c.task.levels = c.task.sft_levels + ",5x3*,6x6+,8x8+"
-  # The longest trajectory (8+8): a 19-token call, an 11-token result, 9 digits and EOS.
+  # The SFT corpus calls on half its examples, on every level it shows. The shown levels take it
+  # all but a sliver and include each hard level's operand lengths with another operator, so that
+  # copying such a question into a call is shown; the hard levels are the sliver (1% each, half of
+  # it calls). RL has to learn to call there, where an answer from the head is always wrong, and to
+  # copy faithfully: a 0.8M model copies the operand lengths and operators it has seen copied, and
+  # where no sampled call is exact (long operands, shapes never shown) GRPO has no signal.
+  c.task.levels = f"{TOOLS_SHOWN_LEVELS},{TOOLS_HARD_LEVELS}"
+  c.task.sft_levels = TOOLS_SHOWN_LEVELS + "".join(
+    f",{level}:{TOOLS_HARD_SFT_WEIGHT}" for level in TOOLS_HARD_LEVELS.split(",")
+  )
   # The sampler asks for an observation only where a whole turn fits after it: a first turn of up
   # to 24 tokens, the 32-token observation block and another 24-token turn.
   c.rollout.max_new_tokens = 80

@@ -154,7 +154,9 @@ class TaskSection:
     0  # > 0: aligned layout, numbers zero-padded LSB-first (see data/arithmetic.py)
   )
   max_prompt_len: int = 0  # 0: the longest prompt of the task (+BOS); else a fixed P
-  sft_levels: str = ""  # the levels the SFT corpus draws from, e.g. "2x2+,5x1+"; "" = every level
+  # The levels the SFT corpus draws from, each with an optional relative weight (default 1), e.g.
+  # "2x2+,5x1+,5x3*:0.1"; "" = every level, equally.
+  sft_levels: str = ""
   # A name of tasks.envs.registry.ENVIRONMENTS: the model's turns are answered by that environment
   # (multi-turn rollouts, limits in rollout.max_turns ...); "" = none, single-turn. "calculator":
   # <calc>EXPR</calc> is answered <result>VALUE</result>; the arithmetic task then uses its tools
