@@ -1,11 +1,11 @@
 """The arithmetic task with the calculator: the examples its SFT corpus shows.
 
-The corpus draws from the levels ``task.sft_levels`` names (``tiny:tools``: levels a tiny model
-also computes in its head, and long ones with the hard levels' operand lengths, so that copying
-them into a call is shown): a ``SFT_TOOL_FRACTION`` of its examples call the calculator with the
-question's expression and copy the result, the others answer directly. RL then has both behaviours
-to choose from on the other levels (5-digit by 3-digit products, sums of 6 and 8 digit numbers),
-where only a call and a faithful copy score: it learns when to call. Draws come from
+The corpus draws from the levels ``task.sft_levels`` names, with their weights (``tiny:tools``:
+levels a tiny model also computes in its head, longer ones with the hard levels' operand lengths,
+and a sliver of the hard levels themselves): a ``SFT_TOOL_FRACTION`` of its examples call the
+calculator with the question's expression and copy the result, the others answer directly. RL
+then has both behaviours to choose from on every level; where only a call and a faithful copy
+score (3-digit products, 5-digit sums), it learns to call. Draws come from
 ``arithmetic.sft_corpus`` (train buckets only).
 """
 
