@@ -146,3 +146,36 @@ def test_jaxrl_eval_of_a_tools_checkpoint_is_the_trainers_evaluation(straight, t
   assert heldout["avg@2"] == trained["pass_at"]["1"]["all"]
   questions = sum(trained["num_questions"][str(level)] for level in trained["levels"])
   assert f"| heldout | {questions} |" in out.stdout and "| turns | tool calls |" in out.stdout
+
+
+# Every method and rollout option a single-turn run has, with multi-turn rollouts: E3 and DynaMO
+# allocation, E3's temperature, EEPO's two stages, the adaptive clip (tiny:all), DAPO's dynamic
+# sampling, rollouts one step ahead; and LoRA adapters.
+COMPOSED = {
+  "all-dynamic-k1": (
+    "all,tools,test",
+    {"rollout.dynamic_sampling": True, "rollout.max_staleness": 1},
+  ),
+  "lora": ("tools,test", {"model.lora.rank": 4, "loss.kl_coef": 0.05}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(COMPOSED))
+def test_methods_and_options_compose_with_multi_turn_rollouts(tmp_path, name):
+  variant, overrides = COMPOSED[name]
+  cfg = tiny_config(variant, steps=4, **overrides)
+  Trainer.open(cfg, str(tmp_path)).run()
+  rows = _raw_rows(tmp_path)
+  assert [r["step"] for r in rows] == [1, 2, 3, 4]
+  for row in rows:
+    assert np.isfinite(row["loss"]) and np.isfinite(row["grad_norm"]), row
+    assert row["turns_mean"] >= 1
+    assert row["compiles_update"] == 1
+    for key in COUNTERS:  # the sampler's programs compile once, whatever the methods change
+      assert row[key] == rows[0][key], key
+  assert any(r["tool_calls_mean"] > 0 for r in rows)
+  if name == "all-dynamic-k1":
+    assert all(r["eepo_gate"] == 1.0 and np.isfinite(r["entropy_stage1"]) for r in rows)
+    assert max(r["alloc_std"] for r in rows) > 0 or len({r["tau"] for r in rows}) > 1
+    assert any(r["rollout_staleness"] > 0 for r in rows)
