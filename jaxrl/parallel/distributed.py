@@ -136,11 +136,14 @@ def _start_watch() -> None:
         continue
       if failed and not stop.is_set():
         key, cause = failed[0]
-        try:
-          client.key_value_set(f"{_READ}{me}", "1")
-        except Exception:  # the failing process exits after a bounded wait anyway
-          pass
-        _exit_now(f"process {key[len(_FAILED) :]} failed: {cause}")
+
+        def acknowledge() -> None:
+          try:
+            client.key_value_set(f"{_READ}{me}", "1")
+          except Exception:  # the failing process exits after a bounded wait anyway
+            pass
+
+        _exit_now(f"process {key[len(_FAILED) :]} failed: {cause}", last=acknowledge)
         return
 
   threading.Thread(target=watch, name="jaxrl-failure-watch", daemon=True).start()
@@ -151,20 +154,26 @@ def _start_watch() -> None:
   atexit.register(stop.set)
 
 
-def _exit_now(reason: str) -> None:
-  """Log why this process ends (its log file and stderr) and exit with code 1 at once."""
+def _exit_now(reason: str, last=None) -> None:
+  """Log why this process ends (its log file and stderr) and exit with code 1 at once; ``last``
+  runs after the logs are flushed, right before the exit."""
   log.error("ending this process: %s", reason)
   print(f"jaxrl: error: {reason}", file=sys.stderr)
-  _flush_and_exit(1)
+  _flush_and_exit(1, last)
 
 
-def _flush_and_exit(code: int) -> None:
+def _flush_and_exit(code: int, last=None) -> None:
   logging.shutdown()
   for stream in (sys.stdout, sys.stderr):
     try:
       stream.flush()
     except (OSError, ValueError):
       pass
+  # The acknowledgement of another process's failure goes last: once process 0 has read it, it
+  # exits and takes the coordination service with it, and an agent still running here would
+  # abort the process on the lost service (SIGABRT, not exit 1). Nothing is left to do by then.
+  if last is not None:
+    last()
   os._exit(code)
 
 
