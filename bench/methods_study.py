@@ -125,11 +125,12 @@ def cell_key(study: Study, method: str, task: str, seed: int) -> dict:
   )
 
 
-def cell_record(study: Study, method: str, task: str, seed: int) -> dict:
+def cell_record(study: Study, method: str, task: str, seed: int, jobs: int = 1) -> dict:
   """A finished cell as one JSON line: per evaluation its step, the tokens generated before it and
   each held-out question's correct count (levels in order); the run's generated tokens, RL wall
   time (the steps' own, without evaluation and the warm start) and zero-advantage share; the
-  papers' per-step metrics (``step_series``) for the figures."""
+  papers' per-step metrics (``step_series``) for the figures; the machine and how many cells ran
+  at once (a study's cells may come from several machines: wall times compare within one)."""
   workdir = study.workdir(method, task, seed)
   by_step = {r["step"]: r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"))}
   rows = [by_step[s] for s in range(1, study.steps + 1)]  # a resumed run logs a step again
@@ -157,6 +158,8 @@ def cell_record(study: Study, method: str, task: str, seed: int) -> dict:
     zero_adv_share=1.0 - sum(r["informative_frac"] for r in rows) / len(rows),
     evals=evals,
     series=step_series(rows),
+    machine=study_report.machine(),
+    jobs=jobs,
   )
 
 
@@ -195,12 +198,12 @@ class Cells:
         f.write(json.dumps(rec) + "\n")
 
 
-def study_cell(study: Study, cells: Cells, cell: tuple, again: bool = False) -> dict:
+def study_cell(study: Study, cells: Cells, cell: tuple, again: bool = False, jobs: int = 1) -> dict:
   """The cell's record: kept from ``cells`` unless ``again``, else trained (or read) and added."""
   if not again and (rec := cells.find(cell)) is not None:
     return rec
   run_cell(study, *cell)
-  rec = cell_record(study, *cell)
+  rec = cell_record(study, *cell, jobs=jobs)
   cells.add(rec)
   return rec
 
@@ -211,8 +214,8 @@ def run_study(study: Study, methods, tasks, seeds, jobs: int) -> list[dict]:
   first = [(methods[0], t, s) for t in tasks for s in seeds]
   rest = [(m, t, s) for t in tasks for s in seeds for m in methods[1:]]
   with cf.ThreadPoolExecutor(jobs) as pool:
-    records = list(pool.map(lambda c: study_cell(study, cells, c), first))
-    records += list(pool.map(lambda c: study_cell(study, cells, c), rest))
+    records = list(pool.map(lambda c: study_cell(study, cells, c, jobs=jobs), first))
+    records += list(pool.map(lambda c: study_cell(study, cells, c, jobs=jobs), rest))
   return records
 
 
@@ -251,7 +254,7 @@ def main(argv=None):
   out_dir = os.path.dirname(args.out) or "."
   written = study_figures.figures(records, os.path.splitext(args.out)[0] + "_figures")
   figs = [os.path.relpath(p, out_dir) for p in written]  # links relative to the markdown
-  text = study_report.report(study, records, args.resamples, args.jobs, figs)
+  text = study_report.report(study, records, args.resamples, figs)
   os.makedirs(out_dir, exist_ok=True)
   with open(args.out, "w") as f:
     f.write(text)

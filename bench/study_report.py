@@ -107,14 +107,20 @@ def figure_lines(figures) -> list[str]:
   return lines + [f"![{os.path.splitext(os.path.basename(p))[0]}]({p})\n" for p in figures]
 
 
-def report(study, records: list[dict], resamples: int = 2000, jobs: int = 1, figures=()) -> str:
+def machines(records: list[dict]) -> str:
+  """Where a task's cells ran: each machine with how many cells ran at once there (records made
+  before the records kept it name no machine)."""
+  seen = dict.fromkeys((r.get("machine", "unrecorded"), r.get("jobs", "?")) for r in records)
+  return "; ".join(f"{m}, {j} run(s) at a time" for m, j in seen)
+
+
+def report(study, records: list[dict], resamples: int = 2000, figures=()) -> str:
   """The whole summary: how it was measured, a table per task, links to the ``figures`` (paths
   relative to the summary), the command of every cell."""
   tasks = list(dict.fromkeys(r["task"] for r in records))
   seeds = sorted({r["seed"] for r in records})
   lines = [
     f"# Methods study: {study.steps} RL steps, seeds {seeds}\n",
-    f"Machine: {machine()}. Wall times are this machine's, {jobs} run(s) at a time.\n",
     f"Held-out evaluation every {study.eval_every} steps and after the last, "
     f"{study.eval_samples} samples per question at τ = 1: unbiased pass@k per question, the mean "
     "over questions and then over seeds, with its "
@@ -133,7 +139,9 @@ def report(study, records: list[dict], resamples: int = 2000, jobs: int = 1, fig
     "steps' own `step_time`, without the warm start and the evaluations): mean over seeds.\n",
   ]
   for task in tasks:
+    recs = [r for r in records if r["task"] == task]
     lines.append(f"\n## {task}\n")
+    lines.append(f"Machine: {machines(recs)}. Wall times compare within one machine.\n")
     lines += task_table([r for r in records if r["task"] == task], resamples)
   lines += figure_lines(figures)
   rerun = study.root.rstrip("/") + "-rerun"

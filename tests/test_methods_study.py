@@ -200,6 +200,21 @@ def test_report_matches_pass_at_k_and_the_equal_token_budget():
   assert STUDY.command("long", "arithmetic", 0, "runs/s-rerun") in text
 
 
+def test_each_task_names_the_machines_its_cells_ran_on():
+  """A study may be run in parts on different machines: each task's section names its own, so
+  wall times are compared only within one."""
+  evals = [(0, 0.0, [2, 2]), (4, 10.0, [4, 4])]
+  a = dict(_record("grpo", 0, evals, 10.0), machine="CPU A, 2 cores, avx2", jobs=2)
+  b = dict(_record("e3", 0, evals, 10.0), machine="CPU B, 2 cores, avx2, avx512f", jobs=1)
+  c = dict(_record("grpo", 0, evals, 10.0, task="countdown"), machine="CPU B, 2 cores", jobs=2)
+  text = study_report.report(STUDY, [a, b, c], resamples=10)
+  arithmetic, countdown = text.split("## arithmetic")[1].split("## countdown")
+  both = "CPU A, 2 cores, avx2, 2 run(s) at a time; CPU B, 2 cores, avx2, avx512f, 1 run(s) at a"
+  assert f"Machine: {both} time." in arithmetic
+  assert "Machine: CPU B, 2 cores, 2 run(s) at a time." in countdown
+  assert "Machine: unrecorded" in study_report.report(STUDY, [_record("m", 0, evals, 1.0)])
+
+
 def test_report_adds_pass_at_k_for_every_k_the_samples_allow():
   rec = _record("m", 0, [(0, 0.0, [0, 2]), (4, 10.0, [1, 2])], 10.0)
   rec["evals"] = [dict(e, num_samples=32) for e in rec["evals"]]
@@ -252,4 +267,5 @@ def test_a_study_runs_resumes_and_reruns_one_cell(tmp_path):
   methods_study.main(argv[:-5] + ["--only", "es", "arithmetic", "0"])
   assert os.path.getmtime(os.path.join(root, "arithmetic", "es_s0", "metrics.jsonl")) == mtime
   with open(os.path.join(root, "cells.jsonl")) as f:
-    assert json.loads(f.readlines()[-1]) == records[1]
+    again = json.loads(f.readlines()[-1])
+  assert again == dict(records[1], jobs=1)  # the same record, from a cell run alone
