@@ -5,12 +5,16 @@ config fields of multi-turn rollouts."""
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
+import numpy as np
 import pytest
+import run_helpers
 from run_helpers import tiny_config
 
 from jaxrl.config import ConfigError
+from jaxrl.rollout import multiturn
 from jaxrl.tasks.data.tokenizer import TOOLS_VOCAB, build_tokenizer
 from jaxrl.tasks.envs import registry
 from jaxrl.tasks.envs.environment import (
@@ -219,14 +223,18 @@ def test_multi_turn_fields_are_free_without_an_environment():
   assert cfg.task.environment == "" and cfg.rollout.max_new_tokens == 4
 
 
-def test_the_guide_example_runs_as_written(tok):
-  """docs/environments.md's environment written from scratch, executed as the guide shows it."""
+def guide_environment():
+  """The class of docs/environments.md's environment written from scratch, as the guide shows it."""
   guide = (pathlib.Path(__file__).parents[1] / "docs" / "environments.md").read_text()
   section = guide.split("## The protocol from scratch", 1)[1]
   code = section.split("```python\n", 1)[1].split("```", 1)[0]
   namespace: dict = {}
   exec(compile(code, "docs/environments.md", "exec"), namespace)
-  env = namespace["GuessEnvironment"](tok, secrets=[42, 7], max_turns=3)
+  return namespace["GuessEnvironment"]
+
+
+def test_the_guide_example_runs_as_written(tok):
+  env = guide_environment()(tok, secrets=[42, 7], max_turns=3)
   assert isinstance(env, Environment)
   states = env.reset([0, 1])
   res = env.step(states, turns(tok, ["50=", "3="]), [0, 1])
@@ -234,3 +242,32 @@ def test_the_guide_example_runs_as_written(tok):
   res = env.step(res.states, turns(tok, ["42="]), [0])
   assert res.observation_ids == [[]] and res.done.tolist() == [True]
   assert env.trajectory_reward(res.states).tolist() == pytest.approx([-0.2, -0.1])
+
+
+def test_a_hosts_slice_steps_its_own_rows_and_its_rollouts_carry_the_reward_term(tok):
+  """One host's rows of a batch (``PerHostEngine``) get a fresh respond over their questions; the
+  engine that stepped it puts the environment's trajectory reward into the rollouts' ``rewards_R``
+  (gathered from the hosts with the rows)."""
+  env = guide_environment()(tok, secrets=[42, 7], max_turns=3)
+  whole = multiturn.EnvironmentRespond(env, [0, 0, 1, 1])
+  part = whole.rows(2, 4)
+  assert part.question_ids_R.tolist() == [1, 1] and [s.question_id for s in part.states] == [1, 1]
+  observations, done_R = part(np.array([True, True]), turns(tok, ["3=", "7="]))
+  assert [tok.decode(ids) for ids in observations] == [" higher ", ""] and done_R.tolist() == [
+    False,
+    True,
+  ]
+  part(np.array([True, False]), turns(tok, ["9=", ""]))  # only row 0 asked again
+  rows = run_helpers.rollouts(
+    np.ones((2, 1)),
+    np.ones((2, 1)),
+    np.ones((2, 2)),
+    np.ones((2, 2)),
+    np.zeros((2, 2)),
+    [0, 0],
+    [0, 0],
+  )
+  out = multiturn.with_trajectory_reward(dataclasses.replace(rows, rewards_R=None), part)
+  np.testing.assert_allclose(out.rewards_R, [-0.2, -0.1])  # two guesses, one
+  assert [s.turns for s in whole.states] == [0, 0, 0, 0]  # the whole batch's respond untouched
+  assert multiturn.with_trajectory_reward(rows, lambda asked_R, turn_ids: None) is rows

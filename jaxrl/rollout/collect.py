@@ -69,19 +69,17 @@ class Collector:
     ``score`` they get neither (the loop rescores a stale batch under its update's params).
 
     With an environment, each row's trajectory starts from ``environment.reset`` with its question
-    (``qids_B``, the prompts' question ids); the environment's ``trajectory_reward``, if any, is
-    the rollouts' ``rewards_R`` (the loop adds the verifier's).
+    (``qids_B``, the prompts' question ids); the engine gives the environment's
+    ``trajectory_reward``, if any, as the rollouts' ``rewards_R`` (the loop adds the verifier's).
     """
     self.engine.set_weights(params, version)
     more = {}
     if self.environment is not None and qids_B is not None:
       qids_R = np.repeat(np.asarray(qids_B), np.asarray(counts_B))
-      more["respond"] = respond = multiturn.EnvironmentRespond(self.environment, qids_R)
+      more["respond"] = multiturn.EnvironmentRespond(self.environment, qids_R)
     out = self.engine.generate(
       ids_BxP, mask_BxP, counts_B, tau, key, max_new_tokens=max_new_tokens, **more
     )
-    if more and (term := respond.trajectory_reward()) is not None:
-      out = dataclasses.replace(out, rewards_R=jnp.asarray(term))
     if self.engine.provides_entropy:
       return dataclasses.replace(out, prox_logp_RxN=out.prox_logp_RxN if score else None)
     return self.anchor(params, out, tau) if score else out

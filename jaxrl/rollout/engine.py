@@ -220,4 +220,4 @@ class JaxEngine:
     out, self.turn_counts = (
       distributed.to_host(out_and_counts) if jax.process_count() > 1 else out_and_counts
     )
-    return out
+    return multiturn.with_trajectory_reward(out, respond)

@@ -47,13 +47,18 @@ def gather_rows(local: Rollouts, rows_P: np.ndarray) -> Rollouts:
 
 
 class PerHostEngine:
-  """A rollout engine per process (its own vLLM sidecar) serving that process's questions."""
+  """A rollout engine per process (its own vLLM sidecar) serving that process's questions.
+
+  Multi-turn: each process steps the environment for its own rows (``respond.rows``: a fresh
+  respond over that slice), so the environment's trajectory reward comes back in ``rewards_R``
+  and is gathered with the rows, as are the local engine's ``turn_counts``."""
 
   def __init__(self, local):
     self.local = local
     self.provides_entropy = local.provides_entropy
     # Gathering every host's rows is a collective: it must not run beside the trainer's.
     self.concurrent = False
+    self.turn_counts = None  # the last multi-turn call's, every host's rows
 
   @property
   def max_new_tokens(self) -> int:
@@ -78,10 +83,13 @@ class PerHostEngine:
     *,
     max_new_tokens: int | None = None,
     greedy: bool = False,
+    respond=None,
   ) -> Rollouts:
     counts_B = np.asarray(counts_B, np.int64)
     bounds = host_slices(counts_B, jax.process_count())
     lo, hi = bounds[jax.process_index()], bounds[jax.process_index() + 1]
+    first_row_B = np.concatenate([[0], np.cumsum(counts_B)])
+    more = {} if respond is None else dict(respond=respond.rows(first_row_B[lo], first_row_B[hi]))
     local = self.local.generate(
       np.asarray(prompt_ids_BxP)[lo:hi],
       np.asarray(prompt_mask_BxP)[lo:hi],
@@ -91,9 +99,12 @@ class PerHostEngine:
       max_new_tokens=max_new_tokens,
       greedy=greedy,
       first_question=int(lo),
+      first_row=int(first_row_B[lo]),
+      **more,
     )
-    first_row_B = np.concatenate([[0], np.cumsum(counts_B)])
     rows_P = first_row_B[bounds[1:]] - first_row_B[bounds[:-1]]
     out = gather_rows(local, rows_P)
+    if self.local.turn_counts is not None:  # multi-turn: every process's engine has them
+      self.turn_counts = gather_rows(self.local.turn_counts, rows_P)
     group_ids_R = np.repeat(np.arange(len(counts_B), dtype=np.int32), counts_B)
     return dataclasses.replace(out, group_ids_R=group_ids_R)

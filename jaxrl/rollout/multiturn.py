@@ -60,7 +60,12 @@ class EnvironmentRespond:
 
   def __init__(self, environment, question_ids_R):
     self.environment = environment
-    self.states = list(environment.reset([int(q) for q in np.asarray(question_ids_R)]))
+    self.question_ids_R = np.asarray(question_ids_R)
+    self.states = list(environment.reset([int(q) for q in self.question_ids_R]))
+
+  def rows(self, lo: int, hi: int) -> EnvironmentRespond:
+    """A fresh ``EnvironmentRespond`` for rows ``lo:hi`` of this one's (one host's slice)."""
+    return EnvironmentRespond(self.environment, self.question_ids_R[lo:hi])
 
   def __call__(self, asked_R, turn_tokens):
     rows = np.flatnonzero(asked_R)
@@ -80,6 +85,15 @@ class EnvironmentRespond:
     """The environment's f32[R] reward term of the trajectories (None: none)."""
     reward = self.environment.trajectory_reward(self.states)
     return None if reward is None else np.asarray(reward, np.float32)
+
+
+def with_trajectory_reward(rollouts: Rollouts, respond: Respond) -> Rollouts:
+  """``rollouts`` with the environment's trajectory reward term as ``rewards_R`` (the loop adds
+  the verifier's), unchanged for an environment without one. Set by the engine that stepped the
+  environment, so the term travels with its rows (gathered from several hosts like them)."""
+  reward = getattr(respond, "trajectory_reward", None)
+  term = None if reward is None else reward()
+  return rollouts if term is None else dataclasses.replace(rollouts, rewards_R=term)
 
 
 @dataclasses.dataclass(frozen=True)

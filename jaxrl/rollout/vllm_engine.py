@@ -350,12 +350,14 @@ class VllmEngine:
     max_new_tokens: int | None = None,
     greedy: bool = False,
     first_question: int = 0,
+    first_row: int = 0,
     respond: multiturn.Respond | None = None,
   ) -> Rollouts:
-    """``first_question``: the batch is questions first_question.. of a larger one (one host's
-    slice): their requests get the seeds they would get in the whole batch. Built with ``turns``:
-    multi-turn rollouts (``vllm_multiturn``) with ``respond``, or without one
-    ``respond_factory(group_ids_R)``."""
+    """``first_question``, ``first_row``: the batch is questions first_question.. (rows
+    first_row..) of a larger one (one host's slice): their requests get the seeds they would get
+    in the whole batch. Built with ``turns``: multi-turn rollouts (``vllm_multiturn``) with
+    ``respond``, or without one ``respond_factory(group_ids_R)`` (question indices of the whole
+    batch)."""
     self._check_open("rollout")
     ids_BxP, mask_BxP = np.asarray(prompt_ids_BxP), np.asarray(prompt_mask_BxP, bool)
     counts_B = np.asarray(counts_B, np.int64)
@@ -368,7 +370,8 @@ class VllmEngine:
         + ("" if self.sidecar is None else " (and no sidecar has been started)")
       )
     if self._turns is not None:
-      return self._multiturn(ids_BxP, mask_BxP, counts_B, prompts, tau, key, n, respond)
+      offsets = (first_question, first_row)
+      return self._multiturn(ids_BxP, mask_BxP, counts_B, prompts, tau, key, n, respond, offsets)
     if respond is not None:
       raise ValueError("respond is for an engine built with turns (multi-turn)")
     # One seed per call from the step's key: a resumed run sends the same requests.
@@ -395,20 +398,24 @@ class VllmEngine:
     """The directory a restarted server starts on: the weights, or with adapters the base."""
     return self._dir if self._base_dir is None else self._base_dir
 
-  def _multiturn(self, ids_BxP, mask_BxP, counts_B, prompts, tau, key, n, respond) -> Rollouts:
+  def _multiturn(
+    self, ids_BxP, mask_BxP, counts_B, prompts, tau, key, n, respond, offsets=(0, 0)
+  ) -> Rollouts:
     """One request per running row and turn (``vllm_multiturn``); each turn's requests are
-    retried as a whole on a restarted server, so a failure never steps the environment twice."""
+    retried as a whole on a restarted server, so a failure never steps the environment twice.
+    ``offsets``: (first question, first row) of this slice in the whole batch."""
+    first_question, first_row = offsets
     group_ids_R = np.repeat(np.arange(len(counts_B), dtype=np.int32), counts_B)
     if respond is None:
       if self._respond_factory is None:
         raise ValueError("a multi-turn VllmEngine needs respond= or a respond_factory")
-      respond = self._respond_factory(group_ids_R)
+      respond = self._respond_factory(group_ids_R + first_question)
     stops = self._turns
 
     def complete(seqs, running_R, turn, max_tokens):
-      # A seed per turn from the step's key, and request r's is seed + r: a resumed run sends the
-      # same requests, and no two rows or turns share a draw.
-      seed = int(jax.random.randint(jax.random.fold_in(key, turn), (), 0, 2**30))
+      # A seed per turn from the step's key, and the whole batch's row r's is seed + r: a resumed
+      # run (or one host's slice) sends the same requests, and no two rows or turns share a draw.
+      seed = first_row + int(jax.random.randint(jax.random.fold_in(key, turn), (), 0, 2**30))
       return self._with_restarts(
         f"rollout (turn {turn + 1})",
         self._served_dir(),
@@ -438,7 +445,7 @@ class VllmEngine:
         pad_id=self._pad,
       )
     )
-    return Rollouts(
+    out = Rollouts(
       prompt_ids_RxP=ids_BxP[group_ids_R],
       prompt_mask_RxP=mask_BxP[group_ids_R],
       tokens_RxN=tokens_RxN,
@@ -450,6 +457,7 @@ class VllmEngine:
       group_ids_R=group_ids_R,
       finished_R=finished_R,
     )
+    return multiturn.with_trajectory_reward(out, respond)
 
   def _assemble(self, ids_BxP, mask_BxP, counts_B, done, n: int) -> Rollouts:
     """Rows grouped in question order, responses right-padded with pad_id to ``n`` tokens."""

@@ -9,7 +9,7 @@ tokens are not learned, the final answer after the last result scored.
 
 from __future__ import annotations
 
-from jaxrl.config import Config, ConfigError
+from jaxrl.config import Config
 from jaxrl.tasks import builtin, tools_task
 from jaxrl.tasks.data import arithmetic, tool_calls
 from jaxrl.tasks.data import tokenizer as vocab
@@ -22,13 +22,9 @@ NAME = "arithmetic"
 
 def task_config(cfg: Config) -> arithmetic.TaskConfig:
   levels = arithmetic.parse_levels(cfg.task.levels)
-  try:
-    sft_weights = arithmetic.sft_weights(levels, cfg.task.sft_levels)
-  except ValueError as e:
-    raise ConfigError("task.sft_levels", str(e)) from None
   return arithmetic.TaskConfig(
     levels=levels,
-    sft_level_weights=sft_weights,
+    sft_level_weights=builtin.sft_level_weights(cfg, levels, arithmetic.parse_levels),
     num_train_per_level=cfg.task.num_train_per_level,
     num_heldout_per_level=cfg.task.num_heldout_per_level,
     seed=cfg.seed,
@@ -42,9 +38,10 @@ def tokenizer_variant(cfg: Config) -> str:
   return "tools" if cfg.task.environment == calculator.NAME else ""
 
 
-def prompt_len(cfg: Config) -> int:
-  """P: task.max_prompt_len, or the longest prompt of the levels + BOS."""
-  tcfg = task_config(cfg)
+def prompt_len(cfg: Config, tcfg: arithmetic.TaskConfig | None = None) -> int:
+  """P: task.max_prompt_len, or the longest prompt of the levels + BOS (``tcfg``: the task's
+  config when it is at hand)."""
+  tcfg = tcfg or task_config(cfg)
   return cfg.task.max_prompt_len or arithmetic.max_lengths(tcfg.levels, tcfg.digit_width)[0] + 1
 
 
@@ -54,7 +51,7 @@ def load(cfg: Config, tokenizer_dir: str) -> dict:
     tools_task.check(cfg)
   tcfg = task_config(cfg)
   tok = vocab.build_tokenizer(tokenizer_dir, tokenizer_variant(cfg))
-  p, n = prompt_len(cfg), cfg.rollout.max_new_tokens
+  p, n = prompt_len(cfg, tcfg), cfg.rollout.max_new_tokens
   num_sft, sft_seed = builtin.sft_draws(cfg)
   environment = build_environment(cfg, tok)
   train, heldout = arithmetic.build_task(tcfg)

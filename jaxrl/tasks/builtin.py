@@ -6,12 +6,12 @@ Each one's module gives ``load(cfg, tokenizer_dir)`` the ``TaskData`` fields fro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from jaxrl import rng
-from jaxrl.config import Config
+from jaxrl.config import Config, ConfigError, parse_mixture
 from jaxrl.tasks.data.prompts import encode_completions, encode_prompts
 
 
@@ -19,6 +19,34 @@ def sft_draws(cfg: Config) -> tuple[int, int]:
   """(examples, seed) of the SFT corpus: fresh examples for every step (drawing is cheap), so the
   warm start never repeats one."""
   return max(cfg.sft.steps, 1) * cfg.sft.batch_size, rng.numpy_seed(cfg.seed, rng.SFT)
+
+
+def sft_level_weights(
+  cfg: Config, levels: Sequence, parse: Callable[[str], tuple]
+) -> tuple[float, ...] | None:
+  """Per level of the task, its relative weight in the SFT corpus from ``task.sft_levels``, a
+  mixture of level names ("2x2+,5x1+,5x3*:0.1"; ``parse`` reads one name to its level): the named
+  levels at their weights (default 1), the others 0; None (every level alike) for ''."""
+  field = "task.sft_levels"
+  if not cfg.task.sft_levels.strip():
+    return None
+  weight_of: dict = {}
+  for name, weight in parse_mixture(cfg.task.sft_levels, field):
+    try:
+      (level,) = parse(name)
+    except ValueError as e:
+      raise ConfigError(field, str(e)) from None
+    if level in weight_of:
+      raise ConfigError(field, f"{level.name} named twice")
+    weight_of[level] = weight
+  unknown = set(weight_of) - set(levels)
+  if unknown:
+    raise ConfigError(
+      field,
+      f"{', '.join(sorted(s.name for s in unknown))} not among the levels "
+      f"{', '.join(s.name for s in levels)}",
+    )
+  return tuple(weight_of.get(s, 0.0) for s in levels)
 
 
 def fields(tok, level_names: Sequence[str], train, heldout, p: int) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from jaxrl.config import Config, ConfigError
 from jaxrl.config.phases import shortest_response
 from jaxrl.tasks import builtin
-from jaxrl.tasks.data import arithmetic, countdown
+from jaxrl.tasks.data import countdown
 from jaxrl.tasks.data import tokenizer as vocab
 from jaxrl.tasks.rewards.countdown import CountdownScorer
 
@@ -23,22 +23,19 @@ def task_config(cfg: Config) -> countdown.CountdownConfig:
     levels = countdown.parse_levels(cfg.task.levels)
   except ValueError as e:
     raise ConfigError("task.levels", str(e)) from None
-  try:
-    sft_weights = arithmetic.sft_weights(levels, cfg.task.sft_levels, countdown.parse_levels)
-  except ValueError as e:
-    raise ConfigError("task.sft_levels", str(e)) from None
   return countdown.CountdownConfig(
     levels=levels,
     num_train_per_level=cfg.task.num_train_per_level,
     num_heldout_per_level=cfg.task.num_heldout_per_level,
     seed=cfg.seed,
-    sft_level_weights=sft_weights,
+    sft_level_weights=builtin.sft_level_weights(cfg, levels, countdown.parse_levels),
   )
 
 
-def check(cfg: Config) -> None:
-  """Every phase's response holds the longest expression a level can need, and EOS."""
-  need = countdown.max_lengths(task_config(cfg).levels)[1] + 1
+def check(cfg: Config, tcfg: countdown.CountdownConfig | None = None) -> None:
+  """Every phase's response holds the longest expression a level can need, and EOS (``tcfg``:
+  the task's config when it is at hand)."""
+  need = countdown.max_lengths((tcfg or task_config(cfg)).levels)[1] + 1
   n = shortest_response(cfg)
   if n < need:
     raise ConfigError(
@@ -53,16 +50,17 @@ def tokenizer_variant(cfg: Config) -> str:
   return "countdown"
 
 
-def prompt_len(cfg: Config) -> int:
-  """P: task.max_prompt_len, or the longest prompt of the levels + BOS."""
-  return cfg.task.max_prompt_len or countdown.max_lengths(task_config(cfg).levels)[0] + 1
+def prompt_len(cfg: Config, tcfg: countdown.CountdownConfig | None = None) -> int:
+  """P: task.max_prompt_len, or the longest prompt of the levels + BOS (``tcfg``: the task's
+  config when it is at hand)."""
+  return cfg.task.max_prompt_len or countdown.max_lengths((tcfg or task_config(cfg)).levels)[0] + 1
 
 
 def load(cfg: Config, tokenizer_dir: str) -> dict:
-  check(cfg)
   tcfg = task_config(cfg)
+  check(cfg, tcfg)
   tok = vocab.build_tokenizer(tokenizer_dir, tokenizer_variant(cfg))
-  p, n = prompt_len(cfg), cfg.rollout.max_new_tokens
+  p, n = prompt_len(cfg, tcfg), cfg.rollout.max_new_tokens
   num_sft, sft_seed = builtin.sft_draws(cfg)
   train, heldout = countdown.build_task(tcfg)
   pairs = countdown.sft_corpus(tcfg, num_sft, sft_seed)

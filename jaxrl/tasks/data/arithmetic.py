@@ -14,7 +14,7 @@ taken on the unordered pair, so ``12+34`` and ``34+12`` always land on the same 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -268,38 +268,6 @@ def sft_corpus(
     for slot, (a, b) in zip(slots, pairs):
       out[slot] = format_problem(spec, a, b, cfg.reverse_answer, cfg.digit_width)
   return out  # type: ignore[return-value]
-
-
-def sft_weights(
-  levels: Sequence, text: str, parse: Callable[[str], tuple] | None = None
-) -> tuple[float, ...] | None:
-  """``TaskConfig.sft_level_weights`` of a config string naming some of ``levels``, each with an
-  optional relative weight ("2x2+,5x1+,5x3*:0.1"): that weight (default 1) for those, 0 for the
-  others; None (every level) for ''. ``parse``: the task's level parser (None: this task's
-  ``parse_levels``)."""
-  if not text.strip():
-    return None
-  parse = parse or parse_levels
-  weight_of: dict = {}
-  for item in filter(None, (x.strip() for x in text.split(","))):
-    name, _, weight = item.partition(":")
-    try:
-      w = float(weight) if weight else 1.0
-    except ValueError:
-      w = -1.0
-    if not name.strip() or not w > 0:
-      raise ValueError(f"expected LEVEL or LEVEL:WEIGHT with WEIGHT > 0, got {item!r}")
-    (spec,) = parse(name)
-    if spec in weight_of:
-      raise ValueError(f"{spec.name} named twice")
-    weight_of[spec] = w
-  unknown = set(weight_of) - set(levels)
-  if unknown:
-    raise ValueError(
-      f"{', '.join(sorted(s.name for s in unknown))} not among the levels "
-      f"{', '.join(s.name for s in levels)}"
-    )
-  return tuple(weight_of.get(s, 0.0) for s in levels)
 
 
 def parse_levels(text: str) -> tuple[LevelSpec, ...]:
