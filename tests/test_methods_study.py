@@ -2,6 +2,7 @@
 summary's numbers, its figures (bench/study_figures.py), the command of a cell, the methods' configs;
 fast tests on hand-written runs, and one slow end-to-end study of real tiny runs."""
 
+import dataclasses
 import json
 import os
 import shlex
@@ -170,7 +171,7 @@ def test_the_summary_links_the_figures_written_beside_it(tmp_path):
   assert "dynamo" not in text.split("## Figures")[1].split("##")[0]
 
 
-def test_the_es_bounds_fix_the_clip_at_the_presets_range_and_run_only_when_asked(tmp_path):
+def test_the_ablations_change_one_setting_of_their_preset_and_run_only_when_asked(tmp_path):
   assert methods_study.parse_args(["--root", str(tmp_path)]).methods == [
     "grpo", "informative_only", "dapo", "e3", "dynamo", "eepo", "es", "all",
   ]  # fmt: skip
@@ -184,6 +185,10 @@ def test_the_es_bounds_fix_the_clip_at_the_presets_range_and_run_only_when_asked
     clip = CLIPS[cfg.clip.method](cfg)
     assert float(clip.current(clip.init())) == pytest.approx(bound)  # a fixed clip is eps_high
     assert cfg.loss.mini_batches == tiny_config("es").loss.mini_batches  # the rest is es's
+  no_forget = tiny_config("eepo", **{"eepo.lr": 0.0}).eepo
+  assert no_forget == dataclasses.replace(tiny_config("eepo").eepo, lr=0.0)
+  assert methods_study.METHODS["eepo_old_from_policy"] == ("eepo", ("eepo.old_logp_from=policy",))
+  assert tiny_config("eepo", **{"eepo.old_logp_from": "policy"}).eepo.old_logp_from == "policy"
 
 
 def test_report_matches_pass_at_k_and_the_equal_token_budget():
