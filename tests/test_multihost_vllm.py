@@ -111,10 +111,13 @@ def test_a_sidecar_per_process_runs_multi_turn_rollouts_like_one(tmp_path):
   """Each process samples its slice of the questions turn by turn from its own server and steps
   the calculator for those rows only; the gathered rows and turn counts are one process's."""
   multi, single = tmp_path / "two_processes", tmp_path / "one_process"
+  run_ranks(TOOLS_FLAGS, single, steps=STEPS, processes=1, devices=4)  # makes the warm start
+  os.makedirs(multi)
+  shutil.copytree(single / "sft", multi / "sft")  # the same warm start
   run_ranks(TOOLS_FLAGS, multi, steps=STEPS, processes=2, devices=2)
-  os.makedirs(single)
-  shutil.copytree(multi / "sft", single / "sft")  # the same warm start
-  run_ranks(TOOLS_FLAGS, single, steps=STEPS, processes=1, devices=4)
+  for log in ("vllm.log", "vllm.process1.log"):  # each process's own server sampled
+    with open(multi / log) as f:
+      assert f.read().count("POST /v1/completions") > 0, log
   one, two = read_metrics(single), read_metrics(multi)
   assert all(r["tool_calls_mean"] > 0 for r in one) and any(r["grad_norm"] > 0 for r in one)
   assert_same_metrics(one, two, rtol=1e-5, skip=MISMATCH)  # turns_mean, tool_calls_mean too
