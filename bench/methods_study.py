@@ -22,15 +22,15 @@ groups); ``e3``, ``dynamo``, ``eepo``, ``es`` and ``all`` are the presets of ``c
 Two more methods bound what ES's controller can reach: ``es_floor`` and ``es_ceiling`` are the
 ``es`` preset with ε_high fixed (``clip.method=fixed``, ``loss.eps_high``) at the preset's
 ``clip.c_min`` / ``clip.c_max``. The entropies they reach are the feasible range: a target outside
-it cannot be tracked however the controller steers. Two more ablate EEPO: ``eepo_no_forget``
-(η = 0: stage 2 samples the unchanged policy) and ``eepo_old_from_policy`` (stage 2's ℓ_old from
-θ, not θ'). These four are not run by default, and are summarised apart (each table's equal-token
-budget is its own methods' fewest tokens):
+it cannot be tracked however the controller steers. Two more ablate EEPO: ``eepo_fires`` (its
+gate fires every step) and ``eepo_fires_old_from_policy`` (and stage 2's ℓ_old is from θ, not θ').
+These four are not run by default, and are summarised apart (each table's equal-token budget is
+its own methods' fewest tokens):
 
   PYTHONPATH=. .venv/bin/python bench/methods_study.py --methods es es_floor es_ceiling \
     --seeds 0 1 2 --out bench/results/methods_study_es.md
-  PYTHONPATH=. .venv/bin/python bench/methods_study.py --methods grpo eepo eepo_no_forget \
-    eepo_old_from_policy --seeds 0 1 2 --out bench/results/methods_study_eepo.md
+  PYTHONPATH=. .venv/bin/python bench/methods_study.py --methods grpo eepo eepo_fires \
+    eepo_fires_old_from_policy --seeds 0 1 2 --out bench/results/methods_study_eepo.md
 
 Tasks (``TASKS``): the arithmetic task, and ``countdown`` (the variant ``configs/tiny.py:…,countdown``).
 """
@@ -70,13 +70,13 @@ METHODS = {
   # ε_high fixed at the es preset's clip.c_min / clip.c_max (configs/tiny.py keeps the schema's)
   "es_floor": ("es", ("clip.method=fixed", "loss.eps_high=0.2")),
   "es_ceiling": ("es", ("clip.method=fixed", "loss.eps_high=0.4")),
-  # EEPO's ablations: stage 2 sampled from the unchanged policy (η = 0: the two stages without the
-  # forgetting step), and stage 2's ℓ_old from θ rather than the rollout copy θ' it was sampled
-  # from (the ratio is then 1 on those tokens instead of π_θ/π_θ', which the clip may cut)
-  "eepo_no_forget": ("eepo", ("eepo.lr=0.0",)),
-  "eepo_old_from_policy": ("eepo", ("eepo.old_logp_from=policy",)),
+  # EEPO with its gate firing every step (α above any entropy: the forgetting step's own effect,
+  # where the paper's α = 0.3 may never fire), and with stage 2's ℓ_old from θ rather than the
+  # rollout copy θ' it was sampled from (the ratio is then 1 on those tokens, not π_θ/π_θ')
+  "eepo_fires": ("eepo", ("eepo.alpha=100.0",)),
+  "eepo_fires_old_from_policy": ("eepo", ("eepo.alpha=100.0", "eepo.old_logp_from=policy")),
 }
-ABLATIONS = ("es_floor", "es_ceiling", "eepo_no_forget", "eepo_old_from_policy")
+ABLATIONS = ("es_floor", "es_ceiling", "eepo_fires", "eepo_fires_old_from_policy")
 DEFAULT_METHODS = [m for m in METHODS if m not in ABLATIONS]
 TASKS = {"arithmetic": "", "countdown": "countdown"}  # name -> variant of configs/tiny.py
 KS = (1, 8, 32)

@@ -185,10 +185,15 @@ def test_the_ablations_change_one_setting_of_their_preset_and_run_only_when_aske
     clip = CLIPS[cfg.clip.method](cfg)
     assert float(clip.current(clip.init())) == pytest.approx(bound)  # a fixed clip is eps_high
     assert cfg.loss.mini_batches == tiny_config("es").loss.mini_batches  # the rest is es's
-  no_forget = tiny_config("eepo", **{"eepo.lr": 0.0}).eepo
-  assert no_forget == dataclasses.replace(tiny_config("eepo").eepo, lr=0.0)
-  assert methods_study.METHODS["eepo_old_from_policy"] == ("eepo", ("eepo.old_logp_from=policy",))
-  assert tiny_config("eepo", **{"eepo.old_logp_from": "policy"}).eepo.old_logp_from == "policy"
+  eepo = tiny_config("eepo").eepo
+  for method, changed in (
+    ("eepo_fires", dict(alpha=100.0)),
+    ("eepo_fires_old_from_policy", dict(alpha=100.0, old_logp_from="policy")),
+  ):
+    preset, overrides = methods_study.METHODS[method]
+    fields = {f"eepo.{k}": v for k, v in changed.items()}
+    assert preset == "eepo" and overrides == tuple(f"{k}={v}" for k, v in fields.items())
+    assert tiny_config(preset, **fields).eepo == dataclasses.replace(eepo, **changed)
 
 
 def test_report_matches_pass_at_k_and_the_equal_token_budget():
