@@ -12,7 +12,8 @@ question (32 by default, for pass@32) every ``--eval-every`` steps, keeping each
 correct count. A finished cell is summarised as one JSON line in ``--root/cells.jsonl`` and kept:
 the command resumes (a stopped run resumes from its checkpoint). ``--out`` gets the markdown
 summary (study_report.py), beside it the JSON lines of the study's cells and, in ``STEM_figures/``,
-one figure per paper and task of the paper's own per-step metric (study_figures.py).
+one figure per paper and task of the paper's own per-step metric (study_figures.py); the summary
+includes ``STEM_findings.md``, what the tables mean, written by hand, when it exists.
 
 Methods (``METHODS``): ``grpo`` is plain GRPO, the loss's denominator counting every token
 (``loss.informative_only=False``); ``informative_only`` is ``configs/tiny.py:grpo`` as it is (the
@@ -231,6 +232,16 @@ def run_study(study: Study, methods, tasks, seeds, jobs: int) -> list[dict]:
   return records
 
 
+def findings(out: str) -> str:
+  """The hand-written findings the summary ``out`` carries: ``STEM_findings.md`` beside it ('' if
+  there is none), so summarising again keeps them."""
+  path = os.path.splitext(out)[0] + "_findings.md"
+  if not os.path.exists(path):
+    return ""
+  with open(path) as f:
+    return f.read()
+
+
 def parse_args(argv=None):
   ap = tiny_runs.evidence_parser(
     200, "runs/methods_study", "bench/results/methods_study.md", seeds=range(5)
@@ -266,7 +277,7 @@ def main(argv=None):
   out_dir = os.path.dirname(args.out) or "."
   written = study_figures.figures(records, os.path.splitext(args.out)[0] + "_figures")
   figs = [os.path.relpath(p, out_dir) for p in written]  # links relative to the markdown
-  text = study_report.report(study, records, args.resamples, figs)
+  text = study_report.report(study, records, args.resamples, figs, findings(args.out))
   os.makedirs(out_dir, exist_ok=True)
   with open(args.out, "w") as f:
     f.write(text)

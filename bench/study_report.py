@@ -114,9 +114,12 @@ def machines(records: list[dict]) -> str:
   return "; ".join(f"{m}, {j} run(s) at a time" for m, j in seen)
 
 
-def report(study, records: list[dict], resamples: int = 2000, figures=()) -> str:
-  """The whole summary: how it was measured, a table per task, links to the ``figures`` (paths
-  relative to the summary), the command of every cell."""
+def report(
+  study, records: list[dict], resamples: int = 2000, figures=(), findings: str = ""
+) -> str:
+  """The whole summary: how it was measured, a table per task, ``findings`` (what the tables mean,
+  written by hand), links to the ``figures`` (paths relative to the summary), the command of
+  every cell."""
   tasks = list(dict.fromkeys(r["task"] for r in records))
   seeds = sorted({r["seed"] for r in records})
   lines = [
@@ -143,6 +146,8 @@ def report(study, records: list[dict], resamples: int = 2000, figures=()) -> str
     lines.append(f"\n## {task}\n")
     lines.append(f"Machine: {machines(recs)}. Wall times compare within one machine.\n")
     lines += task_table([r for r in records if r["task"] == task], resamples)
+  if findings.strip():
+    lines += ["\n## Findings\n", findings.strip() + "\n"]
   lines += figure_lines(figures)
   rerun = study.root.rstrip("/") + "-rerun"
   lines += [

@@ -150,7 +150,7 @@ def test_older_records_without_series_report_and_draw_nothing(tmp_path):
   assert "| e3 | 1 |" in text and "## Figures" not in text
 
 
-def test_the_summary_links_the_figures_written_beside_it(tmp_path):
+def test_the_summary_links_the_figures_and_carries_the_findings_written_beside_it(tmp_path):
   """--summarize-only over hand-written cells: the figures in STEM_figures/, a line per figure."""
   study = Study(str(tmp_path / "study"), 4, 2, 4)
   cells = methods_study.Cells(study)
@@ -161,6 +161,9 @@ def test_the_summary_links_the_figures_written_beside_it(tmp_path):
     )
     cells.add(methods_study.cell_record(study, method, "arithmetic", 0))
   out = str(tmp_path / "out" / "study.md")
+  os.makedirs(tmp_path / "out")
+  with open(tmp_path / "out" / "study_findings.md", "w") as f:
+    f.write("E3 keeps its entropy.\n")
   methods_study.main([
     "--root", study.root, "--out", out, "--steps", "4", "--eval-every", "2", "--eval-samples", "4",
     "--methods", "grpo", "e3", "--seeds", "0", "--summarize-only",
@@ -168,6 +171,7 @@ def test_the_summary_links_the_figures_written_beside_it(tmp_path):
   assert os.path.exists(tmp_path / "out" / "study_figures" / "arithmetic_e3.png")
   text = open(out).read()
   assert "![arithmetic_e3](study_figures/arithmetic_e3.png)" in text
+  assert "## Findings\n\nE3 keeps its entropy.\n" in text  # the hand-written file, kept
   assert "dynamo" not in text.split("## Figures")[1].split("##")[0]
 
 
