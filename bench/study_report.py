@@ -145,7 +145,7 @@ def report(
     recs = [r for r in records if r["task"] == task]
     lines.append(f"\n## {task}\n")
     lines.append(f"Machine: {machines(recs)}. Wall times compare within one machine.\n")
-    lines += task_table([r for r in records if r["task"] == task], resamples)
+    lines += task_table(recs, resamples)
   if findings.strip():
     lines += ["\n## Findings\n", findings.strip() + "\n"]
   lines += figure_lines(figures)

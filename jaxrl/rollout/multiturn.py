@@ -56,12 +56,20 @@ Respond = Callable[[np.ndarray, list[np.ndarray]], tuple[Sequence[np.ndarray], n
 
 class EnvironmentRespond:
   """A ``Respond`` over an ``Environment`` (``jaxrl.tasks.envs``) for one ``generate`` call: each
-  row's state starts from ``environment.reset(question_ids_R)``; ``states`` holds them after."""
+  row's state starts from ``environment.reset(question_ids_R)``; ``states`` holds them after.
+  The reset happens on first use: a respond only sliced (``rows``, one host's share) never
+  resets the whole batch."""
 
   def __init__(self, environment, question_ids_R):
     self.environment = environment
     self.question_ids_R = np.asarray(question_ids_R)
-    self.states = list(environment.reset([int(q) for q in self.question_ids_R]))
+    self._states: list | None = None
+
+  @property
+  def states(self) -> list:
+    if self._states is None:
+      self._states = list(self.environment.reset([int(q) for q in self.question_ids_R]))
+    return self._states
 
   def rows(self, lo: int, hi: int) -> EnvironmentRespond:
     """A fresh ``EnvironmentRespond`` for rows ``lo:hi`` of this one's (one host's slice)."""
@@ -75,7 +83,7 @@ class EnvironmentRespond:
       result = self.environment.step(
         self.states, [np.asarray(turn_tokens[r]).tolist() for r in rows], rows.tolist()
       )
-      self.states = list(result.states)
+      self._states = list(result.states)
       for k, r in enumerate(rows):
         observations[r] = np.asarray(result.observation_ids[k], np.int32)
       done_R[rows] = np.asarray(result.done, bool)

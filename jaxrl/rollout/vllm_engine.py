@@ -370,8 +370,9 @@ class VllmEngine:
         + ("" if self.sidecar is None else " (and no sidecar has been started)")
       )
     if self._turns is not None:
-      offsets = (first_question, first_row)
-      return self._multiturn(ids_BxP, mask_BxP, counts_B, prompts, tau, key, n, respond, offsets)
+      return self._multiturn(
+        ids_BxP, mask_BxP, counts_B, prompts, tau, key, n, respond, first_question, first_row
+      )
     if respond is not None:
       raise ValueError("respond is for an engine built with turns (multi-turn)")
     # One seed per call from the step's key: a resumed run sends the same requests.
@@ -399,12 +400,11 @@ class VllmEngine:
     return self._dir if self._base_dir is None else self._base_dir
 
   def _multiturn(
-    self, ids_BxP, mask_BxP, counts_B, prompts, tau, key, n, respond, offsets=(0, 0)
+    self, ids_BxP, mask_BxP, counts_B, prompts, tau, key, n, respond, first_question, first_row
   ) -> Rollouts:
     """One request per running row and turn (``vllm_multiturn``); each turn's requests are
     retried as a whole on a restarted server, so a failure never steps the environment twice.
-    ``offsets``: (first question, first row) of this slice in the whole batch."""
-    first_question, first_row = offsets
+    ``first_question``, ``first_row``: where this slice starts in the whole batch."""
     group_ids_R = np.repeat(np.arange(len(counts_B), dtype=np.int32), counts_B)
     if respond is None:
       if self._respond_factory is None:
