@@ -20,6 +20,9 @@ Methods (``METHODS``): ``grpo`` is plain GRPO, the loss's denominator counting e
 denominator counts only the groups with a learning signal: DAPO's filter without resampling);
 ``dapo`` adds DAPO's dynamic sampling (``rollout.dynamic_sampling``: rounds until B informative
 groups); ``e3``, ``dynamo``, ``eepo``, ``es`` and ``all`` are the presets of ``configs/tiny.py``.
+Every method but ``grpo`` keeps the presets' informative-only denominator, so its matched
+baseline (``BASELINE``) is ``informative_only``: the summary pairs each method against it, seed by
+seed (``grpo`` then measures the denominator alone).
 Two more methods bound what ES's controller can reach: ``es_floor`` and ``es_ceiling`` are the
 ``es`` preset with ε_high fixed (``clip.method=fixed``, ``loss.eps_high``) at the preset's
 ``clip.c_min`` / ``clip.c_max``. The entropies they reach are the feasible range: a target outside
@@ -28,10 +31,10 @@ gate fires every step) and ``eepo_fires_old_from_policy`` (and stage 2's ℓ_old
 These four are not run by default, and are summarised apart (each table's equal-token budget is
 its own methods' fewest tokens):
 
-  PYTHONPATH=. .venv/bin/python bench/methods_study.py --methods es es_floor es_ceiling \
-    --seeds 0 1 2 --out bench/results/methods_study_es.md
-  PYTHONPATH=. .venv/bin/python bench/methods_study.py --methods grpo eepo eepo_fires \
-    eepo_fires_old_from_policy --seeds 0 1 2 --out bench/results/methods_study_eepo.md
+  PYTHONPATH=. .venv/bin/python bench/methods_study.py --methods grpo informative_only es \
+    es_floor es_ceiling --seeds 0 1 2 --out bench/results/methods_study_es.md
+  PYTHONPATH=. .venv/bin/python bench/methods_study.py --methods grpo informative_only eepo \
+    eepo_fires eepo_fires_old_from_policy --seeds 0 1 2 --out bench/results/methods_study_eepo.md
 
 Tasks (``TASKS``): the arithmetic task, and ``countdown`` (the variant ``configs/tiny.py:…,countdown``).
 """
@@ -77,6 +80,7 @@ METHODS = {
   "eepo_fires": ("eepo", ("eepo.alpha=100.0",)),
   "eepo_fires_old_from_policy": ("eepo", ("eepo.alpha=100.0", "eepo.old_logp_from=policy")),
 }
+BASELINE = "informative_only"  # the loss every other method but grpo keeps
 ABLATIONS = ("es_floor", "es_ceiling", "eepo_fires", "eepo_fires_old_from_policy")
 DEFAULT_METHODS = [m for m in METHODS if m not in ABLATIONS]
 TASKS = {"arithmetic": "", "countdown": "countdown"}  # name -> variant of configs/tiny.py
@@ -277,7 +281,9 @@ def main(argv=None):
   out_dir = os.path.dirname(args.out) or "."
   written = study_figures.figures(records, os.path.splitext(args.out)[0] + "_figures")
   figs = [os.path.relpath(p, out_dir) for p in written]  # links relative to the markdown
-  text = study_report.report(study, records, args.resamples, figs, findings(args.out))
+  text = study_report.report(
+    study, records, args.resamples, figs, findings(args.out), baseline=BASELINE
+  )
   os.makedirs(out_dir, exist_ok=True)
   with open(args.out, "w") as f:
     f.write(text)

@@ -153,7 +153,9 @@ def eepo_figure(records: list[dict], path: str) -> str | None:
   axes[0].axhline(1.0, color="gray", linestyle="--", linewidth=1)
   axes[0].set(xlabel="step", ylabel="eepo_entropy_ratio", title="EEPO: stage-2 / stage-1 entropy")
   axes[0].legend(fontsize="small")
-  bars = [m for m in ("grpo", *logged) if any(r["method"] == m for r in records)]
+  bars = [
+    m for m in ("grpo", "informative_only", *logged) if any(r["method"] == m for r in records)
+  ]
   _pass_at_k_bars(axes[1], records, bars)
   return _save(fig, path)
 

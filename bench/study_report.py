@@ -89,6 +89,42 @@ def task_table(records: list[dict], resamples: int) -> list[str]:
   return lines
 
 
+def paired_table(records: list[dict], baseline: str, resamples: int) -> list[str]:
+  """Each method against ``baseline`` on the seeds both ran: per seed, the per-question
+  differences of the final pass@k and of pass@1 at the seed's equal-token budget (a seed's
+  methods share its warm start and held-out questions, so the difference removes what they
+  share), bootstrapped as the scores are. Nothing without the baseline's cells."""
+  by_seed = {r["seed"]: r for r in records if r["method"] == baseline}
+  methods = [m for m in dict.fromkeys(r["method"] for r in records) if m != baseline]
+  if not by_seed or not methods:
+    return []
+  ks = [k for k in (1, 32) if all(r["evals"][-1]["num_samples"] >= k for r in records)]
+  recs_MxS = {m: [r for r in records if r["method"] == m] for m in (baseline, *methods)}
+  budget_S = budgets(recs_MxS)
+  head = [f"Δ pass@{k}" for k in ks] + ["Δ pass@1 at equal tokens"]
+  lines = [
+    f"\nPaired against `{baseline}` (method − {baseline}, points; seeds both ran):\n",
+    "| method | seeds | " + " | ".join(head) + " |",
+    "|---|---|" + "---|" * len(head),
+  ]
+  for m in methods:
+    pairs = [(r, by_seed[r["seed"]]) for r in recs_MxS[m] if r["seed"] in by_seed]
+    if not pairs:
+      continue
+    cells = [
+      _ci([scores(r["evals"][-1], k) - scores(b["evals"][-1], k) for r, b in pairs], resamples)
+      for k in ks
+    ]
+    matched = [
+      pass1_at(r, budget_S[r["seed"]]) - pass1_at(b, budget_S[r["seed"]])
+      for r, b in pairs
+      if r["seed"] in budget_S
+    ]
+    cells.append(_ci(matched, resamples) if matched else "—")
+    lines.append(f"| {m} | {len(pairs)} | " + " | ".join(cells) + " |")
+  return lines
+
+
 def cell_line(rec: dict) -> str:
   """One cell in a line: held-out pass@1 before and after RL, tokens, RL wall time."""
   before, after = (100 * scores(rec["evals"][i], 1).mean() for i in (0, -1))
@@ -115,11 +151,16 @@ def machines(records: list[dict]) -> str:
 
 
 def report(
-  study, records: list[dict], resamples: int = 2000, figures=(), findings: str = ""
+  study,
+  records: list[dict],
+  resamples: int = 2000,
+  figures=(),
+  findings: str = "",
+  baseline: str = "",
 ) -> str:
-  """The whole summary: how it was measured, a table per task, ``findings`` (what the tables mean,
-  written by hand), links to the ``figures`` (paths relative to the summary), the command of
-  every cell."""
+  """The whole summary: how it was measured, a table per task (and each method paired against
+  ``baseline``), ``findings`` (what the tables mean, written by hand), links to the ``figures``
+  (paths relative to the summary), the command of every cell."""
   tasks = list(dict.fromkeys(r["task"] for r in records))
   seeds = sorted({r["seed"] for r in records})
   lines = [
@@ -146,6 +187,7 @@ def report(
     lines.append(f"\n## {task}\n")
     lines.append(f"Machine: {machines(recs)}. Wall times compare within one machine.\n")
     lines += task_table(recs, resamples)
+    lines += paired_table(recs, baseline, resamples) if baseline else []
   if findings.strip():
     lines += ["\n## Findings\n", findings.strip() + "\n"]
   lines += figure_lines(figures)

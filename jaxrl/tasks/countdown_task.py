@@ -19,10 +19,7 @@ NAME = "countdown"
 
 
 def task_config(cfg: Config) -> countdown.CountdownConfig:
-  try:
-    levels = countdown.parse_levels(cfg.task.levels)
-  except ValueError as e:
-    raise ConfigError("task.levels", str(e)) from None
+  levels = builtin.task_levels(cfg, countdown.parse_levels)
   return countdown.CountdownConfig(
     levels=levels,
     num_train_per_level=cfg.task.num_train_per_level,
