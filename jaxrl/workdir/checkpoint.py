@@ -169,6 +169,7 @@ class Checkpointer:
     self._pending: int | None = None  # step of the write in flight
     self._stuck: tuple[int, Future] | None = None  # (step, wait) past the timeout
     self.failed: list[int] = []  # steps whose write failed
+    self._partials: set[int] = set()  # failed steps whose tmp directory may still appear
     self.last_error: str | None = None
     # The last complete checkpoint, kept here so that reporting a write that never settled needs
     # no directory listing (on a hung disk that blocks too).
@@ -199,6 +200,7 @@ class Checkpointer:
     self._settle()
     if self._blocked(step):
       return False
+    self._partials.discard(step)  # written again: its tmp directory is this write's now
     meta = {**meta, LAYOUT: model.PARAM_LAYOUT}
     if self._record_meta is not None:
       meta[RECORD] = self._record_meta
@@ -217,6 +219,7 @@ class Checkpointer:
 
   def _settle(self) -> None:
     """Wait (at most ``settle_timeout``) for the write in flight; record it if it failed."""
+    self._remove_partials()
     if self._pending is None:
       return
     step, self._pending = self._pending, None
@@ -259,10 +262,18 @@ class Checkpointer:
     return True
 
   def _failed(self, step, error: BaseException) -> None:
-    pattern = os.path.join(glob.escape(self.directory), f"{step}.orbax-checkpoint-tmp*")
-    for partial in glob.glob(pattern):  # never a checkpoint: free its space
-      shutil.rmtree(partial, ignore_errors=True)
+    self._partials.add(step)
+    self._remove_partials()
     self._record(step, _brief(error))
+
+  def _remove_partials(self) -> None:
+    """Free the space of failed writes: their tmp directories are never checkpoints. Orbax
+    reports the first error of a write while tensorstore may still finish its other files, which
+    recreate the directory, so every later save, wait and close removes them again."""
+    for step in self._partials:
+      pattern = os.path.join(glob.escape(self.directory), f"{step}.orbax-checkpoint-tmp*")
+      for partial in glob.glob(pattern):
+        shutil.rmtree(partial, ignore_errors=True)
 
   def _record(self, step: int, reason: str, reload: bool = True) -> None:
     self.failed.append(step)
@@ -345,6 +356,7 @@ class Checkpointer:
       return  # orbax's close would join the blocked threads: leave them (see ``unsettled``)
     _, error = self._orbax.call(self._mgr.close, self.settle_timeout)
     self._orbax.stop()
+    self._remove_partials()
     if error is not None:
       log.warning("closing the checkpoint manager: %s", _brief(error))
 
