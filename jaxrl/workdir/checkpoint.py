@@ -269,10 +269,14 @@ class Checkpointer:
   def _remove_partials(self) -> None:
     """Free the space of failed writes: their tmp directories are never checkpoints. Orbax
     reports the first error of a write while tensorstore may still finish its other files, which
-    recreate the directory, so every later save, wait and close removes them again."""
-    for step in self._partials:
-      pattern = os.path.join(glob.escape(self.directory), f"{step}.orbax-checkpoint-tmp*")
-      for partial in glob.glob(pattern):
+    recreate the directory, so every later save, wait and close removes them again (one listing;
+    none while a write is known to hang: the disk may not answer)."""
+    if not self._partials or self._stuck is not None:
+      return
+    pattern = os.path.join(glob.escape(self.directory), "*.orbax-checkpoint-tmp*")
+    for partial in glob.glob(pattern):
+      step = os.path.basename(partial).split(".", 1)[0]
+      if step.isdigit() and int(step) in self._partials:
         shutil.rmtree(partial, ignore_errors=True)
 
   def _record(self, step: int, reason: str, reload: bool = True) -> None:
