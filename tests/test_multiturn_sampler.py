@@ -385,6 +385,54 @@ def test_turn_budget_and_length_limit_end_rows_unfinished(tiny):
   assert budget and late, (budget, late)
 
 
+def test_an_observation_that_fits_is_answered_and_the_reply_gets_what_is_left(tiny):
+  """N = T + O + 2: after a first turn of any width the observation block fits with two positions
+  for the reply, so every row whose first turn asked is answered, and its reply holds at most 2
+  tokens (a reply cut there is unfinished)."""
+  n, answered = TURNS.max_turn_tokens + TURNS.max_observation_tokens + 2, 0
+  for key in range(3):
+    echo = Echo()
+    out, counts = _gen(tiny, [2, 2, 2], echo, key=70 + key, n=n)
+    out, counts = _host(out), _host(counts)
+    _check_layout(out, echo)
+    tokens, loss, _ = _compact(out)
+    for r in range(len(tokens)):
+      k = int(out.lengths_R[r])
+      model = tokens[r, :k][loss[r, :k]]
+      ends = np.flatnonzero(np.isin(model, [EOS, CALL_END]))
+      if ends.size and model[ends[0]] == CALL_END:  # turn 1 asked
+        assert counts.tool_calls_R[r] == 1, r  # and was answered
+        assert len(model) - (ends[0] + 1) <= 2  # the reply got the 2 positions left
+        answered += 1
+  assert answered >= 3, answered
+
+
+CALL = 3  # plays a chat model's ``</tool_call>``; CALL_END plays its end-of-turn id
+
+
+def test_a_chat_turn_asks_only_with_a_call_and_finishes_without_one(tiny):
+  """The end-of-turn id ends every turn: with ``call_ids`` a turn asks only if it holds the call
+  id; one that ends without it finishes the row (as EOS), and is never shown to the environment."""
+  turns = dataclasses.replace(TURNS, call_ids=(CALL,))
+  asked = finished = 0
+  for key in range(4):
+    echo = Echo()
+    out, counts = _gen(tiny, [2, 2, 2], echo, key=90 + key, turns=turns)
+    out, counts = _host(out), _host(counts)
+    for r, calls in echo.asked.items():
+      assert all(CALL in turn for turn, _, _ in calls), r
+      asked += len(calls)
+    tokens, loss, _ = _compact(out)
+    for r in range(len(tokens)):
+      k = int(out.lengths_R[r])
+      model = tokens[r, :k][loss[r, :k]]
+      last_turn = model[sum(len(t) for t, _, _ in echo.asked.get(r, [])) :]
+      if model[-1] == CALL_END and CALL not in last_turn:
+        assert out.finished_R[r], r
+        finished += 1
+  assert asked and finished, (asked, finished)
+
+
 def test_programs_compile_once(tiny):
   """Two calls with other prompts, counts, keys, τ and observations: no program traces again."""
   n = N + 1  # a length no other test samples: the first call must trace every program

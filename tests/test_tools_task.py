@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import types
 
 import jax
 import numpy as np
@@ -205,6 +206,26 @@ def test_the_verifier_scores_the_final_answer(tools_task):
   ]
   res = tools_task.verify(responses, ["8369910"] * len(responses))
   assert res.rewards_R.tolist() == [1.0, 1.0, 0.0, 0.0, 1.0] and res.scored.all()
+
+
+def test_an_eos_the_environment_wrote_ends_nothing(tools_task):
+  """Only the model's EOS ends the text the verifier reads: an observation holding the EOS id
+  (any id may come back from an environment) leaves the answer after it scored."""
+  tok, eos = tools_task.tokenizer, tools_task.eos_id
+  call, answer = token_ids(tok, "<calc>2*3</calc>"), token_ids(tok, "6")
+  observation = token_ids(tok, "<result>") + [eos] + token_ids(tok, "6</result>")
+  ids = call + observation + answer + [eos]
+  by_model = [True] * len(call) + [False] * len(observation) + [True] * (len(answer) + 1)
+  n = len(ids) + 3
+  rollouts = types.SimpleNamespace(
+    tokens_RxN=np.array([ids + [0] * 3]),
+    mask_RxN=np.array([[True] * len(ids) + [False] * 3]),
+    loss_mask_RxN=np.array([by_model + [False] * 3]),
+    lengths_R=np.array([len(ids)]),
+  )
+  assert rollouts.tokens_RxN.shape == (1, n)
+  (text,) = tools_task.decode(rollouts)
+  assert text.endswith("6</result>6") and tools_task.score([text], ["6"]).tolist() == [1.0]
 
 
 @pytest.mark.parametrize(

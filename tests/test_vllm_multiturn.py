@@ -29,15 +29,16 @@ class Server:
   """Answers turn t of row r with ``script[r][t]`` (ids, finish reason); records the requests."""
 
   def __init__(self, script):
-    self.script, self.requests = script, []
+    self.script, self.requests, self.max_tokens = script, [], []
 
   def __call__(self, seqs, running_R, turn, max_tokens):
-    assert max_tokens == T
+    self.max_tokens.append(max_tokens)
     self.requests.append({r: list(seqs[r]) for r in np.flatnonzero(running_R)})
     out = []
     for r, running in enumerate(running_R):
       if running:
         ids, reason = self.script[r][turn]
+        ids = ids[:max_tokens]  # the server's budget
         out.append([Completion(ids, [-0.5] * len(ids), reason)])
       else:
         out.append([])
@@ -100,10 +101,10 @@ def test_turns_observations_and_ends_in_the_jax_samplers_layout():
   assert env.shown == [{0: [5, 6, STOP], 3: [8, 9]}]
 
 
-def test_no_observation_without_room_for_another_turn():
-  # The first turn takes all T positions: an observation needs O + T more.
+def test_no_observation_without_room_for_its_block_and_a_reply():
+  # The first turn takes all T positions: an observation needs its O positions and one more.
   script = [[([5, 5, 5, STOP], "stop")], [([STOP], "stop")]]
-  for n, turns in ((T + O + T - 1, 3), (T + O + T, 1)):
+  for n, turns in ((T + O, 3), (T + O + T, 1)):
     tokens, mask, loss, _, finished, counts, server, env = _run(
       script, n, _stops(max_turns=turns), [[3], [4]]
     )
@@ -111,6 +112,48 @@ def test_no_observation_without_room_for_another_turn():
     np.testing.assert_array_equal(counts.tool_calls_R, [0, 0])
     np.testing.assert_array_equal(finished, [False, False])  # asked, never answered
     np.testing.assert_array_equal(mask, loss)
+
+
+def test_an_observation_that_fits_is_answered_and_the_reply_gets_what_is_left():
+  """N = T + O + 1: the block fits with one position for the reply, which the server is asked
+  for; a reply cut there ends unfinished, one that finishes in it is finished."""
+  script = [
+    [([5, 5, 5, STOP], "stop"), ([EOS], "stop")],
+    [([STOP], "stop"), ([7, 7, EOS], "length")],
+  ]
+  tokens, mask, loss, _, finished, counts, server, env = _run(
+    script, T + O + 1, _stops(), [[3], [4]]
+  )
+  assert server.max_tokens == [T, 1]
+  assert env.shown == [{0: [5, 5, 5, STOP], 1: [STOP]}]
+  np.testing.assert_array_equal(tokens[:, -1], [EOS, 7])
+  np.testing.assert_array_equal(finished, [True, False])
+  np.testing.assert_array_equal(counts.turns_R, [2, 2])
+  np.testing.assert_array_equal(counts.tool_calls_R, [1, 1])
+
+
+def test_a_chat_turn_asks_only_with_a_call_and_finishes_without_one():
+  """The end-of-turn id ends every turn (and is EOS too, as a chat model's): a turn holding the
+  call id asks, one without finishes the row; an empty server turn is no turn."""
+  eot, call = 9, 8
+  stops = vllm_multiturn.TurnStops(
+    multiturn.TurnConfig(
+      stop_ids=(eot,), call_ids=(call,), max_turn_tokens=T, max_observation_tokens=O, max_turns=3
+    )
+  )
+  script = [
+    [([5, call, eot], "stop"), ([6, eot], "stop")],  # calls, then answers
+    [([6, eot], "stop")],  # answers at once
+    [([], "length")],  # the server had no room: no token, no turn
+  ]
+  server, env = Server(script), Environment()
+  tokens, mask, loss, logp, finished, counts = vllm_multiturn.generate(
+    server, [[3], [4], [5]], env, stops=stops, max_new_tokens=2 * T + O, eos_id=(eot,), pad_id=PAD
+  )
+  assert env.shown == [{0: [5, call, eot]}]
+  np.testing.assert_array_equal(finished, [True, True, False])
+  np.testing.assert_array_equal(counts.turns_R, [2, 1, 0])
+  np.testing.assert_array_equal(counts.tool_calls_R, [1, 0, 0])
 
 
 ADAPTER = "policy-test-000001"

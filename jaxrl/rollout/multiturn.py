@@ -14,14 +14,16 @@ compile once per run (their shapes are fixed by R, P, N, T and O; the turn's sta
                         by one forward (rows without an observation: all masked)
   ``assemble_program``  the ``Rollouts`` and the per-row ``TurnCounts``
 
-A row's turn ends at a turn-stop id (the host is asked for an observation), at EOS (the row
-finishes) or after T tokens (the row ends unfinished, as a truncated single-turn row). A row whose
-turn ended waits, its positions masked gaps, until every row's turn ended; the turn then spans
-as many positions as its longest row. The observation follows in a block of O positions, padded
-on the left, so that a model token never follows padding of its own turn's observation. A turn
-starts only where T positions are left; an observation is asked for only where the next turn
-fits after it (O + T positions) and ``max_turns`` allows one: an observation the model could not
-answer would be wasted. A row the environment calls done finishes after its observation.
+A row's turn ends at a turn-stop id (the host is asked for an observation; with
+``TurnConfig.call_ids``, a chat model's end-of-turn id, only if the turn holds a call, else the row
+finishes), at EOS (the row finishes) or after T tokens (the row ends unfinished, as a truncated
+single-turn row). A row whose turn ended waits, its positions masked gaps, until every row's turn
+ended; the turn then spans as many positions as its longest row. The observation follows in a
+block of O positions, padded on the left, so that a model token never follows padding of its own
+turn's observation. An observation is asked for where its block fits with at least one position
+after it and ``max_turns`` allows another turn (``answers_fit``); the reply then takes at most T
+tokens, fewer where the buffer ends first. A row asked where no answer fits ends unfinished. A row
+the environment calls done finishes after its observation.
 
 Gaps are invisible to the model: the cache slot of a gap is not valid (``kv_valid_RxS``) and
 RoPE positions count real tokens only, so the log-probs are those of a forward without a cache
@@ -112,9 +114,15 @@ class TurnConfig:
   max_turn_tokens: int  # T: tokens of one model turn at most
   max_observation_tokens: int  # O: tokens of one observation at most (its block's width)
   max_turns: int  # model turns per row at most
+  # Ids that mark a call (a chat model's ``</tool_call>``): a turn that ends at a stop id asks the
+  # environment only if it holds one of them, else it ends the trajectory, finished, as EOS does
+  # (a chat model ends every turn, its last one too, with its end-of-turn token). () = every stop
+  # asks (the stop id is the call's own end, ``</calc>``).
+  call_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
     object.__setattr__(self, "stop_ids", stop_ids(self.stop_ids))
+    object.__setattr__(self, "call_ids", tuple(int(i) for i in self.call_ids))
     for name in ("max_turn_tokens", "max_observation_tokens", "max_turns"):
       if getattr(self, name) < 1:
         raise ValueError(f"TurnConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -145,6 +153,7 @@ class _TurnState:
   next_pos_R: Array  # i32, real tokens so far: the RoPE position of the row's next token
   in_turn_R: Array  # bool, still decoding this turn
   asked_R: Array  # bool, this turn ended at a turn-stop id: the row waits for an observation
+  called_R: Array  # bool, this turn holds a call id (``TurnConfig.call_ids``)
   ended_R: Array  # bool, generates no more (EOS, done, or a limit)
   finished_R: Array  # bool, ended by EOS or by the environment (not by a limit)
   turns_R: Array  # i32
@@ -190,6 +199,7 @@ def prefill_program(
     next_pos_R=jnp.sum(prompt_mask_RxP, axis=-1, dtype=jnp.int32),
     in_turn_R=false_R,
     asked_R=false_R,
+    called_R=false_R,
     ended_R=false_R,
     finished_R=false_R,
     turns_R=zero_R,
@@ -211,9 +221,10 @@ class _Turn:
   key: Array
   tau: Array  # f32[]
   top_p: Array  # f32[]
-  end: Array  # i32[] the turn's last token is at most end - 1 (its start + T)
+  end: Array  # i32[] the turn's last token is at most end - 1 (min(its start + T, N))
   eos_id: tuple[int, ...]
   stop_ids: tuple[int, ...]
+  call_ids: tuple[int, ...]
   pad_id: int
   greedy: bool
 
@@ -223,8 +234,14 @@ class _Turn:
     tok_R, logp_R, behaviour_R, entropy_R = _draw(
       self.key, st.n, st.logits_RxV, self.tau, self.top_p, self.greedy, live_R, self.pad_id
     )
-    eos_R = live_R & jnp.isin(tok_R, jnp.asarray(self.eos_id))
-    stop_R = live_R & ~eos_R & jnp.isin(tok_R, jnp.asarray(self.stop_ids))
+    called_R = st.called_R
+    if self.call_ids:
+      called_R = called_R | jnp.isin(tok_R, jnp.asarray(self.call_ids))
+    at_stop_R = jnp.isin(tok_R, jnp.asarray(self.stop_ids))
+    # A stop that asks wins over EOS (a chat model's end-of-turn id is often its EOS too); a stop
+    # without a call ends the trajectory like EOS.
+    stop_R = live_R & at_stop_R & (called_R if self.call_ids else True)
+    eos_R = live_R & ~stop_R & (jnp.isin(tok_R, jnp.asarray(self.eos_id)) | at_stop_R)
     return dataclasses.replace(
       st,
       n=st.n + 1,
@@ -240,6 +257,7 @@ class _Turn:
       next_pos_R=st.next_pos_R + live_R,
       in_turn_R=live_R & ~eos_R & ~stop_R,
       asked_R=st.asked_R | stop_R,
+      called_R=called_R,
       ended_R=st.ended_R | eos_R,
       finished_R=st.finished_R | eos_R,
     )
@@ -265,7 +283,7 @@ class _Turn:
 
 @functools.partial(
   jax.jit,
-  static_argnames=("max_turn_tokens", "eos_id", "stop_ids", "pad_id", "greedy"),
+  static_argnames=("max_turn_tokens", "eos_id", "stop_ids", "call_ids", "pad_id", "greedy"),
   donate_argnames=("state",),
 )
 def turn_program(
@@ -279,25 +297,29 @@ def turn_program(
   max_turn_tokens,
   eos_id,
   stop_ids,
+  call_ids=(),
   pad_id,
   greedy,
 ) -> _TurnState:
-  """One model turn of every row not ended, from position ``state.n`` (needs T positions left)."""
+  """One model turn of every row not ended, from position ``state.n`` (< N): at most T tokens,
+  fewer where the response ends sooner."""
   turn = _Turn(
     graphdef=graphdef,
     params=params,
     key=key,
     tau=jnp.asarray(temperature, jnp.float32),
     top_p=jnp.asarray(top_p, jnp.float32),
-    end=state.n + max_turn_tokens,
+    end=jnp.minimum(state.n + max_turn_tokens, state.tokens_RxN.shape[1]),
     eos_id=eos_id,
     stop_ids=stop_ids,
+    call_ids=call_ids,
     pad_id=pad_id,
     greedy=greedy,
   )
   live_R = ~state.ended_R
+  no_R = jnp.zeros_like(live_R)
   st = dataclasses.replace(
-    state, in_turn_R=live_R, asked_R=jnp.zeros_like(live_R), turns_R=state.turns_R + live_R
+    state, in_turn_R=live_R, asked_R=no_R, called_R=no_R, turns_R=state.turns_R + live_R
   )
   # The turn's first token comes from the logits the prefill or the observation left.
   st = jax.lax.while_loop(turn.running, turn.step, turn.emit(st))
@@ -385,6 +407,14 @@ def assemble_program(state: _TurnState, prompt_ids_RxP, prompt_mask_RxP, group_i
 def _host(x) -> np.ndarray:
   """A (small) device value on the host; every process sees all of it."""
   return np.asarray(distributed.to_host(x) if jax.process_count() > 1 else x)
+
+
+def answers_fit(turn: int, end: int, turns: TurnConfig, max_new_tokens: int) -> bool:
+  """Is the environment asked after turn ``turn`` (from 0), which ended at position ``end``? When
+  the observation block fits with at least one position for the model's reply, and ``max_turns``
+  allows another turn. The reply then gets min(T, what is left) positions (as peers answer a call
+  whenever the observation fits the budget)."""
+  return turn + 1 < turns.max_turns and end + turns.max_observation_tokens < max_new_tokens
 
 
 def observation_block(observations, done_R, asked_R, o: int, pad_id: int):
@@ -476,12 +506,12 @@ def generate(
       max_turn_tokens=T,
       eos_id=eos,
       stop_ids=turns.stop_ids,
+      call_ids=turns.call_ids,
       pad_id=pad_id,
       greedy=greedy,
     )
     end, asked_R = int(_host(st.n)), _host(st.asked_R)
-    # An observation is asked for only if the model can answer it: another turn fits after it.
-    if turn + 1 == turns.max_turns or end + O + T > N or not asked_R.any():
+    if not answers_fit(turn, end, turns, N) or not asked_R.any():
       break
     tokens = _turn_tokens(_host(st.tokens_RxN), _host(st.mask_RxN), asked_R, start, end)
     observations, done_R = respond(asked_R.copy(), tokens)

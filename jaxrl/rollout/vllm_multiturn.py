@@ -13,9 +13,13 @@ behaviour log-prob 0).
 The layout and the limits are the JAX sampler's (``multiturn.generate``), so the two engines give
 the same rollouts for the same draws: turns in lockstep, a turn spanning as many positions as its
 longest row (the shorter rows' positions after their turn are masked gaps), each observation in a
-block of O positions, right-aligned; a turn starts only where T positions are left, an observation
-is asked for only where another turn fits after it and ``max_turns`` allows one. A row ends at EOS
-or when the environment says done (finished), or at T tokens in a turn or a limit (unfinished).
+block of O positions, right-aligned; an observation is asked for where its block and at least one
+token of the reply fit and ``max_turns`` allows another turn (``multiturn.answers_fit``), the reply
+then asked for min(T, what is left) tokens. A turn that ends at a stop asks the environment (with
+``call_ids``: only if it holds a call; a chat model's end-of-turn without one finishes the row).
+A row ends at EOS or when the environment says done (finished), or at T tokens in a turn or a
+limit (unfinished). A turn the server ends before any token (its context is full) ends the row
+and is not counted as a turn: the JAX sampler's turns always hold a token.
 """
 
 from __future__ import annotations
@@ -71,15 +75,18 @@ class _Buffers:
     )
 
 
-def _asked(c: Completion, stops: TurnStops, eos: tuple[int, ...]) -> bool:
-  """The turn ended at one of the environment's stop sequences (EOS first, as in the sampler)."""
-  last = c.token_ids[-1]
-  if last in eos:
-    return False
-  if last in stops.turns.stop_ids:
-    return True
+def _turn_end(ids: np.ndarray, c: Completion, stops: TurnStops, eos: tuple[int, ...]) -> str:
+  """How the turn ``ids`` (all of ``c``'s) ended, by the sampler's rule: "ask" (a stop that asks
+  the environment: with ``call_ids``, only a turn holding a call), "finish" (EOS, or a stop
+  without a call) or "cut" (the turn's budget)."""
+  last = int(ids[-1])
   # A stop string: the server ends the request there ("stop"), the string kept in the output.
-  return bool(stops.stop_strings) and c.finish_reason == "stop"
+  at_string = bool(stops.stop_strings) and c.finish_reason == "stop" and last not in eos
+  at_stop = last in stops.turns.stop_ids or at_string
+  calls = stops.turns.call_ids
+  if at_stop and (not calls or bool(np.isin(ids, calls).any())):
+    return "ask"
+  return "finish" if at_stop or last in eos else "cut"
 
 
 def _place_turn(buf: _Buffers, done, running_R, n: int, t: int, stops, eos):
@@ -94,16 +101,16 @@ def _place_turn(buf: _Buffers, done, running_R, n: int, t: int, stops, eos):
       buf.ended_R[r] = True
       continue
     k = len(ids)
+    buf.turns_R[r] += 1
     buf.tokens_RxN[r, n : n + k] = ids
     buf.mask_RxN[r, n : n + k] = buf.loss_mask_RxN[r, n : n + k] = True
     buf.logp_RxN[r, n : n + k] = c.logprobs[:k]
     width = max(width, k)
-    if ids[-1] in eos:
-      buf.ended_R[r] = buf.finished_R[r] = True
-    elif _asked(c, stops, eos) and k == len(c.token_ids):
+    end = _turn_end(ids, c, stops, eos) if k == len(c.token_ids) else "cut"
+    if end == "ask":
       asked_R[r], turn_ids[r] = True, ids
-    else:  # T tokens without a stop: the row ends, unfinished
-      buf.ended_R[r] = True
+    else:  # "cut": T tokens without a stop, the row ends unfinished
+      buf.ended_R[r], buf.finished_R[r] = True, end == "finish"
   return width, asked_R, turn_ids
 
 
@@ -130,14 +137,13 @@ def generate(
   n = 0
   for turn in range(tc.max_turns):
     running_R = ~buf.ended_R
-    buf.turns_R += running_R
-    done = complete(seqs, running_R, turn, T)
-    width, asked_R, turn_ids = _place_turn(buf, done, running_R, n, T, stops, eos_id)
+    t = min(T, N - n)  # the reply to an observation near the end gets what is left
+    done = complete(seqs, running_R, turn, t)
+    width, asked_R, turn_ids = _place_turn(buf, done, running_R, n, t, stops, eos_id)
     for row in np.flatnonzero(running_R):
       seqs[row] += buf.tokens_RxN[row, n : n + width][buf.mask_RxN[row, n : n + width]].tolist()
     n += width
-    # An observation is asked for only if the model can answer it: another turn fits after it.
-    if turn + 1 == tc.max_turns or n + O + T > N or not asked_R.any():
+    if not multiturn.answers_fit(turn, n, tc, N) or not asked_R.any():
       break
     observations, done_R = respond(asked_R.copy(), turn_ids)
     ids_RxO, mask_RxO, done_R = multiturn.observation_block(

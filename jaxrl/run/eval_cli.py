@@ -242,15 +242,13 @@ def _evaluate_benchmark(
   from jaxrl.rollout.engine import eval_version
   from jaxrl.run.heldout import engine_sampler, evaluate
   from jaxrl.tasks import math_task
-  from jaxrl.tasks.data import datasets
-  from jaxrl.tasks.data.prompts import decode_responses
-  from jaxrl.tasks.envs.trajectory import compact
+  from jaxrl.tasks.data import datasets, math_prompts
+  from jaxrl.tasks.envs.trajectory import response_texts
+
+  stops = math_prompts.stop_token_ids(cfg.model.checkpoint, tokenizer)  # as the engine's EOS
 
   def decode(out):
-    tokens_RxN = np.asarray(out.tokens_RxN)
-    if environment is not None:  # multi-turn: the gaps between turns out (as TaskData.decode)
-      tokens_RxN = compact(tokens_RxN, out.mask_RxN)
-    return decode_responses(tokenizer, tokens_RxN, np.asarray(out.lengths_R))
+    return response_texts(tokenizer, out, multi_turn=environment is not None, eos_id=stops)
 
   questions, report = datasets.load_questions(
     path, math_task.fields(cfg), split=cfg.data.split, strict=cfg.data.strict

@@ -133,7 +133,7 @@ def sample_rows(task, rollouts, qids_B, counts_B, tau, n: int) -> list[dict]:
   lengths_R = np.asarray(rollouts.lengths_R)[rows]
   if task.environment is not None:  # the gaps between turns out (model_RxN: who wrote what)
     tokens_RxN, model_RxN = compact(tokens_RxN, mask_RxN), compact(model_RxN, mask_RxN)
-  responses = decode_responses(tokenizer, tokens_RxN, lengths_R)
+  responses = decode_responses(tokenizer, tokens_RxN, lengths_R, model_RxN, task.eos_id)
   prompt_ids, prompt_mask = (
     np.asarray(rollouts.prompt_ids_RxP),
     np.asarray(rollouts.prompt_mask_RxP),

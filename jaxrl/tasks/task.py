@@ -19,8 +19,7 @@ import numpy as np
 from jaxrl.config import Config, ConfigError, parse_mixture
 from jaxrl.tasks.data import arithmetic
 from jaxrl.tasks.data.cursor import Mixture
-from jaxrl.tasks.data.prompts import decode_responses
-from jaxrl.tasks.envs.trajectory import compact
+from jaxrl.tasks.envs.trajectory import response_texts
 from jaxrl.tasks.rewards.arithmetic import score_batch
 from jaxrl.tasks.rewards.pool import VerifyResult
 
@@ -58,12 +57,11 @@ class TaskData:
     return () if self.environment is None else tuple(self.environment.stop_sequences)
 
   def decode(self, out) -> list[str]:
-    """Response texts of a ``SampleOutput`` (cut at EOS); a multi-turn response's turns and
-    observations without the gaps between them (the verifier reads its final answer)."""
-    tokens_RxN = np.asarray(out.tokens_RxN)
-    if self.environment is not None:
-      tokens_RxN = compact(tokens_RxN, out.mask_RxN)
-    return decode_responses(self.tokenizer, tokens_RxN, np.asarray(out.lengths_R))
+    """Response texts of ``Rollouts`` (``trajectory.response_texts``: cut at the model's EOS; a
+    multi-turn response's turns and observations without the gaps between them)."""
+    return response_texts(
+      self.tokenizer, out, multi_turn=self.environment is not None, eos_id=self.eos_id
+    )
 
   def verify(self, responses, answers) -> VerifyResult:
     """Rewards with the verifier's failure counts (timeouts, errors, ...) for the metrics."""

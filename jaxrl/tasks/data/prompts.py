@@ -102,18 +102,23 @@ def encode_sft(
   return SFTArrays(inputs_BxL, targets_BxL, target_mask_BxL, attn_mask_BxL)
 
 
-def decode_responses(tokenizer, ids_BxN, lengths_B) -> list[str]:
-  """Text of each response: its first ``lengths_B[i]`` tokens, cut before the first EOS.
+def decode_responses(
+  tokenizer, ids_BxN, lengths_B, model_mask_BxN=None, eos_id: int | Sequence[int] | None = None
+) -> list[str]:
+  """Text of each response: its first ``lengths_B[i]`` tokens, cut before the first EOS the model
+  wrote (``model_mask_BxN``: its tokens, the others an environment's, whose EOS ids end nothing;
+  None: every token is the model's). ``eos_id``: the ids that end a response (default the
+  tokenizer's EOS).
 
   Other special tokens (pad, bos, unk) are kept as their text, so a response containing them can
   never be scored as a clean number.
   """
   ids_BxN = np.asarray(ids_BxN)
-  lengths_B = np.clip(np.asarray(lengths_B), 0, ids_BxN.shape[1])
-  rows = []
-  for ids, n in zip(ids_BxN.tolist(), lengths_B.tolist()):
-    ids = ids[:n]
-    if tokenizer.eos_token_id in ids:
-      ids = ids[: ids.index(tokenizer.eos_token_id)]
-    rows.append(ids)
+  eos = tokenizer.eos_token_id if eos_id is None else eos_id
+  eos_ids = np.asarray(list(eos) if isinstance(eos, (list, tuple)) else [eos])
+  by_model_BxN = np.ones(ids_BxN.shape, bool) if model_mask_BxN is None else model_mask_BxN
+  ends_BxN = np.isin(ids_BxN, eos_ids) & np.asarray(by_model_BxN, bool)
+  first_eos_B = np.where(ends_BxN.any(1), ends_BxN.argmax(1), ids_BxN.shape[1])
+  lengths_B = np.minimum(np.clip(np.asarray(lengths_B), 0, ids_BxN.shape[1]), first_eos_B)
+  rows = [ids[:n] for ids, n in zip(ids_BxN.tolist(), lengths_B.tolist())]
   return tokenizer.batch_decode(rows, skip_special_tokens=False) if rows else []

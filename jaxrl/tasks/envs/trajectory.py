@@ -11,7 +11,21 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxrl.tasks.data.prompts import decode_responses
+
 MODEL, ENVIRONMENT = "model", "environment"
+
+
+def response_texts(tokenizer, rollouts, *, multi_turn: bool, eos_id=None) -> list[str]:
+  """The text the verifier reads of each response of ``rollouts``: a multi-turn one without the
+  gaps between its turns; cut at the first EOS the model wrote (``eos_id``, default the
+  tokenizer's), never at one an environment wrote (an observation may hold any id)."""
+  tokens_RxN, model_RxN = np.asarray(rollouts.tokens_RxN), np.asarray(rollouts.loss_mask_RxN)
+  if multi_turn:
+    mask_RxN = np.asarray(rollouts.mask_RxN)
+    tokens_RxN, model_RxN = compact(tokens_RxN, mask_RxN), compact(model_RxN, mask_RxN)
+  lengths_R = np.asarray(rollouts.lengths_R)
+  return decode_responses(tokenizer, tokens_RxN, lengths_R, model_RxN, eos_id)
 
 
 def compact(x_RxN, mask_RxN) -> np.ndarray:
