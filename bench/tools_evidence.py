@@ -1,5 +1,6 @@
-"""Evidence for multi-turn rollouts with a tool: ``configs/tiny.py:tools`` (the calculator) beside
-the same task, model and budget without it, over seeds.
+"""Evidence for multi-turn rollouts with a tool: ``configs/tiny.py:tools`` (the calculator), the
+same in a chat template (``tiny:tools,chat``), and the same task, model and budget without the
+tool, over seeds.
 
   PYTHONPATH=. .venv/bin/python bench/tools_evidence.py --steps 200 --seeds 0 1 2 --jobs 2
 
@@ -28,18 +29,22 @@ sys.path.insert(0, ROOT)
 
 from bench import tiny_runs  # noqa: E402
 
-CONFIG = "configs/tiny.py:tools"
-SETTINGS = {"tool": (), "no tool": ("task.environment=",)}
+# setting -> (config, overrides): the tool in raw ids and in a chat template, and no tool
+SETTINGS = {
+  "tool": ("configs/tiny.py:tools", ()),
+  "tool, chat": ("configs/tiny.py:tools,chat", ()),
+  "no tool": ("configs/tiny.py:tools", ("task.environment=",)),
+}
+TOOL_SETTINGS = ("tool", "tool, chat")
 
 
 def workdir(root: str, setting: str, seed: int) -> str:
-  return os.path.join(root, f"{setting.replace(' ', '_')}_s{seed}")
+  return os.path.join(root, f"{setting.replace(', ', '_').replace(' ', '_')}_s{seed}")
 
 
 def run(root: str, setting: str, seed: int, steps: int) -> str:
-  return tiny_runs.ensure_run(
-    CONFIG, workdir(root, setting, seed), seed, steps, None, *SETTINGS[setting]
-  )
+  config, overrides = SETTINGS[setting]
+  return tiny_runs.ensure_run(config, workdir(root, setting, seed), seed, steps, None, *overrides)
 
 
 def _json(path: str) -> dict:
@@ -64,10 +69,17 @@ def level_names() -> tuple[list[str], list[str]]:
   ]
 
 
-def _cell(values) -> str:
-  """Mean over seeds, in %, with the seeds' range."""
-  v = 100 * np.asarray(values, float)
-  return f"{v.mean():.1f} ({v.min():.0f}–{v.max():.0f})" if len(v) > 1 else f"{v[0]:.1f}"
+def _cell(values, scale: float = 100, digits: int = 1) -> str:
+  """Mean over seeds (in % by default) with the seeds' range, both to ``digits`` decimals."""
+  v = scale * np.asarray(values, float)
+  if len(v) == 1:
+    return f"{v[0]:.{digits}f}"
+  return f"{v.mean():.{digits}f} ({v.min():.{digits}f}–{v.max():.{digits}f})"
+
+
+def _seeds(values) -> str:
+  """Each seed's value, in %."""
+  return " / ".join(f"{100 * v:.1f}" for v in values)
 
 
 def summarize(root: str, seeds, steps: int) -> tuple[str, dict]:
@@ -82,12 +94,13 @@ def summarize(root: str, seeds, steps: int) -> tuple[str, dict]:
   }
   after = f"step{steps}"
   lines = [
-    f"# Multi-turn rollouts with a calculator: `tiny:tools` with and without the tool "
-    f"({steps} RL steps, seeds {list(seeds)})\n",
-    "Held-out pass@1 (%, mean over seeds and the seeds' range); hard levels (1% of the SFT "
+    f"# Multi-turn rollouts with a calculator: `tiny:tools` with the tool (raw ids, and in a chat "
+    f"template: `tiny:tools,chat`) and without it ({steps} RL steps, seeds {list(seeds)})\n",
+    f"Held-out pass@1 (%, mean over {len(seeds)} seeds and the seeds' range: with this few seeds "
+    "the range is what the data show, not a confidence interval); hard levels (1% of the SFT "
     "corpus each): " + ", ".join(names[i] for i in hard) + ".\n",
     "| level | " + " | ".join(f"{s}, {w}" for s in SETTINGS for w in ("SFT", "RL")) + " |",
-    "|---|---|---|---|---|",
+    "|---" * (1 + 2 * len(SETTINGS)) + "|",
   ]
   for key, label in [(str(i), n) for i, n in enumerate(names)] + [("all", "all")]:
     label = f"**{label}**" if key != "all" and int(key) in hard else label
@@ -99,26 +112,45 @@ def summarize(root: str, seeds, steps: int) -> tuple[str, dict]:
     lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
   lines += [
-    "\n## Hard levels solved with a tool call\n",
+    "\nHeld-out pass@1 over all levels after RL, seed by seed: "
+    + "; ".join(
+      f"{setting} {_seeds([e['pass_at']['1']['all'] for e in evals[(setting, after)]])}"
+      for setting in SETTINGS
+    )
+    + ".\n"
+  ]
+  for setting in TOOL_SETTINGS:
+    lines += _hard_levels(setting, evals, names, hard, after)
+  res = {setting: {s: _metrics(workdir(root, setting, s)) for s in seeds} for setting in SETTINGS}
+  for setting in TOOL_SETTINGS:
+    lines += _over_training(setting, res[setting], seeds, steps)
+  return "\n".join(lines) + "\n", res
+
+
+def _hard_levels(setting: str, evals: dict, names, hard, after: str) -> list[str]:
+  lines = [
+    f"\n## Hard levels solved with a tool call ({setting})\n",
     "Calculator calls per held-out sample; the share of samples that are correct, and that are "
-    "correct and called it (%) (mean over seeds and the seeds' range).\n",
+    "correct and called it (%) (mean over seeds and the seeds' range; solved, seed by seed).\n",
     "| level | SFT: calls | SFT: solved | SFT: solved with a call "
-    "| RL: calls | RL: solved | RL: solved with a call |",
-    "|---|---|---|---|---|---|---|",
+    "| RL: calls | RL: solved | RL: solved with a call | RL: solved per seed |",
+    "|---|---|---|---|---|---|---|---|",
   ]
   for i in hard:
     cells = []
     for when in ("sft", after):
-      tool = evals[("tool", when)]
-      calls = [e["turns"]["tool_calls"][str(i)] for e in tool]
-      cells.append(f"{np.mean(calls):.2f} ({min(calls):.2f}–{max(calls):.2f})")
+      tool = evals[(setting, when)]
+      cells.append(_cell([e["turns"]["tool_calls"][str(i)] for e in tool], scale=1, digits=2))
       cells.append(_cell([e["pass_at"]["1"][str(i)] for e in tool]))
       cells.append(_cell([e["turns"]["solved_with_call"][str(i)] for e in tool]))
+    cells.append(_seeds([e["pass_at"]["1"][str(i)] for e in evals[(setting, after)]]))
     lines.append(f"| {names[i]} | " + " | ".join(cells) + " |")
+  return lines
 
-  res = {s: _metrics(workdir(root, "tool", s)) for s in seeds}
-  lines += [
-    "\n## Turns and tool calls per trajectory over training (tool runs, mean over seeds)\n",
+
+def _over_training(setting: str, res: dict, seeds, steps: int) -> list[str]:
+  lines = [
+    f"\n## Turns and tool calls per trajectory over training ({setting}, mean over seeds)\n",
     "| steps | turns | tool calls | batch reward |",
     "|---|---|---|---|",
   ]
@@ -131,8 +163,7 @@ def summarize(root: str, seeds, steps: int) -> tuple[str, dict]:
 
     turns, calls, reward = mean("turns_mean"), mean("tool_calls_mean"), mean("reward")
     lines.append(f"| {start + 1}–{end} | {turns:.2f} | {calls:.2f} | {reward:.3f} |")
-  no_tool = {s: _metrics(workdir(root, "no tool", s)) for s in seeds}
-  return "\n".join(lines) + "\n", {"tool": res, "no tool": no_tool}
+  return lines
 
 
 def plot(res: dict, seeds, out_png: str) -> None:
@@ -146,10 +177,9 @@ def plot(res: dict, seeds, out_png: str) -> None:
   for setting, rows in res.items():
     ys = np.mean([[r["reward"] for r in rows[s]] for s in seeds], axis=0)
     axes[0].plot(np.convolve(ys, np.ones(w) / w, mode="valid"), label=setting)
-  ys = np.mean([[r["tool_calls_mean"] for r in res["tool"][s]] for s in seeds], axis=0)
-  axes[1].plot(np.convolve(ys, np.ones(w) / w, mode="valid"), label="tool calls")
-  ys = np.mean([[r["turns_mean"] for r in res["tool"][s]] for s in seeds], axis=0)
-  axes[1].plot(np.convolve(ys, np.ones(w) / w, mode="valid"), label="turns")
+  for setting in TOOL_SETTINGS:
+    ys = np.mean([[r["tool_calls_mean"] for r in res[setting][s]] for s in seeds], axis=0)
+    axes[1].plot(np.convolve(ys, np.ones(w) / w, mode="valid"), label=f"tool calls ({setting})")
   for ax, title in zip(axes, ("batch reward", "per trajectory (tool runs)")):
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("RL step")

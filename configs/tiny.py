@@ -16,7 +16,8 @@ rollouts per question, longer responses from 60% of the steps, or where the entr
 anneals), e.g. ``configs/tiny.py:e3,anneal``; ``tools`` is the arithmetic task with a calculator
 (multi-turn: the model may write ``<calc>12345*678</calc>``, the environment answers
 ``<result>8369910</result>``, the model copies the answer; the SFT corpus shows calls on the easy
-levels, RL has to learn when to call on the hard ones), e.g. ``tiny:e3,tools``; ``countdown`` is
+levels, RL has to learn when to call on the hard ones), e.g. ``tiny:e3,tools``; ``tools,chat`` is
+the same in a ChatML chat template, as an instruct model reads it; ``countdown`` is
 the countdown task (reach a target with the given numbers: a search where exploration matters),
 e.g. ``tiny:e3,countdown``. Every field
 stays overridable: ``--config.allocation.method=dynamo``.
@@ -27,7 +28,7 @@ from jaxrl.config import default_configdict
 PRESETS = ("grpo", "e3", "dynamo", "eepo", "es", "all")
 SIZES = ("quick", "test")
 PHASES = ("anneal",)
-TASKS = ("tools", "countdown")
+TASKS = ("tools", "countdown", "chat")  # chat: tools in a chat template (tiny:tools,chat)
 # tiny:tools' levels: those shown in its SFT corpus, and the hard ones (products and long sums a
 # 0.8M model cannot compute in its head), rare in the corpus.
 TOOLS_SHOWN_LEVELS = "2x1+,2x2+,2x1*,2x2*,5x1+,3x2+,3x3+,5x5-"
@@ -111,12 +112,22 @@ def _apply_tools(c) -> None:
   c.task.sft_levels = TOOLS_SHOWN_LEVELS + "".join(
     f",{level}:{TOOLS_HARD_SFT_WEIGHT}" for level in TOOLS_HARD_LEVELS.split(",")
   )
-  # The sampler asks for an observation only where a whole turn fits after it: a first turn of up
-  # to 24 tokens, the 32-token observation block and another 24-token turn.
+  # A first turn of up to 24 tokens, the 32-token observation block and a 24-token answer. Two
+  # turns: a call and the answer (a third would need N >= 3T + 2O).
   c.rollout.max_new_tokens = 80
-  c.rollout.max_turns = 3  # a call, one more if the first failed, the answer
+  c.rollout.max_turns = 2
   c.rollout.max_turn_tokens = 24
   c.rollout.max_observation_tokens = 32  # every error observation, results up to 30 digits
+
+
+def _apply_chat(c) -> None:
+  """tiny:tools in ChatML, as an instruct model reads it (the ``tools_chat`` vocabulary): the
+  prompt a user turn, each model turn ended by <|im_end|> (sampled and trained), the calculator's
+  answer a tool message followed by the next assistant header (the environment's tokens). The
+  observation block holds the 22 tokens of that frame and results up to 23 characters."""
+  c.task.chat_template = True
+  c.rollout.max_observation_tokens = 48
+  c.rollout.max_new_tokens = 96  # 24 + 48 + 24
 
 
 def _apply_countdown(c) -> None:
@@ -176,6 +187,10 @@ def get_config(arg: str = ""):
       )
   if "tools" in names:  # after the sizes: its levels and lengths are the task's own
     _apply_tools(c)
+  if "chat" in names:
+    if "tools" not in names:
+      raise ValueError("the chat variant of configs/tiny.py is of the tools task: tiny:tools,chat")
+    _apply_chat(c)
   if "countdown" in names:
     _apply_countdown(c)
   if "anneal" in names:  # last: it derives from the levels and sizes chosen above

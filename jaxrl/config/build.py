@@ -10,7 +10,7 @@ from typing import Any
 
 from jaxrl.config.loss import LossConfig
 from jaxrl.config.mixture import parse_mixture
-from jaxrl.config.phases import annealing, shortest_response, turn_tokens
+from jaxrl.config.phases import annealing, shortest_response
 from jaxrl.config.schema import Config, ConfigError, _check_type, _need
 
 
@@ -55,6 +55,7 @@ def _validate(cfg: Config) -> None:
   _check_math_task(cfg)
   _check_countdown_task(cfg)
   _check_environment(cfg)
+  _check_chat_template(cfg)
   _check_eval(cfg)
   _check_methods(cfg)
   if cfg.anneal_phase.enabled:
@@ -130,6 +131,15 @@ def _check_countdown_task(cfg: Config) -> None:
   )
 
 
+def _check_chat_template(cfg: Config) -> None:
+  _need(
+    not cfg.task.chat_template or (cfg.task.name == "arithmetic" and bool(cfg.task.environment)),
+    "task.chat_template",
+    "is the built-in calculator task's chat variant (task.environment=calculator); the math task "
+    "frames prompts and observations by data.chat_template",
+  )
+
+
 def _check_environment(cfg: Config) -> None:
   """Multi-turn rollouts: an observation leaves room in the response, and a turn follows it."""
   if not cfg.task.environment:
@@ -141,26 +151,16 @@ def _check_environment(cfg: Config) -> None:
     f"task.environment={cfg.task.environment!r} answers a turn only when another follows: "
     f"need >= 2, got {r.max_turns}",
   )
-  _need(
-    r.max_observation_tokens < r.max_new_tokens,
-    "rollout.max_observation_tokens",
-    f"must be < rollout.max_new_tokens={r.max_new_tokens} (an observation leaves room for the "
-    f"model's answer), got {r.max_observation_tokens}",
-  )
-  # The sampler asks for an observation only where a whole turn of T tokens fits after it, and a
-  # turn that calls the tool has at least one token: with T + O + 1 > N no call is ever answered.
-  # T and N as the sampler has them (docs/algorithms.md §11): T = max_turn_tokens (0: the whole
-  # response) capped by the shortest phase's N, and that N binds.
-  t, o, n = turn_tokens(cfg), r.max_observation_tokens, shortest_response(cfg)
-  t_from = "" if r.max_turn_tokens else " (max_turn_tokens=0: the whole response)"
+  # An observation is asked for where its block and one token of the reply fit after the turn
+  # (multiturn.answers_fit): the shortest call (one token) is answered only if 1 + O + 1 <= N, with
+  # N the shortest phase's response (docs/algorithms.md §11).
+  o, n = r.max_observation_tokens, shortest_response(cfg)
   n_from = " (the shortest phase's)" if n < r.max_new_tokens else ""
   _need(
-    t + o + 1 <= n,
-    "rollout.max_turn_tokens",
-    f"a turn of T={t} tokens{t_from}, an observation of max_observation_tokens={o} and one token "
-    f"of the next turn need T + O + 1 = {t + o + 1} > max_new_tokens={n}{n_from}: no tool call "
-    f"could be answered (an observation is asked for only where a whole next turn of T tokens "
-    f"fits after it)",
+    o + 2 <= n,
+    "rollout.max_observation_tokens",
+    f"a call, an observation of O={o} tokens and one token of the reply need O + 2 = {o + 2} > "
+    f"max_new_tokens={n}{n_from}: no tool call could be answered",
   )
 
 

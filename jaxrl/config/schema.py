@@ -162,6 +162,11 @@ class TaskSection:
   # <calc>EXPR</calc> is answered <result>VALUE</result>; the arithmetic task then uses its tools
   # vocabulary and shows the calls in its SFT corpus.
   environment: str = ""
+  # The built-in calculator task in a chat template: its ``tools_chat`` vocabulary adds ChatML's
+  # <|im_start|> and <|im_end|> (its EOS, the end of every model turn); prompts, observations (the
+  # tool's answer in the tool role, then the assistant header) and the SFT corpus are framed as an
+  # instruct model reads them. (The math task frames observations when data.chat_template is on.)
+  chat_template: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +227,9 @@ class ToolSection:
   workers: int = 0  # 0 = min(4, CPUs)
   time_limit: float = 2.0  # seconds per call; over it the model reads an error observation
   memory_limit_mb: int = 1024  # address space per worker (RLIMIT_AS); >= MIN_TOOL_MEMORY_MB
+  # With a chat template, the role of a tool's answer ("tool": ChatML and Llama 3.1's own templates,
+  # which render it as their tool / ipython message)
+  chat_role: str = "tool"
 
   def check(self) -> None:
     _need(self.workers >= 0, "tool.workers", "must be >= 0 (0 = min(4, CPUs))")

@@ -71,11 +71,12 @@ def task_engine(cfg: Config, graphdef, model_cfg, task, workdir: str):
   )
 
 
-def _turn_shape(cfg: Config, stop_ids: tuple[int, ...]) -> multiturn.TurnConfig:
+def _turn_shape(cfg: Config, stop_ids: tuple[int, ...], environment) -> multiturn.TurnConfig:
   """The turn limits of every phase: a turn fits the shortest phase's response."""
   r = cfg.rollout
   return multiturn.TurnConfig(
     stop_ids=stop_ids,
+    call_ids=tuple(environment.call_ids),
     max_turn_tokens=turn_tokens(cfg),
     max_observation_tokens=r.max_observation_tokens,
     max_turns=r.max_turns,
@@ -92,7 +93,7 @@ def turn_config(cfg: Config, environment) -> multiturn.TurnConfig:
       f"{cfg.task.environment!r}: the JAX multi-turn sampler ends a turn at a single token, but "
       f"the stop sequences are {stops} (make each stop string one token of the vocabulary)",
     )
-  return _turn_shape(cfg, tuple(seq[0] for seq in stops))
+  return _turn_shape(cfg, tuple(seq[0] for seq in stops), environment)
 
 
 def sidecar_turns(cfg: Config, environment):
@@ -109,7 +110,7 @@ def sidecar_turns(cfg: Config, environment):
     )
   single = tuple(seq[0] for seq in seqs if len(seq) == 1)
   longer = tuple(text for text, seq in zip(strings, seqs) if len(seq) != 1)
-  return TurnStops(_turn_shape(cfg, single), longer)
+  return TurnStops(_turn_shape(cfg, single, environment), longer)
 
 
 def _check_vllm(v, m) -> None:

@@ -4,17 +4,21 @@ length and ``TaskData`` fields.
 Its levels are ``jaxrl.tasks.data.arithmetic`` specs ("5x3*"); answers are scored by exact match
 in process. With ``task.environment = "calculator"`` it is its tools form
 (``jaxrl.tasks.tools_task``): the tools vocabulary, an SFT corpus of calls whose environment
-tokens are not learned, the final answer after the last result scored.
+tokens are not learned, the final answer after the last result scored; with
+``task.chat_template`` all of it in its vocabulary's ChatML template (``jaxrl.tasks.envs.chat``).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from jaxrl.config import Config
 from jaxrl.tasks import builtin, tools_task
 from jaxrl.tasks.data import arithmetic, tool_calls
 from jaxrl.tasks.data import tokenizer as vocab
 from jaxrl.tasks.envs import calculator
-from jaxrl.tasks.envs.registry import build_environment
+from jaxrl.tasks.envs.chat import user_prompt
+from jaxrl.tasks.envs.registry import build_environment, run_chat_frame
 from jaxrl.tasks.rewards.arithmetic import FinalAnswerScorer
 
 NAME = "arithmetic"
@@ -34,15 +38,27 @@ def task_config(cfg: Config) -> arithmetic.TaskConfig:
 
 
 def tokenizer_variant(cfg: Config) -> str:
-  """``jaxrl.tasks.data.tokenizer``'s variant: the tools vocabulary with the calculator."""
-  return "tools" if cfg.task.environment == calculator.NAME else ""
+  """``jaxrl.tasks.data.tokenizer``'s variant: the tools vocabulary with the calculator (in its
+  chat form with ``task.chat_template``)."""
+  if cfg.task.environment != calculator.NAME:
+    return ""
+  return "tools_chat" if cfg.task.chat_template else "tools"
 
 
 def prompt_len(cfg: Config, tcfg: arithmetic.TaskConfig | None = None) -> int:
-  """P: task.max_prompt_len, or the longest prompt of the levels + BOS (``tcfg``: the task's
-  config when it is at hand)."""
+  """P: task.max_prompt_len, or the longest prompt of the levels + BOS (+ the chat template's
+  frame) (``tcfg``: the task's config when it is at hand)."""
   tcfg = tcfg or task_config(cfg)
-  return cfg.task.max_prompt_len or arithmetic.max_lengths(tcfg.levels, tcfg.digit_width)[0] + 1
+  frame = vocab.CHAT_PROMPT_TOKENS if cfg.task.chat_template else 0
+  longest = arithmetic.max_lengths(tcfg.levels, tcfg.digit_width)[0]
+  return cfg.task.max_prompt_len or longest + 1 + frame
+
+
+def _in_chat(tok, chat, problems: list) -> list:
+  """Each problem (or SFT example) with its prompt as the chat template's user turn."""
+  if chat is None:
+    return problems
+  return [dataclasses.replace(q, prompt=user_prompt(tok, q.prompt)) for q in problems]
 
 
 def load(cfg: Config, tokenizer_dir: str) -> dict:
@@ -54,11 +70,14 @@ def load(cfg: Config, tokenizer_dir: str) -> dict:
   p, n = prompt_len(cfg, tcfg), cfg.rollout.max_new_tokens
   num_sft, sft_seed = builtin.sft_draws(cfg)
   environment = build_environment(cfg, tok)
-  train, heldout = arithmetic.build_task(tcfg)
+  chat = run_chat_frame(cfg, tok) if tools else None
+  train, heldout = (_in_chat(tok, chat, split) for split in arithmetic.build_task(tcfg))
   if tools:
-    examples = tool_calls.sft_examples(tcfg, num_sft, sft_seed)
+    examples = _in_chat(tok, chat, tool_calls.sft_examples(tcfg, num_sft, sft_seed))
     sft = tools_task.sft_arrays(tok, environment, examples, p, n)
-    scorer = FinalAnswerScorer(calculator.RESULT_CLOSE)
+    # The final answer follows the last observation: its closing tag, or in a chat the header of
+    # the model's last turn.
+    scorer = FinalAnswerScorer(calculator.RESULT_CLOSE if chat is None else chat.assistant_header)
   else:
     sft = builtin.sft_fields(tok, arithmetic.sft_corpus(tcfg, num_sft, seed=sft_seed), p, n)
     scorer = None

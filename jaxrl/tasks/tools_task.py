@@ -3,9 +3,10 @@ its SFT corpus as token arrays (``jaxrl.tasks.task.load_task`` builds the rest).
 
 An SFT example is the trajectory a multi-turn rollout would produce, id for id: the model's call
 ``<calc>a*b</calc>``, the environment's observation (from ``ToolEnvironment.observation_ids``, the
-ids the environment itself answers with), then the model's answer and EOS. The environment's ids
-are read (``sft_target_mask``) but not learned (``sft_loss_mask``): only the model's tokens train,
-in SFT as in RL.
+ids the environment itself answers with), then the model's answer and EOS. In a chat template the
+calling turn ends with the end-of-turn token, and the observation is the template's tool message
+and next assistant header. The environment's ids are read (``sft_target_mask``) but not learned
+(``sft_loss_mask``): only the model's tokens train, in SFT as in RL.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def completions(tok, env: ToolEnvironment, examples: list[ToolExample]):
     return tok(texts, add_special_tokens=False)["input_ids"] if texts else []
 
   calls = [e for e in examples if e.call is not None]
-  turns = iter(ids([CALL_OPEN + e.call + CALL_CLOSE for e in calls]))
+  # A chat model ends its calling turn with its end-of-turn token (the EOS ends its last one).
+  end_of_turn = [] if env.chat is None else [env.chat.end_of_turn_id]
+  turns = iter(t + end_of_turn for t in ids([CALL_OPEN + e.call + CALL_CLOSE for e in calls]))
   results = iter(ids([calculate(e.call) for e in calls]))
   for example, answer in zip(examples, ids([e.answer for e in examples])):
     answer = answer + [tok.eos_token_id]

@@ -11,7 +11,8 @@ vocabulary: its first ids are the default's, then lowercase letters and a little
 calculator's error observations) and the four tool tags, each one token. It is cached with its
 own version marker, so a directory holds one variant and a switch rebuilds it. The ``countdown``
 variant (``jaxrl.tasks.data.countdown``) adds the comma, colon and parentheses its prompts and
-expressions use.
+expressions use. The ``tools_chat`` variant is the tools one with a newline and ChatML's
+``<|im_start|>`` / ``<|im_end|>`` (its EOS) and template, as an instruct model's tokenizer has them.
 """
 
 from __future__ import annotations
@@ -40,6 +41,22 @@ TOOLS_VOCAB: dict[str, int] = {
   tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS + TOOL_CHARS + TOOL_TOKENS)
 }
 _TOOLS_VERSION = "arith-tools-v1:" + "|".join(SPECIAL_TOKENS + CHARS + TOOL_CHARS + TOOL_TOKENS)
+# The tools variant in a chat template (task.chat_template): the tools ids, then a newline and
+# ChatML's two markers as special tokens, <|im_end|> the EOS (the end of every model turn), and
+# ChatML's template (as Qwen2.5's, without its system prompt).
+CHAT_START, CHAT_END = "<|im_start|>", "<|im_end|>"
+CHAT_TOKENS = ("\n", CHAT_START, CHAT_END)
+TOOLS_CHAT_VOCAB: dict[str, int] = {
+  tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS + TOOL_CHARS + TOOL_TOKENS + CHAT_TOKENS)
+}
+CHATML_TEMPLATE = (
+  "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# A prompt's frame in that template, "<|im_start|>user\n" + "<|im_end|>\n<|im_start|>assistant\n":
+# a token per character or marker.
+CHAT_PROMPT_TOKENS = 19
+_TOOLS_CHAT_VERSION = "arith-tools-chat-v1:" + "|".join(TOOLS_CHAT_VOCAB) + CHATML_TEMPLATE
 # The countdown variant (jaxrl.tasks.data.countdown): the default's ids, then what its prompts and
 # expressions add.
 COUNTDOWN_CHARS = (",", ":", "(", ")")
@@ -52,6 +69,7 @@ _VARIANTS = {
   "": (VOCAB, _VERSION),
   "tools": (TOOLS_VOCAB, _TOOLS_VERSION),
   "countdown": (COUNTDOWN_VOCAB, _COUNTDOWN_VERSION),
+  "tools_chat": (TOOLS_CHAT_VOCAB, _TOOLS_CHAT_VERSION),
 }
 VARIANTS = tuple(_VARIANTS)
 
@@ -86,13 +104,26 @@ def _raw_char_tokenizer(vocab: dict[str, int]) -> Tokenizer:
   return tok
 
 
-def _raw_tools_tokenizer() -> Tokenizer:
+def _raw_tools_tokenizer(vocab: dict[str, int] = TOOLS_VOCAB) -> Tokenizer:
   """The tools variant: every character its own token (letters included), the tags whole."""
-  tok = _raw_char_tokenizer(TOOLS_VOCAB)
+  tok = _raw_char_tokenizer(vocab)
   # Added (not special) tokens: matched whole before the split, at their vocabulary ids, and kept
   # by any decode, which shows who called the tool and what it answered.
   tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in TOOL_TOKENS])
   return tok
+
+
+def _raw_tools_chat_tokenizer() -> Tokenizer:
+  """The tools variant with ChatML's markers, special tokens as in Qwen's vocabulary."""
+  tok = _raw_tools_tokenizer(TOOLS_CHAT_VOCAB)
+  tok.pre_tokenizer = pre_tokenizers.Split(Regex("(.|\n)"), behavior="isolated")  # newlines too
+  tok.add_special_tokens([CHAT_START, CHAT_END])
+  return tok
+
+
+def _eos(variant: str) -> str:
+  """The EOS token of a variant: the chat variant's model ends its turns with <|im_end|>."""
+  return CHAT_END if variant == "tools_chat" else EOS
 
 
 def _version(variant: str) -> str:
@@ -119,22 +150,26 @@ def build_tokenizer(
       "": _raw_tokenizer,
       "tools": _raw_tools_tokenizer,
       "countdown": lambda: _raw_char_tokenizer(COUNTDOWN_VOCAB),
+      "tools_chat": _raw_tools_chat_tokenizer,
     }[variant]()
     fast = transformers.PreTrainedTokenizerFast(
       tokenizer_object=raw,
       pad_token=PAD,
-      eos_token=EOS,
+      eos_token=_eos(variant),
       bos_token=BOS,
       unk_token=UNK,
       padding_side="left",
       clean_up_tokenization_spaces=False,
     )
+    if variant == "tools_chat":
+      fast.chat_template = CHATML_TEMPLATE
     cache_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(cache_dir)
     tmp = cache_dir / f"{_MARKER}.{os.getpid()}.tmp"
     tmp.write_text(version)
     os.replace(tmp, cache_dir / _MARKER)
   tok = transformers.AutoTokenizer.from_pretrained(cache_dir)
-  if (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) != (PAD_ID, EOS_ID, BOS_ID):
+  eos_id = _VARIANTS[variant][0][_eos(variant)]
+  if (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) != (PAD_ID, eos_id, BOS_ID):
     raise RuntimeError(f"tokenizer in {cache_dir} has unexpected special ids; delete it to rebuild")
   return tok

@@ -32,6 +32,9 @@ class Environment(Protocol):
 
   stop_strings: tuple[str, ...]  # texts that end a model turn
   stop_sequences: tuple[tuple[int, ...], ...]  # the same as token id sequences
+  # Ids that mark a call: a turn ending at a stop asks only if it holds one, else it finishes the
+  # trajectory (a chat model's end-of-turn token ends every turn); () = every stop asks.
+  call_ids: tuple[int, ...]
   max_observation_tokens: int  # no observation is longer
 
   def reset(self, question_ids: Sequence[int]) -> list[Any]:

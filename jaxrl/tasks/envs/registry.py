@@ -11,8 +11,9 @@ from typing import Callable
 
 from jaxrl.config import Config, ConfigError
 from jaxrl.tasks.envs import calculator
+from jaxrl.tasks.envs.chat import ChatFrame, ChatTemplateError, chat_frame
 from jaxrl.tasks.envs.environment import Environment
-from jaxrl.tasks.envs.tool import ToolEnvironment, ToolLimits
+from jaxrl.tasks.envs.tool import FrameTooLong, ToolEnvironment, ToolLimits
 
 
 def tool_limits(cfg: Config) -> ToolLimits:
@@ -21,19 +22,45 @@ def tool_limits(cfg: Config) -> ToolLimits:
   return ToolLimits(workers=t.workers, time_limit_s=t.time_limit, memory_limit_mb=t.memory_limit_mb)
 
 
+def uses_chat_template(cfg: Config) -> bool:
+  """Are the run's prompts, and so its observations, in the tokenizer's chat template? The built-in
+  task's ``task.chat_template``; the math task's ``data.chat_template`` (where its tokenizer has
+  one: ``run_chat_frame``)."""
+  return cfg.task.chat_template if cfg.task.name != "math" else cfg.data.chat_template
+
+
+def run_chat_frame(cfg: Config, tokenizer) -> ChatFrame | None:
+  """The ``ChatFrame`` a tool environment of this run frames its answers with (None: raw ids after
+  the model's turn); a ConfigError naming the field for a template that cannot frame them."""
+  if not uses_chat_template(cfg) or not getattr(tokenizer, "chat_template", None):
+    if cfg.task.chat_template:
+      raise ConfigError("task.chat_template", "the task's tokenizer has no chat template")
+    return None
+  try:
+    return chat_frame(tokenizer, cfg.tool.chat_role)
+  except ChatTemplateError as e:
+    field = "task.chat_template" if cfg.task.name != "math" else "data.chat_template"
+    raise ConfigError(field, f"the tokenizer's chat template cannot frame a tool's answer: {e}")
+
+
 def calculator_environment(cfg: Config, tokenizer) -> ToolEnvironment:
-  """``<calc>EXPR</calc>`` answered ``<result>VALUE</result>`` (``calculator.calculate``)."""
-  return ToolEnvironment(
-    tokenizer,
-    tool=calculator.TOOL,
-    call_open=calculator.CALL_OPEN,
-    call_close=calculator.CALL_CLOSE,
-    result_open=calculator.RESULT_OPEN,
-    result_close=calculator.RESULT_CLOSE,
-    max_turns=cfg.rollout.max_turns,
-    max_observation_tokens=cfg.rollout.max_observation_tokens,
-    limits=tool_limits(cfg),
-  )
+  """``<calc>EXPR</calc>`` answered ``<result>VALUE</result>`` (``calculator.calculate``), framed
+  by the chat template where the run uses one."""
+  try:
+    return ToolEnvironment(
+      tokenizer,
+      tool=calculator.TOOL,
+      call_open=calculator.CALL_OPEN,
+      call_close=calculator.CALL_CLOSE,
+      result_open=calculator.RESULT_OPEN,
+      result_close=calculator.RESULT_CLOSE,
+      max_turns=cfg.rollout.max_turns,
+      max_observation_tokens=cfg.rollout.max_observation_tokens,
+      limits=tool_limits(cfg),
+      chat=run_chat_frame(cfg, tokenizer),
+    )
+  except FrameTooLong as e:
+    raise ConfigError("rollout.max_observation_tokens", str(e)) from None
 
 
 ENVIRONMENTS: dict[str, Callable[[Config, object], Environment]] = {

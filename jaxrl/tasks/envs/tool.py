@@ -1,6 +1,12 @@
 """An environment whose model turns call one tool: ``OPEN call CLOSE`` is answered
 ``RESULT_OPEN value RESULT_CLOSE``, the call running in a bounded worker.
 
+With a ``ChatFrame`` (``jaxrl.tasks.envs.chat``: the tokenizer's chat template) the model's turn
+ends with its end-of-turn token instead, which is the turn's stop (sampled, trained); a turn that
+holds ``CLOSE`` asks the tool (``call_ids``), one without it is the final answer. The value then
+arrives as the template's tool message, the next assistant header after it, all of it the
+environment's tokens.
+
 The tool is a ``module:function`` spec, ``tool(call: str) -> str``: the text the model reads
 (a tool reports its own errors the same way, e.g. ``"error: syntax"``). It runs in the pool of
 ``jaxrl.tasks.workers`` (time and memory limits, crashes contained); a call that hangs, crashes,
@@ -17,6 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxrl.tasks.envs.chat import ChatFrame
 from jaxrl.tasks.envs.environment import StepResult, TurnState, bounded_observation, token_ids
 from jaxrl.tasks.workers import BadResult, WorkerPool
 
@@ -31,6 +38,10 @@ def tool_text(value) -> str:
   if not isinstance(value, str):
     raise BadResult(f"returned {type(value).__name__}, not str")
   return value[:MAX_RESULT_CHARS]
+
+
+class FrameTooLong(ValueError):
+  """The chat template's frame of an answer does not fit ``max_observation_tokens``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +77,7 @@ class ToolEnvironment:
     max_observation_tokens: int,
     limits: ToolLimits = ToolLimits(),
     marker: str = "...",
+    chat: ChatFrame | None = None,
   ):
     if max_turns < 1 or max_observation_tokens < 1:
       raise ValueError(
@@ -77,11 +89,28 @@ class ToolEnvironment:
     self.max_turns = max_turns
     self.max_observation_tokens = max_observation_tokens
     self.limits = limits
-    self.stop_strings = (call_close,)
-    self.stop_sequences = (tuple(token_ids(tokenizer, call_close)),)
-    self._head = token_ids(tokenizer, result_open)
-    self._tail = token_ids(tokenizer, result_close)
+    self.chat = chat
     self._marker = token_ids(tokenizer, marker)
+    if chat is None:
+      self.stop_strings = (call_close,)
+      self.stop_sequences = (tuple(token_ids(tokenizer, call_close)),)
+      self.call_ids: tuple[int, ...] = ()
+      self._head = token_ids(tokenizer, result_open)
+      self._tail = token_ids(tokenizer, result_close)
+    else:
+      self.stop_strings = (chat.end_of_turn,)
+      self.stop_sequences = ((chat.end_of_turn_id,),)
+      self.call_ids = tuple(token_ids(tokenizer, call_close))
+      if len(self.call_ids) != 1:  # a sampler marks a call by one id
+        raise ValueError(f"with a chat template {call_close!r} must be one token")
+      self._head = token_ids(tokenizer, chat.before_tool + result_open)
+      self._tail = token_ids(tokenizer, result_close + chat.after_tool)
+      framing = len(self._head) + len(self._tail) + len(self._marker) + 1
+      if framing > max_observation_tokens:  # a cut frame would lose the next assistant header
+        raise FrameTooLong(
+          f"the chat template's tool message and assistant header take {framing - 1} tokens "
+          f"with the cut marker: max_observation_tokens={max_observation_tokens} leaves no room"
+        )
     self._pool: WorkerPool | None = None
 
   # -- the protocol ---------------------------------------------------------------------------
