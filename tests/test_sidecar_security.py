@@ -362,13 +362,20 @@ def test_the_client_speaks_http_over_a_unix_socket(serve, tmp_path):
     client.weight_version(gone)
 
 
-def test_an_answer_sent_before_the_body_is_read_is_the_answer(tmp_path):
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_an_answer_sent_before_the_body_is_read_is_the_answer(tmp_path, transport):
   """A server that answers from the headers alone and closes (an unknown route's 404) while the
   body is still being written: the client reports that answer (RequestError, HTTP 404), not the
-  body's broken pipe as a server failure."""
-  path = str(tmp_path / "early.sock")
-  listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-  listener.bind(path)
+  body's broken pipe as a server failure; on a launched server's Unix socket and an attached
+  server's TCP port alike."""
+  if transport == "unix":
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "early.sock"))
+    url = sc.unix_url(str(tmp_path / "early.sock"))
+  else:
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
   listener.listen(1)
 
   def answer_and_close():
@@ -383,10 +390,10 @@ def test_an_answer_sent_before_the_body_is_read_is_the_answer(tmp_path):
 
   server = threading.Thread(target=answer_and_close)
   server.start()
-  client = VllmClient([sc.unix_url(path)], timeout=30.0, retries=0)
+  client = VllmClient([url], timeout=30.0, retries=0)
   try:  # a body larger than the socket's buffers: its write is still under way at the close
     with pytest.raises(RequestError, match="HTTP 404: not found"):
-      client.post(sc.unix_url(path), "/v1/load_lora_adapter", {"lora_path": "x" * (4 << 20)})
+      client.post(url, "/v1/load_lora_adapter", {"lora_path": "x" * (4 << 20)})
   finally:
     server.join()
     listener.close()

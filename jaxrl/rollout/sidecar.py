@@ -60,7 +60,26 @@ def unix_url(path: str) -> str:
   return f"{UNIX_SCHEME}://{urllib.parse.quote(os.path.abspath(path), safe='')}"
 
 
-class _UnixConnection(http.client.HTTPConnection):
+class _AnswerBeforeBody(http.client.HTTPConnection):
+  """A connection that reads a server's answer even when the server closed while the request's
+  body was still being written (both transports: one client path)."""
+
+  def send(self, data) -> None:
+    """A server may answer from the headers alone and close (404 on a route it does not serve)
+    before the body is written: the body's write then fails with EPIPE, but the answer is
+    already in the socket. Let ``getresponse`` read it; a server that closed without one is
+    still an error there (``RemoteDisconnected``)."""
+    try:
+      super().send(data)
+    except (BrokenPipeError, ConnectionResetError):
+      pass
+
+
+class _TcpConnection(_AnswerBeforeBody):
+  """HTTP over TCP (an attached server's ``http://`` URL)."""
+
+
+class _UnixConnection(_AnswerBeforeBody):
   """HTTP on the Unix socket whose path urllib hands over as the request's (unquoted) host."""
 
   def __init__(self, path: str, timeout=socket._GLOBAL_DEFAULT_TIMEOUT, **kwargs):
@@ -77,16 +96,6 @@ class _UnixConnection(http.client.HTTPConnection):
       sock.close()
       raise
     self.sock = sock
-
-  def send(self, data) -> None:
-    """A server may answer from the headers alone and close (404 on a route it does not serve)
-    before the body is written: the body's write then fails with EPIPE, but the answer is
-    already in the socket. Let ``getresponse`` read it; a server that closed without one is
-    still an error there (``RemoteDisconnected``)."""
-    try:
-      super().send(data)
-    except (BrokenPipeError, ConnectionResetError):
-      pass
 
 
 class _UnixHandler(urllib.request.AbstractHTTPHandler):
@@ -110,10 +119,17 @@ class _UnixHandler(urllib.request.AbstractHTTPHandler):
     return response
 
 
+class _TcpHandler(urllib.request.HTTPHandler):
+  """urllib's ``http`` handler on ``_TcpConnection``."""
+
+  def http_open(self, req):
+    return self.do_open(_TcpConnection, req)
+
+
 # urllib finds a handler's methods by name: <scheme>_open, <scheme>_request, <scheme>_response.
 for _kind in ("open", "request", "response"):
   setattr(_UnixHandler, f"{UNIX_SCHEME}_{_kind}", getattr(_UnixHandler, f"_{_kind}"))
-_OPENER = urllib.request.build_opener(_UnixHandler())
+_OPENER = urllib.request.build_opener(_UnixHandler(), _TcpHandler())
 
 
 def urlopen(url_or_request, timeout: float):
