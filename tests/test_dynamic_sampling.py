@@ -93,6 +93,28 @@ def test_trained_rows_bound_the_chosen_groups():
   assert dynamic.trained_rows(4, 13, 32, 3, 8) == 56  # rounded up to the split
 
 
+def test_overlong_rows_are_kept_dropped_or_rewarded():
+  """docs/algorithms.md §10's worked example of ``rollout.overlong``."""
+  rewards, finished = np.array([1.0, 0.0, 1.0]), np.array([True, False, False])
+  r, kept = dynamic.overlong(rewards, finished, "keep", -1.0)
+  assert r.tolist() == [1, 0, 1] and kept.tolist() == [True] * 3
+  r, kept = dynamic.overlong(rewards, finished, "drop", -1.0)
+  assert r.tolist() == [1, 0, 1] and kept.tolist() == [True, False, False]
+  r, kept = dynamic.overlong(rewards, finished, "reward", -1.0)
+  assert r.tolist() == [1, -1, -1] and kept.tolist() == [True] * 3
+
+
+def test_a_step_counts_its_overlong_rows_and_drops_them_from_the_update(tmp_path):
+  """Fresh random params rarely write EOS within 4 tokens: the step counts the rows the budget
+  cut, and with "drop" trains on the finished rows' tokens alone."""
+  rows = {}
+  for mode in ("keep", "drop"):
+    cfg = tiny_config("test", steps=1, **{"rollout.overlong": mode})
+    rows[mode] = _run_steps(cfg, tmp_path / mode, 1)[2][0]
+  assert rows["keep"]["overlong_rows"] == rows["drop"]["overlong_rows"] >= 1
+  assert rows["drop"]["token_count"] < rows["keep"]["token_count"]
+
+
 def _run_steps(cfg, tmp_path, steps):
   ctx, params = step_context(cfg, tmp_path / "tokenizer")
   loop = initial_loop(ctx, ctx.programs.init_state(params))

@@ -33,6 +33,7 @@ VllmDtype = Literal["", "float32", "bfloat16", "float16"]
 TaskName = Literal["arithmetic", "countdown", "math"]
 Overlength = Literal["drop", "truncate", "error"]
 OldLogpFrom = Literal["rollout", "policy"]
+Overlong = Literal["keep", "drop", "reward"]  # a response the budget cut (docs/algorithms.md §10)
 
 
 class ConfigError(ValueError):
@@ -288,9 +289,20 @@ class RolloutSection:
   max_turns: int = 4  # model turns per trajectory (the environment answers at most max_turns - 1)
   max_turn_tokens: int = 0  # tokens of one model turn; 0 = up to max_new_tokens
   max_observation_tokens: int = 64
+  # A response the budget cut (no EOS; a multi-turn one: no room or turn left, or a turn's T
+  # tokens): "keep" scores it as any; "drop" (DAPO's overlong filtering) sets it aside, out of the
+  # loss, the statistics and its group's advantage; "reward" scores it overlong_reward. Counted
+  # as overlong_rows either way.
+  overlong: Overlong = "keep"
+  overlong_reward: float = 0.0
 
   def check(self) -> None:
     _need(self.group_size >= 1, "rollout.group_size", "must be >= 1")
+    _need(
+      math.isfinite(self.overlong_reward),
+      "rollout.overlong_reward",
+      f"must be finite, got {self.overlong_reward}",
+    )
     _need(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
     _need(self.max_turns >= 1, "rollout.max_turns", f"must be >= 1, got {self.max_turns}")
     _need(

@@ -104,6 +104,20 @@ _ZERO_ON_PAD = (
 )
 
 
+def overlong(
+  rewards_R: np.ndarray, finished_R: np.ndarray, mode: str, reward: float
+) -> tuple[np.ndarray, np.ndarray]:
+  """(rewards_R, kept_R) under the ``rollout.overlong`` rule for responses the budget cut (not
+  ``finished_R``): "keep" leaves them, "drop" marks them not kept (for ``set_aside``), "reward"
+  gives them ``reward``."""
+  cut_R = ~np.asarray(finished_R, bool)
+  rewards_R = np.asarray(rewards_R, np.float32)
+  if mode == "reward":
+    rewards_R = np.where(cut_R, np.float32(reward), rewards_R)
+  kept_R = ~cut_R if mode == "drop" else np.ones(len(cut_R), bool)
+  return rewards_R, kept_R
+
+
 def set_aside(rollouts: Rollouts, kept_R: np.ndarray, group: int) -> Rollouts:
   """``rollouts`` with the rows not ``kept_R`` moved out of the update: in group ``group`` (B,
   the group of no question), with no tokens and nothing of their own left (as padding rows)."""

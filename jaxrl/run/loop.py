@@ -260,7 +260,8 @@ def _verify(ctx: StepContext, qids_B, rollouts: Rollouts) -> tuple[Rollouts, dic
   """The rollouts with their rewards, and the verifier's counters. Answers it did not score
   (timed out, skipped at its deadline, crashed) are set aside: a reward of 0 there would train on
   a verdict nobody gave. Their rows join the group of no question (index B), out of the update,
-  the statistics and the group's advantage; the rest of their group trains as a smaller group."""
+  the statistics and the group's advantage; the rest of their group trains as a smaller group.
+  Responses the budget cut follow ``rollout.overlong`` (``dynamic.overlong``)."""
   group_ids_R = np.asarray(rollouts.group_ids_R)
   verified = ctx.task.verify(ctx.task.decode(rollouts), ctx.task.train_answers[qids_B[group_ids_R]])
   # Each process verifies every row, under its own clock: process 0's verdicts are everyone's.
@@ -268,8 +269,12 @@ def _verify(ctx: StepContext, qids_B, rollouts: Rollouts) -> tuple[Rollouts, dic
   if rollouts.rewards_R is not None:  # the environment's trajectory reward (Collector.sample)
     rewards_R = rewards_R + np.asarray(rollouts.rewards_R, np.float32)
   rewards_R, scored_R = distributed.from_main((rewards_R, verified.scored.astype(np.int32)))
+  r = ctx.cfg.rollout
+  finished_R = np.asarray(rollouts.finished_R, bool)
+  rewards_R, kept_R = dynamic.overlong(rewards_R, finished_R, r.overlong, r.overlong_reward)
   scored = dataclasses.replace(rollouts, rewards_R=rewards_R)
-  return dynamic.set_aside(scored, scored_R.astype(bool), len(qids_B)), verified.metrics()
+  counters = {**verified.metrics(), "overlong_rows": float((~finished_R).sum())}
+  return dynamic.set_aside(scored, scored_R.astype(bool) & kept_R, len(qids_B)), counters
 
 
 def _arrive(ctx: StepContext, loop: LoopState, batch: batches.Batch, i: int):
