@@ -104,15 +104,16 @@ def test_overlong_rows_are_kept_dropped_or_rewarded():
   assert r.tolist() == [1, -1, -1] and kept.tolist() == [True] * 3
 
 
-def test_a_step_counts_its_overlong_rows_and_drops_them_from_the_update(tmp_path):
-  """Fresh random params rarely write EOS within 4 tokens: the step counts the rows the budget
-  cut, and with "drop" trains on the finished rows' tokens alone."""
+def test_a_step_counts_its_overlong_rows_and_a_stated_reward_makes_them_a_signal(tmp_path):
+  """Fresh random params answer nothing right and rarely write EOS within 4 tokens: every reward
+  is 0 and no group carries a signal (no token trains), until "reward" scores the rows the budget
+  cut -1 and the groups holding a finished row train. Each step counts those rows."""
   rows = {}
-  for mode in ("keep", "drop"):
-    cfg = tiny_config("test", steps=1, **{"rollout.overlong": mode})
+  for mode in ("keep", "drop", "reward"):
+    cfg = tiny_config("test", steps=1, **{"rollout.overlong": mode, "rollout.overlong_reward": -1})
     rows[mode] = _run_steps(cfg, tmp_path / mode, 1)[2][0]
   assert rows["keep"]["overlong_rows"] == rows["drop"]["overlong_rows"] >= 1
-  assert rows["drop"]["token_count"] < rows["keep"]["token_count"]
+  assert rows["keep"]["token_count"] == 0 < rows["reward"]["token_count"]
 
 
 def _run_steps(cfg, tmp_path, steps):
