@@ -17,7 +17,8 @@ anneals), e.g. ``configs/tiny.py:e3,anneal``; ``tools`` is the arithmetic task w
 (multi-turn: the model may write ``<calc>12345*678</calc>``, the environment answers
 ``<result>8369910</result>``, the model copies the answer; the SFT corpus shows calls on the easy
 levels, RL has to learn when to call on the hard ones), e.g. ``tiny:e3,tools``; ``tools,chat`` is
-the same in a ChatML chat template, as an instruct model reads it; ``countdown`` is
+the same in a ChatML chat template, as an instruct model reads it (``chat`` alone says the same);
+``countdown`` is
 the countdown task (reach a target with the given numbers: a search where exploration matters),
 e.g. ``tiny:e3,countdown``. Every field
 stays overridable: ``--config.allocation.method=dynamo``.
@@ -28,7 +29,7 @@ from jaxrl.config import default_configdict
 PRESETS = ("grpo", "e3", "dynamo", "eepo", "es", "all")
 SIZES = ("quick", "test")
 PHASES = ("anneal",)
-TASKS = ("tools", "countdown", "chat")  # chat: tools in a chat template (tiny:tools,chat)
+TASKS = ("tools", "countdown", "chat")  # chat: the tools task in a chat template
 # tiny:tools' levels: those shown in its SFT corpus, and the hard ones (products and long sums a
 # 0.8M model cannot compute in its head), rare in the corpus.
 TOOLS_SHOWN_LEVELS = "2x1+,2x2+,2x1*,2x2*,5x1+,3x2+,3x3+,5x5-"
@@ -187,9 +188,10 @@ def get_config(arg: str = ""):
       )
   if "tools" in names:  # after the sizes: its levels and lengths are the task's own
     _apply_tools(c)
-  if "chat" in names:
-    if "tools" not in names:
-      raise ValueError("the chat variant of configs/tiny.py is of the tools task: tiny:tools,chat")
+  if "chat" in names:  # the tools task in a chat template: tiny:chat = tiny:tools,chat
+    if "countdown" in names:
+      raise ValueError("chat is the tools task in a chat template; countdown has no chat form")
+    _apply_tools(c)
     _apply_chat(c)
   if "countdown" in names:
     _apply_countdown(c)

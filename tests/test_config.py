@@ -188,30 +188,33 @@ def test_every_builtin_config_and_variant_passes_the_checks():
 @pytest.mark.parametrize(
   "overrides, numbers",
   [
-    # T + O + 1 = 24 + 32 + 1 = 57 > 56: the first turn's call could never be answered.
-    ({"rollout.max_new_tokens": 56}, "T=24 tokens, an observation of max_observation_tokens=32"),
-    # max_turn_tokens=0 is the whole response: no observation and next turn fit after it.
-    ({"rollout.max_turn_tokens": 0}, "T + O + 1 = 113 > max_new_tokens=80"),
-    # The annealing phase's shorter response binds (T is one value for every phase).
+    # O + 2 = 34 > 33: even a one-token call could not be answered with one token of reply.
     (
-      {"anneal_phase.enabled": True, "anneal_phase.max_new_tokens": 50},
-      "T + O + 1 = 57 > max_new_tokens=50 (the shortest phase's)",
+      {"rollout.max_new_tokens": 33, "rollout.max_turn_tokens": 24},
+      "O + 2 = 34 > max_new_tokens=33",
+    ),
+    # The annealing phase's shorter response binds.
+    (
+      {"anneal_phase.enabled": True, "anneal_phase.max_new_tokens": 33},
+      "O + 2 = 34 > max_new_tokens=33 (the shortest phase's)",
     ),
   ],
 )
-def test_a_turn_an_observation_and_the_next_turn_must_fit(overrides, numbers):
-  """docs/algorithms.md §11: the multi-turn sampler answers a tool call only where a whole next
-  turn fits after the observation, so T + O + 1 <= max_new_tokens or no call is ever answered."""
-  with pytest.raises(ConfigError, match="rollout.max_turn_tokens") as e:
+def test_a_call_its_observation_and_a_reply_must_fit(overrides, numbers):
+  """docs/algorithms.md §11: a call is answered where its observation block and one token of the
+  reply fit (multiturn.answers_fit), so O + 2 <= max_new_tokens or no call is ever answered."""
+  with pytest.raises(ConfigError, match="rollout.max_observation_tokens") as e:
     from_configdict(_tools_config(overrides))
-  assert e.value.field == "rollout.max_turn_tokens"
+  assert e.value.field == "rollout.max_observation_tokens"
   assert numbers in str(e.value), str(e.value)
   assert "no tool call could be answered" in str(e.value)
 
 
-def test_a_turn_that_just_fits_is_accepted():
-  cfg = from_configdict(_tools_config({"rollout.max_new_tokens": 57}))  # 24 + 32 + 1
-  assert cfg.rollout.max_new_tokens == 57
+def test_a_call_that_just_fits_is_accepted():
+  cfg = from_configdict(
+    _tools_config({"rollout.max_new_tokens": 34, "rollout.max_turn_tokens": 24})
+  )
+  assert cfg.rollout.max_new_tokens == 34
 
 
 def _tools_config(overrides: dict):

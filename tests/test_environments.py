@@ -45,7 +45,7 @@ def read(tok, result):
 
 @pytest.fixture
 def calculator(tok):
-  env = registry.build_environment(tiny_config("tools"), tok)
+  env = registry.build_environment(tiny_config("tools", **{"rollout.max_turns": 3}), tok)
   yield env
   env.close()
 
@@ -79,7 +79,7 @@ def test_the_calculator_answers_only_the_rows_that_asked(tok, calculator):
 
 
 def test_the_last_turn_ends_the_trajectory_unanswered(tok, calculator):
-  env = calculator  # rollout.max_turns = 3 in tiny:tools
+  env = calculator  # rollout.max_turns = 3
   states = env.reset([0, 1])
   call = turns(tok, ["<calc>1+1</calc>"])
   for _ in range(env.max_turns - 1):
