@@ -107,6 +107,29 @@ def test_worked_example_e1():
   assert round(float(p), 4) == 0.5316
 
 
+def test_worked_example_e2_a_dominant_token():
+  """docs/algorithms.md §5.2: p > 1 − ε_R. Both rules give the floored value; straight-through
+  pushes the token down (−p on its logit), the paper's clip gives it no gradient."""
+  logits = jnp.array([[[10.0, 0.0, 0.0]]])
+  tokens, mask = jnp.array([[0]]), jnp.array([[1]])
+  want = {False: [-0.9999092, 0.4999546, 0.4999546], True: [0.0, 0.0, 0.0]}
+  for paper_clip, grad_want in want.items():
+    loss, grad = jax.value_and_grad(eepo_unlearning_loss)(
+      logits, tokens, mask, EPS_L, EPS_R, paper_clip
+    )
+    np.testing.assert_allclose(float(loss), -4.6051702, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad)[0, 0], grad_want, atol=1e-5)
+
+
+def test_the_paper_clip_moves_nothing_else():
+  """Below 1 − ε_R both rules are log(1 − p) with its gradient (E1 under the paper's clip)."""
+  logits = jnp.array([[[2.0, 0.0, 0.0]]])
+  tokens, mask = jnp.array([[0]]), jnp.array([[1]])
+  loss, grad = jax.value_and_grad(eepo_unlearning_loss)(logits, tokens, mask, EPS_L, EPS_R, True)
+  np.testing.assert_allclose(float(loss), -1.5463976, rtol=0, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(grad)[0, 0], [-0.786986, 0.393493, 0.393493], atol=1e-5)
+
+
 def test_worked_example_e3():
   tiny = 1e-12
   probs = np.array(
@@ -483,3 +506,12 @@ def test_log1m_p_is_relatively_accurate_for_every_p():
   _, _, e_grad, _ = _fused_bounds(z32, np.eye(v), np.zeros(41, int), np.zeros(41), np.ones(41), 1.0)
   assert np.all(np.isfinite(grad))
   _assert_within(grad, dz_o, e_grad, "grad")
+
+
+def test_the_config_chooses_the_forgetting_steps_clip():
+  from run_helpers import tiny_config
+
+  from jaxrl.rl.programs import ForgetConfig
+
+  paper = ForgetConfig.from_config(tiny_config("eepo,test", **{"eepo.unlearn_clip": "paper"}))
+  assert paper.paper_clip and not ForgetConfig.from_config(tiny_config("eepo,test")).paper_clip

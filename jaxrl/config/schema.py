@@ -33,6 +33,7 @@ VllmDtype = Literal["", "float32", "bfloat16", "float16"]
 TaskName = Literal["arithmetic", "countdown", "math"]
 Overlength = Literal["drop", "truncate", "error"]
 OldLogpFrom = Literal["rollout", "policy"]
+UnlearnClip = Literal["straight-through", "paper"]
 Overlong = Literal["keep", "drop", "reward"]  # a response the budget cut (docs/algorithms.md §10)
 
 
@@ -627,6 +628,10 @@ class EEPOSection:
   eps_l: float = 1e-3
   eps_r: float = 1e-2
   old_logp_from: OldLogpFrom = "rollout"  # rollout (θ', the paper) | policy (recompute under θ)
+  # log(1 − p)'s floor at log eps_r: "straight-through" keeps the unfloored gradient (a dominant
+  # token is still pushed down); "paper": p clipped to [eps_l, 1 − eps_r] (EEPO Eq. 8–9), no
+  # gradient where p > 1 − eps_r (docs/algorithms.md §5.2)
+  unlearn_clip: UnlearnClip = "straight-through"
 
   def check(self) -> None:
     _need(self.m >= 1, "eepo.m", "must be >= 1")

@@ -514,15 +514,18 @@ def dynamo_modulate(
   return jax.lax.stop_gradient(adv_RxT * f_RxT * g_RxT) * mask_RxT
 
 
-def eepo_unlearning_loss_from_logp(logp_RxT, log1m_p_RxT, mask_RxT, eps_l, eps_r):
+def eepo_unlearning_loss_from_logp(
+  logp_RxT, log1m_p_RxT, mask_RxT, eps_l, eps_r, paper_clip: bool = False
+):
   """EEPO's L = mean_k (1/T_k)·Σ_t m_t·[p_t ≥ ε_L]·log(1 − p_t), from log p and log(1 − p).
 
   The caller ascends L (θ' ← θ' + η·∇L). Value: each log(1 − p) term is floored at log ε_R.
-  Gradient: straight-through, that of the unfloored `log1m_p_RxT` (−p on the token's logit when it
-  comes from `logp_log1m_p_from_logits`), so a dominant token keeps a gradient where the paper's
-  clip of p to 1 − ε_R would give none. Tokens with p < ε_L contribute 0 in value and gradient.
-  T_k counts the valid tokens of sequence k; rows with none (padding) are left out of the mean.
-  Valid is ``mask_RxT``, the loss mask: the model's own tokens (docs/algorithms.md §11).
+  Gradient (docs/algorithms.md §5.2): by default straight-through, that of the unfloored
+  `log1m_p_RxT` (−p on the token's logit when it comes from `logp_log1m_p_from_logits`), so a
+  dominant token keeps a gradient; ``paper_clip``: the paper's clip of p to [ε_L, 1 − ε_R] (its
+  Eq. 8–9), under which a token with p > 1 − ε_R gets none. Tokens with p < ε_L contribute 0 in
+  value and gradient. T_k counts the valid tokens of sequence k; rows with none (padding) are left
+  out of the mean. Valid is ``mask_RxT``, the loss mask: the model's own tokens (§11).
   """
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   mask_RxT = f32(mask_RxT)
@@ -531,8 +534,10 @@ def eepo_unlearning_loss_from_logp(logp_RxT, log1m_p_RxT, mask_RxT, eps_l, eps_r
   active_RxT = (mask_RxT > 0) & (jax.lax.stop_gradient(jnp.exp(logp_RxT)) >= eps_l)
   term_RxT = jnp.where(active_RxT, log1m_p_RxT, 0.0)
   floored_RxT = jnp.maximum(term_RxT, jnp.log(f32(eps_r)))
-  # Forward: exactly the floored value (term − sg(term) is exactly 0); backward: d term.
-  term_RxT = jax.lax.stop_gradient(floored_RxT) + (term_RxT - jax.lax.stop_gradient(term_RxT))
+  if paper_clip:  # the floor's own gradient: 0 where it binds
+    term_RxT = floored_RxT
+  else:  # forward: exactly the floored value (term − sg(term) is exactly 0); backward: d term
+    term_RxT = jax.lax.stop_gradient(floored_RxT) + (term_RxT - jax.lax.stop_gradient(term_RxT))
   term_RxT = jnp.where(active_RxT, term_RxT, 0.0)
   len_R = jnp.sum(mask_RxT, axis=1)
   seq_R = jnp.sum(term_RxT, axis=1) / jnp.maximum(len_R, 1.0)
@@ -540,12 +545,12 @@ def eepo_unlearning_loss_from_logp(logp_RxT, log1m_p_RxT, mask_RxT, eps_l, eps_r
   return jnp.sum(seq_R) / jnp.maximum(num_seqs, 1.0)
 
 
-def eepo_unlearning_loss(logits, tokens, mask, eps_l, eps_r):
+def eepo_unlearning_loss(logits, tokens, mask, eps_l, eps_r, paper_clip: bool = False):
   """EEPO unlearning loss from logits f[R,T,V] at τ = 1 (divide by τ first); see `_from_logp`."""
   R, T, V = logits.shape
   logp_N, log1m_p_N = logp_log1m_p_from_logits(
     jnp.reshape(logits, (R * T, V)), jnp.reshape(jnp.asarray(tokens), (R * T,)), 1.0
   )
   return eepo_unlearning_loss_from_logp(
-    logp_N.reshape(R, T), log1m_p_N.reshape(R, T), mask, eps_l, eps_r
+    logp_N.reshape(R, T), log1m_p_N.reshape(R, T), mask, eps_l, eps_r, paper_clip
   )

@@ -38,11 +38,12 @@ class ForgetConfig:
   lr: float
   eps_l: float
   eps_r: float
+  paper_clip: bool = False  # eepo.unlearn_clip = "paper"
 
   @classmethod
   def from_config(cls, cfg: Config) -> ForgetConfig:
     e = cfg.eepo
-    return cls(cfg.loss.logprob_chunk, e.lr, e.eps_l, e.eps_r)
+    return cls(cfg.loss.logprob_chunk, e.lr, e.eps_l, e.eps_r, e.unlearn_clip == "paper")
 
 
 def train_state_shardings(
@@ -181,6 +182,7 @@ class Programs:
           lr=fc.lr,
           eps_l=fc.eps_l,
           eps_r=fc.eps_r,
+          paper_clip=fc.paper_clip,
           trainable=self.trainable,
         ),
         out_shardings=(self.param_shardings, None),

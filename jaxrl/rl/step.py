@@ -434,6 +434,7 @@ def eepo_forget(
   lr: float,
   eps_l: float,
   eps_r: float,
+  paper_clip: bool = False,
   micro: int = 1,
   trainable: lora.Trainable = "all",
 ):
@@ -455,7 +456,7 @@ def eepo_forget(
       graphdef, p, prompt_ids, prompt_mask, response_ids, response_mask
     )
     logp, log1m_p = fused_log1m_p(hidden_RxNxD, lm_head, response_ids, tau, chunk_size=chunk)
-    loss = losses.eepo_unlearning_loss_from_logp(logp, log1m_p, loss_mask, eps_l, eps_r)
+    loss = losses.eepo_unlearning_loss_from_logp(logp, log1m_p, loss_mask, eps_l, eps_r, paper_clip)
     return weight * loss, None
 
   part_grad = _grad_of_part(objective, trainable)
