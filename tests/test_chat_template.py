@@ -109,9 +109,10 @@ def test_a_template_whose_turn_has_no_end_token_is_refused():
     chat_frame(tok)
 
 
-def test_a_frame_that_does_not_fit_the_observation_names_the_field():
+def test_a_frame_that_does_not_fit_the_observation_names_the_field(tmp_path):
+  cfg = tiny_config("tools,chat,test", **{"rollout.max_observation_tokens": 16})
   with pytest.raises(ConfigError, match="rollout.max_observation_tokens"):
-    load_task(tiny_config("tools,chat,test", **{"rollout.max_observation_tokens": 16}), "/tmp")
+    load_task(cfg, str(tmp_path))
 
 
 @pytest.mark.parametrize(
