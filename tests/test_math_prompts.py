@@ -22,6 +22,24 @@ def tok_dir(request, tmp_path_factory):
   return path
 
 
+def test_a_tokenizer_without_its_vocabulary_is_refused(tok_dir, tmp_path):
+  """Without tokenizer.json, transformers builds a tokenizer from the config alone that encodes
+  any text to no ids: a run would train on empty prompts. It is refused, naming the directory."""
+  import shutil
+
+  broken = tmp_path / "broken"
+  shutil.copytree(tok_dir, broken)
+  (broken / "tokenizer.json").unlink()
+  with pytest.raises(math_prompts.TokenizerError, match="its tokenizer does not load"):
+    math_prompts.load_tokenizer(str(broken))
+  # A Qwen checkpoint names its class: transformers then builds an empty one without a word.
+  config = json.loads((broken / "tokenizer_config.json").read_text())
+  config["tokenizer_class"] = "Qwen2Tokenizer"
+  (broken / "tokenizer_config.json").write_text(json.dumps(config))
+  with pytest.raises(math_prompts.TokenizerError, match="does not encode and decode"):
+    math_prompts.load_tokenizer(str(broken))
+
+
 def _text(tok, enc, row):
   return tok.decode(enc.ids_QxP[row][enc.mask_QxP[row]])
 

@@ -121,7 +121,10 @@ def load(cfg: Config, tokenizer_dir: str) -> dict:
   """The fields of a ``TaskData`` for the math task (``jaxrl.tasks.task.load_task`` builds it);
   the tokenizer is the checkpoint's (``tokenizer_dir`` is for the built-in tasks)."""
   d = cfg.data
-  tokenizer = math_prompts.load_tokenizer(cfg.model.checkpoint)
+  try:
+    tokenizer = math_prompts.load_tokenizer(cfg.model.checkpoint)
+  except math_prompts.TokenizerError as e:
+    raise ConfigError("model.checkpoint", str(e)) from None
   stops = math_prompts.stop_token_ids(cfg.model.checkpoint, tokenizer)
   train, mixture, _ = datasets.load_mixture(
     d.train, fields(cfg), split=d.split, strict=d.strict, field="data.train"

@@ -28,11 +28,32 @@ _TEMPLATES = {"boxed": "{question}\n\n" + BOXED_INSTRUCTION, "plain": "{question
 _MARK = "\x00QUESTION\x00"  # stands for the question while the frame is tokenised
 
 
+# Text every usable tokenizer encodes and decodes back (letters, digits, spaces, punctuation).
+_PROBE = "What is 12 + 30? The answer is 42."
+
+
+class TokenizerError(ValueError):
+  """A checkpoint's tokenizer that cannot be used (its files missing or broken)."""
+
+
 def load_tokenizer(checkpoint_dir: str):
-  """The checkpoint's tokenizer (local files only), left-padding, pad = eos when it has none."""
+  """The checkpoint's tokenizer (local files only), left-padding, pad = eos when it has none. A
+  tokenizer that does not round-trip a probe text is refused (``TokenizerError``): without its
+  ``tokenizer.json`` transformers builds one from the config alone that encodes text to nothing,
+  and a run would train on empty prompts."""
   import transformers
 
-  tok = transformers.AutoTokenizer.from_pretrained(checkpoint_dir, local_files_only=True)
+  try:
+    tok = transformers.AutoTokenizer.from_pretrained(checkpoint_dir, local_files_only=True)
+  except (OSError, ValueError, TypeError) as e:
+    raise TokenizerError(f"{checkpoint_dir}: its tokenizer does not load: {e}") from None
+  ids = tok(_PROBE, add_special_tokens=False)["input_ids"]
+  if tok.decode(ids, skip_special_tokens=True).strip() != _PROBE:
+    raise TokenizerError(
+      f"{checkpoint_dir}: its tokenizer ({type(tok).__name__}, {len(tok)} tokens) does not encode "
+      f"and decode {_PROBE!r} back (got {len(ids)} ids): are its files (tokenizer.json, or the "
+      "vocabulary files) missing?"
+    )
   if tok.pad_token_id is None:  # Llama 3: no pad token; padded positions are masked anyway
     tok.pad_token = tok.eos_token
   tok.padding_side = "left"
