@@ -88,6 +88,34 @@ def test_a_json_config_with_a_non_finite_number_is_refused(tmp_path, constant):
   assert not os.path.exists(tmp_path / "run")
 
 
+def test_a_truncated_json_config_is_one_line_naming_the_file(tmp_path):
+  path = tmp_path / "config.json"
+  path.write_text('{"steps": 3, "rollout": {"max_new')
+  out = _command("jaxrl.main", f"--config={path}", f"--workdir={tmp_path}/run")
+  assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+  (line,) = out.stderr.strip().splitlines()
+  assert f"{path}: not a JSON config: " in line and "line 1, column" in line, line
+  assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_name_is_a_built_in_config_whatever_files_are_in_the_working_directory(tmp_path):
+  """--config=tiny is the built-in tiny config even where ./tiny (or ./tiny.py) exists: a file is
+  named by a path."""
+  planted = "raise SystemExit('planted config ran')\ndef get_config(arg=''):\n  pass\n"
+  for name in ("tiny", "tiny.py"):
+    (tmp_path / name).write_text(planted)
+  out = _command("jaxrl.main", "--config=tiny:test", "--print_config", cwd=tmp_path)
+  assert out.returncode == 0 and "planted" not in out.stdout + out.stderr, out.stderr[-2000:]
+  assert json.loads(out.stdout)["steps"] == tiny_config("test").steps
+  cwd = os.getcwd()
+  os.chdir(tmp_path)
+  try:
+    assert cli.resolve_config("tiny:e3") == os.path.join(ROOT, "configs", "tiny.py:e3")
+    assert cli.resolve_config("./tiny") == "./tiny"  # a path is a path
+  finally:
+    os.chdir(cwd)
+
+
 def _restored(run, step, abstract):
   ckpt = Checkpointer(os.path.join(run, "checkpoints"), keep=1, async_save=False)
   try:

@@ -36,21 +36,21 @@ def builtin_configs() -> dict[str, str]:
 
 
 def resolve_config(spec: str) -> str:
-  """A ``--config`` value as ``ml_collections.config_flags`` reads it (``FILE[:ARG]``)."""
+  """A ``--config`` value as ``ml_collections.config_flags`` reads it (``FILE[:ARG]``). A path
+  (with a ``/``, or ending in ``.py`` / ``.json``) is a file; anything else is a built-in config's
+  name, whatever files the working directory holds: ``--config=tiny`` never runs ``./tiny``."""
   path, sep, arg = spec.partition(":")
   if path.endswith(".json"):
     return f"{_JSON_LOADER}:{os.path.abspath(path)}"
-  if os.path.isfile(path):
-    return spec
+  if os.sep in path or path.endswith(".py"):
+    return spec  # config_flags names a missing file
   builtins = builtin_configs()
-  if path in builtins:
-    return builtins[path] + sep + arg
-  if not path.endswith(".py") and os.sep not in path:
+  if path not in builtins:
     raise FileNotFoundError(
-      f"--config={spec}: no file {path!r} and no built-in config of that name "
-      f"(built-in: {', '.join(builtins)})"
+      f"--config={spec}: no built-in config {path!r} (built-in: {', '.join(builtins)}; a file "
+      f"is named by a path: ./{path})"
     )
-  return spec  # config_flags names the missing file
+  return builtins[path] + sep + arg
 
 
 def resolve_argv(argv: list[str]) -> list[str]:

@@ -36,7 +36,12 @@ class _NonFinite:
 
 def get_config(path: str):
   with open(path) as f:
-    data = json.load(f, parse_constant=_NonFinite)
+    try:
+      data = json.load(f, parse_constant=_NonFinite)
+    except json.JSONDecodeError as e:  # one line (config_flags cannot re-raise its own type)
+      raise ValueError(
+        f"{path}: not a JSON config: {e.msg} at line {e.lineno}, column {e.colno}"
+      ) from None
   if not isinstance(data, dict):
     raise ValueError(
       f"{path}: expected a JSON object of config sections, got {type(data).__name__}"
