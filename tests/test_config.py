@@ -39,6 +39,8 @@ def run_main(*flags, workdir):
     (["--config=tyni"], "no built-in config"),
     (["--config=tiny:test", "--config.optim.learning_rate=0"], "optim.learning_rate"),
     (["--config=tiny:test", "--config.checkpoint.settle_timeout=inf"], "checkpoint.settle_timeout"),
+    (["--config=tiny:test", "--config.model.hidden_size=0"], "model.hidden_size"),
+    (["--config=tiny:test", "--config.optim.grad_clip=-1"], "optim.grad_clip"),
   ],
 )
 def test_bad_config_exits_2_naming_the_field(tmp_path, flags, field):
@@ -47,8 +49,8 @@ def test_bad_config_exits_2_naming_the_field(tmp_path, flags, field):
   lines = [l for l in out.stderr.strip().splitlines() if l.strip()]
   assert field in lines[-1], lines[-1]
   assert "Traceback" not in out.stderr
-  # Nothing was compiled or trained: no metrics, no checkpoints.
-  assert not os.path.exists(tmp_path / "w" / "metrics.jsonl")
+  # Nothing was compiled, trained or written: no run directory.
+  assert not os.path.exists(tmp_path / "w")
 
 
 def test_from_configdict_rejects_bad_values():
@@ -117,6 +119,19 @@ BAD_VALUES = [
   ({"steps": 3, "rollout.max_staleness": 4}, "rollout.max_staleness"),
   ({"modulation.gamma": float("nan")}, "modulation.gamma"),  # NaN: never a setting
   ({"data.split": "../train"}, "data.split"),
+  # Found by trying: each failed later (a division by zero, NaN steps, a bare ValueError) or
+  # changed the run without a word (clipping off, SFT skipped).
+  ({"optim.grad_clip": -1.0}, "optim.grad_clip"),
+  ({"sft.steps": -3}, "sft.steps"),
+  ({"loss.logprob_chunk": 0}, "loss.logprob_chunk"),
+  ({"model.hidden_size": 0}, "model.hidden_size"),
+  ({"model.rms_norm_eps": -1.0}, "model.rms_norm_eps"),
+  ({"model.rms_norm_eps": float("nan")}, "model.rms_norm_eps"),
+  ({"task.num_train_per_level": 0}, "task.num_train_per_level"),
+  ({"eval.num_samples": 0}, "eval.num_samples"),
+  ({"mesh.data": 0}, "mesh.data"),
+  ({"eepo.eps_r": 0.0}, "eepo.eps_r"),
+  ({"clip.delta": -0.01}, "clip.delta"),
 ]
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from jaxrl.config.loss import LossConfig
 from jaxrl.config.mixture import parse_mixture
 from jaxrl.config.phases import annealing, shortest_response
-from jaxrl.config.schema import Config, ConfigError, _check_type, _need
+from jaxrl.config.schema import Config, ConfigError, _check_type, _need, check_ranges
 
 
 def _build(cls, data: Any, prefix: str):
@@ -46,6 +46,7 @@ def _validate(cfg: Config) -> None:
     f"must be <= steps={cfg.steps} (no rollout can be older than the run), "
     f"got {cfg.rollout.max_staleness}",
   )
+  check_ranges(cfg)
   for f in dataclasses.fields(cfg):
     section = getattr(cfg, f.name)
     if hasattr(section, "check"):

@@ -54,6 +54,48 @@ def _need(ok: bool, field: str, message: str) -> None:
     raise ConfigError(field, message)
 
 
+# Numbers whose every value outside a range is a mistake that would fail later (a division by
+# zero, NaN steps) or silently change the run (a negative clip turning clipping off): field ->
+# (lowest, whether the lowest itself is allowed). Checked for every config (``check_ranges``).
+RANGES: dict[str, tuple[float, bool]] = {
+  **dict.fromkeys(("model.hidden_size", "model.intermediate_size", "model.num_layers"), (1, True)),
+  **dict.fromkeys(("model.num_heads", "model.attention_block", "loss.logprob_chunk"), (1, True)),
+  **dict.fromkeys(("loss.mini_batches", "eval.num_samples", "sft.batch_size"), (1, True)),
+  **dict.fromkeys(("mesh.data", "mesh.fsdp", "mesh.tensor"), (1, True)),
+  **dict.fromkeys(("task.num_train_per_level", "task.num_heldout_per_level"), (1, True)),
+  **dict.fromkeys(("model.rope_theta", "model.rms_norm_eps", "eepo.lr"), (0, False)),
+  **dict.fromkeys(("temperature.tau_max", "clip.rho", "clip.delta"), (0, False)),
+  **dict.fromkeys(("eepo.eps_l", "eepo.eps_r", "loss.mis_high"), (0, False)),
+  **dict.fromkeys(
+    ("model.vocab_size", "task.max_prompt_len", "anneal_phase.max_new_tokens"), (0, True)
+  ),  # fmt: skip
+  **dict.fromkeys(
+    ("sft.steps", "sft.warmup_steps", "sft.target_loss", "optim.warmup_steps"), (0, True)
+  ),  # fmt: skip
+  **dict.fromkeys(("optim.grad_clip", "loss.dual_clip", "vllm.max_model_len"), (0, True)),
+  **dict.fromkeys(("vllm.max_restarts", "eval.every", "log.peak_tflops"), (0, True)),
+  **dict.fromkeys(("temperature.anneal_start", "clip.warmup", "clip.c_min"), (0, True)),
+  **dict.fromkeys(("clip.h_target", "clip.h_end", "eepo.alpha", "modulation.alpha"), (0, True)),
+}
+_RANGE_NOTES = {
+  "optim.grad_clip": " (0 = no clipping)",
+  "loss.dual_clip": " (0 = off)",
+  "model.vocab_size": " (0 = the task's)",
+  "task.max_prompt_len": " (0 = the longest prompt)",
+}
+
+
+def check_ranges(cfg) -> None:
+  """Each ``RANGES`` field of ``cfg`` in its range and not NaN (a ConfigError naming it)."""
+  for field, (low, inclusive) in RANGES.items():
+    section, name = field.split(".")
+    value = getattr(getattr(cfg, section), name)
+    ok = value >= low if inclusive else value > low
+    if not ok or value != value:  # NaN compares False
+      bound = f">= {low}" if inclusive else f"> {low}"
+      raise ConfigError(field, f"must be {bound}{_RANGE_NOTES.get(field, '')}, got {value}")
+
+
 def _need_seconds(value: float, field: str) -> None:
   """A timeout: a positive, finite number of seconds (an infinite wait never ends)."""
   _need(0 < value < math.inf, field, f"must be a finite number of seconds > 0, got {value}")
