@@ -41,6 +41,8 @@ def run_main(*flags, workdir):
     (["--config=tiny:test", "--config.checkpoint.settle_timeout=inf"], "checkpoint.settle_timeout"),
     (["--config=tiny:test", "--config.model.hidden_size=0"], "model.hidden_size"),
     (["--config=tiny:test", "--config.optim.grad_clip=-1"], "optim.grad_clip"),
+    # 56,000 GiB by the plan's arithmetic: refused before numpy tries to allocate it
+    (["--config=tiny:test", "--config.rollout.max_new_tokens=100000000"], "GiB per device"),
   ],
 )
 def test_bad_config_exits_2_naming_the_field(tmp_path, flags, field):

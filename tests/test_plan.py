@@ -299,3 +299,12 @@ def test_tools_plan_compiles_the_multi_turn_programs(monkeypatch):
     "multi-turn turn (turn_program)",
     "multi-turn observation (observe_program)",
   ]
+
+
+def test_a_run_that_cannot_fit_is_refused_naming_the_length():
+  """The plan's own numbers (state + the update's and the sampler's buffers) against the host's
+  memory: the tiny test run fits; 10^8 new tokens (about 56,000 GiB) do not."""
+  assert plan.memory_error(tiny_config("test")) is None
+  error = plan.memory_error(tiny_config("test", **{"rollout.max_new_tokens": 10**8}))
+  assert error is not None and error.field == "rollout.max_new_tokens"
+  assert "GiB per device" in str(error) and "P+N=100000006" in str(error), error

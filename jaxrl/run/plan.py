@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import time
 
 import jax
@@ -605,4 +606,37 @@ def build(cfg: Config, *, compile_steps: bool = True, rollout_side: bool = True)
     else 0,
     phases=tuple(phases),
     skipped=skipped,
+  )
+
+
+def _capacity(device_memory: int | None) -> tuple[int, str]:
+  """(bytes one device may use, what they are): the device's own memory where the backend
+  reports it (GPU), else this host's RAM shared by its local devices (CPU)."""
+  if device_memory:
+    return device_memory, "device memory"
+  ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  return ram // max(jax.local_device_count(), 1), "host RAM per local device"
+
+
+def memory_error(cfg: Config) -> ConfigError | None:
+  """A run whose per-device need by the plan's arithmetic (train state + the largest phase's
+  update activations and sampler buffers, estimates without XLA) exceeds what a device has,
+  as a ConfigError naming the sequence length or the batch, before anything is allocated (None:
+  it may fit). The estimates are lower bounds of the real peak, so this refuses only runs that
+  cannot fit; ``--plan`` sizes the rest."""
+  p = build(cfg, compile_steps=False)
+  capacity, what = _capacity(p.device_memory)
+  worst = max(p.phases, key=lambda ph: ph.activations.total + ph.rollout.total)
+  need = p.state + worst.activations.total + worst.rollout.total
+  if need <= capacity:
+    return None
+  items = [("train state", p.state), *worst.activations.items, *worst.rollout.items]
+  name, size = max(items, key=lambda item: item[1])
+  # The sequence length drives the largest buffers unless the state itself is the problem.
+  field = "model" if name == "train state" else "rollout.max_new_tokens"
+  return ConfigError(
+    field,
+    f"the run needs about {need / GiB:.1f} GiB per device ({name}: {size / GiB:.1f} GiB; "
+    f"R={worst.cfg.num_rollouts} rows, P+N={worst.rollout.tokens} tokens), over the "
+    f"{capacity / GiB:.1f} GiB of {what} (--plan shows every item)",
   )

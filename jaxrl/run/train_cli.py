@@ -153,6 +153,10 @@ def main(argv):
     _fail(e)
   if (error := checkpoint_error(cfg)) is not None:  # before the run directory is written
     _fail(error)
+  from jaxrl.run import plan
+
+  if (error := plan.memory_error(cfg)) is not None:  # before anything is allocated
+    _fail(error)
   workdir = os.path.abspath(_WORKDIR.value)
   os.makedirs(workdir, exist_ok=True)
   run_log.setup(workdir)
