@@ -58,6 +58,7 @@ from jaxrl.run.stops import (
   stop_after_checkpoint,
 )
 from jaxrl.tasks.task import TaskData, load_task
+from jaxrl.workdir import lock
 from jaxrl.workdir.checkpoint import Checkpointer
 from jaxrl.workdir.metric_writers import MetricsWriter, plot_run
 from jaxrl.workdir.profiling import StepProfiler
@@ -106,6 +107,7 @@ class Trainer:
   progress: Progress
   compiles: CompileCounter  # traces of the train step and the JAX sampler (evals included)
   _rollout_pools: list = dataclasses.field(default_factory=list, init=False, repr=False)
+  _lock: str | None = dataclasses.field(default=None, init=False, repr=False)  # ``lock.hold``'s
 
   @classmethod
   def open(cls, cfg: Config, workdir: str) -> Trainer:
@@ -115,11 +117,14 @@ class Trainer:
     last, whole, once everything is built: a failed start leaves the last start's."""
     registry.check(cfg)
     os.makedirs(workdir, exist_ok=True)
-    # The resolved config (Hub ids as commits), recorded in every checkpoint; a resume must match
-    # its latest checkpoint's before anything in the workdir is written.
-    record = run_config.record(cfg)
-    run_config.check_resume(record, os.path.join(workdir, "checkpoints"))
     with contextlib.ExitStack() as started:
+      # One trainer per run directory (``lock.WorkdirBusy`` otherwise), held until ``close``.
+      held = lock.hold(workdir) if distributed.is_main() else None
+      started.callback(lock.release, held)
+      # The resolved config (Hub ids as commits), recorded in every checkpoint; a resume must
+      # match its latest checkpoint's before anything in the workdir is written.
+      record = run_config.record(cfg)
+      run_config.check_resume(record, os.path.join(workdir, "checkpoints"))
       # Process 0 builds the tokenizer cache in the shared workdir; the others then read it.
       task = distributed.main_first(lambda: load_task(cfg, os.path.join(workdir, "tokenizer")))
       started.callback(task.close)
@@ -141,7 +146,7 @@ class Trainer:
       if distributed.is_main():
         _write_json(os.path.join(workdir, "config.json"), to_dict(cfg))
       started.pop_all()
-    return cls(
+    trainer = cls(
       cfg,
       workdir,
       record,
@@ -155,12 +160,16 @@ class Trainer:
       Progress(enabled=cfg.log.progress),
       compiles,
     )
+    trainer._lock = held
+    return trainer
 
   def close(self) -> None:
     """Stop what ``open`` and ``step_context`` started: the rollout threads, the compile counter,
     the rollout engine (a sidecar server), the verifier's workers; each even if one before it
     fails. Idempotent."""
+    held, self._lock = self._lock, None
     with contextlib.ExitStack() as closing:
+      closing.callback(lock.release, held)  # last: the run directory is free once all is stopped
       closing.callback(self.task.close)
       closing.callback(self.engine.close)
       closing.callback(self.compiles.stop)

@@ -158,7 +158,16 @@ def main(argv):
   if (error := plan.memory_error(cfg)) is not None:  # before anything is allocated
     _fail(error)
   workdir = os.path.abspath(_WORKDIR.value)
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    _fail(f"--workdir={workdir}: not a directory")
   os.makedirs(workdir, exist_ok=True)
+  if distributed.is_main():  # one trainer per run directory, before anything in it is written
+    from jaxrl.workdir import lock
+
+    try:
+      lock.hold(workdir)  # for the process's life: the kernel releases it however it ends
+    except lock.WorkdirBusy as e:
+      _fail(e)
   run_log.setup(workdir)
   from jaxrl.workdir import compile_cache
 
@@ -173,11 +182,12 @@ def _run(cfg, workdir: str) -> int:
   from jaxrl.run.stops import NonFiniteError, Stopped
   from jaxrl.run.train import train
   from jaxrl.workdir.checkpoint import CheckpointError
+  from jaxrl.workdir.lock import WorkdirBusy
   from jaxrl.workdir.metric_writers import MetricsError
 
   try:
     result = train(cfg, workdir)
-  except ConfigError as e:  # found while building the task (e.g. an unknown level in a mixture)
+  except (ConfigError, WorkdirBusy) as e:  # found while building (an unknown level, a busy run)
     return _error(USAGE_ERROR, f"jaxrl: error: {e}")
   except SidecarError as e:  # checkpoints up to the last completed save are intact
     return _error(
