@@ -5,6 +5,8 @@ the template's, id for id."""
 
 from __future__ import annotations
 
+import types
+
 import jax
 import numpy as np
 import pytest
@@ -195,3 +197,28 @@ def test_a_chat_rollout_is_the_templates_conversation_id_for_id(tmp_path):
       assert pieces[-1][1][-1] == frame.end_of_turn_id
       finished += 1
   assert asked >= 4 and finished >= 4, (asked, finished)
+
+
+def test_the_verifier_reads_past_the_end_of_turn_an_observation_answered(chat_task):
+  """In a chat the model's end-of-turn id (its EOS) ends every turn: the text the verifier reads
+  runs to the one no observation follows, and samples.jsonl shows every turn."""
+  from jaxrl.tasks.envs.trajectory import trajectory_parts
+
+  tok, env = chat_task.tokenizer, chat_task.environment
+  eot = env.chat.end_of_turn_id
+  call = token_ids(tok, "<calc>2*3</calc>") + [eot]
+  obs, _ = env.observation_ids("6")
+  answer = token_ids(tok, "6") + [eot]
+  ids = call + obs + answer
+  by_model = [True] * len(call) + [False] * len(obs) + [True] * len(answer)
+  rollouts = types.SimpleNamespace(
+    tokens_RxN=np.array([ids]),
+    mask_RxN=np.ones((1, len(ids)), bool),
+    loss_mask_RxN=np.array([by_model]),
+    lengths_R=np.array([len(ids)]),
+  )
+  (text,) = chat_task.decode(rollouts)
+  assert text == tok.decode(ids[:-1]) and chat_task.score([text], ["6"]).tolist() == [1.0]
+  parts = trajectory_parts(tok, ids, by_model, eos_id=chat_task.eos_id)
+  assert [p["by"] for p in parts] == ["model", "environment", "model"]
+  assert parts[0]["text"] == "<calc>2*3</calc><|im_end|>" and parts[-1]["text"] == "6"

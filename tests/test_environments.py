@@ -180,7 +180,7 @@ def test_registry(tok, monkeypatch):
 def test_trajectory_parts_by_author(tok):
   ids = token_ids(tok, "<calc>12*3</calc><result>36</result>36") + [tok.eos_token_id, 0, 0]
   model = [True] * 6 + [False] * 4 + [True] * 3 + [False] * 2  # EOS is the model's; pads are not
-  parts = trajectory_parts(tok, ids, model)
+  parts = trajectory_parts(tok, ids, model, length=13)  # the pads are past the response's length
   assert parts == [
     {"by": "model", "text": "<calc>12*3</calc>"},
     {"by": "environment", "text": "<result>36</result>"},

@@ -106,9 +106,10 @@ def decode_responses(
   tokenizer, ids_BxN, lengths_B, model_mask_BxN=None, eos_id: int | Sequence[int] | None = None
 ) -> list[str]:
   """Text of each response: its first ``lengths_B[i]`` tokens, cut before the first EOS the model
-  wrote (``model_mask_BxN``: its tokens, the others an environment's, whose EOS ids end nothing;
-  None: every token is the model's). ``eos_id``: the ids that end a response (default the
-  tokenizer's EOS).
+  wrote that no environment token follows (``model_mask_BxN``: its tokens, the others an
+  environment's, whose EOS ids end nothing; None: every token is the model's). A chat model ends
+  each turn with its end-of-turn id, often its EOS: one that an observation answered ended a
+  turn, not the response. ``eos_id``: the ids that end a response (default the tokenizer's EOS).
 
   Other special tokens (pad, bos, unk) are kept as their text, so a response containing them can
   never be scored as a clean number.
@@ -116,9 +117,14 @@ def decode_responses(
   ids_BxN = np.asarray(ids_BxN)
   eos = tokenizer.eos_token_id if eos_id is None else eos_id
   eos_ids = np.asarray(list(eos) if isinstance(eos, (list, tuple)) else [eos])
+  n = ids_BxN.shape[1]
+  lengths_B = np.clip(np.asarray(lengths_B), 0, n)
   by_model_BxN = np.ones(ids_BxN.shape, bool) if model_mask_BxN is None else model_mask_BxN
-  ends_BxN = np.isin(ids_BxN, eos_ids) & np.asarray(by_model_BxN, bool)
-  first_eos_B = np.where(ends_BxN.any(1), ends_BxN.argmax(1), ids_BxN.shape[1])
-  lengths_B = np.minimum(np.clip(np.asarray(lengths_B), 0, ids_BxN.shape[1]), first_eos_B)
+  by_model_BxN = np.asarray(by_model_BxN, bool)
+  env_BxN = (np.arange(n)[None, :] < np.reshape(lengths_B, (-1, 1))) & ~by_model_BxN
+  env_later_BxN = np.flip(np.cumsum(np.flip(env_BxN, 1), 1), 1) > env_BxN  # one at a later n
+  ends_BxN = np.isin(ids_BxN, eos_ids) & by_model_BxN & ~env_later_BxN
+  first_eos_B = np.where(ends_BxN.any(1), ends_BxN.argmax(1), n)
+  lengths_B = np.minimum(lengths_B, first_eos_B)
   rows = [ids[:n] for ids, n in zip(ids_BxN.tolist(), lengths_B.tolist())]
   return tokenizer.batch_decode(rows, skip_special_tokens=False) if rows else []

@@ -44,9 +44,10 @@ def trajectory_parts(
 ) -> list[dict]:
   """``[{"by": "model" | "environment", "text": ...}, ...]`` of one response.
 
-  ``length``: the response's tokens (default all of ``ids_N``); the model's first EOS
-  (``eos_id``, default the tokenizer's; a task's list of stop ids) ends it, not shown, as in
-  ``decode_responses``; other special tokens keep their text.
+  ``length``: the response's tokens (default all of ``ids_N``); the model's first EOS that no
+  environment token follows (``eos_id``, default the tokenizer's; a task's list of stop ids)
+  ends it, not shown, as in ``decode_responses`` (a chat model's end-of-turn id ends its turns
+  too: those stay, shown); other special tokens keep their text.
   """
   ids = np.asarray(ids_N).tolist()
   mask = np.asarray(model_mask_N, bool).tolist()
@@ -55,11 +56,12 @@ def trajectory_parts(
   n = len(ids) if length is None else max(0, min(int(length), len(ids)))
   eos = tokenizer.eos_token_id if eos_id is None else eos_id
   eos_ids = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+  last_env = max((k for k in range(n) if not mask[k]), default=-1)
   parts: list[dict] = []
   run: list[int] = []
   by = None
-  for token, is_model in zip(ids[:n], mask[:n]):
-    if is_model and token in eos_ids:
+  for k, (token, is_model) in enumerate(zip(ids[:n], mask[:n])):
+    if is_model and token in eos_ids and k > last_env:
       break
     author = MODEL if is_model else ENVIRONMENT
     if author != by and run:
