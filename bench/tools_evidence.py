@@ -192,7 +192,12 @@ def plot(res: dict, seeds, out_png: str) -> None:
 def main():
   args = tiny_runs.evidence_args(200, "runs/tools_evidence", "bench/results/tools.md")
   if not args.summarize_only:
-    jobs = [(setting, s) for s in args.seeds for setting in SETTINGS]
+    # The settings with the tool first, seed by seed: the comparison of the two layouts is whole
+    # before the runs without the tool start.
+    jobs = [(setting, s) for s in args.seeds for setting in TOOL_SETTINGS]
+    jobs += [
+      (setting, s) for s in args.seeds for setting in SETTINGS if setting not in TOOL_SETTINGS
+    ]
     with cf.ThreadPoolExecutor(args.jobs) as pool:
       list(pool.map(lambda job: run(args.root, job[0], job[1], args.steps), jobs))
   text, res = summarize(args.root, args.seeds, args.steps)
