@@ -297,6 +297,7 @@ def _write_results(cfg, checkpoint, out_dir, results, table, num_samples, ks) ->
 def main(argv):
   del argv
   from jaxrl.config import ConfigError, from_configdict
+  from jaxrl.workdir.checkpoint import UnreadableCheckpoint
 
   run_log.setup()
   if _CONFIG.value is None or not _CHECKPOINT.value:
@@ -328,7 +329,7 @@ def main(argv):
     summary = evaluate_checkpoint(
       cfg, checkpoint, benchmarks, out, num_samples=_NUM_SAMPLES.value, ks=ks
     )
-  except (ConfigError, ValueError, FileNotFoundError) as e:
+  except (ConfigError, ValueError, FileNotFoundError, UnreadableCheckpoint) as e:
     cli.fail("jaxrl.eval", e)
   print(summary["table"])
   print(f"\nwritten: {out}/eval_results.json, eval_results.md")

@@ -36,13 +36,14 @@ COMMAND = "jaxrl-export"
 def main(argv):
   del argv
   from jaxrl.config import ConfigError
+  from jaxrl.workdir.checkpoint import UnreadableCheckpoint
 
   run_log.setup()
   if not _CHECKPOINT.value or not _OUT.value:
     cli.fail(COMMAND, "--checkpoint and --out are required")
   try:
     out = weights.export(_CHECKPOINT.value, _OUT.value, _DTYPE.value, _CONFIG.value)
-  except (ConfigError, ValueError, FileNotFoundError) as e:
+  except (ConfigError, ValueError, FileNotFoundError, UnreadableCheckpoint) as e:
     cli.fail(COMMAND, e)
   print(f"written: {out}")
 

@@ -233,12 +233,12 @@ def check_resume(now: dict, directory: str) -> int | None:
 
   reader = Checkpointer.reader(directory)
   try:
-    step = reader.latest_step()
-    saved = None if step is None else reader.recorded_config(step)
+    if not reader.all_steps():
+      return None
+    # The newest whose metadata reads (the trainer falls back past a damaged one, logging it).
+    step, saved = reader.newest_readable(reader.recorded_config)
   finally:
     reader.close()
-  if step is None:
-    return None
   if saved is None:
     saved = _config_json(os.path.dirname(directory), step)
   if saved is not None and (changed := resume_changes(saved, now)):

@@ -309,9 +309,12 @@ class Trainer:
     """(first step, loop state): the latest checkpoint's, or step 0 from the warm start."""
     loop = initial_loop(ctx, self.programs.init_state(sft_params))
     log.info("methods: %s", ctx.runtime(0).methods.describe())
-    start = ckpt.latest_step() or 0
-    if start:
-      loop = restore_loop(ckpt, start, loop, self.programs.state_shardings, self.mesh)
+    start = 0
+    if ckpt.all_steps():  # the newest that reads: a damaged one is logged and set aside
+      like, shardings = loop, self.programs.state_shardings
+      start, loop = ckpt.newest_readable(
+        lambda s: restore_loop(ckpt, s, like, shardings, self.mesh)
+      )
       phase = ctx.phases[loop.phase].name
       log.info("resumed from step %d, %s phase (%s)", start, phase, ckpt.directory)
     return start, loop

@@ -181,13 +181,14 @@ def _run(cfg, workdir: str) -> int:
   from jaxrl.rollout.sidecar import SidecarError
   from jaxrl.run.stops import NonFiniteError, Stopped
   from jaxrl.run.train import train
-  from jaxrl.workdir.checkpoint import CheckpointError
+  from jaxrl.workdir.checkpoint import CheckpointError, UnreadableCheckpoint
   from jaxrl.workdir.lock import WorkdirBusy
   from jaxrl.workdir.metric_writers import MetricsError
 
   try:
     result = train(cfg, workdir)
-  except (ConfigError, WorkdirBusy) as e:  # found while building (an unknown level, a busy run)
+  # Found while building (an unknown level, a busy run directory, no checkpoint that reads).
+  except (ConfigError, WorkdirBusy, UnreadableCheckpoint) as e:
     return _error(USAGE_ERROR, f"jaxrl: error: {e}")
   except SidecarError as e:  # checkpoints up to the last completed save are intact
     return _error(

@@ -120,17 +120,29 @@ def load_params(cfg, path: str, graphdef_and_shardings, model_cfg=None):
   directory, step = run
   ckpt = Checkpointer.reader(directory)
   try:
-    step = _existing(ckpt, step)
+    if step >= 0:
+      _existing(ckpt, step)
     target = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params, shardings
     )
-    log.info("restoring params of %s step %d", directory, step)
     if not lora.has_adapters(abstract_params):
-      return ckpt.restore_params(step, target)
+      # The latest (-1) falls back past a damaged checkpoint, logging it; a step asked for does not.
+      step, params = ckpt.newest_readable(lambda s: ckpt.restore_params(s, target), step)
+      log.info("restored params of %s step %d", directory, step)
+      return params
     base = run_base(cfg, model_cfg, os.path.dirname(directory), shardings)
-    lora.check_base(ckpt.restore_meta(step).get(lora.FINGERPRINT), base, directory)
-    adapters = ckpt.restore_params(step, lora.partition(target, "adapters")[0])
-    return lora.combine(adapters, lora.partition(base, "adapters")[1])
+
+    step, trained = ckpt.newest_readable(
+      lambda s: (
+        ckpt.restore_meta(s),
+        ckpt.restore_params(s, lora.partition(target, "adapters")[0]),
+      ),
+      step,
+    )
+    meta, trained = trained
+    lora.check_base(meta.get(lora.FINGERPRINT), base, directory)  # another base: not damage
+    log.info("restored adapters of %s step %d", directory, step)
+    return lora.combine(trained, lora.partition(base, "adapters")[1])
   finally:
     ckpt.close()
 

@@ -25,15 +25,19 @@ they are not daemons the process must leave with ``os._exit`` (``jaxrl.main`` do
 
 from __future__ import annotations
 
+import gc
 import glob
 import logging
 import os
 import queue
 import re
 import shutil
+import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -121,12 +125,45 @@ def _brief(error: Exception) -> str:
   return f"{type(error).__name__}: {text[:300]}"
 
 
+def _root_cause(error: BaseException) -> str:
+  """A read's failure in a line: its innermost cause (tensorstore's own error, e.g. a byte range
+  past a truncated file's end), not orbax's wrapper and the JSON spec it embeds."""
+  while error.__cause__ is not None:
+    error = error.__cause__
+  return _brief(error)  # type: ignore[arg-type]
+
+
+# Orbax reads a checkpoint's arrays in coroutines; when one read fails, the others are dropped
+# unfinished and each prints its own traceback as it is collected (hundreds of lines). A damaged
+# checkpoint is reported once, by ``newest_readable``: those are silenced.
+_READ_COROUTINE = "_read_array_index_and_device_put"
+
+
+def _quiet_unraisable(previous):
+  def hook(unraisable):
+    if getattr(unraisable.object, "__name__", None) != _READ_COROUTINE:
+      previous(unraisable)
+
+  hook.quiets_orbax_reads = True
+  return hook
+
+
+def _quiet_dropped_reads() -> None:
+  if not getattr(sys.unraisablehook, "quiets_orbax_reads", False):
+    sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
+  gc.collect()  # collect the dropped reads now, under the hook
+
+
 class StaleLayout(ValueError):
   """A checkpoint whose params are laid out otherwise than this jaxrl lays them out."""
 
 
 class CheckpointError(RuntimeError):
   """The last checkpoint write failed; ``latest_step`` is the newest one that is complete."""
+
+
+class UnreadableCheckpoint(RuntimeError):
+  """No checkpoint of a run reads (or not the one asked for): each step with its cause."""
 
 
 class Checkpointer:
@@ -293,6 +330,41 @@ class Checkpointer:
       if latest is not None
       else f"there is no usable checkpoint in {self.directory}",
     )
+
+  def newest_readable(self, read: Callable[[int], Any], step: int = -1) -> tuple[int, Any]:
+    """(the step, ``read(step)``) of the newest checkpoint that reads, newest first. One that
+    does not (a truncated or missing file, broken JSON) is logged in one line naming the step and
+    the cause; a writer moves it aside (``unreadable-N``, kept for a look, never a checkpoint
+    again) so the run writes that step anew. ``step`` >= 0: that checkpoint alone, its failure
+    an ``UnreadableCheckpoint``. A params layout of another jaxrl (``StaleLayout``) is raised as
+    it is: the step is whole, only another jaxrl reads it."""
+    steps = [step] if step >= 0 else sorted(self.all_steps(), reverse=True)
+    causes = []
+    for s in steps:
+      try:
+        return s, read(s)
+      except StaleLayout:
+        raise
+      except Exception as e:  # noqa: BLE001 - anything a damaged checkpoint raises in orbax
+        _quiet_dropped_reads()
+        causes.append(f"step {s}: {_root_cause(e)}")
+        if step >= 0:
+          break
+        log.error("checkpoint %d in %s does not read (%s); trying the one before", s, self.directory,
+                  _root_cause(e))  # fmt: skip
+        self._set_aside(s)
+    raise UnreadableCheckpoint(f"{self.directory}: no checkpoint reads ({'; '.join(causes)})")
+
+  def _set_aside(self, step: int) -> None:
+    """Move the unreadable checkpoint ``step`` out of orbax's sight (a writer only)."""
+    if self.read_only or jax.process_index() != 0:
+      return
+    aside = os.path.join(self.directory, f"unreadable-{step}")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.rename(os.path.join(self.directory, str(step)), aside)
+    self._mgr.reload()
+    self._latest = self._mgr.latest_step()
+    log.error("checkpoint %d moved to %s", step, aside)
 
   def restore(self, step: int, abstract_tree):
     """(tree, meta) restored into the structure, dtypes and shardings of ``abstract_tree``."""
