@@ -23,3 +23,56 @@ def test_off_and_user_paths(monkeypatch):
   assert cache_dir("off", "/runs/a") is None
   assert cache_dir("~/xla", "/runs/a") == "/home/u/xla"
   assert cache_dir("rel/xla", "/runs/a") == os.path.abspath("rel/xla")
+
+
+def _private(path):
+  path.mkdir(mode=0o700, exist_ok=True)
+  os.chmod(path, 0o700)
+  return path
+
+
+def test_a_cache_directory_others_can_write_or_own_is_refused(tmp_path, monkeypatch):
+  """Its entries are executables the trainer loads: a directory of another user's, one others can
+  write into (even with the sticky bit: they could plant an entry before the run writes it), or
+  one under a directory others can rename it in, is refused naming where it came from."""
+  import pytest
+
+  from jaxrl.config import ConfigError
+  from jaxrl.workdir.compile_cache import enable
+
+  root = _private(tmp_path / "root")
+  shared = root / "shared"
+  shared.mkdir()
+  for mode in (0o777, 0o1777, 0o775):
+    os.chmod(shared, mode)
+    with pytest.raises(ConfigError, match="writable by other users") as e:
+      enable(str(shared), str(root))
+    assert e.value.field == "compile_cache"
+  os.chmod(shared, 0o700)
+  open_parent = root / "open"
+  open_parent.mkdir()
+  os.chmod(open_parent, 0o777)
+  with pytest.raises(ConfigError, match="could replace"):
+    enable(str(_private(open_parent / "cache")), str(root))
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(shared))
+  os.chmod(shared, 0o777)
+  with pytest.raises(ConfigError, match="JAX_COMPILATION_CACHE_DIR") as e:
+    enable("", str(root))
+  if os.geteuid() == 0:  # a directory of another user's (root can make one)
+    foreign = _private(root / "foreign")
+    os.chown(foreign, 65534, 65534)
+    with pytest.raises(ConfigError, match="owned by uid 65534"):
+      enable(str(foreign), str(root))
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+  import jax
+
+  before = (
+    jax.config.jax_compilation_cache_dir,
+    jax.config.jax_persistent_cache_min_compile_time_secs,
+  )
+  try:  # the session's own cache (tests/conftest.py) is put back after
+    assert enable("", str(root)) == str(root / "compile_cache")  # the workdir's: made private
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+  assert oct(os.stat(root / "compile_cache").st_mode & 0o777) == "0o700"

@@ -43,7 +43,6 @@ import logging
 import os
 import secrets
 import shutil
-import stat
 import tempfile
 import time
 from collections.abc import Callable
@@ -51,7 +50,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jaxrl.config import ConfigError
+from jaxrl.config.paths import check_private_dir
 from jaxrl.nn import hf, lora, peft
 from jaxrl.rollout import multiturn, vllm_multiturn
 from jaxrl.rollout.engine import check_version, is_step_version
@@ -82,25 +81,7 @@ _PREFIX = "jaxrl-weights-"
 def _check_root(root: str) -> None:
   """``root`` may hold this run's weights directory: a directory of this user's that others cannot
   write, or can only under the sticky bit (they cannot rename or remove what is not theirs)."""
-  try:
-    st = os.stat(root)
-  except OSError as e:
-    raise ConfigError("vllm.weights_dir", f"{root}: {e.strerror}") from None
-  if not stat.S_ISDIR(st.st_mode):
-    raise ConfigError("vllm.weights_dir", f"{root} is not a directory")
-  if st.st_uid != os.geteuid():
-    raise ConfigError(
-      "vllm.weights_dir",
-      f"{root} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}): its owner "
-      "could replace the weights the vLLM server loads; use a directory of your own",
-    )
-  if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-    raise ConfigError(
-      "vllm.weights_dir",
-      f"{root} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}, no sticky bit): "
-      "they could swap a weight version before the server reloads it; use a directory only you "
-      "can write (chmod go-w), or one with the sticky bit (chmod +t)",
-    )
+  check_private_dir(root, "vllm.weights_dir", sticky_ok=True)
 
 
 def _run_dir(configured: str, fallback: str, need_bytes: int) -> str:

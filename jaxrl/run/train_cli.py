@@ -171,7 +171,10 @@ def main(argv):
   run_log.setup(workdir)
   from jaxrl.workdir import compile_cache
 
-  compile_cache.enable(cfg.compile_cache, workdir)
+  try:
+    compile_cache.enable(cfg.compile_cache, workdir)
+  except ValueError as e:  # ConfigError: a cache directory others could plant programs in
+    _fail(e)
   _leave(_run(cfg, workdir))
 
 

@@ -9,6 +9,9 @@ JAX writes entries in place: a kill in the middle of a write leaves a truncated 
 reports ("Error reading persistent compilation cache entry ... truncated stream") and compiles
 again, at every start, until the file (or the directory) is deleted; results are never affected.
 
+Its entries are executables the trainer loads, so the directory must be this user's and closed to
+others (``jaxrl.config.paths.check_private_dir``): a shared or foreign-writable one is refused.
+
 In multi-process runs every process reads the cache and process 0 writes it (JAX's own rule), so
 the directory should be on the shared filesystem, as the workdir already is for checkpoints.
 """
@@ -19,6 +22,8 @@ import logging
 import os
 
 import jax
+
+from jaxrl.config.paths import check_private_dir
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +45,17 @@ def cache_dir(setting: str, workdir: str) -> str | None:
 
 
 def enable(setting: str, workdir: str) -> str | None:
-  """Point JAX at the run's cache before anything is compiled; returns the directory (or None)."""
+  """Point JAX at the run's cache before anything is compiled; returns the directory (or None).
+  Its entries are executables the process loads: a directory of another user's, or one others
+  can write into, is refused (a ConfigError naming where it came from)."""
   path = cache_dir(setting, workdir)
   if path is None:
     return None
+  field = (
+    "compile_cache" if setting else "compile_cache ($JAX_COMPILATION_CACHE_DIR or the workdir's)"
+  )
+  os.makedirs(path, mode=0o700, exist_ok=True)
+  check_private_dir(path, field)
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_TIME_S)
   log.info("compiled programs are cached in %s", path)
