@@ -137,7 +137,7 @@ def test_eval_of_the_arithmetic_task_takes_no_benchmark_files(tmp_path):
   assert "Traceback" not in out.stderr and not os.listdir(tmp_path)
 
 
-def test_export_writes_any_checkpoint_in_hf_layout(tmp_path):
+def test_export_writes_any_checkpoint_in_hf_layout(tmp_path, file_size_limit):
   import transformers
 
   run = str(tmp_path / "run")
@@ -174,6 +174,21 @@ def test_export_writes_any_checkpoint_in_hf_layout(tmp_path):
   assert (
     missing.returncode == 2 and "not a run directory" in missing.stderr.strip().splitlines()[-1]
   )
+  # An export into the run (it would overwrite the run's config.json) is refused, one line.
+  config = (tmp_path / "run" / "config.json").read_bytes()
+  for out, where in ((run, "is the run directory"), (f"{run}/export", "is inside the run")):
+    into = _command("jaxrl.export", f"--checkpoint={run}", f"--out={out}")
+    assert into.returncode == 2 and where in into.stderr.strip().splitlines()[-1], into.stderr
+  assert (tmp_path / "run" / "config.json").read_bytes() == config
+  assert not os.path.exists(f"{run}/export")
+  # A write that fails midway (EFBIG past 4 KiB) leaves the previous export whole.
+  before = {f: (tmp_path / "latest" / f).read_bytes() for f in os.listdir(latest)}
+  file_size_limit(4096)
+  with pytest.raises(weights.ExportError, match="File too large.*the previous export there is as"):
+    weights.export(os.path.join(run, "checkpoints", "3"), latest)
+  file_size_limit(None)
+  assert {f: (tmp_path / "latest" / f).read_bytes() for f in os.listdir(latest)} == before
+  assert sorted(os.listdir(tmp_path)) == sorted(["run", "step3", "latest", "bf16"])  # no leftovers
 
 
 # The command modules define their absl flags at import, and two of them define --config: imported

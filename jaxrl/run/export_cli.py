@@ -22,7 +22,12 @@ from jaxrl.workdir import run_log
 _CHECKPOINT = flags.DEFINE_string(
   "checkpoint", None, "A run directory (its latest checkpoint) or RUN/checkpoints/N."
 )
-_OUT = flags.DEFINE_string("out", None, "Directory to write the HF checkpoint into.")
+_OUT = flags.DEFINE_string(
+  "out",
+  None,
+  "Directory to write the HF checkpoint into (replaced whole once written; not inside a run "
+  "directory: one holding checkpoints/, or config.json and log.txt).",
+)
 _DTYPE = flags.DEFINE_enum(
   "dtype", "", ["", "float32", "bfloat16", "float16"], "Weights dtype (default: model.dtype)."
 )
@@ -45,6 +50,9 @@ def main(argv):
     out = weights.export(_CHECKPOINT.value, _OUT.value, _DTYPE.value, _CONFIG.value)
   except (ConfigError, ValueError, FileNotFoundError, UnreadableCheckpoint) as e:
     cli.fail(COMMAND, e)
+  except weights.ExportError as e:  # not the input's fault (a full disk): exit 1, one line
+    print(f"{COMMAND}: error: {e}", file=sys.stderr)
+    sys.exit(1)
   print(f"written: {out}")
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -147,6 +148,10 @@ def load_params(cfg, path: str, graphdef_and_shardings, model_cfg=None):
     ckpt.close()
 
 
+class ExportError(RuntimeError):
+  """Writing an export failed; the directory it was to replace is as it was."""
+
+
 def write_hf(cfg, model_cfg, params, out: str, tokenizer, dtype: str = "") -> str:
   """``params`` in HF layout in ``out``, cast to ``dtype`` (default ``model.dtype``), with the
   tokenizer and a generation config (the checkpoint's, else the tokenizer's bos/eos/pad ids).
@@ -154,28 +159,61 @@ def write_hf(cfg, model_cfg, params, out: str, tokenizer, dtype: str = "") -> st
   A LoRA model is written merged (W + (alpha / r) A B: a plain HF model) and its adapters also in
   PEFT layout in ``out/lora`` (float32), for ``PeftModel.from_pretrained`` on the base: the
   ``model.checkpoint`` it was trained on, or (a model built from scratch, or an SFT warm start)
-  the base written in HF layout in ``out/lora/base``."""
+  the base written in HF layout in ``out/lora/base``.
+
+  The export is written into a fresh directory beside ``out`` and renamed into place once whole:
+  a write that fails midway (a full disk) leaves the previous export as it was."""
   from jaxrl.nn import lora
 
-  if lora.has_adapters(params):
-    _write_peft(cfg, model_cfg, params, os.path.join(out, "lora"), tokenizer, dtype)
-    params = lora.merged(params, model_cfg.lora_alpha, model_cfg.lora_rank)
-    model_cfg = dataclasses.replace(model_cfg, lora_rank=0)
-  return _write_plain_hf(cfg, model_cfg, params, out, tokenizer, dtype)
+  final = os.path.abspath(out)
+  os.makedirs(os.path.dirname(final), exist_ok=True)
+  # Process 0 writes (every process takes part in the gathers); the others write nothing.
+  tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.tmp-", dir=os.path.dirname(final))
+  try:
+    if lora.has_adapters(params):
+      _write_peft(cfg, model_cfg, params, (tmp, final), "lora", tokenizer, dtype)
+      params = lora.merged(params, model_cfg.lora_alpha, model_cfg.lora_rank)
+      model_cfg = dataclasses.replace(model_cfg, lora_rank=0)
+    _write_plain_hf(cfg, model_cfg, params, tmp, tokenizer, dtype)
+    if distributed.is_main():
+      _replace_dir(tmp, final)
+  except Exception as e:  # a full disk, EFBIG (safetensors raises its own error type)
+    kept = "the previous export there is as it was" if os.path.exists(final) else "none written"
+    raise ExportError(f"{final}: writing the export failed ({e}); {kept}") from e
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+  log.info("policy exported to %s", final)
+  return final
 
 
-def _write_peft(cfg, model_cfg, params, out: str, tokenizer, dtype: str) -> None:
+def _replace_dir(new: str, final: str) -> None:
+  """``new`` renamed to ``final``; an earlier ``final`` is renamed away first and removed once
+  ``new`` is in place (a crash in between leaves it beside, whole, as ``.NAME.old-*``)."""
+  old = None
+  if os.path.lexists(final):
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.old-", dir=os.path.dirname(final))
+    os.rename(final, os.path.join(old, "export"))
+  os.rename(new, final)
+  if old is not None:
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_peft(cfg, model_cfg, params, roots: tuple[str, str], sub: str, tokenizer, dtype):
+  """The adapters in PEFT layout in ``roots[0]/sub``, which will be ``roots[1]/sub``: the base they
+  name is where it will lie."""
   from jaxrl.nn import lora, peft
 
+  final, out = roots[1], os.path.join(roots[0], sub)
   base_model = cfg.model.checkpoint
   if not base_model or cfg.sft.steps:  # the base is not the checkpoint as it lies: written
-    base_model = os.path.join(out, "base")
+    base_model = os.path.join(final, sub, "base")
     base = lora.partition(params, "adapters")[1]
-    _write_plain_hf(
-      cfg, dataclasses.replace(model_cfg, lora_rank=0), base, base_model, tokenizer, dtype
-    )
+    base_cfg = dataclasses.replace(model_cfg, lora_rank=0)
+    _write_plain_hf(cfg, base_cfg, base, os.path.join(out, "base"), tokenizer, dtype)
   peft.save_adapter(model_cfg, params, out, base_model)
-  log.info("LoRA adapter (PEFT layout) written to %s, base %s", out, base_model)
+  log.info(
+    "LoRA adapter (PEFT layout) written to %s, base %s", os.path.join(final, sub), base_model
+  )
 
 
 def _write_plain_hf(cfg, model_cfg, params, out: str, tokenizer, dtype: str) -> str:
@@ -193,7 +231,7 @@ def _write_plain_hf(cfg, model_cfg, params, out: str, tokenizer, dtype: str) -> 
     shutil.copy(source, out)
   else:
     _write_generation_config(tokenizer, out)
-  log.info("policy exported to %s (%s)", out, dtype.name)
+  log.info("HF layout written to %s (%s)", out, dtype.name)
   return out
 
 
@@ -245,6 +283,28 @@ def _tokenizer(cfg, run_dir: str):
     return build_tokenizer(tmp, tokenizer_variant(cfg))
 
 
+def _is_run_dir(path: str) -> bool:
+  """A training run's directory: its checkpoints, or its config and log."""
+  has = lambda name: os.path.exists(os.path.join(path, name))  # noqa: E731
+  return os.path.isdir(os.path.join(path, "checkpoints")) or (has("config.json") and has("log.txt"))
+
+
+def _check_out(out: str) -> None:
+  """An export goes outside every run directory: there it would overwrite the run's own files
+  (its config.json) or be taken for part of it (the trainer writes its own export to RUN/hf)."""
+  path = os.path.abspath(out)
+  while True:
+    if _is_run_dir(path):
+      raise ValueError(
+        f"--out={out}: {'is' if path == os.path.abspath(out) else 'is inside'} the run directory "
+        f"{path}; export elsewhere (the run's own export is {os.path.join(path, 'hf')})"
+      )
+    parent = os.path.dirname(path)
+    if parent == path:
+      return
+    path = parent
+
+
 def export(checkpoint: str, out: str, dtype: str = "", config: str = "") -> str:
   """Write ``checkpoint`` (a run or one of its checkpoints) in HF layout into ``out``;
   ``config``: a ``--config`` value (default: the run's own)."""
@@ -252,6 +312,7 @@ def export(checkpoint: str, out: str, dtype: str = "", config: str = "") -> str:
   from jaxrl.parallel import sharding
 
   run_dir = _run_dir(checkpoint)
+  _check_out(out)
   cfg = _config(run_dir, config)
   tokenizer = _tokenizer(cfg, run_dir)
   model_cfg = arch.model_config(cfg, len(tokenizer))
