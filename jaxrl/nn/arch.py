@@ -12,7 +12,7 @@ import dataclasses
 import os
 
 from jaxrl.config import Config, ConfigError
-from jaxrl.nn import hf_config
+from jaxrl.nn import hf, hf_config
 from jaxrl.nn.model import ModelConfig
 
 
@@ -56,9 +56,17 @@ def from_section(cfg: Config, vocab_size: int = 0) -> ModelConfig:
 
 
 def checkpoint_error(cfg: Config) -> ConfigError | None:
-  """A missing ``model.checkpoint`` as one line saying what to download and where (None: fine)."""
+  """A missing ``model.checkpoint`` as one line saying what to download and where, or a damaged
+  one (a truncated shard, a header or index that points outside it) naming the file (None:
+  fine)."""
   path = cfg.model.checkpoint
-  if not path or os.path.isfile(os.path.join(path, "config.json")):
+  if path and os.path.isfile(os.path.join(path, "config.json")):
+    try:
+      hf.check_tensor_files(path)
+    except (ValueError, OSError) as e:
+      return ConfigError("model.checkpoint", str(e))
+    return None
+  if not path:
     return None
   where = "directory not found" if not os.path.isdir(path) else "no config.json in it"
   fetch = (

@@ -289,6 +289,14 @@ def _open_tensor_files(path: pathlib.Path, stack: contextlib.ExitStack) -> dict:
   return handles
 
 
+def check_tensor_files(path) -> None:
+  """Every tensor file of the HF checkpoint ``path`` opens and its header describes tensors that
+  lie inside it (the loader's own checks; headers only, nothing else read): a ValueError naming
+  the file otherwise, before a run writes anything."""
+  with contextlib.ExitStack() as stack:
+    _open_tensor_files(pathlib.Path(path), stack)
+
+
 def _placement(shardings) -> dict | None:
   """jaxrl param key -> its sharding, from a pytree of shardings (None: the default device)."""
   if shardings is None:

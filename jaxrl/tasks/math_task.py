@@ -130,9 +130,12 @@ def load(cfg: Config, tokenizer_dir: str) -> dict:
     d.train, fields(cfg), split=d.split, strict=d.strict, field="data.train"
   )
   if d.heldout:
-    heldout, _ = datasets.load_questions(
-      d.heldout, fields(cfg), split=d.split, strict=d.strict, limit=d.max_heldout
-    )
+    try:
+      heldout, _ = datasets.load_questions(
+        d.heldout, fields(cfg), split=d.split, strict=d.strict, limit=d.max_heldout
+      )
+    except (ValueError, FileNotFoundError) as e:  # an empty file, no usable row, a bad row
+      raise ConfigError("data.heldout", str(e)) from None
   else:  # no validation set: evaluate on (up to max_heldout of) the training questions
     heldout = train
   train_enc = encode(cfg, tokenizer, train.questions, "data.train")
