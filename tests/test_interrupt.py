@@ -110,3 +110,63 @@ def test_a_signal_another_thread_takes_is_handled_while_the_step_waits_for_its_b
   finally:
     pool.shutdown()
     signal.signal(signal.SIGUSR1, previous)
+
+
+def _sft_run(workdir, *extra):
+  """A run whose SFT warm start takes long enough to be signalled in its middle."""
+  return subprocess.Popen(
+    [
+      sys.executable, "-m", "jaxrl.main", "--config=configs/tiny.py:test", f"--workdir={workdir}",
+      "--config.steps=1", "--config.sft.steps=1500", "--config.sft.target_loss=0", *extra,
+    ],
+    cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE, text=True,
+  )  # fmt: skip
+
+
+def _sft_meta(workdir):
+  from jaxrl.workdir.checkpoint import Checkpointer
+
+  ckpt = Checkpointer.reader(os.path.join(workdir, "sft"))
+  try:
+    return ckpt.restore_meta(ckpt.latest_step())
+  finally:
+    ckpt.close()
+
+
+@pytest.mark.slow
+def test_sigterm_during_sft_saves_its_progress_and_the_rerun_ends_as_an_uninterrupted_one(tmp_path):
+  """SIGTERM in the middle of the warm start: exit 0 with a line saying where it stopped, its
+  state saved; the same command resumes it from there, and the warm start it finishes is the
+  uninterrupted one's (its final loss, the evaluation and first RL step after it, to the bit)."""
+  from run_helpers import read_metrics, wait_until
+
+  whole, cut = tmp_path / "whole", tmp_path / "cut"
+  proc = _sft_run(whole)
+  _, err = proc.communicate(timeout=900)
+  assert proc.returncode == 0, err[-3000:]
+  proc = _sft_run(cut)
+  log = cut / "log.txt"
+  wait_until(lambda: log.exists() and "sft step 201/" in log.read_text(), 900, "SFT past step 200")
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 0, err[-3000:]
+  assert "SFT warm start stopped at step" in err and "Traceback" not in err, err[-3000:]
+  assert os.path.isdir(cut / "sft_progress") and not os.path.exists(cut / "sft")
+  proc = _sft_run(cut)
+  _, err = proc.communicate(timeout=900)
+  assert proc.returncode == 0, err[-3000:]
+  assert "SFT warm start resumed at step" in err
+  assert not os.path.exists(cut / "sft_progress")  # superseded by the finished warm start
+  a, b = _sft_meta(whole), _sft_meta(cut)
+  assert (
+    (a["steps"], a["final_loss_ema"])
+    == (b["steps"], b["final_loss_ema"])
+    == (1500, a["final_loss_ema"])
+  )
+  assert (
+    json.loads((whole / "eval_sft.json").read_text())["pass_at"]
+    == json.loads((cut / "eval_sft.json").read_text())["pass_at"]
+  )
+  ra, rb = read_metrics(whole)[0], read_metrics(cut)[0]
+  assert (ra["loss"], ra["grad_norm"]) == (rb["loss"], rb["grad_norm"])

@@ -7,11 +7,13 @@ config computes it again.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
 import time
 
+import jax
 import numpy as np
 
 from jaxrl.nn import lora
@@ -19,10 +21,11 @@ from jaxrl.parallel import distributed, sharding
 from jaxrl.rl import optim
 from jaxrl.rl.programs import Programs
 from jaxrl.run import run_config
-from jaxrl.workdir.checkpoint import Checkpointer, StaleLayout
+from jaxrl.workdir.checkpoint import Checkpointer, StaleLayout, UnreadableCheckpoint
 
 log = logging.getLogger(__name__)
 CACHE = "sft"  # the warm start's checkpoint directory in the run's workdir
+PROGRESS = "sft_progress"  # a stopped warm start's state, resumed by the next run, then removed
 KEY = "config"  # the metadata key of the config the cached warm start was computed from
 
 
@@ -46,6 +49,7 @@ def warm_start(
   target_loss: float = 0.0,
   progress=None,
   key: dict | None = None,
+  stop=None,
 ):
   """Params after SFT (loaded from ``workdir/sft`` if a previous run of the same ``key``, the
   fields the warm start is computed from, finished it).
@@ -54,13 +58,13 @@ def warm_start(
   (EMA, 0.1) falls below it: "partly capable" is then a property of the model, not of a step count
   that would land differently for every seed. The learning rate is then constant after warmup.
   ``loss_mask_QxT`` (None: every target token) marks the target tokens that are learned: not an
-  environment's observations.
+  environment's observations. ``stop`` (a ``stops.StopFlag``): a stop requested during the warm
+  start ends it after the step, its state saved in ``WORKDIR/sft_progress`` for the next run to
+  resume (``stops.Stopped``).
   """
   cached = load_cached(workdir, params, key)
   if cached is not None:
     return cached
-  # A phase's first line (tests/test_kill_resume.py waits for it to kill during the warm start).
-  log.info("SFT warm start running: %d steps", steps)
   decay = 0 if target_loss > 0 else max(steps - warmup_steps, 1)
   tx = optim.adamw(learning_rate, warmup_steps, decay_steps=decay, weight_decay=weight_decay)
   # A LoRA model's adapters are added for RL: the warm start trains the base (B = 0 keeps the
@@ -70,10 +74,21 @@ def warm_start(
   if loss_mask_QxT is not None:
     corpus += (loss_mask_QxT,)
   t0 = time.time()
+  begun = _Progress(programs.init_state(params), 0, None)
+  if (saved := _load_progress(workdir, programs, begun.state, key)) is not None:
+    begun = saved
+    log.info("SFT warm start resumed at step %d of %d", begun.done, steps)
+  else:  # a phase's first line (tests/test_kill_resume.py waits for it to kill during SFT)
+    log.info("SFT warm start running: %d steps", steps)
   state, done, ema = _train(
-    programs, programs.init_state(params), corpus, chunk, steps, batch_size, warmup_steps,
-    target_loss, progress,
-  )  # fmt: skip
+    programs, begun, corpus, chunk, steps, batch_size, warmup_steps, target_loss, progress, stop
+  )
+  if stop is not None and stop.requested and done < steps:
+    _save_progress(workdir, _Progress(state, done, ema), key)
+    stop.check(
+      f"SFT warm start stopped at step {done}; its progress is saved in "
+      f"{os.path.join(workdir, PROGRESS)}: run the same command again to resume it"
+    )
   meta = {"steps": done, "final_loss_ema": ema, "seconds": time.time() - t0}
   if key is not None:
     meta[KEY] = key
@@ -83,7 +98,55 @@ def warm_start(
   # fine-tuning run and of a LoRA run of the same seed are the same files, interchangeable.
   ckpt.save(done, {"params": lora.partition(state.params, "base")[0]}, meta)
   ckpt.close()
+  if distributed.is_main():  # the finished warm start supersedes a stopped one's progress
+    shutil.rmtree(os.path.join(workdir, PROGRESS), ignore_errors=True)
   return state.params, meta
+
+
+@dataclasses.dataclass(frozen=True)
+class _Progress:
+  """Where the warm start stands: its train state (params, moments, step), steps done, loss EMA."""
+
+  state: object
+  done: int
+  ema: float | None
+
+
+def _save_progress(workdir: str, at: _Progress, key: dict | None) -> None:
+  """A stopped warm start's state in ``WORKDIR/sft_progress``, with what it was computed from."""
+  ckpt = Checkpointer(os.path.join(workdir, PROGRESS), keep=1, async_save=False)
+  try:
+    ckpt.save(at.done, {"state": at.state}, {"steps": at.done, "ema": at.ema, KEY: key})
+    ckpt.wait()
+  finally:
+    ckpt.close()
+
+
+def _load_progress(workdir: str, programs, like, key: dict | None) -> _Progress | None:
+  """A stopped warm start of the same ``key`` to resume (None: none, or another config's)."""
+  ckpt = Checkpointer.reader(os.path.join(workdir, PROGRESS))
+  try:
+    if ckpt.latest_step() is None:
+      return None
+
+    def read(step):
+      meta = ckpt.restore_meta(step)
+      if key is not None and run_config.cache_changes(meta.get(KEY), key) is not None:
+        return None  # another config's progress: the warm start starts over
+      target = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        like,
+        programs.state_shardings,
+      )
+      return _Progress(
+        ckpt.restore(step, {"state": target})[0]["state"], meta["steps"], meta["ema"]
+      )
+
+    return ckpt.newest_readable(read)[1]
+  except UnreadableCheckpoint:
+    return None  # logged: the warm start starts over
+  finally:
+    ckpt.close()
 
 
 def load_cached(workdir: str, like, key: dict | None = None, read_only: bool = False):
@@ -126,15 +189,20 @@ def load_cached(workdir: str, like, key: dict | None = None, read_only: bool = F
 
 
 def _train(
-  programs, state, corpus_Q, chunk, steps, batch_size, warmup_steps, target_loss, progress
-):
-  """The SFT steps over the (already shuffled) corpus, cycling through it in order; stops early
-  at ``target_loss``. Returns (state, steps done, final loss EMA)."""
+  programs, begun: _Progress, corpus_Q, chunk, steps, batch_size, warmup_steps, target_loss,
+  progress, stop=None,
+):  # fmt: skip
+  """The SFT steps from ``begun`` over the (already shuffled) corpus, cycling through it in order
+  (step i's batch depends on i alone, so a resumed warm start ends as an uninterrupted one);
+  stops early at ``target_loss``, or after the step a stop was requested in. Returns (state,
+  steps done, final loss EMA)."""
   update = programs.sft_update(chunk)
   num = corpus_Q[0].shape[0]
-  ema, done = None, 0
+  state, done, ema = begun.state, begun.done, begun.ema
   t0 = time.time()
-  for i in range(steps):
+  for i in range(begun.done, steps):
+    if stop is not None and stop.requested:
+      break
     idx = np.arange(i * batch_size, (i + 1) * batch_size) % num
     state, metrics = update(
       state, *sharding.shard_batch(tuple(x[idx] for x in corpus_Q), programs.mesh)

@@ -16,10 +16,11 @@ class NonFiniteError(RuntimeError):
 
 
 class Stopped(Exception):
-  """The run stopped on request (SIGINT / SIGTERM) after saving the step's checkpoint."""
+  """The run stopped on request (SIGINT / SIGTERM) after saving what it had done: the step's
+  checkpoint, the SFT warm start's progress, or (during an evaluation) nothing to lose."""
 
-  def __init__(self, step: int):
-    super().__init__(f"stopped after step {step}; its checkpoint is saved")
+  def __init__(self, step: int, message: str = ""):
+    super().__init__(message or f"stopped after step {step}; its checkpoint is saved")
     self.step = step
 
 
@@ -96,9 +97,13 @@ class StopFlag:
     self.signal_name = signal.Signals(signum).name
     if self._on_stop is not None:
       self._on_stop()
-    log.warning(
-      "%s: finishing this step and saving a checkpoint (again to abort)", self.signal_name
-    )
+    log.warning("%s: finishing this step and saving what it did (again to abort)", self.signal_name)
+
+  def check(self, message: str, step: int = 0) -> None:
+    """Raise ``Stopped(step, message)`` if a stop was requested (a phase's own stopping point)."""
+    if self.requested:
+      log.warning("%s: %s", self.signal_name, message)
+      raise Stopped(step, f"{self.signal_name}: {message}")
 
   def restore(self):
     for sig, previous in self._previous.items():

@@ -108,6 +108,7 @@ class Trainer:
   compiles: CompileCounter  # traces of the train step and the JAX sampler (evals included)
   _rollout_pools: list = dataclasses.field(default_factory=list, init=False, repr=False)
   _lock: str | None = dataclasses.field(default=None, init=False, repr=False)  # ``lock.hold``'s
+  _stop: StopFlag | None = dataclasses.field(default=None, init=False, repr=False)  # ``run``'s
 
   @classmethod
   def open(cls, cfg: Config, workdir: str) -> Trainer:
@@ -216,6 +217,7 @@ class Trainer:
         target_loss=c.sft.target_loss,
         progress=advance,
         key=run_config.sft_key(self.record),
+        stop=self._stop,
       )
     return params
 
@@ -242,6 +244,8 @@ class Trainer:
       def on_call():
         done[0] += 1
         advance(done[0], calls)
+        if self._stop is not None:  # a stop ends the evaluation; the next run does it again
+          self._stop.check(f"evaluation {name} stopped: run the same command again", step)
 
       # jaxrl-eval runs the same evaluation of a checkpoint (run/eval_cli.py: evaluate_task).
       result = evaluate_task(self.engine, params, t, c, version=eval_version(step), on_call=on_call)
@@ -257,9 +261,7 @@ class Trainer:
       ckpt = opened.enter_context(contextlib.closing(self._checkpointer()))
       start, loop = self._start(ctx, ckpt, sft_params)
       writer = opened.enter_context(contextlib.closing(self._writer(start)))
-      # A stop restarts no sidecar: the signal may be the whole job's, which ends the server too.
-      stop = StopFlag(on_stop=self.engine.stop_restarts)
-      opened.callback(stop.restore)
+      stop = self._stop or opened.enter_context(self._stop_flag())
       if ctx.rollout_pool is not None:  # on an error, a batch in flight is abandoned
         opened.callback(ctx.rollout_pool.shutdown, wait=False, cancel_futures=True)
       nonfinite = NonFiniteGuard(c.optim.max_nonfinite_steps)
@@ -294,6 +296,16 @@ class Trainer:
             stop_after_checkpoint(ckpt, i + 1, stop.signal_name)
     check_saved(ckpt, c.steps)
     return RLResult(loop.train.params, loop.stats)
+
+  @contextlib.contextmanager
+  def _stop_flag(self):
+    """SIGINT / SIGTERM handlers while the block runs. A stop restarts no sidecar: the signal may
+    be the whole job's, which ends the server too."""
+    stop = StopFlag(on_stop=self.engine.stop_restarts)
+    try:
+      yield stop
+    finally:
+      stop.restore()
 
   def _checkpointer(self) -> Checkpointer:
     k = self.cfg.checkpoint
@@ -384,13 +396,18 @@ class Trainer:
     """SFT → eval → RL → eval; the trainer closes (the rollout engine, a sidecar server, the
     verifier's workers stop) however this ends."""
     try:
-      params = self.warm_start(self.init_params())
-      before = self.evaluate(params, "sft", step=0)
-      result = self.rl(params)
-      after = self.evaluate(result.params, f"step{self.cfg.steps}", step=self.cfg.steps)
-      if self.cfg.model.checkpoint:
-        self.export_hf(result.params)
+      # SIGINT / SIGTERM anywhere in the run end it at the phase's next stopping point, with what
+      # it did saved (the SFT warm start's progress, RL's step checkpoint): ``stops.Stopped``.
+      with self._stop_flag() as self._stop:
+        params = self.warm_start(self.init_params())
+        before = self.evaluate(params, "sft", step=0)
+        result = self.rl(params)
+        after = self.evaluate(result.params, f"step{self.cfg.steps}", step=self.cfg.steps)
+        if self.cfg.model.checkpoint:
+          self._stop.check("the export stopped: run the same command again", self.cfg.steps)
+          self.export_hf(result.params)
     finally:
+      self._stop = None
       self.close()
     table = comparison_table(before, after, self.cfg.eval_ks, self.task.level_names)
     if distributed.is_main():
