@@ -83,13 +83,18 @@ def _seeds(values) -> str:
 
 
 def summarize(root: str, seeds, steps: int) -> tuple[str, dict]:
+  """The report over the settings whose runs finished for every seed (the others are named)."""
   names, hard_names = level_names()
   hard = [i for i, n in enumerate(names) if n in hard_names]
+  settings = [
+    s for s in SETTINGS if all(tiny_runs.finished(workdir(root, s, seed), steps) for seed in seeds)
+  ]
+  missing = [s for s in SETTINGS if s not in settings]
   evals = {
     (setting, when): [
       _json(os.path.join(workdir(root, setting, s), f"eval_{when}.json")) for s in seeds
     ]
-    for setting in SETTINGS
+    for setting in settings
     for when in ("sft", f"step{steps}")
   }
   after = f"step{steps}"
@@ -99,14 +104,15 @@ def summarize(root: str, seeds, steps: int) -> tuple[str, dict]:
     f"Held-out pass@1 (%, mean over {len(seeds)} seeds and the seeds' range: with this few seeds "
     "the range is what the data show, not a confidence interval); hard levels (1% of the SFT "
     "corpus each): " + ", ".join(names[i] for i in hard) + ".\n",
-    "| level | " + " | ".join(f"{s}, {w}" for s in SETTINGS for w in ("SFT", "RL")) + " |",
-    "|---" * (1 + 2 * len(SETTINGS)) + "|",
+    *([f"Not run to the end for every seed here: {', '.join(missing)}.\n"] if missing else []),
+    "| level | " + " | ".join(f"{s}, {w}" for s in settings for w in ("SFT", "RL")) + " |",
+    "|---" * (1 + 2 * len(settings)) + "|",
   ]
   for key, label in [(str(i), n) for i, n in enumerate(names)] + [("all", "all")]:
     label = f"**{label}**" if key != "all" and int(key) in hard else label
     cells = [
       _cell([e["pass_at"]["1"][key] for e in evals[(setting, when)]])
-      for setting in SETTINGS
+      for setting in settings
       for when in ("sft", after)
     ]
     lines.append(f"| {label} | " + " | ".join(cells) + " |")
@@ -115,14 +121,15 @@ def summarize(root: str, seeds, steps: int) -> tuple[str, dict]:
     "\nHeld-out pass@1 over all levels after RL, seed by seed: "
     + "; ".join(
       f"{setting} {_seeds([e['pass_at']['1']['all'] for e in evals[(setting, after)]])}"
-      for setting in SETTINGS
+      for setting in settings
     )
     + ".\n"
   ]
-  for setting in TOOL_SETTINGS:
+  tools = [s for s in TOOL_SETTINGS if s in settings]
+  for setting in tools:
     lines += _hard_levels(setting, evals, names, hard, after)
-  res = {setting: {s: _metrics(workdir(root, setting, s)) for s in seeds} for setting in SETTINGS}
-  for setting in TOOL_SETTINGS:
+  res = {setting: {s: _metrics(workdir(root, setting, s)) for s in seeds} for setting in settings}
+  for setting in tools:
     lines += _over_training(setting, res[setting], seeds, steps)
   return "\n".join(lines) + "\n", res
 
@@ -177,7 +184,7 @@ def plot(res: dict, seeds, out_png: str) -> None:
   for setting, rows in res.items():
     ys = np.mean([[r["reward"] for r in rows[s]] for s in seeds], axis=0)
     axes[0].plot(np.convolve(ys, np.ones(w) / w, mode="valid"), label=setting)
-  for setting in TOOL_SETTINGS:
+  for setting in (s for s in TOOL_SETTINGS if s in res):
     ys = np.mean([[r["tool_calls_mean"] for r in res[setting][s]] for s in seeds], axis=0)
     axes[1].plot(np.convolve(ys, np.ones(w) / w, mode="valid"), label=f"tool calls ({setting})")
   for ax, title in zip(axes, ("batch reward", "per trajectory (tool runs)")):

@@ -232,3 +232,24 @@ def test_a_config_json_with_fields_this_jaxrl_removed_still_loads(tmp_path):
   path.write_text(json.dumps(old))
   cfg = from_configdict(json_config.get_config(str(path)))
   assert cfg.vllm.urls == "" and not hasattr(cfg.vllm, "host")
+
+
+def test_a_reader_ends_on_sigterm_with_one_line_and_its_cleanup_run(tmp_path):
+  """jaxrl-eval / jaxrl-export install this: SIGTERM ends them as Ctrl-C does, their ``finally``
+  blocks run (an export's half-written directory is removed), one line, exit 143."""
+  script = (
+    "import os, signal, sys\n"
+    "from jaxrl.run import cli\n"
+    "cli.end_on_sigterm('jaxrl-export', 'nothing written')\n"
+    "try:\n"
+    "  os.kill(os.getpid(), signal.SIGTERM)\n"
+    "  signal.pause()\n"
+    "finally:\n"
+    f"  open({str(tmp_path / 'cleaned')!r}, 'w').close()\n"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
+    text=True, timeout=60,
+  )  # fmt: skip
+  assert out.returncode == 143 and os.path.exists(tmp_path / "cleaned"), out.stderr
+  assert out.stderr.strip() == "jaxrl-export: stopped by SIGTERM; nothing written"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import signal
 import sys
 
 USAGE_ERROR = 2
@@ -134,6 +135,21 @@ def print_help(usage: str, modules, with_configs: bool = True) -> None:
   for module in modules:
     parts.append(flags.FLAGS.module_help(module))
   print("\n".join(parts))
+
+
+TERMINATED = 128 + 15  # the shell's code for a process ended by SIGTERM
+
+
+def end_on_sigterm(command: str, what: str) -> None:
+  """A reader command (``jaxrl-eval``, ``jaxrl-export``) ends on SIGTERM as on Ctrl-C: its
+  ``finally`` blocks run (an export's half-written directory is removed), one line says what was
+  left, exit 143."""
+
+  def handler(signum, frame):
+    print(f"\n{command}: stopped by SIGTERM; {what}", file=sys.stderr)
+    raise SystemExit(TERMINATED)
+
+  signal.signal(signal.SIGTERM, handler)
 
 
 def fail(command: str, message) -> None:

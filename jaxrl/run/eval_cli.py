@@ -300,6 +300,7 @@ def main(argv):
   from jaxrl.workdir.checkpoint import UnreadableCheckpoint
 
   run_log.setup()
+  cli.end_on_sigterm("jaxrl.eval", "no results written (the run it read is untouched)")
   if _CONFIG.value is None or not _CHECKPOINT.value:
     cli.fail("jaxrl.eval", "--config and --checkpoint are required")
   try:

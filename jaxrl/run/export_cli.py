@@ -44,6 +44,7 @@ def main(argv):
   from jaxrl.workdir.checkpoint import UnreadableCheckpoint
 
   run_log.setup()
+  cli.end_on_sigterm(COMMAND, "nothing written (an earlier export in --out is as it was)")
   if not _CHECKPOINT.value or not _OUT.value:
     cli.fail(COMMAND, "--checkpoint and --out are required")
   try:
