@@ -691,3 +691,22 @@ def test_token_ids_and_logprobs_are_checked(serve, params, tmp_path, tokens, log
     return
   with pytest.raises(SidecarError, match=f"{url}.*{refused}"):
     _generate(engine)
+
+
+def test_an_attached_trainer_killed_outright_leaves_no_weights_behind(serve, tmp_path):
+  """With vllm.urls no sidecar guard runs; a janitor in its own session removes the engine's
+  weights directory (a model per version, on tmpfs) once the trainer is SIGKILLed."""
+  from run_helpers import wait_until
+
+  _, url = serve()
+  trainer = subprocess.Popen(
+    [sys.executable, os.path.join(ROOT, "tests", "attached_trainer.py"), url, str(tmp_path)],
+    env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, text=True,
+  )  # fmt: skip
+  try:
+    root = trainer.stdout.readline().strip()
+    assert os.path.basename(root).startswith("jaxrl-weights-") and os.listdir(root), root
+  finally:
+    trainer.kill()
+    trainer.wait()
+  wait_until(lambda: not os.path.exists(root), 60, f"{root} removed after the trainer's SIGKILL")

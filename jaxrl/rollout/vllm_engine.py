@@ -9,7 +9,8 @@ which gives both; token ids outside the model's vocabulary and impossible log-pr
 
 Weights directory: each engine writes its versions into a fresh 0700 directory of its own
 (``tempfile.mkdtemp``) under ``vllm.weights_dir``, else on tmpfs (/dev/shm) when it has room, else
-under WORKDIR/sidecar; ``close`` removes it (and the sidecar's guard, if the trainer dies). Runs
+under WORKDIR/sidecar; ``close`` removes it (and if the trainer dies: the sidecar's guard, or with attached
+servers ``weights_janitor.py``). Runs
 sharing a root never see each other's versions, and a root that another user owns, or that others
 may write without the sticky bit (they could swap a version between its write and its reload), is
 refused.
@@ -43,6 +44,8 @@ import logging
 import os
 import secrets
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -76,6 +79,7 @@ class EngineConfig:
 
 
 _PREFIX = "jaxrl-weights-"
+_JANITOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights_janitor.py")
 
 
 def _check_root(root: str) -> None:
@@ -136,6 +140,7 @@ class VllmEngine:
     self.version: int | None = None  # the version the servers hold
     self._dir: str | None = None  # ... and the directory it was loaded from
     self._root: str | None = None  # this engine's own directory of versions (made at the 1st push)
+    self._janitor: subprocess.Popen | None = None  # attached servers: removes it if we die
     if cfg.weights_root and os.path.exists(cfg.weights_root):
       _check_root(cfg.weights_root)  # before the run starts
     self._pushes = 0
@@ -183,6 +188,13 @@ class VllmEngine:
       )
       if self.sidecar is not None:
         self.sidecar.cleanup_dir = self._root  # ours alone: the guard removes it if we die
+      else:  # attached servers: no guard runs beside us, a janitor removes it if we die
+        self._janitor = subprocess.Popen(
+          [sys.executable, _JANITOR, str(os.getpid()), self._root],
+          start_new_session=True,
+          stdin=subprocess.DEVNULL,
+          stdout=subprocess.DEVNULL,
+        )
     self._pushes += 1
     adapters = lora.has_adapters(params)
     if adapters and self.cfg.lora_adapters:
@@ -479,3 +491,7 @@ class VllmEngine:
       self.sidecar.close()
     if self._root:
       shutil.rmtree(self._root, ignore_errors=True)
+    if self._janitor is not None:  # it would exit on its own once the directory is gone
+      self._janitor.terminate()
+      self._janitor.wait()
+      self._janitor = None
