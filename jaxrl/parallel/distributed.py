@@ -80,6 +80,12 @@ def initialize(
         f"--coordinator_address={coordinator} needs --num_processes >= 1 and "
         f"0 <= --process_id < num_processes (got {num_processes}, {process_id})"
       )
+    # The coordination service has no authentication: whoever reaches its port can write the
+    # failure key and end every process. It listens on the address given (JAX's default is every
+    # interface, [::]:PORT); a multi-host job still exposes it on that host's address, which the
+    # cluster's firewall must keep to the job's hosts (docs/running.md).
+    if "coordinator_bind_address" in inspect.signature(jax.distributed.initialize).parameters:
+      timeouts["coordinator_bind_address"] = coordinator
     jax.distributed.initialize(
       coordinator_address=coordinator,
       num_processes=num_processes,
