@@ -204,3 +204,23 @@ def test_run_with_a_write_that_never_settles_exits_1_instead_of_hanging(tmp_path
   ) in error
   assert "exiting without waiting for it" in out.stderr
   print(f"run with a blocked write ended in {elapsed:.1f} s")
+
+
+def test_a_tmp_directory_a_late_write_recreates_after_close_is_never_a_checkpoint(tmp_path):
+  """After ``close`` nothing of this process removes a failed write's tmp directory that a late
+  tensorstore callback recreates. What bounds it: readers never take it for a checkpoint, and the
+  next writer on the directory (a resume) removes it before anything else."""
+  import numpy as np
+
+  ckpt = Checkpointer(str(tmp_path), keep=2, async_save=False)
+  ckpt.save(1, {"x": np.ones(3, np.float32)}, {})
+  ckpt.close()
+  late = tmp_path / "2.orbax-checkpoint-tmp-1700000000000000" / "tree" / "ocdbt.process_0" / "d"
+  late.mkdir(parents=True)
+  (late / "part").write_bytes(b"\0" * 1024)
+  reader = Checkpointer.reader(str(tmp_path))
+  assert reader.all_steps() == [1] and reader.latest_step() == 1
+  reader.close()
+  assert late.exists()  # a reader removes nothing
+  Checkpointer(str(tmp_path), keep=2, async_save=False).close()
+  assert sorted(os.listdir(tmp_path)) == ["1"]

@@ -200,6 +200,12 @@ class Checkpointer:
         cleanup_tmp_directories=True,
         todelete_subdir=TRASH,
       )
+    if not read_only:
+      # A failed or killed write's tmp directories (one a late tensorstore write recreated after
+      # the last close included) are never checkpoints: removed here, before orbax starts, in this
+      # thread (orbax's own cleanup runs in the background, so nothing could be said of it after).
+      # The workdir lock keeps another trainer's writes out of this directory.
+      self._remove_tmp_directories()
     self._mgr = ocp.CheckpointManager(self.directory, options=options)
     self._empty_trash()  # what a killed run moved there
     self._orbax = _OrbaxThread()
@@ -302,6 +308,12 @@ class Checkpointer:
     self._partials.add(step)
     self._remove_partials()
     self._record(step, _brief(error))
+
+  def _remove_tmp_directories(self) -> None:
+    if jax.process_index() == 0:
+      pattern = os.path.join(glob.escape(self.directory), "*.orbax-checkpoint-tmp*")
+      for partial in glob.glob(pattern):
+        shutil.rmtree(partial, ignore_errors=True)
 
   def _remove_partials(self) -> None:
     """Free the space of failed writes: their tmp directories are never checkpoints. Orbax
