@@ -1,6 +1,6 @@
 """Bad inputs through ``jaxrl-train`` as a user meets them: a damaged or incomplete checkpoint and an
-empty held-out file exit 2 with one line naming the file, with no traceback (a damaged checkpoint:
-before the run directory is written)."""
+empty held-out file exit 2 with one line naming the file, with no traceback, before the run
+directory is written."""
 
 from __future__ import annotations
 
@@ -75,12 +75,27 @@ def test_an_index_that_points_outside_the_checkpoint_exits_2(math_run):
   assert not os.path.exists(base / "run_escape")
 
 
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+def test_a_truncated_json_file_of_the_checkpoint_exits_2_naming_it(math_run, name):
+  """Each was read where it is used, after the run directory was written: a JSONDecodeError's
+  traceback and exit 1."""
+  base, ckpt, train, val = math_run
+  stem = name.split(".")[0]
+  broken = _copy(ckpt, base / stem, lambda d: (d / name).write_text('{"eos_token_id": [1, '))
+  line = _one_line(_train(broken, train, val, base / f"run_{stem}"))
+  assert "model.checkpoint" in line and f"{stem}/{name}: not valid JSON" in line, line
+  assert not os.path.exists(base / f"run_{stem}")
+
+
 def test_a_tokenizer_without_its_vocabulary_and_an_empty_held_out_file_exit_2(math_run):
+  """Both before the run directory is written (the task's inputs are checked before it)."""
   base, ckpt, train, val = math_run
   broken = _copy(ckpt, base / "no_vocab", lambda d: (d / "tokenizer.json").unlink())
   line = _one_line(_train(broken, train, val, base / "run_no_vocab"))
   assert "model.checkpoint" in line and "does not encode and decode" in line, line
+  assert not os.path.exists(base / "run_no_vocab")
   empty = base / "empty.jsonl"
   empty.write_text("")
   line = _one_line(_train(ckpt, train, empty, base / "run_empty"))
   assert "data.heldout" in line and "empty.jsonl" in line and "no usable row" in line, line
+  assert not os.path.exists(base / "run_empty")

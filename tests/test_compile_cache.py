@@ -3,6 +3,10 @@ loads them and still ends bitwise where an uninterrupted run ends is tested by t
 whose runs share one cache: the uninterrupted run fills it, the resumed runs read it."""
 
 import os
+import subprocess
+import sys
+
+from run_helpers import ROOT
 
 from jaxrl.workdir.compile_cache import cache_dir
 
@@ -76,3 +80,24 @@ def test_a_cache_directory_others_can_write_or_own_is_refused(tmp_path, monkeypa
     jax.config.update("jax_compilation_cache_dir", before[0])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
   assert oct(os.stat(root / "compile_cache").st_mode & 0o777) == "0o700"
+
+
+def test_the_trainer_refuses_an_open_cache_directory_before_writing_the_run(tmp_path):
+  """Through ``jaxrl-train``: a 0777 cache directory, and one still to be made under a 0777
+  directory, exit 2 naming compile_cache, with neither the run's directory nor the cache made."""
+  open_dir = tmp_path / "open"
+  open_dir.mkdir()
+  os.chmod(open_dir, 0o777)
+  for cache in (open_dir, open_dir / "cache"):
+    out = subprocess.run(
+      [
+        sys.executable, "-m", "jaxrl.main", "--config=tiny:test", f"--workdir={tmp_path}/run",
+        f"--config.compile_cache={cache}",
+      ],
+      cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+      timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert "config.compile_cache" in line and "writable by other users" in line, line
+    assert not os.path.exists(tmp_path / "run") and not os.path.exists(open_dir / "cache")

@@ -134,6 +134,23 @@ BAD_VALUES = [
   ({"mesh.data": 0}, "mesh.data"),
   ({"eepo.eps_r": 0.0}, "eepo.eps_r"),
   ({"clip.delta": -0.01}, "clip.delta"),
+  # The sweep of every section's numbers: each of these ran without a word and changed the run
+  # (a negative width read as a layout, bounds that narrow, a priority or threshold outside the
+  # quantity it is compared with, an advantage factor that flips sign, clipping turned off).
+  ({"task.digit_width": -1}, "task.digit_width"),
+  ({"allocation.e3.step": -1}, "allocation.e3.step"),
+  ({"allocation.e3.g_min_floor": 0}, "allocation.e3.g_min_floor"),
+  ({"allocation.dynamo.min_history": -1}, "allocation.dynamo.min_history"),
+  ({"allocation.dynamo.floor": -0.5}, "allocation.dynamo.floor"),
+  ({"allocation.dynamo.mastered": 1.5}, "allocation.dynamo.mastered"),
+  ({"allocation.dynamo.mastered": 0.0}, "allocation.dynamo.mastered"),
+  ({"temperature.eta": 1.5}, "temperature.eta"),
+  ({"temperature.eta": -0.1}, "temperature.eta"),
+  ({"modulation.alpha": 1.5}, "modulation.alpha"),
+  ({"modulation.gamma": -1.0}, "modulation.gamma"),
+  ({"modulation.tau": 1.5}, "modulation.tau"),
+  ({"clip.rho": 1.5}, "clip.rho"),
+  ({"loss.eps_low": 1.0}, "loss.eps_low"),
 ]
 
 
@@ -166,6 +183,11 @@ def test_out_of_range_values_are_refused_naming_the_field(overrides, field):
     {"vllm.urls": "http://10.0.0.2:8000"},  # attached, not launched
     {"reward.memory_limit_mb": 512},
     {"clip.h_target": float("inf"), "eepo.alpha": float("inf")},  # only timeouts must be finite
+    # the ends of the ranges the sweep added
+    {"allocation.e3.step": 0, "allocation.dynamo.min_history": 0, "allocation.dynamo.floor": 0.0},
+    {"allocation.dynamo.mastered": 1.0, "temperature.eta": 0.0, "modulation.tau": 0.0},
+    {"temperature.eta": 1.0, "modulation.alpha": 1.0, "modulation.gamma": 0.0, "clip.rho": 1.0},
+    {"modulation.tau": 1.0, "loss.eps_low": 0.99, "task.digit_width": 0},
   ],
 )
 def test_edge_values_are_accepted(overrides):

@@ -308,3 +308,35 @@ def test_a_run_that_cannot_fit_is_refused_naming_the_length():
   error = plan.memory_error(tiny_config("test", **{"rollout.max_new_tokens": 10**8}))
   assert error is not None and error.field == "rollout.max_new_tokens"
   assert "GiB per device" in str(error) and "P+N=100000006" in str(error), error
+
+
+def test_the_memory_check_lets_through_a_run_whose_compiled_programs_fit(monkeypatch):
+  """A device exactly as large as XLA's compiled peak of the run's update: the check, which reads
+  the plan's analytic estimate (above XLA's number here: the attention block's scores, probs and
+  their gradients counted whole), must not refuse it."""
+  cfg = tiny_config("test", **{"rollout.max_new_tokens": 506})
+  p = plan.build(cfg, rollout_side=False)  # the update alone: its estimate is the larger
+  (update,) = p.phases[0].compiled
+  assert p.peak(p.phases[0]) == p.train_peak(p.phases[0]) > update.peak
+  monkeypatch.setattr(plan, "_capacity", lambda device_memory: (update.peak, "device memory"))
+  assert plan.memory_error(cfg) is None
+
+
+def test_where_cudnn_fused_attention_runs_the_plan_counts_no_attention_scores(monkeypatch):
+  """On an NVIDIA GPU, bfloat16, cuDNN's fused attention takes the training forward and the
+  rescoring (attention.fused_implementation: the trainer's own decision), and it never holds the
+  [rows, H, block, T] scores; float32 (or an odd T) keeps the blocked path and its scores."""
+  from jaxrl.nn import attention
+
+  monkeypatch.setattr(attention, "_on_cuda", lambda: True)
+  for dtype, fused in (("bfloat16", True), ("float32", False)):
+    cfg = tiny_config("test", **{"rollout.max_new_tokens": 506, "model.dtype": dtype})
+    m, mesh_shape = plan.architecture(cfg)[0], {"data": 1, "fsdp": 1, "tensor": 1}
+    assert plan.prompt_len(cfg) + 506 == 512  # even: the fused call takes it
+    vllm = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="vllm"))
+    for est in (
+      plan.activation_estimate(cfg, m, mesh_shape),
+      plan.rollout_estimate(vllm, m, mesh_shape),
+    ):
+      names = [name for name, _ in est.items]
+      assert any("attention block" in n for n in names) != fused, (dtype, names)

@@ -195,6 +195,19 @@ def _mtime(path) -> int:
   return os.stat(path).st_mtime_ns
 
 
+@pytest.mark.parametrize("text", ['{"config": {"steps": ', "[1, 2]"])
+def test_a_damaged_evaluation_cache_is_evaluated_again(tmp_path, caplog, text):
+  """A cache cut short (a kill mid-write of an older jaxrl, a full disk) or not an object: a
+  cache miss saying why, not a JSONDecodeError ending the run."""
+  from jaxrl.run import train
+
+  path = tmp_path / "eval_sft.json"
+  path.write_text(text)
+  with caplog.at_level(logging.WARNING):
+    assert train._cached_eval(str(path), {"steps": 2}) is None
+  assert f"{path}: not a cached evaluation" in caplog.text and "evaluating again" in caplog.text
+
+
 def test_caches_are_keyed_by_the_config_they_were_computed_from(tmp_path, caplog):
   workdir = tmp_path / "run"
   params, result, _ = _cached_sft(workdir, caplog)

@@ -15,11 +15,18 @@ import stat
 from jaxrl.config.schema import ConfigError
 
 
-def check_private_dir(path: str, field: str, *, sticky_ok: bool = False) -> None:
+def check_private_dir(
+  path: str, field: str, *, sticky_ok: bool = False, missing_ok: bool = False
+) -> None:
   """``path`` (an existing directory) is this user's and no one else writes into it (with
   ``sticky_ok``: or only under the sticky bit, for a root the run makes a private directory in);
-  and no directory above it is open to others without the sticky bit. A ConfigError naming
-  ``field`` otherwise."""
+  and no directory above it is open to others without the sticky bit. With ``missing_ok``, a
+  ``path`` not made yet passes on the directories above it that exist (checked before the run
+  writes anything; check the directory again once it is made). A ConfigError naming ``field``
+  otherwise."""
+  if missing_ok and not os.path.lexists(path):
+    _check_above(path, field)
+    return
   try:
     st = os.stat(path)
   except OSError as e:
@@ -40,9 +47,19 @@ def check_private_dir(path: str, field: str, *, sticky_ok: bool = False) -> None
       f"{path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}): they could put "
       f"files there that this run trusts; use a directory only you can write ({fix})",
     )
+  _check_above(path, field)
+
+
+def _check_above(path: str, field: str) -> None:
+  """No directory above ``path`` lets others rename what is in it (writable by others without
+  the sticky bit); one that does not exist yet is made by the run, as this user's."""
   parent = os.path.dirname(os.path.abspath(path))
   while parent != os.path.dirname(parent):
-    pst = os.stat(parent)
+    try:
+      pst = os.stat(parent)
+    except FileNotFoundError:
+      parent = os.path.dirname(parent)
+      continue
     if pst.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not pst.st_mode & stat.S_ISVTX:
       raise ConfigError(
         field,

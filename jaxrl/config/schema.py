@@ -54,46 +54,39 @@ def _need(ok: bool, field: str, message: str) -> None:
     raise ConfigError(field, message)
 
 
-# Numbers whose every value outside a range is a mistake that would fail later (a division by
-# zero, NaN steps) or silently change the run (a negative clip turning clipping off): field ->
-# (lowest, whether the lowest itself is allowed). Checked for every config (``check_ranges``).
-RANGES: dict[str, tuple[float, bool]] = {
-  **dict.fromkeys(("model.hidden_size", "model.intermediate_size", "model.num_layers"), (1, True)),
-  **dict.fromkeys(("model.num_heads", "model.attention_block", "loss.logprob_chunk"), (1, True)),
-  **dict.fromkeys(("loss.mini_batches", "eval.num_samples", "sft.batch_size"), (1, True)),
-  **dict.fromkeys(("mesh.data", "mesh.fsdp", "mesh.tensor"), (1, True)),
-  **dict.fromkeys(("task.num_train_per_level", "task.num_heldout_per_level"), (1, True)),
-  **dict.fromkeys(("model.rope_theta", "model.rms_norm_eps", "eepo.lr"), (0, False)),
-  **dict.fromkeys(("temperature.tau_max", "clip.rho", "clip.delta"), (0, False)),
-  **dict.fromkeys(("eepo.eps_l", "eepo.eps_r", "loss.mis_high"), (0, False)),
-  **dict.fromkeys(
-    ("model.vocab_size", "task.max_prompt_len", "anneal_phase.max_new_tokens"), (0, True)
-  ),  # fmt: skip
-  **dict.fromkeys(
-    ("sft.steps", "sft.warmup_steps", "sft.target_loss", "optim.warmup_steps"), (0, True)
-  ),  # fmt: skip
-  **dict.fromkeys(("optim.grad_clip", "loss.dual_clip", "vllm.max_model_len"), (0, True)),
-  **dict.fromkeys(("vllm.max_restarts", "eval.every", "log.peak_tflops"), (0, True)),
-  **dict.fromkeys(("temperature.anneal_start", "clip.warmup", "clip.c_min"), (0, True)),
-  **dict.fromkeys(("clip.h_target", "clip.h_end", "eepo.alpha", "modulation.alpha"), (0, True)),
-}
-_RANGE_NOTES = {
-  "optim.grad_clip": " (0 = no clipping)",
-  "loss.dual_clip": " (0 = off)",
-  "model.vocab_size": " (0 = the task's)",
-  "task.max_prompt_len": " (0 = the longest prompt)",
-}
+@dataclasses.dataclass(frozen=True)
+class Range:
+  """The values a number of the config may take: from ``low`` (itself allowed when ``low_ok``) to
+  ``high`` (itself allowed), never NaN. A value outside fails later (a division by zero, NaN steps,
+  an allocation numpy refuses) or silently changes the run (a negative clip turning clipping off),
+  so each section's ``check`` refuses it, naming the field."""
+
+  low: float = -math.inf
+  low_ok: bool = True
+  high: float = math.inf
+  note: str = ""  # what a special value means, e.g. " (0 = off)"
+
+  def holds(self, value: float) -> bool:
+    above = value >= self.low if self.low_ok else value > self.low
+    return above and value <= self.high  # NaN compares False
+
+  def __str__(self) -> str:
+    if self.high == math.inf:
+      return f"{'>=' if self.low_ok else '>'} {self.low}{self.note}"
+    return f"in {'[' if self.low_ok else '('}{self.low}, {self.high}]{self.note}"
 
 
-def check_ranges(cfg) -> None:
-  """Each ``RANGES`` field of ``cfg`` in its range and not NaN (a ConfigError naming it)."""
-  for field, (low, inclusive) in RANGES.items():
-    section, name = field.split(".")
-    value = getattr(getattr(cfg, section), name)
-    ok = value >= low if inclusive else value > low
-    if not ok or value != value:  # NaN compares False
-      bound = f">= {low}" if inclusive else f"> {low}"
-      raise ConfigError(field, f"must be {bound}{_RANGE_NOTES.get(field, '')}, got {value}")
+AT_LEAST_0 = Range(0)
+AT_LEAST_1 = Range(1)
+POSITIVE = Range(0, low_ok=False)
+FRACTION = Range(0, high=1)  # a probability, a share, a threshold on one
+
+
+def _check_ranges(section: str, obj, ranges: dict[str, Range]) -> None:
+  """Each number ``ranges`` names of the section ``obj`` in its range (a ConfigError naming it)."""
+  for name, allowed in ranges.items():
+    value = getattr(obj, name)
+    _need(allowed.holds(value), f"{section}.{name}", f"must be {allowed}, got {value}")
 
 
 def _need_seconds(value: float, field: str) -> None:
@@ -174,6 +167,15 @@ class ModelSection:
 
   def check(self) -> None:
     self.lora.check()
+    sizes = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "attention_block")
+    _check_ranges("model", self, dict.fromkeys(sizes, AT_LEAST_1))
+    _check_ranges(
+      "model",
+      self,
+      dict(
+        vocab_size=Range(0, note=" (0 = the task's)"), rope_theta=POSITIVE, rms_norm_eps=POSITIVE
+      ),
+    )
     _need(
       self.num_heads % max(self.num_kv_heads, 1) == 0 and self.num_kv_heads > 0,
       "model.num_kv_heads",
@@ -211,6 +213,18 @@ class TaskSection:
   # tool's answer in the tool role, then the assistant header) and the SFT corpus are framed as an
   # instruct model reads them. (The math task frames observations when data.chat_template is on.)
   chat_template: bool = False
+
+  def check(self) -> None:
+    _check_ranges(
+      "task",
+      self,
+      dict(
+        num_train_per_level=AT_LEAST_1,
+        num_heldout_per_level=AT_LEAST_1,
+        max_prompt_len=Range(0, note=" (0 = the longest prompt)"),
+        digit_width=Range(0, note=" (0 = numbers as usual)"),
+      ),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,6 +312,8 @@ class SFTSection:
   target_loss: float = 0.0  # > 0: stop once the loss (EMA) is below it
 
   def check(self) -> None:
+    _check_ranges("sft", self, dict(batch_size=AT_LEAST_1))
+    _check_ranges("sft", self, dict.fromkeys(("steps", "warmup_steps", "target_loss"), AT_LEAST_0))
     _need(
       0 < self.learning_rate < math.inf,
       "sft.learning_rate",
@@ -396,6 +412,7 @@ class VllmSection:
 
   def check(self) -> None:
     _need(self.sync_every >= 1, "vllm.sync_every", "must be >= 1")
+    _check_ranges("vllm", self, dict(max_model_len=Range(0, note=" (0 = what the run needs)")))
     _need(self.max_num_seqs >= 1, "vllm.max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
     _need(
       all(p.replace("-", "", 1).isdigit() for p in self.cpus.split(",")) if self.cpus else True,
@@ -429,6 +446,11 @@ class OptimSection:
 
   def check(self) -> None:
     _need(self.max_nonfinite_steps >= 1, "optim.max_nonfinite_steps", "must be >= 1")
+    _check_ranges(
+      "optim",
+      self,
+      dict(warmup_steps=AT_LEAST_0, grad_clip=Range(0, note=" (0 = no clipping)")),
+    )
     _need(
       0 < self.learning_rate < math.inf,
       "optim.learning_rate",
@@ -470,6 +492,14 @@ class LossSection:
     """The values that become ``rl.losses.LossHparams`` (traced, so checked here only); what
     becomes the static ``LossConfig`` is checked where it is built (its ``__post_init__``)."""
     _need(self.eps_low >= 0 and self.eps_high >= 0, "loss.eps_low", "clip ranges must be >= 0")
+    _need(
+      self.eps_low < 1,
+      "loss.eps_low",
+      f"must be < 1 (the ratio is clipped below at 1 - eps_low, and no ratio is <= 0: the clip "
+      f"would be off), got {self.eps_low}",
+    )
+    _check_ranges("loss", self, dict(logprob_chunk=AT_LEAST_1, mini_batches=AT_LEAST_1))
+    _check_ranges("loss", self, dict(dual_clip=Range(0, note=" (0 = off)"), mis_high=POSITIVE))
     _need(self.tis_cap > 0, "loss.tis_cap", "must be > 0")
     _need(
       0 < self.mis_low <= 1 <= self.mis_high,
@@ -499,8 +529,7 @@ class MeshSection:
   tensor: int = 1
 
   def check(self) -> None:
-    for name in ("data", "fsdp", "tensor"):
-      _need(getattr(self, name) >= 1, f"mesh.{name}", "must be >= 1")
+    _check_ranges("mesh", self, dict.fromkeys(("data", "fsdp", "tensor"), AT_LEAST_1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -515,6 +544,11 @@ class EvalSection:
   every: int = 0  # 0 = only before and after training
 
   def check(self) -> None:
+    _check_ranges(
+      "eval",
+      self,
+      dict(num_samples=AT_LEAST_1, every=Range(0, note=" (0 = before and after training)")),
+    )
     _need(
       0 < self.temperature < math.inf,
       "eval.temperature",
@@ -543,6 +577,7 @@ class LogSection:
 
   def check(self) -> None:
     _need(self.samples_per_step >= 0, "log.samples_per_step", "must be >= 0")
+    _check_ranges("log", self, dict(peak_tflops=Range(0, note=" (0 = from the device kind)")))
     _need(self.profile_from >= 0, "log.profile_from", "must be >= 0 (0: no trace)")
     _need(self.profile_steps >= 1, "log.profile_steps", "must be >= 1")
     if self.wandb and importlib.util.find_spec("wandb") is None:
@@ -591,6 +626,11 @@ class E3AllocationSection:
   g_max_cap: int = 12
   curriculum: bool = True  # False: bounds stay (allocation.g_min, allocation.g_max)
 
+  def check(self) -> None:
+    # A negative step narrows the bounds each epoch (the curriculum silently off); a floor
+    # below 1 lets a question get no rollout.
+    _check_ranges("allocation.e3", self, dict(step=AT_LEAST_0, g_min_floor=AT_LEAST_1))
+
 
 @dataclasses.dataclass(frozen=True)
 class DynamoAllocationSection:
@@ -599,6 +639,15 @@ class DynamoAllocationSection:
   min_history: int = 4
   floor: float = 0.01
   mastered: float = 0.85
+
+  def check(self) -> None:
+    # ``mastered`` is compared with an accuracy: above 1 nothing is ever mastered, at 0 everything
+    # is; ``floor`` is the least priority, which a negative one would make a negative share.
+    _check_ranges(
+      "allocation.dynamo",
+      self,
+      dict(min_history=AT_LEAST_0, floor=AT_LEAST_0, mastered=Range(0, low_ok=False, high=1)),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -612,6 +661,8 @@ class AllocationSection:
   dynamo: DynamoAllocationSection = DynamoAllocationSection()
 
   def check(self) -> None:
+    self.e3.check()
+    self.dynamo.check()
     _need(
       1 <= self.g_min <= self.g_max,
       "allocation.g_min",
@@ -632,6 +683,10 @@ class TemperatureSection:
 
   def check(self) -> None:
     _need(0 < self.tau_min <= self.tau_max, "temperature.tau_min", "need 0 < tau_min <= tau_max")
+    # eta: the entropy target anneals from H_init to eta * H_init (E3 Eq. 5)
+    _check_ranges(
+      "temperature", self, dict(tau_max=POSITIVE, anneal_start=AT_LEAST_0, eta=FRACTION)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -657,6 +712,9 @@ class ClipSection:
       f"need c_min <= c0 <= c_max, got {self.c_min}, {self.c0}, {self.c_max}",
     )
     _need(self.window >= 1, "clip.window", "must be >= 1")
+    _check_ranges("clip", self, dict(rho=Range(0, low_ok=False, high=1), delta=POSITIVE))
+    entropies = ("warmup", "c_min", "h_target", "h_end")
+    _check_ranges("clip", self, dict.fromkeys(entropies, AT_LEAST_0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -677,6 +735,7 @@ class EEPOSection:
 
   def check(self) -> None:
     _need(self.m >= 1, "eepo.m", "must be >= 1")
+    _check_ranges("eepo", self, dict(lr=POSITIVE, eps_l=POSITIVE, eps_r=POSITIVE, alpha=AT_LEAST_0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -687,6 +746,12 @@ class ModulationSection:
   alpha: float = 0.4
   gamma: float = 50.0
   tau: float = 0.9
+
+  def check(self) -> None:
+    # A token's factor is 1 - alpha + alpha * sigmoid(-gamma * (x - tau)) with x in [0, 1]:
+    # alpha above 1 flips the advantage's sign, a negative gamma inverts which tokens are damped,
+    # and a tau outside [0, 1] damps all or none (docs/algorithms.md §4.3).
+    _check_ranges("modulation", self, dict(alpha=FRACTION, gamma=AT_LEAST_0, tau=FRACTION))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -700,6 +765,18 @@ class AnnealPhaseSection:
   mixture: str = ""  # "" = keep; else "LEVEL:WEIGHT,..." e.g. "4x4+:1,5x5+:2"
   group_size: int = 0  # 0 = keep (paper: 8 → 32); allocation bounds scale with it
   max_new_tokens: int = 0  # 0 = keep (paper: 4k → 16k)
+
+  def check(self) -> None:
+    keep = Range(0, note=" (0 = keep)")
+    _check_ranges(
+      "anneal_phase",
+      self,
+      dict(
+        start=Range(0, note=" (0 = where the entropy schedule anneals)"),
+        group_size=keep,
+        max_new_tokens=keep,
+      ),
+    )
 
 
 @dataclasses.dataclass(frozen=True)

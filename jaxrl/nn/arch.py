@@ -9,6 +9,7 @@ not downloaded yet, so the big configs carry their checkpoint's architecture too
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 from jaxrl.config import Config, ConfigError
@@ -55,18 +56,11 @@ def from_section(cfg: Config, vocab_size: int = 0) -> ModelConfig:
   )
 
 
-def checkpoint_error(cfg: Config) -> ConfigError | None:
-  """A missing ``model.checkpoint`` as one line saying what to download and where, or a damaged
-  one (a truncated shard, a header or index that points outside it) naming the file (None:
-  fine)."""
+def missing_checkpoint(cfg: Config) -> ConfigError | None:
+  """A ``model.checkpoint`` that is not there (no directory, no config.json in it) as one line
+  saying what to download and where (None: there, or none set)."""
   path = cfg.model.checkpoint
-  if path and os.path.isfile(os.path.join(path, "config.json")):
-    try:
-      hf.check_tensor_files(path)
-    except (ValueError, OSError) as e:
-      return ConfigError("model.checkpoint", str(e))
-    return None
-  if not path:
+  if not path or os.path.isfile(os.path.join(path, "config.json")):
     return None
   where = "directory not found" if not os.path.isdir(path) else "no config.json in it"
   fetch = (
@@ -80,11 +74,39 @@ def checkpoint_error(cfg: Config) -> ConfigError | None:
   )
 
 
+def checkpoint_error(cfg: Config) -> ConfigError | None:
+  """A missing ``model.checkpoint`` (``missing_checkpoint``), or a damaged one naming the file: a
+  JSON file that does not parse (its config, generation config, tokenizer's), a truncated shard, a
+  header or index that points outside it (None: fine). Headers only: no weight is read."""
+  if (error := missing_checkpoint(cfg)) is not None or not cfg.model.checkpoint:
+    return error
+  try:
+    _check_json_files(cfg.model.checkpoint)
+    hf.check_tensor_files(cfg.model.checkpoint)
+  except (ValueError, OSError) as e:
+    return ConfigError("model.checkpoint", str(e))
+  return None
+
+
+def _check_json_files(path: str) -> None:
+  """Each JSON file at the top of the checkpoint parses (a ValueError naming it): each is read
+  only where it is used, after the run's directory is written."""
+  for name in sorted(os.listdir(path)):
+    if name.endswith(".json"):
+      file = os.path.join(path, name)
+      try:
+        with open(file, "rb") as f:
+          json.load(f)
+      except ValueError as e:  # JSON or UTF-8
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+
+
 def model_config(cfg: Config, vocab_size: int = 0) -> ModelConfig:
   """The run's ModelConfig: the checkpoint's architecture when there is one, else the section's."""
   if not cfg.model.checkpoint:
     return from_section(cfg, vocab_size)
-  error = checkpoint_error(cfg)
+  # config.json alone: --plan reads the architecture before the weights are downloaded.
+  error = missing_checkpoint(cfg)
   if error is not None:
     raise error
   try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from jaxrl.config import Config
-from jaxrl.run.plan import Estimate, GiB, PhasePlan, Plan, prompt_len
+from jaxrl.run.plan import Estimate, GiB, PhasePlan, Plan, grad_copies, prompt_len
 
 _WARN_BYTES = 256 * 1024**2  # below this a compiled program's excess over the estimate is noise
 
@@ -27,11 +27,6 @@ def _table(header: list[str], rows: list[list]) -> str:
 
 def _dims(shape) -> str:
   return "[" + ", ".join(str(d) for d in shape) + "]"
-
-
-def _grad_copies(pc: Config) -> int:
-  """Gradient trees live at once: the accumulator and the micro-batch's own when accumulating."""
-  return 2 if pc.loss.micro_batches > 1 else 1
 
 
 def _state_section(plan: Plan, cfg: Config) -> list[str]:
@@ -109,14 +104,14 @@ def _phase_section(plan: Plan, ph: PhasePlan) -> list[str]:
     f"({pc.loss.logprob_chunk} tokens per chunk): no [B, T, V] logits buffer exists.",
     "",
   ]
-  grads = _grad_copies(pc) * plan.trained
+  grads = grad_copies(pc) * plan.trained
   rows = [[name, size(v)] for name, v in act.items]
   rows += [
     ["**activations**", f"**{size(act.total)}**"],
-    [f"gradients ({_grad_copies(pc)} tree(s))", size(grads)],
+    [f"gradients ({grad_copies(pc)} tree(s))", size(grads)],
     [
       "**estimated peak = resident state + gradients + activations**",
-      f"**{size(plan.state + grads + act.total)}**",
+      f"**{size(plan.train_peak(ph))}**",
     ],
   ]
   out += [_table(["train step", "per device"], rows), ""]

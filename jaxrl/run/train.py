@@ -484,8 +484,15 @@ def _cached_eval(path: str, key: dict) -> EvalResult | None:
   """The evaluation cached in ``path`` when it was computed for ``key``; else None (why: logged)."""
   if not os.path.exists(path):
     return None
-  with open(path) as f:
-    saved = json.load(f)
+  try:
+    with open(path, "rb") as f:
+      saved = json.load(f)
+    problem = None if isinstance(saved, dict) else "not a JSON object"
+  except ValueError as e:  # JSON or UTF-8: a write cut short (a kill, a full disk)
+    problem = str(e)
+  if problem is not None:
+    log.warning("%s: not a cached evaluation (%s): evaluating again", path, problem)
+    return None
   why = run_config.cache_changes(saved.get(EVAL_KEY), key)
   if why is not None:
     log.warning("%s does not match this run (%s): evaluating again", path, why)

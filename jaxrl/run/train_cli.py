@@ -124,6 +124,27 @@ def _plan(cfg) -> None:
     _fail(e)
 
 
+def _check_inputs(cfg, workdir: str) -> None:
+  """What comes from outside the run, checked before its directory is written: the checkpoint's
+  files, whether the run's buffers can fit, the task's inputs, the compile cache's directory. The
+  first that fails is one line, exit 2."""
+  from jaxrl.nn.arch import checkpoint_error
+  from jaxrl.parallel import distributed
+  from jaxrl.run import plan
+  from jaxrl.tasks import task
+  from jaxrl.workdir import compile_cache
+
+  if (error := checkpoint_error(cfg)) is not None:
+    _fail(error)
+  try:
+    if (error := plan.memory_error(cfg)) is not None:  # before anything is allocated
+      _fail(error)
+    distributed.main_first(lambda: task.check_inputs(cfg))  # process 0 downloads Hub datasets
+    compile_cache.check(cfg.compile_cache, workdir)
+  except ValueError as e:  # a ConfigError, a HubError
+    _fail(e)
+
+
 def main(argv):
   del argv
   # Past a file-size limit, writes fail with EFBIG (handled: a failed checkpoint is logged, the
@@ -137,7 +158,6 @@ def main(argv):
     return
   if _PLAN.value:
     return _plan(cfg)
-  from jaxrl.nn.arch import checkpoint_error
   from jaxrl.parallel import distributed
 
   try:
@@ -151,13 +171,8 @@ def main(argv):
     cfg = cli.with_local_checkpoint(cfg)  # a Hub id: process 0 downloads, the others wait
   except ValueError as e:  # a bad cluster setting, a HubError
     _fail(e)
-  if (error := checkpoint_error(cfg)) is not None:  # before the run directory is written
-    _fail(error)
-  from jaxrl.run import plan
-
-  if (error := plan.memory_error(cfg)) is not None:  # before anything is allocated
-    _fail(error)
   workdir = os.path.abspath(_WORKDIR.value)
+  _check_inputs(cfg, workdir)
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     _fail(f"--workdir={workdir}: not a directory")
   os.makedirs(workdir, exist_ok=True)

@@ -117,27 +117,40 @@ class MathScorer:
     self.pool.close()
 
 
+def _inputs(cfg: Config):
+  """(tokenizer, stop ids, training questions, their mixture, held-out questions), each read from
+  outside the run; a ConfigError naming the field of one that is unusable."""
+  d = cfg.data
+  try:
+    tokenizer = math_prompts.load_tokenizer(cfg.model.checkpoint)
+    stops = math_prompts.stop_token_ids(cfg.model.checkpoint, tokenizer)
+  except ValueError as e:  # a TokenizerError, or no EOS token anywhere
+    raise ConfigError("model.checkpoint", str(e)) from None
+  train, mixture, _ = datasets.load_mixture(
+    d.train, fields(cfg), split=d.split, strict=d.strict, field="data.train"
+  )
+  if not d.heldout:  # no validation set: evaluate on (up to max_heldout of) the training questions
+    return tokenizer, stops, train, mixture, train
+  try:
+    heldout, _ = datasets.load_questions(
+      d.heldout, fields(cfg), split=d.split, strict=d.strict, limit=d.max_heldout
+    )
+  except (ValueError, FileNotFoundError) as e:  # an empty file, no usable row, a bad row
+    raise ConfigError("data.heldout", str(e)) from None
+  return tokenizer, stops, train, mixture, heldout
+
+
+def check_inputs(cfg: Config) -> None:
+  """Read what ``load`` reads from outside the run (``task.check_inputs``): the command calls it
+  before the run's directory is written, at the cost of reading the datasets twice."""
+  _inputs(cfg)
+
+
 def load(cfg: Config, tokenizer_dir: str) -> dict:
   """The fields of a ``TaskData`` for the math task (``jaxrl.tasks.task.load_task`` builds it);
   the tokenizer is the checkpoint's (``tokenizer_dir`` is for the built-in tasks)."""
   d = cfg.data
-  try:
-    tokenizer = math_prompts.load_tokenizer(cfg.model.checkpoint)
-  except math_prompts.TokenizerError as e:
-    raise ConfigError("model.checkpoint", str(e)) from None
-  stops = math_prompts.stop_token_ids(cfg.model.checkpoint, tokenizer)
-  train, mixture, _ = datasets.load_mixture(
-    d.train, fields(cfg), split=d.split, strict=d.strict, field="data.train"
-  )
-  if d.heldout:
-    try:
-      heldout, _ = datasets.load_questions(
-        d.heldout, fields(cfg), split=d.split, strict=d.strict, limit=d.max_heldout
-      )
-    except (ValueError, FileNotFoundError) as e:  # an empty file, no usable row, a bad row
-      raise ConfigError("data.heldout", str(e)) from None
-  else:  # no validation set: evaluate on (up to max_heldout of) the training questions
-    heldout = train
+  tokenizer, stops, train, mixture, heldout = _inputs(cfg)
   train_enc = encode(cfg, tokenizer, train.questions, "data.train")
   mixture = keep_pools(mixture, train_enc.kept_Q, len(train.questions))
   held_enc = encode(cfg, tokenizer, heldout.questions, "data.heldout")

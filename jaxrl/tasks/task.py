@@ -141,3 +141,12 @@ def prompt_len(cfg: Config) -> int:
 def load_task(cfg: Config, tokenizer_dir: str) -> TaskData:
   """The task ``task.name`` names; a built-in one writes its tokenizer to ``tokenizer_dir``."""
   return TaskData(**task_module(cfg).load(cfg, tokenizer_dir))
+
+
+def check_inputs(cfg: Config) -> None:
+  """Read the task's inputs from outside the run (the math task: the checkpoint's tokenizer, the
+  datasets) without building anything: a ConfigError naming the field when one is unusable. The
+  command calls it before it writes the run's directory; a built-in task has none."""
+  module = task_module(cfg)
+  if hasattr(module, "check_inputs"):
+    module.check_inputs(cfg)

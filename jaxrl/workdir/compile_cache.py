@@ -44,6 +44,21 @@ def cache_dir(setting: str, workdir: str) -> str | None:
   return os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(workdir, "compile_cache")
 
 
+def _field(setting: str) -> str:
+  return (
+    "compile_cache" if setting else "compile_cache ($JAX_COMPILATION_CACHE_DIR or the workdir's)"
+  )
+
+
+def check(setting: str, workdir: str) -> None:
+  """``enable``'s check before anything is made (the command calls it before it writes the run's
+  directory): the cache directory, or for one not made yet the directories above it, closed to
+  others (a ConfigError naming where it came from)."""
+  path = cache_dir(setting, workdir)
+  if path is not None:
+    check_private_dir(path, _field(setting), missing_ok=True)
+
+
 def enable(setting: str, workdir: str) -> str | None:
   """Point JAX at the run's cache before anything is compiled; returns the directory (or None).
   Its entries are executables the process loads: a directory of another user's, or one others
@@ -51,11 +66,9 @@ def enable(setting: str, workdir: str) -> str | None:
   path = cache_dir(setting, workdir)
   if path is None:
     return None
-  field = (
-    "compile_cache" if setting else "compile_cache ($JAX_COMPILATION_CACHE_DIR or the workdir's)"
-  )
+  check(setting, workdir)
   os.makedirs(path, mode=0o700, exist_ok=True)
-  check_private_dir(path, field)
+  check_private_dir(path, _field(setting))  # again: made (or replaced) since the first check
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_TIME_S)
   log.info("compiled programs are cached in %s", path)
