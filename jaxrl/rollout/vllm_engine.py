@@ -100,6 +100,16 @@ def _run_dir(configured: str, fallback: str, need_bytes: int) -> str:
   return tempfile.mkdtemp(prefix=_PREFIX, dir=root)
 
 
+def _janitor(root: str) -> subprocess.Popen:
+  """``weights_janitor.py`` watching this process for ``root``, in a session of its own."""
+  return subprocess.Popen(
+    [sys.executable, _JANITOR, str(os.getpid()), root],
+    start_new_session=True,
+    stdin=subprocess.DEVNULL,
+    stdout=subprocess.DEVNULL,
+  )
+
+
 def _base_config(model_cfg):
   """The architecture vLLM serves: the model without adapters."""
   return dataclasses.replace(model_cfg, lora_rank=0)
@@ -189,12 +199,7 @@ class VllmEngine:
       if self.sidecar is not None:
         self.sidecar.cleanup_dir = self._root  # ours alone: the guard removes it if we die
       else:  # attached servers: no guard runs beside us, a janitor removes it if we die
-        self._janitor = subprocess.Popen(
-          [sys.executable, _JANITOR, str(os.getpid()), self._root],
-          start_new_session=True,
-          stdin=subprocess.DEVNULL,
-          stdout=subprocess.DEVNULL,
-        )
+        self._janitor = _janitor(self._root)
     self._pushes += 1
     adapters = lora.has_adapters(params)
     if adapters and self.cfg.lora_adapters:

@@ -74,12 +74,7 @@ def warm_start(
   if loss_mask_QxT is not None:
     corpus += (loss_mask_QxT,)
   t0 = time.time()
-  begun = _Progress(programs.init_state(params), 0, None)
-  if (saved := _load_progress(workdir, programs, begun.state, key)) is not None:
-    begun = saved
-    log.info("SFT warm start resumed at step %d of %d", begun.done, steps)
-  else:  # a phase's first line (tests/test_kill_resume.py waits for it to kill during SFT)
-    log.info("SFT warm start running: %d steps", steps)
+  begun = _begin(workdir, programs, programs.init_state(params), key, steps)
   state, done, ema = _train(
     programs, begun, corpus, chunk, steps, batch_size, warmup_steps, target_loss, progress, stop
   )
@@ -93,14 +88,29 @@ def warm_start(
   if key is not None:
     meta[KEY] = key
   log.info("SFT warm start done: %d steps, loss (ema) %.4f, %.0fs", done, ema, meta["seconds"])
+  _save_finished(workdir, state, done, meta)
+  return state.params, meta
+
+
+def _begin(workdir: str, programs, fresh, key: dict | None, steps: int) -> _Progress:
+  """Where the warm start begins: a stopped one's saved progress, or ``fresh`` at step 0."""
+  if (saved := _load_progress(workdir, programs, fresh, key)) is not None:
+    log.info("SFT warm start resumed at step %d of %d", saved.done, steps)
+    return saved
+  # A phase's first line (tests/test_kill_resume.py waits for it to kill during the warm start).
+  log.info("SFT warm start running: %d steps", steps)
+  return _Progress(fresh, 0, None)
+
+
+def _save_finished(workdir: str, state, done: int, meta: dict) -> None:
+  """The finished warm start in ``WORKDIR/sft``; a stopped one's progress, superseded, removed."""
   ckpt = Checkpointer(os.path.join(workdir, CACHE), keep=1, async_save=False)
   # The base alone (a LoRA model's fresh adapters are not the warm start's): the cache of a full
   # fine-tuning run and of a LoRA run of the same seed are the same files, interchangeable.
   ckpt.save(done, {"params": lora.partition(state.params, "base")[0]}, meta)
   ckpt.close()
-  if distributed.is_main():  # the finished warm start supersedes a stopped one's progress
+  if distributed.is_main():
     shutil.rmtree(os.path.join(workdir, PROGRESS), ignore_errors=True)
-  return state.params, meta
 
 
 @dataclasses.dataclass(frozen=True)
