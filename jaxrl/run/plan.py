@@ -548,7 +548,9 @@ def compile_forget(pc: Config, programs: Programs, params) -> Compiled:
 
 
 def _device_memory() -> int | None:
-  stats = jax.devices()[0].memory_stats()
+  # A local device: only those report their memory (another process's raises), and every
+  # process runs the same kind.
+  stats = jax.local_devices()[0].memory_stats()
   return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
