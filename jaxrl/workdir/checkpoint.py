@@ -468,28 +468,29 @@ def _tmp_paths(directory: str, step: int | None = None) -> list[str]:
 def _replace_by_marker(path: str, trash: str) -> None:
   """An empty file at ``path``; a directory there first leaves by one rename into ``trash`` (a
   flush inside it at that moment ends up there, not at ``path``) and is removed once the file
-  stands, when nothing can enter it any more."""
+  stands, when nothing can enter it any more (or, the file refused, to free its space anyway)."""
   moved = []
-  for _ in range(_BURY_ATTEMPTS):
-    try:
-      os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-      break
-    except FileExistsError:
-      if not os.path.isdir(path) or os.path.islink(path):
-        break  # a marker already (another process of the run put it there)
-    os.makedirs(trash, exist_ok=True)
-    aside = os.path.join(trash, f"{os.path.basename(path)}.{uuid.uuid4().hex}")
-    try:
-      os.rename(path, aside)
-      moved.append(aside)
-    except FileNotFoundError:  # moved by another process, or the trash emptied meanwhile
-      continue
-  else:
+  try:
+    for _ in range(_BURY_ATTEMPTS):
+      try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        return
+      except FileExistsError:
+        if not os.path.isdir(path) or os.path.islink(path):
+          return  # a marker already (another process of the run put it there)
+      os.makedirs(trash, exist_ok=True)
+      aside = os.path.join(trash, f"{os.path.basename(path)}.{uuid.uuid4().hex}")
+      try:
+        os.rename(path, aside)
+        moved.append(aside)
+      except FileNotFoundError:  # moved by another process, or the trash emptied meanwhile
+        continue
     raise OSError(f"it came back {_BURY_ATTEMPTS} times")
-  for aside in moved:
-    shutil.rmtree(aside, ignore_errors=True)
-  with contextlib.suppress(OSError):  # the trash, unless something else is on its way out
-    os.rmdir(trash)
+  finally:
+    for aside in moved:
+      shutil.rmtree(aside, ignore_errors=True)
+    with contextlib.suppress(OSError):  # the trash, unless something else is on its way out
+      os.rmdir(trash)
 
 
 def _remove_markers(directory: str, step: int | None = None) -> None:
