@@ -176,6 +176,16 @@ class CheckpointError(RuntimeError):
 class UnreadableCheckpoint(RuntimeError):
   """No checkpoint of a run reads (or not the one asked for): each step with its cause."""
 
+  def __init__(self, directory: str, causes: list[tuple[int, str]]):
+    self.directory, self.causes = directory, causes
+    listed = "; ".join(f"step {step}: {cause}" for step, cause in causes)
+    super().__init__(f"{directory}: no checkpoint reads ({listed})")
+
+
+def log_unreadable(directory: str, step: int, cause: str) -> None:
+  """The one line that says a checkpoint does not read and the one before is tried."""
+  log.error("checkpoint %d in %s does not read (%s); trying the one before", step, directory, cause)
+
 
 class Checkpointer:
   """A thin wrapper over ``ocp.CheckpointManager`` with one pytree item and one JSON item."""
@@ -365,13 +375,12 @@ class Checkpointer:
         raise
       except Exception as e:  # noqa: BLE001 - anything a damaged checkpoint raises in orbax
         _quiet_dropped_reads()
-        causes.append(f"step {s}: {_root_cause(e)}")
+        causes.append((s, _root_cause(e)))
         if step >= 0:
           break
-        log.error("checkpoint %d in %s does not read (%s); trying the one before", s, self.directory,
-                  _root_cause(e))  # fmt: skip
+        log_unreadable(self.directory, s, _root_cause(e))
         self._set_aside(s)
-    raise UnreadableCheckpoint(f"{self.directory}: no checkpoint reads ({'; '.join(causes)})")
+    raise UnreadableCheckpoint(self.directory, causes)
 
   def _set_aside(self, step: int) -> None:
     """Move the unreadable checkpoint ``step`` out of orbax's sight (a writer only)."""
