@@ -300,11 +300,11 @@ def _write_results(cfg, checkpoint, out_dir, results, table, num_samples, ks) ->
 
 
 def _evaluate_run(cfg, directory: str, step: int, benchmarks, num_samples: int, ks):
-  """(where the results went, the summary) of a run's checkpoint ``step``, or (-1, the run given
-  as its directory) of its newest checkpoint that reads, as a resume takes it: one whose params
-  do not read is logged in one line and the one before evaluated. A step asked for by name that
-  does not read is an ``UnreadableCheckpoint``. Each step is fixed before it is read: a run in
-  progress may write newer ones meanwhile."""
+  """(where the results went, the summary) of a run's checkpoint ``step`` or, for ``step`` -1
+  (the run given as its directory), of its newest checkpoint that reads, as a resume takes it:
+  one whose params do not read is logged in one line and the one before evaluated. A step asked
+  for by name that does not read is an ``UnreadableCheckpoint``. Each step is fixed before it is
+  read: a run in progress may write newer ones meanwhile."""
   from jaxrl.workdir import checkpoint as checkpoints
 
   steps = [weights.checkpoint_step(directory, step)]
