@@ -101,7 +101,6 @@ def test_a_second_trainer_on_a_live_run_exits_2_and_the_first_finishes_whole(tmp
   assert steps and steps[-1] == 6
 
 
-@pytest.mark.slow  # two processes joining over jax.distributed (~10 s, more on a busy machine)
 def test_a_second_multi_process_job_on_a_live_run_writes_nothing_there(tmp_path):
   """The job's process 0 is refused the lock; its other process waits for that lock before
   writing anything (its log file included), so the live run's directory holds no trace of it."""

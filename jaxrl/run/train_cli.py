@@ -185,7 +185,7 @@ def _hold_workdir(workdir: str) -> None:
       lock.hold(workdir)  # for the process's life: the kernel releases it however it ends
     except lock.WorkdirBusy as e:
       _fail(e)
-  distributed.barrier("workdir lock")
+  distributed.rendezvous("workdir-lock")
 
 
 def _run(cfg, workdir: str) -> int:
