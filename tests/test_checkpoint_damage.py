@@ -1,11 +1,12 @@
 """A damaged checkpoint (a data file truncated, as a full disk or a copy cut short leaves it): a
 resume falls back to the newest checkpoint that reads, logging which one did not and why, and sets
-the damaged one aside; ``jaxrl-export`` of the run does the same; a damaged step asked for by name
-exits 2 in one line."""
+the damaged one aside; ``jaxrl-export`` and ``jaxrl-eval`` of the run fall back the same way
+(moving nothing); a damaged step asked for by name exits 2 in one line."""
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -14,7 +15,7 @@ import sys
 import pytest
 from run_helpers import ROOT, read_metrics
 
-pytestmark = pytest.mark.slow  # a 6-step run, its resume and an export (~1 min)
+pytestmark = pytest.mark.slow  # a 6-step run, its resume, an export and an eval (~1 min)
 
 
 def _main(*flags, module="jaxrl.main"):
@@ -76,3 +77,23 @@ def test_export_falls_back_and_a_damaged_step_asked_for_exits_2(damaged_run, tmp
   (line,) = out.stderr.strip().splitlines()[-1:]
   assert "no checkpoint reads" in line and "step 6: " in line and "OUT_OF_RANGE" in line, line
   assert not os.path.exists(tmp_path / "six")
+
+
+def test_eval_of_the_run_falls_back_and_a_damaged_step_asked_for_exits_2(damaged_run):
+  run, _ = damaged_run
+  before = sorted(os.listdir(run / "checkpoints"))
+  flags = (f"--config={run}/config.json", "--num_samples=2", "--ks=1,2")
+  out = _main(*flags, f"--checkpoint={run}", module="jaxrl.eval")
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "Traceback" not in out.stderr and len(out.stderr.splitlines()) < 60, out.stderr[-3000:]
+  (line,) = [x for x in out.stderr.splitlines() if "does not read" in x]
+  assert "checkpoint 6 in" in line and "OUT_OF_RANGE" in line, line
+  with open(run / "eval" / "step3" / "eval_results.json") as f:
+    assert json.load(f)["checkpoint"] == os.path.join(run, "checkpoints", "3")
+  assert sorted(os.listdir(run / "eval")) == ["step3"]
+  assert sorted(os.listdir(run / "checkpoints")) == before  # a reader moves nothing
+  out = _main(*flags, f"--checkpoint={run}/checkpoints/6", module="jaxrl.eval")
+  assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+  (line,) = out.stderr.strip().splitlines()[-1:]
+  assert "no checkpoint reads" in line and "step 6: " in line and "OUT_OF_RANGE" in line, line
+  assert sorted(os.listdir(run / "eval")) == ["step3"]

@@ -1,7 +1,9 @@
 """A checkpoint write that fails keeps the previous checkpoint usable, says so; training goes on.
 
 The failure is real: a file-size limit makes orbax's writes fail with EFBIG the way a full disk
-fails them with ENOSPC (the ``file_size_limit`` fixture, conftest.py).
+fails them with ENOSPC (the ``file_size_limit`` fixture, conftest.py). Tensorstore goes on flushing
+a failed write's other files after orbax reported the error (after close too); such a late flush is
+a real write of tensorstore's file driver into the failed step's tmp directory.
 A write that never settles is real too: orbax reports the failure through absl logging, into a
 full pipe that nobody reads (a stalled log sink), and that thread blocks in ``write()``.
 """
@@ -21,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tensorstore as ts
 from run_helpers import ROOT, read_metrics
 from stalled_log import stall_absl_errors
 
@@ -29,6 +32,19 @@ from jaxrl.workdir.checkpoint import Checkpointer
 
 LIMIT = 100_000  # bytes: below the tree's data file in the unit test
 RUN_LIMIT = 50_000  # bytes: below a run's checkpoint data file (hidden 256) and its log.txt
+
+
+def _late_flush(directory, step: int) -> str | None:
+  """What a flush of step ``step``'s failed write does when tensorstore finishes it after orbax
+  reported the write's error: tensorstore's file driver writes a data file under the step's tmp
+  directory, creating the directories above it. Its error, or None if it landed."""
+  tmp = directory / f"{step}.orbax-checkpoint-tmp" / "tree.orbax-checkpoint-tmp" / "ocdbt.process_0"
+  store = ts.KvStore.open({"driver": "file", "path": f"{tmp / 'd'}/"}).result()
+  try:
+    store.write("late", b"late bytes").result()
+  except ValueError as e:
+    return str(e)
+  return None
 
 
 @pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
@@ -43,20 +59,23 @@ def test_failed_writes_keep_the_previous_checkpoint(tmp_path, file_size_limit, a
     ckpt.save(step, tree, {"step": step})
   ckpt.wait()
   assert ckpt.failed == [2, 3] and ckpt.latest_step() == 1 and "File too large" in ckpt.last_error
-  # A file of step 2 that tensorstore finishes after orbax reported the error recreates its tmp
-  # directory: the next wait (or save, or close) removes it again.
-  os.makedirs(tmp_path / "2.orbax-checkpoint-tmp" / "tree.orbax-checkpoint-tmp" / "d")
-  ckpt.wait()
-  assert sorted(os.listdir(tmp_path)) == ["1"]  # no partial checkpoint is left behind
+  # Of a failed write only an empty file is left, in its tmp directory's place: a flush that
+  # tensorstore finishes late fails there instead of recreating the directory.
+  markers = ["2.orbax-checkpoint-tmp", "3.orbax-checkpoint-tmp"]
+  assert "Not a directory" in _late_flush(tmp_path, 2)
+  assert sorted(os.listdir(tmp_path)) == ["1", *markers]
+  assert all(os.path.getsize(tmp_path / m) == 0 for m in markers)
   _, meta = ckpt.restore(1, tree)
   assert meta == {"step": 1}
   file_size_limit(None)  # room again: saving simply resumes
-  ckpt.save(4, tree, {"step": 4})
+  ckpt.save(3, tree, {"step": 3})  # a failed step written again: its marker gives way
   ckpt.close()
-  again = Checkpointer(str(tmp_path), keep=2, async_save=async_save)
+  assert "Not a directory" in _late_flush(tmp_path, 2)  # after close too, with room to write
+  assert sorted(os.listdir(tmp_path)) == ["1", "2.orbax-checkpoint-tmp", "3"]
+  again = Checkpointer(str(tmp_path), keep=2, async_save=async_save)  # the next run's
   restored, meta = again.restore(again.latest_step(), tree)
   again.close()
-  assert meta == {"step": 4} and sorted(os.listdir(tmp_path)) == ["1", "4"]
+  assert meta == {"step": 3} and sorted(os.listdir(tmp_path)) == ["1", "3"]  # no marker left
   np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(tree["w"]))
 
 

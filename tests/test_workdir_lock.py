@@ -1,6 +1,7 @@
 """One trainer per run directory (jaxrl.workdir.lock): a second trainer on a live run's --workdir is
 refused with exit 2 naming the holder, and the first finishes with its checkpoints whole; a lock
-left by a killed run is taken over; readers take none."""
+left by a killed run is taken over; a second multi-process job writes nothing in the directory;
+readers take none."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from multihost_helpers import free_port
 from run_helpers import ROOT, read_metrics, wait_until
 
 from jaxrl.workdir import lock
@@ -97,3 +99,44 @@ def test_a_second_trainer_on_a_live_run_exits_2_and_the_first_finishes_whole(tmp
   assert "ERROR" not in (run / "log.txt").read_text()  # no failed checkpoint write
   steps = sorted(int(d) for d in os.listdir(run / "checkpoints") if d.isdigit())
   assert steps and steps[-1] == 6
+
+
+def test_a_second_multi_process_job_on_a_live_run_writes_nothing_there(tmp_path):
+  """The job's process 0 is refused the lock; its other process waits for that lock before
+  writing anything (its log file included), so the live run's directory holds no trace of it."""
+  holder = _holder(tmp_path)  # the live run's lock
+  port = free_port()
+  try:
+    ranks = [
+      subprocess.Popen(
+        [
+          sys.executable,
+          "-m",
+          "jaxrl.main",
+          "--config=tiny:test",
+          f"--workdir={tmp_path}",
+          "--cpu_devices=1",
+          f"--coordinator_address=127.0.0.1:{port}",
+          "--num_processes=2",
+          f"--process_id={rank}",
+          "--heartbeat_timeout=10",
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+      )  # fmt: skip
+      for rank in (0, 1)
+    ]
+    errs = [rank.communicate(timeout=300)[1] for rank in ranks]
+  finally:
+    for proc in (holder, *ranks):
+      proc.kill()
+      proc.wait()
+  assert ranks[0].returncode == 2, errs[0][-2000:]
+  line = errs[0].strip().splitlines()[-1]
+  assert f"pid {holder.pid} on " in line and "in use by another trainer" in line, line
+  assert ranks[1].returncode == 1 and "process 0 failed" in errs[1], errs[1][-2000:]
+  assert "in use by another trainer" in errs[1] and "Traceback" not in errs[0] + errs[1]
+  assert os.listdir(tmp_path) == [lock.LOCK_FILE]

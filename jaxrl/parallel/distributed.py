@@ -218,6 +218,14 @@ def barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
+def rendezvous(name: str, timeout_s: int = 300) -> None:
+  """Wait until every process is here, through the coordination service: unlike ``barrier`` it
+  compiles nothing, so it may come before a run points JAX's compile cache at its directory (a
+  program compiled earlier turns the cache off for the process)."""
+  if jax.process_count() > 1:
+    _client().wait_at_barrier(f"jaxrl/{name}", timeout_in_ms=timeout_s * 1000)
+
+
 def to_host(tree):
   """Every array of ``tree`` as a numpy array of its global value, on every process."""
 

@@ -4,12 +4,14 @@ benchmark files.
   jaxrl-eval --config=qwen7b --checkpoint=runs/qwen7b \\
       --benchmarks=aime24=data/aime24.jsonl,math500=data/math500.jsonl [--num_samples=16 --ks=1,16]
 
-``--checkpoint``: an HF directory (config.json + safetensors), a run directory (its latest
-checkpoint) or one of its ``checkpoints/N``. Each benchmark is a dataset file read with the config's
-field mapping and prompt template (default: ``data.heldout``); n samples per question at
-``eval.temperature`` plus one greedy answer, scored by the config's verifier. Writes
+``--checkpoint``: an HF directory (config.json + safetensors), a run directory (its newest
+checkpoint that reads) or one of its ``checkpoints/N``. Each benchmark is a dataset file read with
+the config's field mapping and prompt template (default: ``data.heldout``); n samples per question
+at ``eval.temperature`` plus one greedy answer, scored by the config's verifier. Writes
 ``eval_results.json`` and ``eval_results.md`` into ``--out`` (default: ``RUN/eval/stepN`` for a
-run's checkpoint N, the latest when given the run; ``CHECKPOINT/eval`` for an HF directory).
+run's checkpoint N, ``CHECKPOINT/eval`` for an HF directory). Given the run, a damaged checkpoint
+is logged in one line as a resume logs it and the one before evaluated; a damaged
+``checkpoints/N`` asked for exits 2.
 
 A built-in task (``tiny``, ``tiny:tools``, ``tiny:countdown``) has no benchmark files: its own
 held-out split is evaluated, per level, by the trainer's held-out evaluation
@@ -46,7 +48,10 @@ _CONFIG = config_flags.DEFINE_config_file(
   "(its architecture, tokenizer, prompt template, verifier and eval settings).",
 )
 _CHECKPOINT = flags.DEFINE_string(
-  "checkpoint", None, "HF directory, run directory or run checkpoint."
+  "checkpoint",
+  None,
+  "HF directory, run directory (its newest checkpoint that reads) or one run checkpoint "
+  "(RUN/checkpoints/N: that one, or exit 2).",
 )
 _BENCHMARKS = flags.DEFINE_string(
   "benchmarks",
@@ -294,6 +299,32 @@ def _write_results(cfg, checkpoint, out_dir, results, table, num_samples, ks) ->
     )
 
 
+def _evaluate_run(cfg, directory: str, step: int, benchmarks, num_samples: int, ks):
+  """(where the results went, the summary) of a run's checkpoint ``step`` or, for ``step`` -1
+  (the run given as its directory), of its newest checkpoint that reads, as a resume takes it:
+  one whose params do not read is logged in one line and the one before evaluated. A step asked
+  for by name that does not read is an ``UnreadableCheckpoint``. Each step is fixed before it is
+  read: a run in progress may write newer ones meanwhile."""
+  from jaxrl.workdir import checkpoint as checkpoints
+
+  steps = [weights.checkpoint_step(directory, step)]
+  if step < 0:
+    reader = checkpoints.Checkpointer.reader(directory)
+    steps = sorted((s for s in reader.all_steps() if s <= steps[0]), reverse=True)
+    reader.close()
+  causes = []
+  for s in steps:
+    out = _OUT.value or weights.eval_dir(directory, s)
+    try:
+      path = os.path.join(directory, str(s))
+      return out, evaluate_checkpoint(cfg, path, benchmarks, out, num_samples=num_samples, ks=ks)
+    except checkpoints.UnreadableCheckpoint as e:
+      causes += e.causes
+      if step < 0:
+        checkpoints.log_unreadable(directory, s, e.causes[0][1])
+  raise checkpoints.UnreadableCheckpoint(directory, causes)
+
+
 def main(argv):
   del argv
   from jaxrl.config import ConfigError, from_configdict
@@ -314,22 +345,19 @@ def main(argv):
     if not os.path.exists(checkpoint):
       raise ValueError(f"--checkpoint {checkpoint!r} does not exist")
     run = weights.run_checkpoint(checkpoint)
-    if run is None:
-      out = _OUT.value or os.path.join(checkpoint, "eval")
-    else:  # one step, resolved once: a run in progress may write newer ones meanwhile
-      step = weights.checkpoint_step(*run)
-      checkpoint = os.path.join(run[0], str(step))
-      out = _OUT.value or weights.eval_dir(run[0], step)
     # A training run's directory already holds its compiled programs (the sampler among them):
     # they are reused when the results go into that directory too; with --out elsewhere the run's
     # directory is only read, and programs are cached beside the results.
     from jaxrl.workdir import compile_cache
 
     in_run = run is not None and not _OUT.value
-    compile_cache.enable(cfg.compile_cache, os.path.dirname(run[0]) if in_run else out)
-    summary = evaluate_checkpoint(
-      cfg, checkpoint, benchmarks, out, num_samples=_NUM_SAMPLES.value, ks=ks
-    )
+    cache = os.path.dirname(run[0]) if in_run else _OUT.value or os.path.join(checkpoint, "eval")
+    compile_cache.enable(cfg.compile_cache, cache)
+    if run is None:
+      out = _OUT.value or os.path.join(checkpoint, "eval")
+      summary = evaluate_checkpoint(cfg, checkpoint, benchmarks, out, num_samples=n, ks=ks)
+    else:
+      out, summary = _evaluate_run(cfg, *run, benchmarks, num_samples=n, ks=ks)
   except (ConfigError, ValueError, FileNotFoundError, UnreadableCheckpoint) as e:
     cli.fail("jaxrl.eval", e)
   print(summary["table"])

@@ -176,13 +176,7 @@ def main(argv):
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     _fail(f"--workdir={workdir}: not a directory")
   os.makedirs(workdir, exist_ok=True)
-  if distributed.is_main():  # one trainer per run directory, before anything in it is written
-    from jaxrl.workdir import lock
-
-    try:
-      lock.hold(workdir)  # for the process's life: the kernel releases it however it ends
-    except lock.WorkdirBusy as e:
-      _fail(e)
+  _hold_workdir(workdir)
   run_log.setup(workdir)
   from jaxrl.workdir import compile_cache
 
@@ -191,6 +185,22 @@ def main(argv):
   except ValueError as e:  # ConfigError: a cache directory others could plant programs in
     _fail(e)
   _leave(_run(cfg, workdir))
+
+
+def _hold_workdir(workdir: str) -> None:
+  """One trainer per run directory, taken before anything in it is written. Process 0 holds the
+  lock for the whole job (its processes are one trainer: they write each checkpoint together);
+  the others wait for it, so that a job refused the directory writes nothing there, not even
+  their logs: process 0 exits 2 naming the holder, the others 1 naming process 0's error."""
+  from jaxrl.parallel import distributed
+  from jaxrl.workdir import lock
+
+  if distributed.is_main():
+    try:
+      lock.hold(workdir)  # for the process's life: the kernel releases it however it ends
+    except lock.WorkdirBusy as e:
+      _fail(e)
+  distributed.rendezvous("workdir-lock")
 
 
 def _run(cfg, workdir: str) -> int:

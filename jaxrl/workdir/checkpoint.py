@@ -16,6 +16,11 @@ directories or old steps) and no emptying of ``deleted/``. A trainer may be writ
 into that directory at the same time: its temporary directory is left as it is, and the write
 completes.
 
+A failed write's tmp directory is replaced by an empty file of the same name (``_bury``): orbax
+reports a write's first error while tensorstore still flushes the write's other files, each of
+which would recreate the directory it goes into; through the file they fail instead. The file
+holds nothing and goes when the step is written again or a writer next opens the directory.
+
 Every call into orbax that may wait for a write (save, wait, close) runs on one helper thread and
 is waited for at most ``settle_timeout`` seconds: on a dead disk or a stalled log sink orbax's
 threads can block forever, and a trainer that hangs is worse than one that says so. A write that
@@ -25,6 +30,7 @@ they are not daemons the process must leave with ``os._exit`` (``jaxrl.main`` do
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import glob
 import logging
@@ -34,6 +40,7 @@ import re
 import shutil
 import sys
 import threading
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -59,6 +66,10 @@ _abandoned: list[Future] = []  # calls into orbax given up on
 TRASH = "deleted"
 LAYOUT = "param_layout"  # the metadata key of ``model.PARAM_LAYOUT`` (the Checkpointer's own)
 RECORD = "run_config"  # the metadata key of the run's recorded config (the Checkpointer's own)
+TMP = ".orbax-checkpoint-tmp"  # what orbax appends to a step's name while writing it
+# Times a failed write's tmp directory may come back between moving it aside and putting the
+# marker in its place (each time, one of its late flushes created it again) before giving up.
+_BURY_ATTEMPTS = 100
 
 
 class _ReadOnlyNotices(logging.Filter):
@@ -165,6 +176,16 @@ class CheckpointError(RuntimeError):
 class UnreadableCheckpoint(RuntimeError):
   """No checkpoint of a run reads (or not the one asked for): each step with its cause."""
 
+  def __init__(self, directory: str, causes: list[tuple[int, str]]):
+    self.directory, self.causes = directory, causes
+    listed = "; ".join(f"step {step}: {cause}" for step, cause in causes)
+    super().__init__(f"{directory}: no checkpoint reads ({listed})")
+
+
+def log_unreadable(directory: str, step: int, cause: str) -> None:
+  """The one line that says a checkpoint does not read and the one before is tried."""
+  log.error("checkpoint %d in %s does not read (%s); trying the one before", step, directory, cause)
+
 
 class Checkpointer:
   """A thin wrapper over ``ocp.CheckpointManager`` with one pytree item and one JSON item."""
@@ -191,8 +212,12 @@ class Checkpointer:
         read_only=True, create=False, save_interval_steps=0, enable_async_checkpointing=False
       )
     else:
-      # A write that failed (disk full, permissions, a kill) leaves only an orbax tmp directory:
-      # it never counts as a checkpoint, and the next writing manager removes it.
+      # A write that failed (disk full, permissions, a kill) leaves only an orbax tmp directory
+      # (or ``_bury``'s marker): it never counts as a checkpoint, and the next writing manager
+      # removes it. The markers go first: no write of their run is left to stop now, and orbax's
+      # cleanup expects directories.
+      if jax.process_index() == 0:
+        _remove_markers(self.directory)
       options = ocp.CheckpointManagerOptions(
         max_to_keep=keep,
         create=True,
@@ -212,7 +237,7 @@ class Checkpointer:
     self._pending: int | None = None  # step of the write in flight
     self._stuck: tuple[int, Future] | None = None  # (step, wait) past the timeout
     self.failed: list[int] = []  # steps whose write failed
-    self._partials: set[int] = set()  # failed steps whose tmp directory may still appear
+    self._buried: set[int] = set()  # failed steps whose tmp directory is ``_bury``'s marker
     self.last_error: str | None = None
     # The last complete checkpoint, kept here so that reporting a write that never settled needs
     # no directory listing (on a hung disk that blocks too).
@@ -243,7 +268,9 @@ class Checkpointer:
     self._settle()
     if self._blocked(step):
       return False
-    self._partials.discard(step)  # written again: its tmp directory is this write's now
+    if step in self._buried:  # written again: orbax needs the directory back
+      self._buried.discard(step)
+      _remove_markers(self.directory, step)
     meta = {**meta, LAYOUT: model.PARAM_LAYOUT}
     if self._record_meta is not None:
       meta[RECORD] = self._record_meta
@@ -262,7 +289,6 @@ class Checkpointer:
 
   def _settle(self) -> None:
     """Wait (at most ``settle_timeout``) for the write in flight; record it if it failed."""
-    self._remove_partials()
     if self._pending is None:
       return
     step, self._pending = self._pending, None
@@ -305,8 +331,7 @@ class Checkpointer:
     return True
 
   def _failed(self, step, error: BaseException) -> None:
-    self._partials.add(step)
-    self._remove_partials()
+    self._bury(step)
     self._record(step, _brief(error))
 
   def _remove_tmp_directories(self) -> None:
@@ -315,18 +340,21 @@ class Checkpointer:
       for partial in glob.glob(pattern):
         shutil.rmtree(partial, ignore_errors=True)
 
-  def _remove_partials(self) -> None:
-    """Free the space of failed writes: their tmp directories are never checkpoints. Orbax
-    reports the first error of a write while tensorstore may still finish its other files, which
-    recreate the directory, so every later save, wait and close removes them again (one listing;
-    none while a write is known to hang: the disk may not answer)."""
-    if not self._partials or self._stuck is not None:
-      return
-    pattern = os.path.join(glob.escape(self.directory), "*.orbax-checkpoint-tmp*")
-    for partial in glob.glob(pattern):
-      step = os.path.basename(partial).split(".", 1)[0]
-      if step.isdigit() and int(step) in self._partials:
-        shutil.rmtree(partial, ignore_errors=True)
+  def _bury(self, step: int) -> None:
+    """Free the space of a failed write and keep it free: its tmp directory (never a checkpoint)
+    becomes an empty file. Orbax reports a write's first error while tensorstore goes on flushing
+    the write's other files, one after another for as long as its queue lasts (after ``close``
+    too), each creating the directories above it, and neither offers a way to wait for them:
+    through a file they fail (ENOTDIR), whenever they come. The canonical name is claimed even
+    when absent, as a flush may still create it."""
+    trash = os.path.join(self.directory, TRASH)
+    paths = {os.path.join(self.directory, f"{step}{TMP}"), *_tmp_paths(self.directory, step)}
+    for path in sorted(paths):
+      try:
+        _replace_by_marker(path, trash)
+      except OSError as e:
+        log.warning("the failed checkpoint %d's %s stays: %s", step, path, e)
+    self._buried.add(step)
 
   def _record(self, step: int, reason: str, reload: bool = True) -> None:
     self.failed.append(step)
@@ -359,13 +387,12 @@ class Checkpointer:
         raise
       except Exception as e:  # noqa: BLE001 - anything a damaged checkpoint raises in orbax
         _quiet_dropped_reads()
-        causes.append(f"step {s}: {_root_cause(e)}")
+        causes.append((s, _root_cause(e)))
         if step >= 0:
           break
-        log.error("checkpoint %d in %s does not read (%s); trying the one before", s, self.directory,
-                  _root_cause(e))  # fmt: skip
+        log_unreadable(self.directory, s, _root_cause(e))
         self._set_aside(s)
-    raise UnreadableCheckpoint(f"{self.directory}: no checkpoint reads ({'; '.join(causes)})")
+    raise UnreadableCheckpoint(self.directory, causes)
 
   def _set_aside(self, step: int) -> None:
     """Move the unreadable checkpoint ``step`` out of orbax's sight (a writer only)."""
@@ -444,7 +471,6 @@ class Checkpointer:
       return  # orbax's close would join the blocked threads: leave them (see ``unsettled``)
     _, error = self._orbax.call(self._mgr.close, self.settle_timeout)
     self._orbax.stop()
-    self._remove_partials()
     if error is not None:
       log.warning("closing the checkpoint manager: %s", _brief(error))
 
@@ -452,3 +478,47 @@ class Checkpointer:
 def _callers_meta(meta: dict) -> dict:
   """The metadata a caller saved, without the Checkpointer's own keys."""
   return {k: v for k, v in meta.items() if k not in (LAYOUT, RECORD)}
+
+
+def _tmp_paths(directory: str, step: int | None = None) -> list[str]:
+  """Orbax's tmp directories (or ``_bury``'s markers) of ``step`` (None: of every step)."""
+  name = "*" if step is None else str(step)
+  return glob.glob(os.path.join(glob.escape(directory), f"{name}{TMP}*"))
+
+
+def _replace_by_marker(path: str, trash: str) -> None:
+  """An empty file at ``path``; a directory there first leaves by one rename into ``trash`` (a
+  flush inside it at that moment ends up there, not at ``path``) and is removed once the file
+  stands, when nothing can enter it any more (or, the file refused, to free its space anyway)."""
+  moved = []
+  try:
+    for _ in range(_BURY_ATTEMPTS):
+      try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        return
+      except FileExistsError:
+        if not os.path.isdir(path) or os.path.islink(path):
+          return  # a marker already (another process of the run put it there)
+      os.makedirs(trash, exist_ok=True)
+      aside = os.path.join(trash, f"{os.path.basename(path)}.{uuid.uuid4().hex}")
+      try:
+        os.rename(path, aside)
+        moved.append(aside)
+      except FileNotFoundError:  # moved by another process, or the trash emptied meanwhile
+        continue
+    raise OSError(f"it came back {_BURY_ATTEMPTS} times")
+  finally:
+    for aside in moved:
+      shutil.rmtree(aside, ignore_errors=True)
+    with contextlib.suppress(OSError):  # the trash, unless something else is on its way out
+      os.rmdir(trash)
+
+
+def _remove_markers(directory: str, step: int | None = None) -> None:
+  """Remove ``_bury``'s markers (of ``step``; None: all), leaving orbax's tmp directories."""
+  for path in _tmp_paths(directory, step):
+    if os.path.isfile(path) and not os.path.islink(path):
+      try:
+        os.unlink(path)
+      except (FileNotFoundError, IsADirectoryError):  # another process of the run was first
+        pass

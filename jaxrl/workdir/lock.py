@@ -6,9 +6,12 @@ state; the second is refused (``WorkdirBusy``, naming the holder: pid, host, sta
 the holder writes into the file). The kernel releases a ``flock`` when its process ends, however
 it ends (SIGKILL included), so a lock file left behind by a dead run is simply taken over: there
 is no stale lock to clean. Readers (``jaxrl-eval``, ``jaxrl-export``) take no lock: they may run
-beside a trainer. In a multi-process run process 0 holds it for the job (the others write only
-their own logs). ``flock`` is local to a host: on a network filesystem whose locks do not reach
-other hosts, two jobs on different hosts are not kept apart.
+beside a trainer. In a multi-process run process 0 holds it for the job: the processes of one job
+are one trainer and share the directory (they write each checkpoint together), and a lock per
+process would let through a second job's processes that the first has no counterpart of. So a
+second job is refused as a whole at its process 0, which its other processes wait for before they
+write anything (``train_cli``). ``flock`` is local to a host: on a network filesystem whose locks
+do not reach other hosts, two jobs on different hosts are not kept apart.
 """
 
 from __future__ import annotations
