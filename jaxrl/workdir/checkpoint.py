@@ -145,14 +145,24 @@ def _root_cause(error: BaseException) -> str:
 
 
 # Orbax reads a checkpoint's arrays in coroutines; when one read fails, the others are dropped
-# unfinished and each prints its own traceback as it is collected (hundreds of lines). A damaged
-# checkpoint is reported once, by ``newest_readable``: those are silenced.
+# unfinished and each prints its own traceback as it is collected, or as tensorstore's callback
+# finds the read's event loop closed (hundreds of lines, more under load). A damaged checkpoint is
+# reported once, by ``newest_readable``: those are silenced (only once a read has failed).
 _READ_COROUTINE = "_read_array_index_and_device_put"
+
+
+def _dropped_read(unraisable) -> bool:
+  """A dropped read's own report: its coroutine collected, or its tensorstore callback finding
+  the read's event loop already closed."""
+  if getattr(unraisable.object, "__name__", None) == _READ_COROUTINE:
+    return True
+  error = unraisable.exc_value
+  return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
 
 
 def _quiet_unraisable(previous):
   def hook(unraisable):
-    if getattr(unraisable.object, "__name__", None) != _READ_COROUTINE:
+    if not _dropped_read(unraisable):
       previous(unraisable)
 
   hook.quiets_orbax_reads = True
