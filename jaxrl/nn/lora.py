@@ -140,12 +140,18 @@ def fingerprint(params) -> list[list[int]]:
   return [[int(v) for v in s] for s in distributed.to_host(bit_sums(base))]
 
 
+class BaseMismatch(ValueError):
+  """A LoRA checkpoint read onto another base than its adapters were trained on: the checkpoint is
+  whole, the run's setup differs (never a damaged checkpoint to fall back past)."""
+
+
 def check_base(saved: list | None, params, where: str) -> None:
-  """Raise unless ``params``' base has the ``saved`` fingerprint (a LoRA checkpoint's)."""
+  """Raise ``BaseMismatch`` unless ``params``' base has the ``saved`` fingerprint (a LoRA
+  checkpoint's)."""
   if saved is None:
-    raise ValueError(f"{where}: the checkpoint has no LoRA adapters (written with rank 0?)")
+    raise BaseMismatch(f"{where}: the checkpoint has no LoRA adapters (written with rank 0?)")
   if saved != fingerprint(params):
-    raise ValueError(
+    raise BaseMismatch(
       f"{where}: the checkpoint's LoRA adapters were trained on another base model than the one "
       "rebuilt here (did the warm start or model.checkpoint change, or model.param_dtype?)"
     )

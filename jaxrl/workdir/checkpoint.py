@@ -49,7 +49,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from jaxrl.nn import model
+from jaxrl.nn import lora, model
 
 log = logging.getLogger(__name__)
 
@@ -386,14 +386,15 @@ class Checkpointer:
     does not (a truncated or missing file, broken JSON) is logged in one line naming the step and
     the cause; a writer moves it aside (``unreadable-N``, kept for a look, never a checkpoint
     again) so the run writes that step anew. ``step`` >= 0: that checkpoint alone, its failure
-    an ``UnreadableCheckpoint``. A params layout of another jaxrl (``StaleLayout``) is raised as
-    it is: the step is whole, only another jaxrl reads it."""
+    an ``UnreadableCheckpoint``. A params layout of another jaxrl (``StaleLayout``) or adapters
+    trained on another base (``lora.BaseMismatch``) are raised as they are: the step is whole,
+    only another setup reads it, and it is never set aside."""
     steps = [step] if step >= 0 else sorted(self.all_steps(), reverse=True)
     causes = []
     for s in steps:
       try:
         return s, read(s)
-      except StaleLayout:
+      except (StaleLayout, lora.BaseMismatch):  # whole checkpoints another setup cannot read
         raise
       except Exception as e:  # noqa: BLE001 - anything a damaged checkpoint raises in orbax
         _quiet_dropped_reads()
