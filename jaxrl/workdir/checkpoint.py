@@ -40,6 +40,7 @@ import re
 import shutil
 import sys
 import threading
+import warnings
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -156,8 +157,42 @@ def _dropped_read(unraisable) -> bool:
   the read's event loop already closed."""
   if getattr(unraisable.object, "__name__", None) == _READ_COROUTINE:
     return True
-  error = unraisable.exc_value
-  return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+  return _dropped_read_error(unraisable.exc_value)
+
+
+def _dropped_read_error(error) -> bool:
+  """An error raised in a dropped read (its coroutine in the traceback) or by its callback."""
+  if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+    return True
+  tb = getattr(error, "__traceback__", None)
+  while tb is not None:
+    if tb.tb_frame.f_code.co_name == _READ_COROUTINE:
+      return True
+    tb = tb.tb_next
+  cause = getattr(error, "__cause__", None)
+  return cause is not None and _dropped_read_error(cause)
+
+
+class _DroppedReadFilter(logging.Filter):
+  """asyncio logs a dropped read's task as "exception was never retrieved" when it is collected."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    context = getattr(record, "msg", "")
+    return not (error is not None and _dropped_read_error(error)) and _READ_COROUTINE not in str(
+      context
+    )
+
+
+def _quiet_excepthook(previous):
+  """tensorstore's threads print what its Python callbacks raise through ``sys.excepthook``."""
+
+  def hook(kind, error, tb):
+    if not _dropped_read_error(error):
+      previous(kind, error, tb)
+
+  hook.quiets_orbax_reads = True
+  return hook
 
 
 def _quiet_unraisable(previous):
@@ -170,8 +205,17 @@ def _quiet_unraisable(previous):
 
 
 def _quiet_dropped_reads() -> None:
+  """Install the filters (before a read: a failing read's callbacks report at once, from
+  tensorstore's threads) and collect what a failed read dropped."""
   if not getattr(sys.unraisablehook, "quiets_orbax_reads", False):
     sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
+  if not getattr(sys.excepthook, "quiets_orbax_reads", False):
+    sys.excepthook = _quiet_excepthook(sys.excepthook)
+  # ... and Python's "coroutine ... was never awaited" for the reads never started
+  warnings.filterwarnings("ignore", message=f"coroutine '{_READ_COROUTINE}' was never awaited")
+  asyncio_log = logging.getLogger("asyncio")  # "Task exception was never retrieved"
+  if not any(isinstance(f, _DroppedReadFilter) for f in asyncio_log.filters):
+    asyncio_log.addFilter(_DroppedReadFilter())
   gc.collect()  # collect the dropped reads now, under the hook
 
 
@@ -391,6 +435,7 @@ class Checkpointer:
     only another setup reads it, and it is never set aside."""
     steps = [step] if step >= 0 else sorted(self.all_steps(), reverse=True)
     causes = []
+    _quiet_dropped_reads()  # before the first read: a failing one reports from other threads
     for s in steps:
       try:
         return s, read(s)
