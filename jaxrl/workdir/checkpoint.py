@@ -40,8 +40,8 @@ import re
 import shutil
 import sys
 import threading
-import warnings
 import uuid
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
