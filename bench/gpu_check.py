@@ -777,7 +777,7 @@ def stage_lora_vs_plan(ctx: Stage) -> None:
   from jaxrl.rl import step
   from jaxrl.rl.losses import LossHparams
   from jaxrl.rl.programs import Programs, reference_copy
-  from jaxrl.run import plan, plan_report
+  from jaxrl.run import plan
   from jaxrl.types import Rollouts
 
   cfg = _lora_config(ctx)
@@ -786,9 +786,8 @@ def stage_lora_vs_plan(ctx: Stage) -> None:
   ctx.report(device=_device(), config="configs/qwen7b.py:lora", rows=R, prompt=P, response=N)
   the_plan = plan.build(cfg, rollout_side=False)
   ph = the_plan.phases[0]
-  grads = plan_report._grad_copies(pc) * the_plan.trained
   ctx.report(
-    plan_estimate_bytes=the_plan.state + grads + ph.activations.total,
+    plan_estimate_bytes=the_plan.train_peak(ph),
     plan_compiled_peak_bytes=ph.compiled[0].peak if ph.compiled else None,
     plan_state_bytes=the_plan.state,
     plan_skipped=the_plan.skipped,
