@@ -97,15 +97,21 @@ class Study:
   eval_every: int
   eval_samples: int
   variant: str = ""  # one more variant of configs/tiny.py for every cell (a size: "test")
+  # name -> (configs/tiny.py preset, --config overrides): the study's arms
+  arms: dict = dataclasses.field(default_factory=lambda: METHODS)
+  settings: tuple[str, ...] = ()  # --config overrides every cell shares, before its arm's
+  script: str = "bench/methods_study.py"  # the command that runs one cell (``command``)
+  series_keys: tuple[str, ...] = study_figures.SERIES_KEYS  # per-step metrics a record keeps
+  records: str = ""  # where finished cells' records go ("": ROOT/cells.jsonl)
 
   def config(self, method: str, task: str) -> str:
-    parts = [METHODS[method][0], TASKS[task], self.variant]
+    parts = [self.arms[method][0], TASKS[task], self.variant]
     return "configs/tiny.py:" + ",".join(p for p in parts if p)
 
   def overrides(self, method: str) -> tuple[str, ...]:
     ks = ",".join(str(k) for k in KS if k <= self.eval_samples)
     evaluation = (f"eval.num_samples={self.eval_samples}", f"eval.ks={ks}")
-    return (*METHODS[method][1], *evaluation, f"eval.every={self.eval_every}")
+    return (*self.settings, *self.arms[method][1], *evaluation, f"eval.every={self.eval_every}")
 
   def workdir(self, method: str, task: str, seed: int) -> str:
     return os.path.join(self.root, task, f"{method}_s{seed}")
@@ -113,7 +119,7 @@ class Study:
   def command(self, method: str, task: str, seed: int, root: str | None = None) -> str:
     """The command line that runs this one cell (under ``root``: by default this study's)."""
     args = [
-      "bench/methods_study.py", "--root", root or self.root, "--steps", str(self.steps),
+      self.script, "--root", root or self.root, "--steps", str(self.steps),
       "--eval-every", str(self.eval_every), "--eval-samples", str(self.eval_samples),
       *(["--variant", self.variant] if self.variant else []), "--only", method, task, str(seed),
     ]  # fmt: skip
@@ -123,7 +129,7 @@ class Study:
 def run_cell(study: Study, method: str, task: str, seed: int) -> str:
   """Trains the cell unless it is finished, from the warm start of the (task, seed) when one of
   its cells has made it."""
-  made = (study.workdir(m, task, seed) for m in METHODS)
+  made = (study.workdir(m, task, seed) for m in study.arms)
   warm = next((w for w in made if os.path.exists(os.path.join(w, "eval_sft.json"))), None)
   workdir = study.workdir(method, task, seed)
   config, overrides = study.config(method, task), study.overrides(method)
@@ -174,7 +180,7 @@ def cell_record(study: Study, method: str, task: str, seed: int, jobs: int = 1) 
     rl_seconds=float(sum(r["step_time"] for r in rows)),
     zero_adv_share=1.0 - sum(r["informative_frac"] for r in rows) / len(rows),
     evals=evals,
-    series=step_series(rows),
+    series=step_series(rows, study.series_keys),
     machine=study_report.machine(),
     jobs=jobs,
   )
@@ -188,10 +194,10 @@ def _value(v) -> float | None:
   return None
 
 
-def step_series(rows: list[dict]) -> dict:
-  """Per ``study_figures.SERIES_KEYS`` metric, its value at each of the steps ``rows`` (1..T);
-  a metric the run never gave a value is left out."""
-  series = {key: [_value(r.get(key)) for r in rows] for key in study_figures.SERIES_KEYS}
+def step_series(rows: list[dict], keys=study_figures.SERIES_KEYS) -> dict:
+  """Per metric of ``keys``, its value at each of the steps ``rows`` (1..T); a metric the run
+  never gave a value is left out."""
+  series = {key: [_value(r.get(key)) for r in rows] for key in keys}
   return {k: v for k, v in series.items() if any(x is not None for x in v)}
 
 
@@ -200,7 +206,8 @@ class Cells:
   threads)."""
 
   def __init__(self, study: Study):
-    self.study, self.path, self.lock = study, os.path.join(study.root, CELLS), threading.Lock()
+    path = study.records or os.path.join(study.root, CELLS)
+    self.study, self.path, self.lock = study, path, threading.Lock()
     self.records = read_jsonl(self.path) if os.path.exists(self.path) else []
 
   def find(self, cell: tuple) -> dict | None:

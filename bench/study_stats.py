@@ -58,3 +58,36 @@ def at_budget(tokens_E, values_ExQ, budget: float) -> np.ndarray:
     return values_ExQ[hi]
   w = (budget - tokens_E[lo]) / (tokens_E[hi] - tokens_E[lo])
   return (1 - w) * values_ExQ[lo] + w * values_ExQ[hi]
+
+
+def paired_t(d_S, level: float = 0.95) -> tuple[float, float, float, float]:
+  """Mean of the per-seed differences ``d_S``, its two-sided Student t-interval (n − 1 degrees
+  of freedom) and the two-sided p-value of mean 0: (mean, lower, upper, p). NaN interval and p
+  with fewer than 2 seeds; a zero spread gives a zero-width interval (p 0, or 1 at mean 0)."""
+  from scipy import stats
+
+  d_S = np.asarray(d_S, np.float64)
+  n, mean = len(d_S), float(np.mean(d_S)) if len(d_S) else float("nan")
+  if n < 2:
+    return mean, float("nan"), float("nan"), float("nan")
+  se = float(np.std(d_S, ddof=1) / np.sqrt(n))
+  half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * se
+  if se == 0.0:
+    return mean, mean, mean, 1.0 if mean == 0.0 else 0.0
+  p = float(2 * stats.t.sf(abs(mean) / se, n - 1))
+  return mean, mean - half, mean + half, p
+
+
+def holm(p_M) -> np.ndarray:
+  """Holm–Bonferroni adjusted p-values of the family ``p_M`` (reject where adjusted < α: the
+  family-wise error rate is at most α). NaN p-values stay NaN and do not count in the family."""
+  p_M = np.asarray(p_M, np.float64)
+  out = np.full_like(p_M, np.nan)
+  ok = np.flatnonzero(~np.isnan(p_M))
+  m = len(ok)
+  order = ok[np.argsort(p_M[ok], kind="stable")]
+  running = 0.0
+  for rank, i in enumerate(order):
+    running = max(running, min(1.0, (m - rank) * p_M[i]))
+    out[i] = running
+  return out

@@ -96,6 +96,8 @@ def two_stage_rollouts(
   metrics = {
     "eepo_gate": float(bool(fire)),
     "eepo_unlearn_loss": float(unlearn),
+    # the forgetting step's compute: each stage-1 model token forwarded and differentiated once
+    "eepo_unlearn_tokens": float(jnp.sum(out1.loss_mask_RxN)) if bool(fire) else 0.0,
     "entropy_stage1": h1,
     "entropy_stage2": h2,
     "eepo_entropy_ratio": eepo_entropy_ratio(h1, h2, fire),
