@@ -38,6 +38,7 @@ TIMING = {
   "update_seconds",
   "wall_time",
   "train_tok_s",
+  "train_raw_tok_s",
   "train_mfu",
   "step_time",
   "compiles_update",

@@ -51,5 +51,6 @@ def test_a_known_peak_logs_train_mfu(tmp_path):
   assert "train_mfu" not in row  # CPU: no peak known
   ctx = dataclasses.replace(ctx, peak_flops=1e9)
   _, row = rl_step(ctx, copy(loop), 0)
-  expected = ctx.update_flops(0) / row["update_seconds"] / 1e9
+  useful = row["train_tok_s"] / row["train_raw_tok_s"]  # the share of positions not padding
+  expected = ctx.update_flops(0) * useful / row["update_seconds"] / 1e9
   assert row["train_mfu"] == pytest.approx(expected, rel=1e-6) and row["train_mfu"] > 0

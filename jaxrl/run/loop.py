@@ -33,7 +33,7 @@ from jaxrl.rl.step import rl_update
 from jaxrl.rollout import dynamic, multiturn
 from jaxrl.rollout.collect import Collector, token_mean_entropy
 from jaxrl.rollout.sampler import sample_program
-from jaxrl.run import batches, diagnostics, mfu, records
+from jaxrl.run import batches, clock, diagnostics, mfu, records
 from jaxrl.run.compiles import CompileCounter
 from jaxrl.tasks.data.cursor import Mixture, MixtureCursor, next_mixture_batch
 from jaxrl.tasks.task import TaskData
@@ -414,8 +414,8 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
   train, update = rt.update(
     loop.train, sharding.shard_batch(rollouts, ctx.programs.mesh), hp, ctx.ref_params
   )
+  t3 = clock.ready_at(train, update)  # the new params too: the optimizer's work ends the update
   update = distributed.to_host(update)
-  t3 = time.time()
   ctl = dataclasses.replace(
     ctl,
     temperature=methods.update_temperature(ctl.temperature, h_t),
@@ -445,7 +445,8 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
       **batch.metrics,
       **got.metrics,
       "rollout_staleness": float(i - batch.issue.version),
-      **_mfu(ctx, batch.issue.phase, t3 - t2),
+      **records.update_rates(rollouts, t3 - t2),
+      **_mfu(ctx, batch.issue.phase, t3 - t2, rollouts),
       **measured,
     },
   )
@@ -456,10 +457,14 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
   return dataclasses.replace(loop, train=train, stats=got.stats, controllers=ctl), record
 
 
-def _mfu(ctx: StepContext, phase: int, seconds: float) -> dict:
+def _mfu(ctx: StepContext, phase: int, seconds: float, rollouts) -> dict:
+  """The update's model FLOPs utilisation, of its useful FLOPs: XLA's count over the padded rows,
+  scaled by the share of their positions that are not padding (padding is compute, not model
+  work)."""
   if ctx.peak_flops is None:  # CPU, unless log.peak_tflops says otherwise
     return {}
-  flops = ctx.update_flops(phase)
+  useful, raw = records.useful_and_raw_tokens(rollouts)
+  flops = ctx.update_flops(phase) * useful / raw
   return {"train_mfu": mfu.mfu(flops, seconds, ctx.peak_flops, ctx.programs.mesh.size)}
 
 

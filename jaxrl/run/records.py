@@ -29,6 +29,23 @@ def generated_tokens(rollouts) -> float:
   return float(np.asarray(rollouts.loss_mask_RxN).sum())
 
 
+def useful_and_raw_tokens(rollouts) -> tuple[float, float]:
+  """The update's tokens that are not padding (the prompts' and responses') and every position of
+  its ``[R, P + N]`` rows."""
+  prompt_RxP, mask_RxN = np.asarray(rollouts.prompt_mask_RxP), np.asarray(rollouts.mask_RxN)
+  useful = float(prompt_RxP.sum() + mask_RxN.sum())
+  return useful, float(prompt_RxP.size + mask_RxN.size)
+
+
+def update_rates(rollouts, seconds: float) -> dict:
+  """The update's throughputs over every row it processed: of the tokens that are not padding
+  (``train_tok_s``: prompts' and responses') and of every position its ``[R, P + N]`` rows hold
+  (``train_raw_tok_s``)."""
+  useful, raw = useful_and_raw_tokens(rollouts)
+  seconds = max(seconds, 1e-9)
+  return {"train_tok_s": useful / seconds, "train_raw_tok_s": raw / seconds}
+
+
 def allocation_metrics(counts_B) -> dict:
   """How the step's rollout budget was spread over its questions."""
   counts = np.asarray(counts_B)
@@ -93,8 +110,8 @@ def step_record(
   mask = np.asarray(rollouts.mask_RxN)
   tokens = float(mask.sum())
   model_tokens = float(np.asarray(rollouts.loss_mask_RxN).sum())
-  prompt_tokens = mask.shape[0] * rollouts.prompt_ids_RxP.shape[1]
   t0, t1, t2, t3 = times
+  rollout_s = max(extra.get("rollout_seconds", t1 - t0), 1e-9)
   return dict(
     update,
     reward=float(rewards_R.mean()) if len(rewards_R) else float("nan"),
@@ -104,10 +121,10 @@ def step_record(
     model_tokens_mean=model_tokens / rows,
     **decisions,
     **allocation_metrics(counts_B),
-    # the engine's rate while generating; the trainer's wait for the batch (0 when it was ready)
-    rollout_tok_s=tokens / max(extra.get("rollout_seconds", t1 - t0), 1e-9),
+    # the engine's rate while generating (response tokens, not padding); the trainer's wait for
+    # the batch (0 when it was ready)
+    rollout_tok_s=tokens / rollout_s,
     rollout_wait_s=t1 - t0,
-    train_tok_s=(tokens + prompt_tokens) / max(t3 - t2, 1e-9),
     update_seconds=t3 - t2,
     step_time=t3 - t0,
     wall_time=t3,  # when the update finished (steps per second across rows)
