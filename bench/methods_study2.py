@@ -23,6 +23,8 @@ import concurrent.futures as cf
 import glob
 import json
 import os
+import shlex
+import subprocess
 import sys
 import threading
 
@@ -34,6 +36,10 @@ from bench.methods_study import Study, cell_key, cell_record, run_cell  # noqa: 
 from bench.study_report import machine  # noqa: E402
 from jaxrl.workdir.metric_writers import read_jsonl  # noqa: E402
 
+# the code every cell of this harness runs (a study runs from one commit, e.g. a worktree of it)
+COMMIT = subprocess.run(
+  ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+).stdout.strip()
 STEPS, EVAL_EVERY, EVAL_SAMPLES = 400, 100, 32
 SETTINGS = ("task.num_train_per_level=60", "task.num_heldout_per_level=48")
 TASKS = ("countdown", "arithmetic")  # primary, secondary (exploratory)
@@ -103,6 +109,14 @@ def study(root: str, records: str, arms: dict, steps: int = STEPS, variant: str 
   )
 
 
+def command(st: Study, arm: str, task: str, seed: int) -> str:
+  """The command line that reruns this one cell (``run --only``)."""
+  extra = ["--steps", str(st.steps)] if st.steps != STEPS else []
+  extra += ["--variant", st.variant] if st.variant else []
+  args = ["bench/methods_study2.py", "run", "--root", st.root, *extra, "--only", arm, task, seed]
+  return "PYTHONPATH=. .venv/bin/python " + shlex.join(map(str, args))
+
+
 def warm_start_made(root: str, task: str, seed: int) -> bool:
   """Whether a cell of (task, seed) has made the SFT warm start the others copy."""
   return bool(glob.glob(os.path.join(root, task, f"*_s{seed}", "eval_sft.json")))
@@ -137,6 +151,7 @@ def run_cells(items: list[tuple[Study, tuple]], jobs: int) -> list[dict]:
       try:
         run_cell(st, *cell)
         rec = cell_record(st, *cell, jobs=jobs)
+        rec.update(commit=COMMIT, command=command(st, *cell))
         with write, open(st.records, "a") as f:
           f.write(json.dumps(rec) + "\n")
         done[i] = rec
@@ -212,26 +227,27 @@ def main(argv=None):
     records = run_cells(cells, args.jobs)
     write_calibration(args.calibration, {t: calibration(records, t) for t in args.tasks})
     return
+  if args.phase == "run" and args.only:  # a phase-A cell too, before the calibration exists
+    arm, task, seed = args.only
+    cal = read_calibration(args.calibration) if arm not in PHASE_A else None
+    arms = {**PHASE_A, **(arms_for(cal, task) if cal else {})}
+    run_cells(
+      [(study(args.root, args.records, arms, args.steps, args.variant), (arm, task, int(seed)))], 1
+    )
+    return
   cal = read_calibration(args.calibration)
-  if args.phase == "run":
-    if args.only:
-      arm, task, seed = args.only
-      cells = [
-        (
-          study(args.root, args.records, arms_for(cal, task), args.steps, args.variant),
-          (arm, task, int(seed)),
-        )
-      ]
-    else:  # seed by seed, primary first: a seed's paired comparisons complete together
-      cells = [
-        (
-          study(args.root, args.records, arms_for(cal, task), args.steps, args.variant),
-          (arm, task, seed),
-        )
-        for task in args.tasks
-        for seed in args.seeds or SEEDS[task]
-        for arm in args.arms or arms_for(cal, task)
-      ]
+  if (
+    args.phase == "run"
+  ):  # seed by seed, primary first: a seed's paired comparisons complete together
+    cells = [
+      (
+        study(args.root, args.records, arms_for(cal, task), args.steps, args.variant),
+        (arm, task, seed),
+      )
+      for task in args.tasks
+      for seed in args.seeds or SEEDS[task]
+      for arm in args.arms or arms_for(cal, task)
+    ]
     run_cells(cells, args.jobs)
     return
   records = read_jsonl(args.records) if os.path.exists(args.records) else []
