@@ -225,7 +225,9 @@ def main(argv=None):
       for arm in PHASE_A
     ]
     records = run_cells(cells, args.jobs)
-    write_calibration(args.calibration, {t: calibration(records, t) for t in args.tasks})
+    cal = read_calibration(args.calibration) if os.path.exists(args.calibration + ".json") else {}
+    cal.update({t: calibration(records, t) for t in args.tasks})  # a task's own, once
+    write_calibration(args.calibration, cal)
     return
   if args.phase == "run" and args.only:  # a phase-A cell too, before the calibration exists
     arm, task, seed = args.only
