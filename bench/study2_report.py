@@ -19,6 +19,13 @@ ALPHA = 0.05
 NARROW = 0.01  # a feasible ES range narrower than this (nats): ε_high cannot steer entropy
 
 
+def _nanmean(x) -> float:
+  """The mean of the values that are not NaN; NaN (without a warning) when none is."""
+  x = np.asarray(x, np.float64)
+  x = x[~np.isnan(x)]
+  return float(x.mean()) if len(x) else float("nan")
+
+
 def _series(rec: dict, key: str) -> np.ndarray:
   """A per-step metric of the record, NaN where absent."""
   values = rec.get("series", {}).get(key)
@@ -37,7 +44,7 @@ def calibrate(recs_by_arm: dict) -> dict:
   decimals, with what they came from."""
 
   def tail(rec):
-    return float(np.nanmean(_series(rec, "entropy_rollout")[-100:]))
+    return _nanmean(_series(rec, "entropy_rollout")[-100:])
 
   ends = {arm: {r["seed"]: tail(r) for r in recs_by_arm[arm]} for arm in ("es_floor", "es_ceiling")}
   h_floor, h_ceiling = (float(np.mean(list(ends[a].values()))) for a in ("es_floor", "es_ceiling"))
@@ -102,7 +109,7 @@ def allocation_acted(rec: dict) -> tuple[float, float]:
 def tracking_error(rec: dict, target: float) -> float:
   """Mean |H_t − target| over ``ES_WINDOW``."""
   h = _series(rec, "entropy_rollout")[ES_WINDOW[0] - 1 : ES_WINDOW[1]]
-  return float(np.nanmean(np.abs(h - target)))
+  return _nanmean(np.abs(h - target))
 
 
 def clip_binds(rec: dict) -> float:
@@ -111,7 +118,7 @@ def clip_binds(rec: dict) -> float:
 
 
 def gate_fired(rec: dict) -> float:
-  return float(np.nanmean(_series(rec, "eepo_gate")))
+  return _nanmean(_series(rec, "eepo_gate"))
 
 
 def grad_var_ratios(rec: dict) -> np.ndarray:
@@ -253,8 +260,8 @@ def verdicts(recs: list[dict], cal: dict) -> list[str]:
   for name, c in prim.items():
     ok, why = testable[name]
     scale, digits = (1.0, 4) if name == "P4" else (100.0, 1)
-    if not c["seeds"]:
-      verdict = "not run"
+    if len(c["seeds"]) < 2:
+      verdict = f"{len(c['seeds'])} seed(s) so far: no interval yet"
     elif not ok:
       verdict = f"not testable here ({why})"
     else:
