@@ -237,23 +237,21 @@ def main(argv=None):
       [(study(args.root, args.records, arms, args.steps, args.variant), (arm, task, int(seed)))], 1
     )
     return
-  cal = read_calibration(args.calibration)
-  if (
-    args.phase == "run"
-  ):  # seed by seed, primary first: a seed's paired comparisons complete together
+  if args.phase == "run":  # seed by seed, primary first: a seed's comparisons complete together
+    cal = read_calibration(args.calibration)
     cells = [
-      (
-        study(args.root, args.records, arms_for(cal, task), args.steps, args.variant),
-        (arm, task, seed),
-      )
+      (study(args.root, args.records, arms_for(cal, task), args.steps, args.variant), cell)
       for task in args.tasks
       for seed in args.seeds or SEEDS[task]
-      for arm in args.arms or arms_for(cal, task)
+      for cell in ((arm, task, seed) for arm in args.arms or arms_for(cal, task))
     ]
     run_cells(cells, args.jobs)
     return
+  cal = read_calibration(args.calibration) if os.path.exists(args.calibration + ".json") else {}
   records = read_jsonl(args.records) if os.path.exists(args.records) else []
-  text = study2_report.report(records, cal, {t: arms_for(cal, t) for t in cal})
+  # a task not calibrated yet shows its phase-A arms
+  arms = {t: arms_for(cal, t) if t in cal else PHASE_A for t in args.tasks}
+  text = study2_report.report(records, cal, arms)
   with open(args.out, "w") as f:
     f.write(text)
   print(text)

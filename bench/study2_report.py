@@ -216,7 +216,7 @@ def _interval(c: dict, scale: float = 100.0, digits: int = 1) -> str:
   )
 
 
-def arm_table(recs: list[dict], arms: dict, cal: dict) -> list[str]:
+def arm_table(recs: list[dict], arms: dict) -> list[str]:
   lines = [
     "| arm | seeds | pass@1 | Δ pass@1 [95% t] | pass@32 | Δ pass@32 [95% t] | "
     "uneven counts (later steps) | gate fired | clip binds | tokens (M) |",
@@ -290,8 +290,17 @@ def report(records: list[dict], cal_by_task: dict, arms_by_task: dict) -> str:
     recs = [r for r in records if r["task"] == task]
     machines = sorted({r["machine"] for r in recs})
     kind = "primary" if task == PRIMARY_TASK else "secondary, exploratory"
-    lines += [f"## {task} ({kind})", "", f"Machines: {'; '.join(machines) or 'none yet'}.", ""]
-    lines += arm_table(recs, arms, cal_by_task[task]) + [""]
-    if task == PRIMARY_TASK:
+    questions = sorted({len(max(r["evals"], key=lambda e: e["step"])["correct"]) for r in recs})
+    lines += [
+      f"## {task} ({kind})",
+      "",
+      f"Machines: {'; '.join(machines) or 'none yet'}. Held-out questions per seed: "
+      f"{', '.join(map(str, questions)) or '—'}.",
+      "",
+    ]
+    if task not in cal_by_task:
+      lines += ["Phase A (calibration) under way: its arms so far.", ""]
+    lines += arm_table(recs, arms) + [""]
+    if task == PRIMARY_TASK and task in cal_by_task:
       lines += verdicts(recs, cal_by_task[task]) + [""]
   return "\n".join(lines)
