@@ -45,6 +45,7 @@ SETTINGS = ("task.num_train_per_level=60", "task.num_heldout_per_level=48")
 TASKS = ("countdown", "arithmetic")  # primary, secondary (exploratory)
 SEEDS = {"countdown": tuple(range(8)), "arithmetic": tuple(range(5))}
 CALIBRATION_SEEDS = (0, 1, 2)
+QUOTING = ("README.md", "docs/methods.md")  # the docs whose study numbers ``report`` renders
 # DynaMO's own diagnostic, in the arms whose counts can differ from uniform: its allocation's
 # gradient variance against uniform allocation at the same budget (training is unchanged by it).
 DIAGNOSTICS = ("diagnostics.grad_variance_every=50", "diagnostics.grad_variance_draws=32")
@@ -254,6 +255,11 @@ def main(argv=None):
   text = study2_report.report(records, cal, arms)
   with open(args.out, "w") as f:
     f.write(text)
+  for doc in QUOTING:  # the docs quote the records' numbers, rendered here
+    with open(os.path.join(ROOT, doc)) as f:
+      old = f.read()
+    with open(os.path.join(ROOT, doc), "w") as f:
+      f.write(study2_report.replace_quoted(old, study2_report.quoted(records, cal)))
   print(text)
 
 

@@ -304,3 +304,50 @@ def report(records: list[dict], cal_by_task: dict, arms_by_task: dict) -> str:
     if task == PRIMARY_TASK and task in cal_by_task:
       lines += verdicts(recs, cal_by_task[task]) + [""]
   return "\n".join(lines)
+
+
+# -- what README.md and docs/methods.md quote --------------------------------------------------------
+
+BEGIN, END = "<!-- methods study: rendered by bench/methods_study2.py report -->", "<!-- end -->"
+PAPERS = {"P1": "E3", "P2": "DynaMO", "P3": "EEPO (the paper's clip)", "P4": "Entropy Scheduling"}
+
+
+def quoted(records: list[dict], cal_by_task: dict) -> str:
+  """The study's state and verdicts as README.md and docs/methods.md quote them (between
+  ``BEGIN`` and ``END``), every number computed from the records."""
+  recs = [r for r in records if r["task"] == PRIMARY_TASK]
+  if PRIMARY_TASK not in cal_by_task:
+    return (
+      f"Phase A (calibration) is under way on {PRIMARY_TASK}: {len(recs)} of its "
+      f"{3 * 3} cells finished; no verdict yet."
+    )
+  cal = cal_by_task[PRIMARY_TASK]
+  prim, acted = primaries(recs, cal), mechanisms(recs, cal)
+  seeds = sorted({r["seed"] for r in recs if r["method"] == BASELINE})
+  lines = [
+    f"On {PRIMARY_TASK}, {len(recs)} cells so far ({len(seeds)} baseline seeds); ES's target "
+    f"{cal['es_target']:.3f} (reachable: {cal['h_floor']:.3f}–{cal['h_ceiling']:.3f}), EEPO's "
+    f"α {cal['eepo_alpha']:.3f}. Δ: the arm minus the baseline, paired by seed, 95% t-interval:"
+  ]
+  testable = {"P3": acted["eepo"], "P4": acted["es"]}
+  for name, c in prim.items():
+    scale, digits = (1.0, 4) if name == "P4" else (100.0, 1)
+    head = f"- **{PAPERS[name]}** (`{c['arm']}`, {c['metric']})"
+    if len(c["seeds"]) < 2:
+      lines.append(f"{head}: {len(c['seeds'])} seed(s) so far.")
+      continue
+    ok, why = testable.get(name, (True, ""))
+    verdict = (
+      f"not testable here ({why})"
+      if not ok
+      else ("reproduced" if c["rejects"] else "not reproduced")
+    )
+    lines.append(f"{head}: Δ {_interval(c, scale, digits)}, Holm p {c['p_holm']:.3g}: {verdict}.")
+  return "\n".join(lines)
+
+
+def replace_quoted(text: str, block: str) -> str:
+  """``text`` with what lies between ``BEGIN`` and ``END`` replaced by ``block``."""
+  head, rest = text.split(BEGIN, 1)
+  _, tail = rest.split(END, 1)
+  return f"{head}{BEGIN}\n{block}\n{END}{tail}"

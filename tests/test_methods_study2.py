@@ -2,6 +2,7 @@
 calibration, mechanism figures, paired comparisons and verdicts follow bench/study_protocol.md on
 records made up here."""
 
+import json
 import os
 import re
 import shlex
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from bench import methods_study2, study2_report
+from jaxrl.workdir.metric_writers import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 400
@@ -123,3 +125,32 @@ def test_a_cells_command_reruns_it_alone():
     ["es_floor", "countdown", "2"],
     400,
   )
+
+
+def test_the_docs_quote_the_study_as_its_records_say():
+  """README.md and docs/methods.md carry the study's numbers as ``report`` renders them from the
+  committed records: a record added without rendering again, or an edited number, fails here."""
+  results = os.path.join(ROOT, "bench", "results")
+  records_path = os.path.join(results, "methods_study2_cells.jsonl")
+  records = read_jsonl(records_path) if os.path.exists(records_path) else []
+  cal_path = os.path.join(results, "methods_study_calibration.json")
+  cal = json.load(open(cal_path)) if os.path.exists(cal_path) else {}
+  block = study2_report.quoted(records, cal)
+  for doc in methods_study2.QUOTING:
+    with open(os.path.join(ROOT, doc)) as f:
+      text = f.read()
+    assert study2_report.replace_quoted(text, block) == text, doc
+
+
+def test_the_quoted_verdicts_follow_the_records():
+  seeds = range(3)
+  recs = [_rec("baseline", s, correct=(10, 10)) for s in seeds]
+  recs += [_rec("e3", s, correct=(14, 14 + s)) for s in seeds]
+  cal = {
+    "countdown": dict(es_target=0.5, es_testable=True, h_floor=0.4, h_ceiling=0.6, eepo_alpha=1.2)
+  }
+  text = study2_report.quoted(recs, cal)
+  assert "ES's target 0.500 (reachable: 0.400–0.600), EEPO's α 1.200" in text
+  assert "- **E3** (`e3`, pass@1): Δ +14.1 [" in text  # (8 + s) / 64 over seeds 0–2: 9/64
+  assert "- **DynaMO** (`dynamo`, pass@1): 0 seed(s) so far." in text
+  assert study2_report.quoted(recs, {}).startswith("Phase A (calibration) is under way")
