@@ -93,7 +93,7 @@ def _row(r: dict, machines: list[str]) -> str:
     f"| {bench} | {size} | {r['rows']} | {length} | {remat} | {r['repeats']} | "
     f"{j[secs]:.2f} | {p[secs]:.2f} | "
     f"{j[rate]:,.0f} | {p[rate]:,.0f} | **{r['ratio']:.2f}** | {j['peak_rss_gib']:.1f} | "
-    f"{p['peak_rss_gib']:.1f} | {r.get('commit', 'before 6d50a55')} | "
+    f"{p['peak_rss_gib']:.1f} | {r.get('commit', '—')} | "
     f"{_machine_tag(machines, r['machine'])} |"
   )
 

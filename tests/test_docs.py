@@ -1,5 +1,5 @@
 """The docs a user has: every ``docs/algorithms.md §N`` cited in the code, tests, benchmarks and docs
-is a section of it, and nothing points outside the repository."""
+is a section of it, nothing points outside the repository, and the API example runs."""
 
 from __future__ import annotations
 
@@ -39,3 +39,16 @@ def test_every_cited_section_of_the_algorithms_doc_exists():
 def test_nothing_points_outside_the_repository():
   files = _files("jaxrl/**/*.py", "docs/*.md", "README.md", "WORKSPACE.md")
   assert not [f for f in files if "shared/" in open(f, encoding="utf-8").read()]
+
+
+def test_the_python_api_example_runs(tmp_path, capsys):
+  """docs/api.md's example, as a user would paste it (its run directory moved under tmp_path)."""
+  with open(os.path.join(ROOT, "docs", "api.md")) as f:
+    (code,) = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+  assert '"/tmp/api_run"' in code
+  exec(
+    compile(code.replace('"/tmp/api_run"', repr(str(tmp_path / "run"))), "docs/api.md", "exec"), {}
+  )
+  lines = capsys.readouterr().out.splitlines()
+  assert [line.split()[0] for line in lines] == ["1", "2", "3"]  # a row per step
+  assert all("'reward':" in line and "'tau':" in line for line in lines)

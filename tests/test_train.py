@@ -307,11 +307,7 @@ def traced(workdir) -> tuple[set[str], int]:
 
 # Metrics of step 2 of configs/tiny.py:test (seed 0, CPU, jax 0.10.2), pinned on purpose: a change
 # here is a behaviour change of the model, sampler, loss or optimizer, to be explained in review.
-# Re-pinned when the sampler moved from Gumbel-max draws to the inverse CDF (same distribution,
-# other tokens for a key): step 3, pinned before, now draws no correct answer (no gradient).
-# Re-pinned when every kernel came to be stored [out, in] (``model.PARAM_LAYOUT``): the same
-# weights and products, summed by other dot kernels; every discrete value stayed, grad_norm moved
-# 4.2e-3 relative, entropy 1.6e-3, entropy_rollout 9.6e-4, the loss (~1e-7, ~0) by 6e-8.
+# (Step 2, not 3: at step 3 the sampler draws no correct answer for this seed, so no gradient.)
 # Recorded on an AMD EPYC with AVX2.
 GOLDEN_STEP2 = {
   "reward": 0.0625,

@@ -2,7 +2,7 @@
 
 Each controller is a pure optax-style object from ``jaxrl.allocation`` / ``jaxrl.schedules``; this module
 only chooses them from the config, holds their states in one checkpointable pytree, and jits their
-per-step decisions (so a new value never recompiles). The loop in ``jaxrl.run.train`` calls, per step:
+per-step decisions (so a new value never recompiles). The loop (``jaxrl.run.loop.rl_step``) calls, per step:
 
   counts_B = allocate(...)           before sampling (E3 ranks / DynaMO priorities)
   τ_t      = temperature.current     before sampling; temperature.update(H_t) after it

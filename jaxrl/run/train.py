@@ -247,7 +247,7 @@ class Trainer:
         if self._stop is not None:  # a stop ends the evaluation; the next run does it again
           self._stop.check(f"evaluation {name} stopped: run the same command again", step)
 
-      # jaxrl-eval runs the same evaluation of a checkpoint (run/eval_cli.py: evaluate_task).
+      # jaxrl-eval runs the same evaluation of a checkpoint (run/heldout.py: evaluate_task).
       result = evaluate_task(self.engine, params, t, c, version=eval_version(step), on_call=on_call)
     if distributed.is_main():
       _write_json(path, {**result.to_json(), EVAL_KEY: key}, indent=None)

@@ -2,8 +2,7 @@
 
 A resumed run (after a preemption or a kill) or a repeated one loads its compiled programs — the
 train step, the sampler, the scoring and evaluation programs — from disk instead of compiling them
-again: minutes at 7B on GPUs; on a CPU, a 14-step ``configs/tiny.py:test`` run took 37 s with an
-empty cache and 22 s with the cache an earlier run filled (measured here). The cache is keyed by
+again (at 7B on GPUs, compiling takes minutes). The cache is keyed by
 the program, the compile options, the devices and the JAX version, so a stale entry is never used.
 JAX writes entries in place: a kill in the middle of a write leaves a truncated entry, which JAX
 reports ("Error reading persistent compilation cache entry ... truncated stream") and compiles
