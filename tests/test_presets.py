@@ -76,6 +76,8 @@ def test_preset_runs_without_recompiling(tmp_path, preset):
       assert x.get("eepo_gate") == 1.0 and "entropy_stage1" in x, x
       assert np.isfinite(x["entropy_stage1"]) and x["entropy_stage1"] > 0, x
       assert np.isfinite(x["eepo_unlearn_loss"]) and x["eepo_unlearn_loss"] < 0, x  # log(1 - p)
+      # the forgetting step's tokens: stage 1's model tokens, a part of the step's sampled ones
+      assert 0 < x["eepo_unlearn_tokens"] < x["generated_tokens"], x
   else:
     assert not any("eepo_gate" in x or "entropy_stage1" in x for x in r)
   paper_metrics(r, es=preset == "es", eepo=eepo)
