@@ -89,7 +89,7 @@ SHARD_SIZE = "100KB"
 def tiny_hf_config(kind: str, tie: bool, **overrides):
   """The transformers config of a tiny ``kind`` model ("qwen2", "qwen3" or "llama")."""
   config_cls, _, extra = _KINDS[kind]
-  return config_cls(**_COMMON, **{**extra, **overrides}, tie_word_embeddings=tie, dtype="float32")
+  return config_cls(**{**_COMMON, **extra, **overrides}, tie_word_embeddings=tie, dtype="float32")
 
 
 @torch.no_grad()
@@ -128,11 +128,13 @@ _SCORE_CLASSES = {
 REWARD_PAD_ID = 0
 
 
-def make_tiny_hf_reward_model(kind: str, out_dir, seed: int = 0) -> pathlib.Path:
+def make_tiny_hf_reward_model(kind: str, out_dir, seed: int = 0, **overrides) -> pathlib.Path:
   """Save a random tiny ``{Qwen2,Qwen3,Llama}ForSequenceClassification`` with one label (float32,
-  sharded safetensors) into ``out_dir``; return it."""
+  sharded safetensors) into ``out_dir``; return it. ``overrides`` change its config."""
   torch.manual_seed(seed)
-  config = tiny_hf_config(kind, False, num_labels=1, pad_token_id=REWARD_PAD_ID)
+  config = tiny_hf_config(
+    kind, False, **{"num_labels": 1, "pad_token_id": REWARD_PAD_ID, **overrides}
+  )
   model = _away_from_defaults(_SCORE_CLASSES[kind](config).eval())
   out = pathlib.Path(out_dir)
   model.save_pretrained(out, max_shard_size=SHARD_SIZE)

@@ -15,6 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import hf_fixtures  # noqa: E402
 import jax  # noqa: E402
+import math_fixtures  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -23,6 +24,7 @@ from rounding import logits_atol  # noqa: E402
 
 from jaxrl.nn import reward_model  # noqa: E402
 from jaxrl.parallel import sharding  # noqa: E402
+from jaxrl.tasks.rewards.terms import ModelTerm  # noqa: E402
 
 PAD = hf_fixtures.REWARD_PAD_ID
 
@@ -110,3 +112,52 @@ def test_more_than_one_label_is_refused(rm_dirs, tmp_path):
   (tmp_path / "config.json").write_text(json.dumps(config))
   with pytest.raises(ValueError, match="one label, config.json has 2"):
     reward_model.reward_model_config(tmp_path)
+
+
+# --- the reward model as a reward term ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rm_with_tokenizer(tmp_path_factory):
+  """A tiny Qwen2 reward model saved with a ChatML tokenizer (its pad token is id 0)."""
+  tok = math_fixtures.make_tokenizer("chatml")
+  assert tok.pad_token_id == PAD
+  path = hf_fixtures.make_tiny_hf_reward_model(
+    "qwen2", tmp_path_factory.mktemp("rm_tok"), vocab_size=len(tok)
+  )
+  tok.save_pretrained(path)
+  return path, transformers.AutoTokenizer.from_pretrained(path)  # the tokenizer as a run reads it
+
+
+PROMPTS = [q for q, _ in math_fixtures.PROBLEMS[:6]]
+COMPLETIONS = ["5", "The answer is \\boxed{42}.", "", "x = 6", "-3", "0.75 " * 8]
+
+
+def test_model_term_scores_the_chat_as_transformers_does(rm_with_tokenizer):
+  """Prompt as the user's turn, response as the assistant's, through the chat template; scored in
+  chunks of 4 rows (the last padded): each as transformers scores that text alone."""
+  path, tok = rm_with_tokenizer
+  term = ModelTerm(str(path), None, "float32", max_tokens=512, rows=4)
+  ours = term(PROMPTS, COMPLETIONS, [""] * 6)
+  assert term.truncated == 0
+  ref = []
+  for p, c in zip(PROMPTS, COMPLETIONS):
+    chat = [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+    ids = tok(tok.apply_chat_template(chat, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert ids[:1] == [tok.convert_tokens_to_ids("<|im_start|>")]
+    ref.append(hf_scores(path, np.array([ids]), np.ones((1, len(ids)), bool))[0])
+  ref = np.array(ref)
+  assert np.std(ref) > 0.1
+  np.testing.assert_allclose(ours, ref, rtol=0, atol=logits_atol(term.model.cfg, ref, 64))
+
+
+def test_model_term_keeps_the_last_tokens_of_a_long_input(rm_with_tokenizer):
+  path, tok = rm_with_tokenizer
+  term = ModelTerm(str(path), None, "float32", max_tokens=8, rows=4)
+  ours = term(PROMPTS[:2], COMPLETIONS[:2], [""] * 2)
+  assert term.truncated == 2
+  ref = []
+  for p, c in zip(PROMPTS[:2], COMPLETIONS[:2]):
+    ids = term.token_ids(p, c)[-8:]
+    ref.append(hf_scores(path, np.array([ids]), np.ones((1, 8), bool))[0])
+  np.testing.assert_allclose(ours, ref, rtol=0, atol=logits_atol(term.model.cfg, np.array(ref), 8))

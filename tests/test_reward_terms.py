@@ -11,6 +11,8 @@ import pytest
 
 from jaxrl.config import ConfigError, TermSpec, default_configdict, from_configdict, parse_terms
 from jaxrl.tasks.rewards.combine import combine_terms
+from jaxrl.tasks.rewards.pool import RewardFnError, VerifyResult
+from jaxrl.tasks.rewards.terms import build_terms, term_means
 
 N = math.nan
 # docs/algorithms.md §13: two terms over six answers to two questions; None as NaN.
@@ -123,3 +125,79 @@ def test_bad_combine_arguments():
     combine_terms(VALUES_KxR, [1.0], GROUPS_R, 2, "sum-then-normalise")
   with pytest.raises(ValueError, match="rule 'mean' is not one of"):
     combine_terms(VALUES_KxR, WEIGHTS_K, GROUPS_R, 2, "mean")
+
+
+# --- the terms at run time -----------------------------------------------------------------------
+
+
+def _terms(spec, rule="sum-then-normalise"):
+  cd = default_configdict()
+  cd.reward.terms, cd.reward.combine = spec, rule
+  return build_terms(from_configdict(cd))
+
+
+def _verified(rewards_R, scored_R):
+  n = len(rewards_R) - int(np.sum(scored_R))
+  return VerifyResult(np.asarray(rewards_R, np.float32), n, 0, 0, 0, None, np.asarray(scored_R))
+
+
+def test_no_terms_is_the_verifier_alone():
+  assert _terms("") is None
+
+
+def test_callable_terms_sync_and_async_with_none():
+  terms = _terms("fn:reward_fns:trl_length*2, fn:reward_fns:trl_async_match")
+  assert not terms.uses_verifier
+  completions, answers = ["12", "", "3", "xyz"], ["12", "1", "4", "xyz"]
+  got = terms.score(["p"] * 4, completions, answers, None, np.array([0, 0, 1, 1]), 2)
+  # lengths/10 ×2: [0.4, None, 0.2, 0.6]; matches: [1, 0, 0, 1]
+  np.testing.assert_allclose(got.rewards_R, [1.4, 0.0, 0.2, 1.6], rtol=1e-6)
+  np.testing.assert_array_equal(got.kept_R, [1, 1, 1, 1])
+  means = term_means(got.metrics)
+  assert means["reward_term_fn_trl_length"] == pytest.approx(0.2)  # its values, before its weight
+  assert means["reward_term_fn_trl_length_applies"] == 0.75
+  assert means["reward_term_fn_trl_async_match"] == 0.5
+  assert not any(k.endswith(("_sum", "_n", "_rows")) for k in means)
+
+
+def test_verifier_failure_and_no_applicable_term_set_the_answer_aside():
+  terms = _terms("verifier, fn:reward_fns:trl_length*0.5")
+  verified = _verified([1, 0, 0, 1], [True, False, True, True])
+  got = terms.score(["p"] * 4, ["ab", "abcd", "", "x"], ["a"] * 4, verified, np.zeros(4, int), 1)
+  # row 1: the verifier failed (set aside whatever the length says); row 2: verifier 0 applies
+  np.testing.assert_array_equal(got.kept_R, [1, 0, 1, 1])
+  np.testing.assert_allclose(got.rewards_R, [1.1, 0.0, 0.0, 1.05], rtol=1e-6)
+  means = term_means({**got.metrics, "verify_errors": 1.0})
+  assert means["reward_term_verifier"] == pytest.approx(2 / 3)
+  assert means["reward_term_verifier_applies"] == 0.75
+  assert means["verify_errors"] == 1.0
+  only = _terms("fn:reward_fns:trl_length")
+  got = only.score(["p"] * 2, ["", "ab"], ["a"] * 2, None, np.zeros(2, int), 1)
+  np.testing.assert_array_equal(got.kept_R, [0, 1])
+
+
+def test_counters_add_over_rounds_before_the_mean():
+  terms = _terms("fn:reward_fns:trl_length")
+  a = terms.score(["p"], ["abcd"], ["a"], None, np.zeros(1, int), 1).metrics
+  b = terms.score(["p"] * 2, ["", "ab"], ["a"] * 2, None, np.zeros(2, int), 1).metrics
+  means = term_means({k: a[k] + b[k] for k in a})
+  assert means["reward_term_fn_trl_length"] == pytest.approx(0.3)  # (0.4 + 0.2) / 2
+  assert means["reward_term_fn_trl_length_applies"] == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize(
+  "name, match",
+  [
+    ("trl_too_few", "returned 2 rewards for 3 answers"),
+    ("trl_nan", "answer 0 got nan, not a finite number or None"),
+  ],
+)
+def test_a_bad_callable_result_is_named(name, match):
+  terms = _terms(f"fn:reward_fns:{name}")
+  with pytest.raises(ValueError, match=f"reward term 'reward_fns:{name}'.*{match}"):
+    terms.score(["p"] * 3, ["a"] * 3, ["a"] * 3, None, np.zeros(3, int), 1)
+
+
+def test_a_missing_callable_is_named():
+  with pytest.raises(RewardFnError, match="reward term 'reward_fns:nope'.*no attribute 'nope'"):
+    _terms("fn:reward_fns:nope")

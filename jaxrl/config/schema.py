@@ -274,10 +274,12 @@ class RewardSection:
   # A reward model reads at most this many tokens of prompt + response (the last ones: its score
   # is read at the last token); longer inputs are cut on the left and counted
   model_max_tokens: int = 2048
+  model_rows: int = 64  # rows per reward-model forward: its activations' memory is that many rows'
 
   def check(self) -> None:
     # (the terms' syntax: ``config.build`` parses them)
     _need(self.model_max_tokens >= 1, "reward.model_max_tokens", "must be >= 1")
+    _need(self.model_rows >= 1, "reward.model_rows", "must be >= 1")
     _need(self.workers >= 0, "reward.workers", "must be >= 0 (0 = min(8, CPUs))")
     _need_seconds(self.time_limit, "reward.time_limit")
     _need(

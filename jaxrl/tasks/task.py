@@ -50,6 +50,9 @@ class TaskData:
   # None = every target token
   sft_loss_mask: np.ndarray | None = None
   environment: object = None  # the run's Environment (tasks.envs); None = single-turn
+  # object[Q] of str: each training question as written (what reward terms read as the prompt);
+  # None = the prompts decoded
+  train_questions: np.ndarray | None = None
 
   @property
   def stop_sequences(self) -> tuple[tuple[int, ...], ...]:
@@ -62,6 +65,13 @@ class TaskData:
     return response_texts(
       self.tokenizer, out, multi_turn=self.environment is not None, eos_id=self.eos_id
     )
+
+  def prompt_texts(self, qids) -> list[str]:
+    """The training questions ``qids`` as text, for reward terms."""
+    if self.train_questions is not None:
+      return [str(q) for q in self.train_questions[np.asarray(qids)]]
+    ids, mask = self.train_prompt_ids[np.asarray(qids)], self.train_prompt_mask[np.asarray(qids)]
+    return [self.tokenizer.decode(row[m], skip_special_tokens=True) for row, m in zip(ids, mask)]
 
   def verify(self, responses, answers) -> VerifyResult:
     """Rewards with the verifier's failure counts (timeouts, errors, ...) for the metrics."""
