@@ -4,12 +4,15 @@ Python loop over groups."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
+from run_helpers import step_context, tiny_config
 
 from jaxrl.config import ConfigError, TermSpec, default_configdict, from_configdict, parse_terms
+from jaxrl.run.loop import initial_loop, rl_step
 from jaxrl.tasks.rewards.combine import combine_terms
 from jaxrl.tasks.rewards.pool import RewardFnError, VerifyResult
 from jaxrl.tasks.rewards.terms import build_terms, term_means
@@ -201,3 +204,17 @@ def test_a_bad_callable_result_is_named(name, match):
 def test_a_missing_callable_is_named():
   with pytest.raises(RewardFnError, match="reward term 'reward_fns:nope'.*no attribute 'nope'"):
     _terms("fn:reward_fns:nope")
+
+
+def test_a_step_trains_on_the_combined_reward_and_logs_each_term(tmp_path):
+  """A loop step with the verifier and a length term: the row's reward is the verifier's mean plus
+  half the length term's sum per answer, and each term's mean is logged."""
+  cfg = tiny_config("test", steps=1, **{"reward.terms": "verifier, fn:reward_fns:trl_length*0.5"})
+  ctx, params = step_context(cfg, tmp_path / "tokenizer")
+  ctx = dataclasses.replace(ctx, reward_terms=build_terms(cfg))
+  _, row = rl_step(ctx, initial_loop(ctx, ctx.programs.init_state(params)), 0)
+  applies = row["reward_term_fn_trl_length_applies"]
+  assert 0 < applies <= 1 and row["reward_term_verifier_applies"] == 1.0
+  want = row["reward_term_verifier"] + 0.5 * row["reward_term_fn_trl_length"] * applies
+  assert row["reward"] == pytest.approx(want, rel=1e-5)
+  assert not any(k.startswith("reward_term_") and k.endswith(("_sum", "_n", "_rows")) for k in row)
