@@ -14,8 +14,9 @@ from run_helpers import step_context, tiny_config
 from jaxrl.config import ConfigError, TermSpec, default_configdict, from_configdict, parse_terms
 from jaxrl.run.loop import initial_loop, rl_step
 from jaxrl.tasks.rewards.combine import combine_terms
-from jaxrl.tasks.rewards.pool import RewardFnError, VerifyResult
+from jaxrl.tasks.rewards.pool import VerifyResult
 from jaxrl.tasks.rewards.terms import build_terms, term_means
+from jaxrl.tasks.task import check_inputs
 
 N = math.nan
 # docs/algorithms.md §13: two terms over six answers to two questions; None as NaN.
@@ -201,9 +202,17 @@ def test_a_bad_callable_result_is_named(name, match):
     terms.score(["p"] * 3, ["a"] * 3, ["a"] * 3, None, np.zeros(3, int), 1)
 
 
-def test_a_missing_callable_is_named():
-  with pytest.raises(RewardFnError, match="reward term 'reward_fns:nope'.*no attribute 'nope'"):
-    _terms("fn:reward_fns:nope")
+def test_a_missing_callable_or_model_is_named_before_the_run(tmp_path):
+  cd = default_configdict()
+  cd.reward.terms = "verifier, fn:reward_fns:nope"
+  cfg = from_configdict(cd)
+  match = "config.reward.terms: term fn:reward_fns:nope: reward term 'reward_fns:nope'.*'nope'"
+  for check in (check_inputs, build_terms):
+    with pytest.raises(ConfigError, match=match):
+      check(cfg)
+  cd.reward.terms = f"model:{tmp_path}"
+  with pytest.raises(ConfigError, match=f"term model:{tmp_path}: {tmp_path}: no config.json"):
+    check_inputs(from_configdict(cd))
 
 
 def test_a_step_trains_on_the_combined_reward_and_logs_each_term(tmp_path):

@@ -593,7 +593,10 @@ def reward_model_plan(cfg: Config, mesh) -> tuple[int, object]:
   paths = [t.source for t in parse_terms(cfg.reward.terms) if t.kind == "model"]
   if not paths:
     return 0, None
-  rm_cfg = reward_model.reward_model_config(paths[0], cfg.model.dtype)
+  try:
+    rm_cfg = reward_model.reward_model_config(paths[0], cfg.model.dtype)
+  except (OSError, ValueError) as e:  # before check_inputs reads it: name the field here too
+    raise ConfigError("reward.terms", f"term model:{paths[0]}: {e}") from None
   graphdef, params = model.abstract(rm_cfg)
   param_sh = sharding.tree_shardings(params, mesh)
   score_1xD = jax.ShapeDtypeStruct((1, rm_cfg.hidden_size), rm_cfg.param_dtype)

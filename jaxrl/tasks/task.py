@@ -22,6 +22,7 @@ from jaxrl.tasks.data.cursor import Mixture
 from jaxrl.tasks.envs.trajectory import response_texts
 from jaxrl.tasks.rewards.arithmetic import score_batch
 from jaxrl.tasks.rewards.pool import VerifyResult
+from jaxrl.tasks.rewards.terms import check_terms
 
 
 @dataclasses.dataclass
@@ -154,9 +155,10 @@ def load_task(cfg: Config, tokenizer_dir: str) -> TaskData:
 
 
 def check_inputs(cfg: Config) -> None:
-  """Read the task's inputs from outside the run (the math task: the checkpoint's tokenizer, the
-  datasets) without building anything: a ConfigError naming the field when one is unusable. The
-  command calls it before it writes the run's directory; a built-in task has none."""
+  """Read the run's inputs from outside it (the math task: the checkpoint's tokenizer, the
+  datasets; what reward.terms names) without building anything: a ConfigError naming the field
+  when one is unusable. The command calls it before it writes the run's directory."""
   module = task_module(cfg)
   if hasattr(module, "check_inputs"):
     module.check_inputs(cfg)
+  check_terms(cfg)

@@ -23,8 +23,8 @@ import numbers
 
 import numpy as np
 
-from jaxrl.config import Config, TermSpec, parse_terms
-from jaxrl.nn import reward_model
+from jaxrl.config import Config, ConfigError, TermSpec, parse_terms
+from jaxrl.nn import hf, reward_model
 from jaxrl.parallel import sharding
 from jaxrl.tasks.rewards.combine import combine_terms
 from jaxrl.tasks.rewards.pool import RewardFnError, VerifyResult
@@ -185,6 +185,24 @@ def term_means(counters: dict) -> dict:
   return out
 
 
+def _term_error(spec: TermSpec, e: Exception) -> ConfigError:
+  return ConfigError("reward.terms", f"term {spec.kind}:{spec.source}: {e}")
+
+
+def check_terms(cfg: Config) -> None:
+  """Read what the terms name without building them (a callable imports, a reward model's
+  config.json and tensor headers): a ConfigError naming reward.terms when one is unusable."""
+  for spec in parse_terms(cfg.reward.terms):
+    try:
+      if spec.kind == "fn":
+        load_function(spec.source, "reward term", RewardFnError)
+      elif spec.kind == "model":
+        reward_model.reward_model_config(spec.source, cfg.model.dtype)
+        hf.check_tensor_files(spec.source)
+    except (OSError, ValueError) as e:
+      raise _term_error(spec, e) from None
+
+
 def build_terms(cfg: Config, mesh=None) -> RewardTerms | None:
   """The terms of ``reward.terms`` (a reward model loaded onto ``mesh`` in the policy's compute
   dtype); None when unset: the verifier alone, as the loop computes it without terms."""
@@ -192,12 +210,15 @@ def build_terms(cfg: Config, mesh=None) -> RewardTerms | None:
   if not specs:
     return None
   scorers = {}
+  r = cfg.reward
   for k, spec in enumerate(specs):
-    if spec.kind == "fn":
-      scorers[k] = CallableTerm(spec.source)
-    elif spec.kind == "model":
-      r = cfg.reward
-      scorers[k] = ModelTerm(spec.source, mesh, cfg.model.dtype, r.model_max_tokens, r.model_rows)
+    try:
+      if spec.kind == "fn":
+        scorers[k] = CallableTerm(spec.source)
+      elif spec.kind == "model":
+        scorers[k] = ModelTerm(spec.source, mesh, cfg.model.dtype, r.model_max_tokens, r.model_rows)
+    except (OSError, ValueError) as e:
+      raise _term_error(spec, e) from None
   labels = [s.label for s in specs]
   if len(set(labels)) != len(labels):
     raise ValueError(f"reward.terms: two terms share a metrics label ({labels})")
