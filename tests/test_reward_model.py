@@ -161,3 +161,16 @@ def test_model_term_keeps_the_last_tokens_of_a_long_input(rm_with_tokenizer):
     ids = term.token_ids(p, c)[-8:]
     ref.append(hf_scores(path, np.array([ids]), np.ones((1, 8), bool))[0])
   np.testing.assert_allclose(ours, ref, rtol=0, atol=logits_atol(term.model.cfg, np.array(ref), 8))
+
+
+def test_model_term_on_the_mesh_scores_as_on_one_device(rm_with_tokenizer):
+  """Rows over the mesh's data axes (3 rows per forward rounded up to the split), params sharded
+  like the policy: the scores of the unsharded term. On the test process's devices
+  (``XLA_FLAGS=--xla_force_host_platform_device_count=2`` gives two: 4 rows a forward)."""
+  path, _ = rm_with_tokenizer
+  single = ModelTerm(str(path), None, "float32", max_tokens=512, rows=3)(PROMPTS, COMPLETIONS, [])
+  mesh = sharding.make_mesh(len(jax.devices()), 1, 1)
+  term = ModelTerm(str(path), mesh, "float32", max_tokens=512, rows=3)
+  assert term.rows % len(jax.devices()) == 0 and term.rows >= 3
+  ours = term(PROMPTS, COMPLETIONS, [])
+  np.testing.assert_allclose(ours, single, rtol=0, atol=logits_atol(term.model.cfg, single, 64))

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxrl.config import Config, ConfigError, TermSpec, parse_terms
 from jaxrl.nn import hf, reward_model
-from jaxrl.parallel import sharding
+from jaxrl.parallel import distributed, sharding
 from jaxrl.tasks.rewards.combine import combine_terms
 from jaxrl.tasks.rewards.pool import RewardFnError, VerifyResult
 from jaxrl.tasks.workers import load_function
@@ -112,9 +112,11 @@ class ModelTerm:
     mask_RxT = np.zeros((self.rows, t), bool)
     for r, x in enumerate(rows):
       tokens_RxT[r, : len(x)], mask_RxT[r, : len(x)] = x, True
-    if self.mesh is not None:
-      tokens_RxT, mask_RxT = sharding.shard_batch((tokens_RxT, mask_RxT), self.mesh)
-    return np.asarray(self.model.scores(tokens_RxT, mask_RxT))[: len(ids)]
+    if self.mesh is None:
+      return np.asarray(self.model.scores(tokens_RxT, mask_RxT))[: len(ids)]
+    tokens_RxT, mask_RxT = sharding.shard_batch((tokens_RxT, mask_RxT), self.mesh)
+    # rows may span processes: every process gathers them (a collective, as every process scores)
+    return np.asarray(distributed.to_host(self.model.scores(tokens_RxT, mask_RxT)))[: len(ids)]
 
 
 @dataclasses.dataclass(frozen=True)
