@@ -33,6 +33,7 @@ from jaxrl.parallel import sharding
 from jaxrl.rl import step
 from jaxrl.rl.losses import LossHparams
 from jaxrl.rl.programs import ForgetConfig, Programs, reference_copy
+from jaxrl.tasks.rewards.terms import rows_per_forward
 from jaxrl.types import Rollouts
 
 GiB = 1024**3
@@ -602,7 +603,7 @@ def reward_model_plan(cfg: Config, mesh) -> tuple[int, object]:
   score_1xD = jax.ShapeDtypeStruct((1, rm_cfg.hidden_size), rm_cfg.param_dtype)
   held = bytes_per_device(params, param_sh) + math.prod(score_1xD.shape) * score_1xD.dtype.itemsize
   rows_sh = sharding.batch_sharding(mesh)
-  rows, t = cfg.reward.model_rows, cfg.reward.model_max_tokens
+  rows, t = rows_per_forward(cfg.reward.model_rows, mesh), cfg.reward.model_max_tokens
   tokens = jax.ShapeDtypeStruct((rows, t), jnp.int32, sharding=rows_sh)
   mask = jax.ShapeDtypeStruct((rows, t), jnp.bool_, sharding=rows_sh)
   score = jax.ShapeDtypeStruct(score_1xD.shape, score_1xD.dtype, sharding=sharding.replicated(mesh))
@@ -651,8 +652,7 @@ def build(cfg: Config, *, compile_steps: bool = True, rollout_side: bool = True)
       if rollout_side and pc.eepo.enabled:
         compiled.append(compile_forget(pc, programs, params))
       if rollout_side and rm_lower is not None:
-        rows, t = cfg.reward.model_rows, cfg.reward.model_max_tokens
-        compiled.append(_analyse(f"reward model forward (reward_scores, [{rows}, {t}])", rm_lower))
+        compiled.append(_analyse("reward model forward (reward_scores)", rm_lower))
     phases.append(
       PhasePlan(
         phase.name,

@@ -69,6 +69,15 @@ def as_values(out, count: int, what: str) -> np.ndarray:
   return values
 
 
+def rows_per_forward(rows: int, mesh) -> int:
+  """``reward.model_rows`` rounded up to a multiple of the mesh's data-parallel split: each shard
+  scores whole rows."""
+  if mesh is None:
+    return rows
+  split = mesh.size // sharding.batch_sharding(mesh).shard_shape((mesh.size,))[0]
+  return -(-rows // split) * split
+
+
 class ModelTerm:
   """A sequence-classification reward model on the trainer's mesh, fed by its own tokenizer."""
 
@@ -78,11 +87,7 @@ class ModelTerm:
     self.model = reward_model.load_reward_model(path, dtype, mesh)
     self.tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     self.mesh, self.max_tokens = mesh, max_tokens
-    # rows per forward, a multiple of the mesh's data-parallel split (each shard gets whole rows)
-    split = (
-      1 if mesh is None else mesh.size // sharding.batch_sharding(mesh).shard_shape((mesh.size,))[0]
-    )
-    self.rows = -(-rows // split) * split
+    self.rows = rows_per_forward(rows, mesh)
     self.truncated = 0  # inputs cut to max_tokens by the last call
 
   def token_ids(self, prompt: str, completion: str) -> list[int]:
