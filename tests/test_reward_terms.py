@@ -202,7 +202,11 @@ def test_a_bad_callable_result_is_named(name, match):
     terms.score(["p"] * 3, ["a"] * 3, ["a"] * 3, None, np.zeros(3, int), 1)
 
 
-def test_a_missing_callable_or_model_is_named_before_the_run(tmp_path):
+def test_a_missing_callable_or_model_is_named_before_the_run(tmp_path, monkeypatch):
+  from huggingface_hub import constants
+
+  monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+  monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
   cd = default_configdict()
   cd.reward.terms = "verifier, fn:reward_fns:nope"
   cfg = from_configdict(cd)
@@ -212,6 +216,9 @@ def test_a_missing_callable_or_model_is_named_before_the_run(tmp_path):
       check(cfg)
   cd.reward.terms = f"model:{tmp_path}"
   with pytest.raises(ConfigError, match=f"term model:{tmp_path}: {tmp_path}: no config.json"):
+    check_inputs(from_configdict(cd))
+  cd.reward.terms = "model:acme/no-such-rm"  # a Hub id, offline and not cached
+  with pytest.raises(ConfigError, match="term model:acme/no-such-rm: .*huggingface-cli download"):
     check_inputs(from_configdict(cd))
 
 

@@ -2,7 +2,8 @@
 
 ``verifier`` is the task's verifier (``reward.fn`` or the task's own; no source); ``fn:MODULE:NAME``
 a Python callable in TRL's form ``(prompts, completions, **columns) -> list[float | None]``;
-``model:PATH`` an HF sequence-classification checkpoint (one label) run on the trainer's mesh. A
+``model:PATH`` an HF sequence-classification checkpoint (one label; a directory, or a Hub id
+``ORG/NAME[@REVISION]``) run on the trainer's mesh. A
 weight defaults to 1 and may be negative (a penalty); "" is the verifier alone, weight 1.
 """
 

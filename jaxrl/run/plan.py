@@ -33,7 +33,7 @@ from jaxrl.parallel import sharding
 from jaxrl.rl import step
 from jaxrl.rl.losses import LossHparams
 from jaxrl.rl.programs import ForgetConfig, Programs, reference_copy
-from jaxrl.tasks.rewards.terms import rows_per_forward
+from jaxrl.tasks.rewards.terms import model_dir, rows_per_forward
 from jaxrl.types import Rollouts
 
 GiB = 1024**3
@@ -595,7 +595,9 @@ def reward_model_plan(cfg: Config, mesh) -> tuple[int, object]:
   if not paths:
     return 0, None
   try:
-    rm_cfg = reward_model.reward_model_config(paths[0], cfg.model.dtype)
+    rm_cfg = reward_model.reward_model_config(
+      model_dir(paths[0], ("config.json",)), cfg.model.dtype
+    )
   except (OSError, ValueError) as e:  # before check_inputs reads it: name the field here too
     raise ConfigError("reward.terms", f"term model:{paths[0]}: {e}") from None
   graphdef, params = model.abstract(rm_cfg)

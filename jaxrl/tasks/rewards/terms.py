@@ -26,6 +26,7 @@ import numpy as np
 from jaxrl.config import Config, ConfigError, TermSpec, parse_terms
 from jaxrl.nn import hf, reward_model
 from jaxrl.parallel import distributed, sharding
+from jaxrl.tasks.data import hub
 from jaxrl.tasks.rewards.combine import combine_terms
 from jaxrl.tasks.rewards.pool import RewardFnError, VerifyResult
 from jaxrl.tasks.workers import load_function
@@ -78,12 +79,20 @@ def rows_per_forward(rows: int, mesh) -> int:
   return -(-rows // split) * split
 
 
+def model_dir(source: str, files=hub.MODEL_FILES) -> str:
+  """A model term's checkpoint directory: a local path as is, a Hub id ``ORG/NAME[@REVISION]``
+  its cached snapshot of ``files`` (process 0 downloads first; offline and not cached: a
+  ``HubError``)."""
+  return hub.model_snapshot(source, files)
+
+
 class ModelTerm:
   """A sequence-classification reward model on the trainer's mesh, fed by its own tokenizer."""
 
-  def __init__(self, path: str, mesh, dtype: str, max_tokens: int, rows: int):
+  def __init__(self, source: str, mesh, dtype: str, max_tokens: int, rows: int):
     import transformers  # only a run with a reward model needs it
 
+    path = model_dir(source)
     self.model = reward_model.load_reward_model(path, dtype, mesh)
     self.tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     self.mesh, self.max_tokens = mesh, max_tokens
@@ -204,8 +213,9 @@ def check_terms(cfg: Config) -> None:
       if spec.kind == "fn":
         load_function(spec.source, "reward term", RewardFnError)
       elif spec.kind == "model":
-        reward_model.reward_model_config(spec.source, cfg.model.dtype)
-        hf.check_tensor_files(spec.source)
+        path = model_dir(spec.source)
+        reward_model.reward_model_config(path, cfg.model.dtype)
+        hf.check_tensor_files(path)
     except (OSError, ValueError) as e:
       raise _term_error(spec, e) from None
 
