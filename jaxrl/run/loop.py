@@ -267,7 +267,8 @@ def _verify(ctx: StepContext, qids_B, rollouts: Rollouts) -> tuple[Rollouts, dic
   Responses the budget cut follow ``rollout.overlong`` (``dynamic.overlong``)."""
   group_ids_R = np.asarray(rollouts.group_ids_R)
   responses = ctx.task.decode(rollouts)
-  answers = ctx.task.train_answers[qids_B[group_ids_R]]
+  qids_R = qids_B[group_ids_R]
+  answers = ctx.task.train_answers[qids_R]
   terms = ctx.reward_terms
   if terms is None or terms.uses_verifier:
     verified = ctx.task.verify(responses, answers)
@@ -275,9 +276,8 @@ def _verify(ctx: StepContext, qids_B, rollouts: Rollouts) -> tuple[Rollouts, dic
     verified = VerifyResult(np.zeros(len(responses), np.float32), 0, 0, 0, 0)
   rewards_R, scored_R, term_counters = verified.rewards_R, verified.scored, {}
   if terms is not None:  # reward.terms: the verifier's, a callable's, a reward model's (§13)
-    # Rows outside the batch's questions (group B) may be present: one more group holds them.
-    prompts = ctx.task.prompt_texts(qids_B[np.minimum(group_ids_R, len(qids_B) - 1)])
-    got = terms.score(prompts, responses, list(answers), verified, group_ids_R, len(qids_B) + 1)
+    prompts = ctx.task.prompt_texts(qids_R)
+    got = terms.score(prompts, responses, list(answers), verified, group_ids_R, len(qids_B))
     rewards_R, scored_R, term_counters = got.rewards_R, got.kept_R, got.metrics
   # Each process verifies every row, under its own clock: process 0's verdicts are everyone's.
   rewards_R = np.asarray(rewards_R, np.float32)
