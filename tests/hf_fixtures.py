@@ -89,7 +89,7 @@ SHARD_SIZE = "100KB"
 def tiny_hf_config(kind: str, tie: bool, **overrides):
   """The transformers config of a tiny ``kind`` model ("qwen2", "qwen3" or "llama")."""
   config_cls, _, extra = _KINDS[kind]
-  return config_cls(**_COMMON, **{**extra, **overrides}, tie_word_embeddings=tie, dtype="float32")
+  return config_cls(**{**_COMMON, **extra, **overrides}, tie_word_embeddings=tie, dtype="float32")
 
 
 @torch.no_grad()
@@ -98,7 +98,15 @@ def make_tiny_hf_model(kind: str, tie: bool, seed: int = 0, **overrides):
   and biases; ``overrides`` change its config (the weights depend on the seed only)."""
   _, model_cls, _ = _KINDS[kind]
   torch.manual_seed(seed)
-  model = model_cls(tiny_hf_config(kind, tie, **overrides)).eval()
+  model = _away_from_defaults(model_cls(tiny_hf_config(kind, tie, **overrides)).eval())
+  if tie:
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+  return model
+
+
+@torch.no_grad()
+def _away_from_defaults(model):
+  """``model`` with norms near 1, biases near 0 and unit-scale Linear and embedding weights."""
   for name, p in model.named_parameters():  # tied weights appear once
     if name.endswith("norm.weight"):
       p.copy_(1.0 + 0.2 * torch.randn_like(p))
@@ -108,9 +116,29 @@ def make_tiny_hf_model(kind: str, tie: bool, seed: int = 0, **overrides):
       p.copy_(torch.randn_like(p))
     else:  # Linear [out, in]: unit-scale activations, so attention is far from uniform
       p.copy_(torch.randn_like(p) * p.shape[1] ** -0.5)
-  if tie:
-    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
   return model
+
+
+# Sequence-classification (reward) models of each kind: one label, pad id REWARD_PAD_ID.
+_SCORE_CLASSES = {
+  "qwen2": transformers.Qwen2ForSequenceClassification,
+  "qwen3": transformers.Qwen3ForSequenceClassification,
+  "llama": transformers.LlamaForSequenceClassification,
+}
+REWARD_PAD_ID = 0
+
+
+def make_tiny_hf_reward_model(kind: str, out_dir, seed: int = 0, **overrides) -> pathlib.Path:
+  """Save a random tiny ``{Qwen2,Qwen3,Llama}ForSequenceClassification`` with one label (float32,
+  sharded safetensors) into ``out_dir``; return it. ``overrides`` change its config."""
+  torch.manual_seed(seed)
+  config = tiny_hf_config(
+    kind, False, **{"num_labels": 1, "pad_token_id": REWARD_PAD_ID, **overrides}
+  )
+  model = _away_from_defaults(_SCORE_CLASSES[kind](config).eval())
+  out = pathlib.Path(out_dir)
+  model.save_pretrained(out, max_shard_size=SHARD_SIZE)
+  return out
 
 
 def make_tiny_hf(

@@ -71,3 +71,29 @@ def raise_on_odd_length(response: str, answer: str) -> float:
 def length(response: str, answer: str) -> float:
   """How many characters the function was given: what a pool's ``prepare`` let through."""
   return float(len(response))
+
+
+# TRL-style batch reward functions (reward.terms' fn:reward_fns:NAME), run in the trainer's process.
+
+
+def trl_length(prompts, completions, **columns):
+  """len(completion) / 10, None for an empty completion (does not apply)."""
+  return [len(c) / 10 if c else None for c in completions]
+
+
+async def trl_async_match(prompts, completions, answer, **columns):
+  """1.0 where the completion is the answer, else 0.0: a coroutine function."""
+  return [1.0 if c.strip() == a.strip() else 0.0 for c, a in zip(completions, answer)]
+
+
+def trl_prompt_length(prompts, completions, **columns):
+  """len(prompt): what the term was given as the prompt."""
+  return [float(len(p)) for p in prompts]
+
+
+def trl_too_few(prompts, completions, **columns):
+  return [0.0] * (len(completions) - 1)
+
+
+def trl_nan(prompts, completions, **columns):
+  return [math.nan] * len(completions)

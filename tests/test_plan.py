@@ -340,3 +340,35 @@ def test_where_cudnn_fused_attention_runs_the_plan_counts_no_attention_scores(mo
     ):
       names = [name for name, _ in est.items]
       assert any("attention block" in n for n in names) != fused, (dtype, names)
+
+
+def test_reward_model_memory_is_planned(tmp_path):
+  """A reward model's params and head (exact bytes, sharded like the policy) add to what every
+  device holds; its forward over reward.model_rows x reward.model_max_tokens (8 x 32) is
+  compiled."""
+  import hf_fixtures  # torch and transformers: only this test needs them
+
+  from jaxrl.nn import reward_model
+
+  path = hf_fixtures.make_tiny_hf_reward_model("llama", tmp_path / "rm")
+  cfg = small(
+    1,
+    **{
+      "reward.terms": f"verifier, model:{path}*0.5",
+      "reward.model_rows": 8,
+      "reward.model_max_tokens": 32,
+    },
+  )
+  p = plan.build(cfg)
+  rm = reward_model.reward_model_config(path, cfg.model.dtype)
+  assert p.reward_model == shard_formula_bytes(rm, 1) + rm.hidden_size * 4  # float32 score [1, D]
+  assert p.resident == p.state + p.reward_model
+  assert p.train_peak(p.phases[0]) > p.state + p.reward_model
+  forward = p.phases[0].compiled[-1]
+  assert forward.name == "reward model forward (reward_scores)"
+  assert forward.argument >= p.reward_model + 8 * 32 * (4 + 1)  # and the i32 tokens, bool mask
+  text = plan_report.render(p)
+  assert "| reward model params |" in text
+  assert "resident: params + optimizer + reference + reward model" in text
+  without = plan.build(small(1), compile_steps=False)
+  assert without.reward_model == 0 and without.resident == without.state

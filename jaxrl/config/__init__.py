@@ -2,13 +2,14 @@
 
 ``schema``: the sections, ``Config`` and ``ConfigError``; ``build``: ConfigDict → validated
 ``Config`` (``from_configdict``); ``loss``: the update's static part (``LossConfig``);
-``mixture``: ``NAME[:WEIGHT],...`` specs; ``phases``: the config inside the annealing phase.
+``mixture``: ``NAME[:WEIGHT],...`` specs; ``reward_terms``: ``KIND[:SOURCE][*WEIGHT],...`` specs; ``phases``: the config inside the annealing phase.
 """
 
 from jaxrl.config.build import default_configdict, from_configdict, to_dict  # noqa: F401
 from jaxrl.config.loss import LossConfig, resolved_correction  # noqa: F401
 from jaxrl.config.mixture import parse_mixture  # noqa: F401
 from jaxrl.config.phases import annealing  # noqa: F401
+from jaxrl.config.reward_terms import TERM_KINDS, TermSpec, parse_terms  # noqa: F401
 from jaxrl.config.schema import (  # noqa: F401
   MIN_REWARD_MEMORY_MB,
   MIN_TOOL_MEMORY_MB,
@@ -42,6 +43,7 @@ from jaxrl.config.schema import (  # noqa: F401
   OptimSection,
   Overlength,
   Remat,
+  RewardCombine,
   RewardSection,
   RolloutSection,
   SFTSection,

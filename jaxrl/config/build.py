@@ -11,6 +11,7 @@ from typing import Any
 from jaxrl.config.loss import LossConfig
 from jaxrl.config.mixture import parse_mixture
 from jaxrl.config.phases import annealing, shortest_response
+from jaxrl.config.reward_terms import parse_terms
 from jaxrl.config.schema import Config, ConfigError, _check_type, _need
 
 
@@ -51,6 +52,7 @@ def _validate(cfg: Config) -> None:
     if hasattr(section, "check"):
       section.check()
   LossConfig.from_config(cfg)  # the update's static fields, checked where they are built
+  parse_terms(cfg.reward.terms)
   _check_batch_shapes(cfg)
   _check_math_task(cfg)
   _check_countdown_task(cfg)

@@ -35,6 +35,8 @@ Overlength = Literal["drop", "truncate", "error"]
 OldLogpFrom = Literal["rollout", "policy"]
 UnlearnClip = Literal["straight-through", "paper"]
 Overlong = Literal["keep", "drop", "reward"]  # a response the budget cut (docs/algorithms.md §10)
+# How reward.terms combine into one reward (docs/algorithms.md §13)
+RewardCombine = Literal["sum-then-normalise", "normalise-then-sum"]
 
 
 class ConfigError(ValueError):
@@ -259,14 +261,25 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True)
 class RewardSection:
-  """Math rewards run in a pool of worker processes (``jaxrl.tasks.rewards.pool``)."""
+  """Math rewards run in a pool of worker processes (``jaxrl.tasks.rewards.pool``); further reward
+  terms (a Python callable, a reward model) combine with the verifier (``terms``)."""
 
   fn: str = ""  # "" = the task's verifier; else "module:function"
   workers: int = 0  # 0 = min(8, CPUs)
   time_limit: float = 5.0  # seconds per answer; over it the answer scores 0 (counted)
   memory_limit_mb: int = 4096  # address space per worker (RLIMIT_AS); >= MIN_REWARD_MEMORY_MB
+  # "KIND[:SOURCE][*WEIGHT],..." (``jaxrl.config.reward_terms``); "" = the verifier alone, weight 1
+  terms: str = ""
+  combine: RewardCombine = "sum-then-normalise"
+  # A reward model reads at most this many tokens of prompt + response (the last ones: its score
+  # is read at the last token); longer inputs are cut on the left and counted
+  model_max_tokens: int = 2048
+  model_rows: int = 64  # rows per reward-model forward: its activations' memory is that many rows'
 
   def check(self) -> None:
+    # (the terms' syntax: ``config.build`` parses them)
+    _need(self.model_max_tokens >= 1, "reward.model_max_tokens", "must be >= 1")
+    _need(self.model_rows >= 1, "reward.model_rows", "must be >= 1")
     _need(self.workers >= 0, "reward.workers", "must be >= 0 (0 = min(8, CPUs))")
     _need_seconds(self.time_limit, "reward.time_limit")
     _need(

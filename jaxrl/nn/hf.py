@@ -369,6 +369,30 @@ def _unexpected_tensors(path, cfg: ModelConfig, handles: dict, expected: set) ->
   return unexpected
 
 
+def _load_params(path: pathlib.Path, cfg: ModelConfig, shardings, dtype, extra=None):
+  """(graphdef, params, {name: array}) of ``cfg``'s Decoder read from ``path``, and of the
+  ``extra`` tensors besides (HF name -> (shape, sharding or None)); any other tensor is an error."""
+  graphdef, abstract = jaxrl_model.abstract(cfg)
+  placement = _placement(shardings)
+  np_dtype = np.dtype(dtype)
+
+  with contextlib.ExitStack() as stack:
+    handles = _open_tensor_files(path, stack)
+    loader = _ParamLoader(path, cfg, handles, placement, np_dtype)
+    params = jax.tree_util.tree_map_with_path(loader, abstract, is_leaf=_is_var)
+    extras = {}
+    for name, (shape, sharding) in (extra or {}).items():
+      loader._check(name, (name,), tuple(shape))
+      extras[name] = _assemble(shape, sharding, loader._block_reader([name], stacked=False))
+    unexpected = _unexpected_tensors(path, cfg, handles, loader.expected)
+  if unexpected:
+    raise ValueError(
+      f"{path}: unexpected tensors {unexpected[:8]}"
+      f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} in all)"
+    )
+  return graphdef, params, extras
+
+
 def load_hf_checkpoint(
   path,
   dtype=jnp.float32,
@@ -393,21 +417,30 @@ def load_hf_checkpoint(
     remat=remat,
     dtype=compute_dtype,
   )
-  graphdef, abstract = jaxrl_model.abstract(cfg)
-  placement = _placement(shardings)
-  np_dtype = np.dtype(dtype)
+  graphdef, params, _ = _load_params(path, cfg, shardings, dtype)
+  return cfg, graphdef, params
 
+
+SCORE_HEAD = "score.weight"  # a sequence-classification checkpoint's head [labels, D], no bias
+
+
+def load_hf_score_model(
+  path, cfg: ModelConfig, dtype=jnp.float32, shardings=None, score_sharding=None
+):
+  """(graphdef, params, score_LxD) of an HF ``*ForSequenceClassification`` directory whose decoder
+  ``cfg`` describes (``cfg.tie_embeddings`` true: such a checkpoint has no LM head); the head
+  [labels, D] is placed on ``score_sharding`` (None: the default device)."""
+  path = pathlib.Path(path)
+  if not cfg.tie_embeddings:
+    raise ValueError("load_hf_score_model: cfg.tie_embeddings must be true (no LM head is read)")
   with contextlib.ExitStack() as stack:
     handles = _open_tensor_files(path, stack)
-    loader = _ParamLoader(path, cfg, handles, placement, np_dtype)
-    params = jax.tree_util.tree_map_with_path(loader, abstract, is_leaf=_is_var)
-    unexpected = _unexpected_tensors(path, cfg, handles, loader.expected)
-  if unexpected:
-    raise ValueError(
-      f"{path}: unexpected tensors {unexpected[:8]}"
-      f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} in all)"
-    )
-  return cfg, graphdef, params
+    if SCORE_HEAD not in handles:
+      raise ValueError(f"{path}: no {SCORE_HEAD} tensor: not a sequence-classification checkpoint")
+    labels = handles[SCORE_HEAD].tensors[SCORE_HEAD][1][0]
+  extra = {SCORE_HEAD: ((labels, cfg.hidden_size), score_sharding)}
+  graphdef, params, extras = _load_params(path, cfg, shardings, dtype, extra)
+  return graphdef, params, extras[SCORE_HEAD]
 
 
 def _hf_entries(params) -> list[tuple[str, object, int | None]]:

@@ -138,8 +138,8 @@ def model_config_from_hf(config: dict, **execution) -> ModelConfig:
   )
 
 
-def load_model_config(path, **execution) -> ModelConfig:
-  """ModelConfig of an HF directory (its config.json), e.g. to plan shardings before loading."""
+def read_config_json(path) -> dict:
+  """The config.json dict of an HF directory; a clear error when it is missing or not an object."""
   config_file = pathlib.Path(path) / "config.json"
   if not config_file.exists():
     raise FileNotFoundError(f"{path}: no config.json")
@@ -149,7 +149,12 @@ def load_model_config(path, **execution) -> ModelConfig:
     raise ValueError(f"{config_file}: not valid JSON ({e})") from None
   if not isinstance(config, dict):
     raise ValueError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
-  return model_config_from_hf(config, **execution)
+  return config
+
+
+def load_model_config(path, **execution) -> ModelConfig:
+  """ModelConfig of an HF directory (its config.json), e.g. to plan shardings before loading."""
+  return model_config_from_hf(read_config_json(path), **execution)
 
 
 def _rope_parameters(cfg: ModelConfig) -> dict:

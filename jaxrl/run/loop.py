@@ -36,6 +36,8 @@ from jaxrl.rollout.sampler import sample_program
 from jaxrl.run import batches, clock, diagnostics, mfu, records
 from jaxrl.run.compiles import CompileCounter
 from jaxrl.tasks.data.cursor import Mixture, MixtureCursor, next_mixture_batch
+from jaxrl.tasks.rewards.pool import VerifyResult
+from jaxrl.tasks.rewards.terms import RewardTerms, term_means
 from jaxrl.tasks.task import TaskData
 from jaxrl.types import QuestionStats, Rollouts, TrainState, pytree_dataclass, static_field
 from jaxrl.workdir.checkpoint import Checkpointer
@@ -108,6 +110,7 @@ class StepContext:
   # trainer's programs, a sidecar): batches generate there while the update runs.
   rollout_pool: concurrent.futures.ThreadPoolExecutor | None = None
   peak_flops: float | None = None  # per device (run/mfu.py): the step logs train_mfu when known
+  reward_terms: RewardTerms | None = None  # reward.terms (docs/algorithms.md §13); None: verifier
   _runtimes: dict = dataclasses.field(default_factory=dict)
   _update_flops: dict = dataclasses.field(default_factory=dict)
 
@@ -263,17 +266,29 @@ def _verify(ctx: StepContext, qids_B, rollouts: Rollouts) -> tuple[Rollouts, dic
   the statistics and the group's advantage; the rest of their group trains as a smaller group.
   Responses the budget cut follow ``rollout.overlong`` (``dynamic.overlong``)."""
   group_ids_R = np.asarray(rollouts.group_ids_R)
-  verified = ctx.task.verify(ctx.task.decode(rollouts), ctx.task.train_answers[qids_B[group_ids_R]])
+  responses = ctx.task.decode(rollouts)
+  qids_R = qids_B[group_ids_R]
+  answers = ctx.task.train_answers[qids_R]
+  terms = ctx.reward_terms
+  if terms is None or terms.uses_verifier:
+    verified = ctx.task.verify(responses, answers)
+  else:
+    verified = VerifyResult(np.zeros(len(responses), np.float32), 0, 0, 0, 0)
+  rewards_R, scored_R, term_counters = verified.rewards_R, verified.scored, {}
+  if terms is not None:  # reward.terms: the verifier's, a callable's, a reward model's (§13)
+    prompts = ctx.task.prompt_texts(qids_R)
+    got = terms.score(prompts, responses, list(answers), verified, group_ids_R, len(qids_B))
+    rewards_R, scored_R, term_counters = got.rewards_R, got.kept_R, got.metrics
   # Each process verifies every row, under its own clock: process 0's verdicts are everyone's.
-  rewards_R = np.asarray(verified.rewards_R, np.float32)
+  rewards_R = np.asarray(rewards_R, np.float32)
   if rollouts.rewards_R is not None:  # the environment's trajectory reward (Collector.sample)
     rewards_R = rewards_R + np.asarray(rollouts.rewards_R, np.float32)
-  rewards_R, scored_R = distributed.from_main((rewards_R, verified.scored.astype(np.int32)))
+  rewards_R, scored_R = distributed.from_main((rewards_R, scored_R.astype(np.int32)))
   r = ctx.cfg.rollout
   finished_R = np.asarray(rollouts.finished_R, bool)
   rewards_R, kept_R = dynamic.overlong(rewards_R, finished_R, r.overlong, r.overlong_reward)
   scored = dataclasses.replace(rollouts, rewards_R=rewards_R)
-  counters = {**verified.metrics(), "overlong_rows": float((~finished_R).sum())}
+  counters = {**verified.metrics(), "overlong_rows": float((~finished_R).sum()), **term_counters}
   return dynamic.set_aside(scored, scored_R.astype(bool) & kept_R, len(qids_B)), counters
 
 
@@ -443,7 +458,7 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
     counts_B=batch.issue.counts_B,
     times=(t0, t1, t2, t3),
     context=_context(ctx, ctx.runtime(loop.phase), loop.cursor),
-    verified=got.verified,
+    verified=term_means(got.verified),
     extra={
       **batch.metrics,
       **got.metrics,

@@ -23,16 +23,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
-from jaxrl.config import Config, ConfigError, LossConfig
+from jaxrl.config import Config, ConfigError, LossConfig, parse_terms
 from jaxrl.config.phases import turn_tokens
 from jaxrl.methods import registry
 from jaxrl.methods.phases import run_phases
-from jaxrl.nn import arch, attention, lora, model
+from jaxrl.nn import arch, attention, lora, model, reward_model
 from jaxrl.nn.attention import block_size
 from jaxrl.parallel import sharding
 from jaxrl.rl import step
 from jaxrl.rl.losses import LossHparams
 from jaxrl.rl.programs import ForgetConfig, Programs, reference_copy
+from jaxrl.tasks.rewards.terms import model_dir, rows_per_forward
 from jaxrl.types import Rollouts
 
 GiB = 1024**3
@@ -124,10 +125,18 @@ class Plan:
   adapters: int  # bytes per device of the LoRA adapters (part of params); 0 without LoRA
   phases: tuple[PhasePlan, ...]
   skipped: str  # why nothing was compiled ("" = compiled)
+  # bytes per device of a reward model's params and head (reward.terms' model:PATH), held for the
+  # whole run beside the train state; 0 without one
+  reward_model: int = 0
 
   @property
   def state(self) -> int:
     return self.params + self.opt_state + self.ref_params
+
+  @property
+  def resident(self) -> int:
+    """What every device holds between steps: the train state and a reward model."""
+    return self.state + self.reward_model
 
   @property
   def trained(self) -> int:
@@ -136,12 +145,12 @@ class Plan:
 
   def train_peak(self, ph: PhasePlan) -> int:
     """The update's estimated peak per device: resident state + gradients + activations."""
-    return self.state + grad_copies(ph.cfg) * self.trained + ph.activations.total
+    return self.resident + grad_copies(ph.cfg) * self.trained + ph.activations.total
 
   def rollout_peak(self, ph: PhasePlan) -> int:
     """The rollouts' estimated peak per device: resident state + the sampler's (or the
     rescoring's) buffers."""
-    return self.state + ph.rollout.total
+    return self.resident + ph.rollout.total
 
   def peak(self, ph: PhasePlan) -> int:
     """The phase's estimated peak per device: the larger of the two (more where rollouts run
@@ -579,6 +588,35 @@ def compile_forget(pc: Config, programs: Programs, params) -> Compiled:
   )
 
 
+def reward_model_plan(cfg: Config, mesh) -> tuple[int, object]:
+  """(bytes per device, a thunk lowering its forward) of ``reward.terms``' reward model, in the
+  policy's compute dtype and sharded like it (``jaxrl.nn.reward_model``); (0, None) without one."""
+  paths = [t.source for t in parse_terms(cfg.reward.terms) if t.kind == "model"]
+  if not paths:
+    return 0, None
+  try:
+    rm_cfg = reward_model.reward_model_config(
+      model_dir(paths[0], ("config.json",)), cfg.model.dtype
+    )
+  except (OSError, ValueError) as e:  # before check_inputs reads it: name the field here too
+    raise ConfigError("reward.terms", f"term model:{paths[0]}: {e}") from None
+  graphdef, params = model.abstract(rm_cfg)
+  param_sh = sharding.tree_shardings(params, mesh)
+  score_1xD = jax.ShapeDtypeStruct((1, rm_cfg.hidden_size), rm_cfg.param_dtype)
+  held = bytes_per_device(params, param_sh) + math.prod(score_1xD.shape) * score_1xD.dtype.itemsize
+  rows_sh = sharding.batch_sharding(mesh)
+  rows, t = rows_per_forward(cfg.reward.model_rows, mesh), cfg.reward.model_max_tokens
+  tokens = jax.ShapeDtypeStruct((rows, t), jnp.int32, sharding=rows_sh)
+  mask = jax.ShapeDtypeStruct((rows, t), jnp.bool_, sharding=rows_sh)
+  score = jax.ShapeDtypeStruct(score_1xD.shape, score_1xD.dtype, sharding=sharding.replicated(mesh))
+  forward = jax.jit(functools.partial(reward_model.reward_scores, graphdef, pad_id=0))
+
+  def lower():
+    return forward.lower(_shaped(params, param_sh), score, tokens, mask)
+
+  return held, lower
+
+
 def _device_memory() -> int | None:
   # A local device: only those report their memory (another process's raises), and every
   # process runs the same kind.
@@ -599,6 +637,7 @@ def build(cfg: Config, *, compile_steps: bool = True, rollout_side: bool = True)
   trained = lora.partition(params, programs.trainable)[0]
   opt = jax.eval_shape(programs.tx.init, trained)
   mesh_shape = dict(mesh.shape)
+  rm_bytes, rm_lower = reward_model_plan(cfg, mesh)
   phases = []
   for phase in run_phases(cfg):
     pc = phase.cfg
@@ -614,6 +653,8 @@ def build(cfg: Config, *, compile_steps: bool = True, rollout_side: bool = True)
         compiled.append(compile_rescoring(pc, programs, params))
       if rollout_side and pc.eepo.enabled:
         compiled.append(compile_forget(pc, programs, params))
+      if rollout_side and rm_lower is not None:
+        compiled.append(_analyse("reward model forward (reward_scores)", rm_lower))
     phases.append(
       PhasePlan(
         phase.name,
@@ -640,6 +681,7 @@ def build(cfg: Config, *, compile_steps: bool = True, rollout_side: bool = True)
     else 0,
     phases=tuple(phases),
     skipped=skipped,
+    reward_model=rm_bytes,
   )
 
 
@@ -672,7 +714,11 @@ def memory_error(cfg: Config) -> ConfigError | None:
   if need <= OVER_CAPACITY * capacity:
     return None
   train = p.train_peak(worst) >= p.rollout_peak(worst)
-  items = [("train state", p.state), *(worst.activations if train else worst.rollout).items]
+  items = [
+    ("train state", p.state),
+    ("reward model", p.reward_model),
+    *(worst.activations if train else worst.rollout).items,
+  ]
   name, size = max(items, key=lambda item: item[1])
   # The sequence length drives the largest buffers unless the state itself is the problem.
   field = "model" if name == "train state" else "rollout.max_new_tokens"

@@ -64,8 +64,20 @@ def _state_section(plan: Plan, cfg: Config) -> list[str]:
       f"AdamW mu + nu in {cfg.optim.state_dtype}" + (" (adapters only)" if plan.adapters else ""),
     ],
     ["KL reference params", size(plan.ref_params) if plan.ref_params else "0", ref_note],
-    ["**resident: params + optimizer + reference**", f"**{size(plan.state)}**", "between steps"],
   ]
+  if plan.reward_model:
+    rows += [
+      ["reward model params", size(plan.reward_model), f"{m.dtype}; sharded like the policy"],
+      [
+        "**resident: params + optimizer + reference + reward model**",
+        f"**{size(plan.resident)}**",
+        "between steps",
+      ],
+    ]
+  else:
+    rows.append(
+      ["**resident: params + optimizer + reference**", f"**{size(plan.state)}**", "between steps"]
+    )
   return ["## Train state per device", "", _table(["memory per device", "bytes", "note"], rows), ""]
 
 
@@ -149,6 +161,8 @@ def _compiled_section(plan: Plan, ph: PhasePlan, expected_train: int) -> list[st
   out += [_table(_COMPILED_COLUMNS, rows), ""]
   out += [_verdict(plan, max(c.peak for c in ph.compiled)), ""]
   for c in ph.compiled:
+    if c.name.startswith("reward model"):  # no analytic estimate to hold it against
+      continue
     # The forgetting step has a backward too: at most the train step's (half the rows per chunk).
     e = expected_train if c.name.startswith(("train step", "EEPO")) else ph.rollout.total
     if c.temp > 2 * e and c.temp - e > _WARN_BYTES:

@@ -57,6 +57,7 @@ from jaxrl.run.stops import (
   check_saved,
   stop_after_checkpoint,
 )
+from jaxrl.tasks.rewards.terms import RewardTerms, build_terms
 from jaxrl.tasks.task import TaskData, load_task
 from jaxrl.workdir import lock
 from jaxrl.workdir.checkpoint import Checkpointer
@@ -106,6 +107,7 @@ class Trainer:
   collector: Collector
   progress: Progress
   compiles: CompileCounter  # traces of the train step and the JAX sampler (evals included)
+  reward_terms: RewardTerms | None = None  # reward.terms; None: the task's verifier alone
   _rollout_pools: list = dataclasses.field(default_factory=list, init=False, repr=False)
   _lock: str | None = dataclasses.field(default=None, init=False, repr=False)  # ``lock.hold``'s
   _stop: StopFlag | None = dataclasses.field(default=None, init=False, repr=False)  # ``run``'s
@@ -135,6 +137,7 @@ class Trainer:
       mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
       graphdef, abstract_params = model.abstract(model_cfg)
       programs = Programs.for_run(cfg, graphdef, abstract_params, mesh)
+      terms = build_terms(cfg, mesh)  # a reward model loads onto the trainer's mesh
       engine = task_engine(cfg, graphdef, model_cfg, task, workdir)
       started.callback(engine.close)
       collector = Collector(
@@ -160,6 +163,7 @@ class Trainer:
       collector,
       Progress(enabled=cfg.log.progress),
       compiles,
+      terms,
     )
     trainer._lock = held
     return trainer
@@ -345,6 +349,7 @@ class Trainer:
       compiles=self.compiles,
       rollout_pool=self._rollout_pool(),
       peak_flops=mfu.peak_flops(c.log.peak_tflops, jax.devices()[0].device_kind),
+      reward_terms=self.reward_terms,
     )
 
   def _rollout_pool(self) -> concurrent.futures.ThreadPoolExecutor | None:

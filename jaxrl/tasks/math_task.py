@@ -179,6 +179,7 @@ def load(cfg: Config, tokenizer_dir: str) -> dict:
     train_prompt_ids=train_enc.ids_QxP,
     train_prompt_mask=train_enc.mask_QxP,
     train_answers=np.asarray(train.answers, dtype=object)[train_enc.kept_Q],
+    train_questions=np.asarray(train.questions, dtype=object)[train_enc.kept_Q],
     train_levels=np.asarray([index[n] for n in train_labels], np.int32),
     heldout_prompt_ids=held_enc.ids_QxP[np.searchsorted(held_enc.kept_Q, held_kept)],
     heldout_prompt_mask=held_enc.mask_QxP[np.searchsorted(held_enc.kept_Q, held_kept)],

@@ -22,6 +22,7 @@ from jaxrl.tasks.data.cursor import Mixture
 from jaxrl.tasks.envs.trajectory import response_texts
 from jaxrl.tasks.rewards.arithmetic import score_batch
 from jaxrl.tasks.rewards.pool import VerifyResult
+from jaxrl.tasks.rewards.terms import check_terms
 
 
 @dataclasses.dataclass
@@ -50,6 +51,9 @@ class TaskData:
   # None = every target token
   sft_loss_mask: np.ndarray | None = None
   environment: object = None  # the run's Environment (tasks.envs); None = single-turn
+  # object[Q] of str: each training question as written (what reward terms read as the prompt);
+  # None = the prompts decoded
+  train_questions: np.ndarray | None = None
 
   @property
   def stop_sequences(self) -> tuple[tuple[int, ...], ...]:
@@ -62,6 +66,13 @@ class TaskData:
     return response_texts(
       self.tokenizer, out, multi_turn=self.environment is not None, eos_id=self.eos_id
     )
+
+  def prompt_texts(self, qids) -> list[str]:
+    """The training questions ``qids`` as text, for reward terms."""
+    if self.train_questions is not None:
+      return [str(q) for q in self.train_questions[np.asarray(qids)]]
+    ids, mask = self.train_prompt_ids[np.asarray(qids)], self.train_prompt_mask[np.asarray(qids)]
+    return [self.tokenizer.decode(row[m], skip_special_tokens=True) for row, m in zip(ids, mask)]
 
   def verify(self, responses, answers) -> VerifyResult:
     """Rewards with the verifier's failure counts (timeouts, errors, ...) for the metrics."""
@@ -144,9 +155,10 @@ def load_task(cfg: Config, tokenizer_dir: str) -> TaskData:
 
 
 def check_inputs(cfg: Config) -> None:
-  """Read the task's inputs from outside the run (the math task: the checkpoint's tokenizer, the
-  datasets) without building anything: a ConfigError naming the field when one is unusable. The
-  command calls it before it writes the run's directory; a built-in task has none."""
+  """Read the run's inputs from outside it (the math task: the checkpoint's tokenizer, the
+  datasets; what reward.terms names) without building anything: a ConfigError naming the field
+  when one is unusable. The command calls it before it writes the run's directory."""
   module = task_module(cfg)
   if hasattr(module, "check_inputs"):
     module.check_inputs(cfg)
+  check_terms(cfg)

@@ -1,0 +1,242 @@
+"""The run's reward terms (``reward.terms``, docs/algorithms.md §13): each scores a batch of
+answers, NaN where it gave None, and ``combine_terms`` makes them one reward.
+
+The verifier's values are the task's ``VerifyResult`` (its failures set the answer aside). A
+callable term (``fn:MODULE:NAME``) is TRL's reward function: it runs in the trainer's process on
+the whole batch (a batch API call, a model of its own), called as ``fn(prompts=..., completions=...,
+answer=...)``, awaited when it is a coroutine, and must return one finite number or None per
+answer: anything else is an error naming it. A model term (``model:PATH``) re-tokenises prompt and
+response with the checkpoint's tokenizer and scores them with ``jaxrl.nn.reward_model`` on the
+trainer's mesh.
+
+A step's term metrics are counters that add over dynamic sampling's rounds (``_sum``, ``_n``,
+``_rows``); ``term_means`` turns them into each term's mean and the share it applies to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import math
+import numbers
+
+import numpy as np
+
+from jaxrl.config import Config, ConfigError, TermSpec, parse_terms
+from jaxrl.nn import hf, reward_model
+from jaxrl.parallel import distributed, sharding
+from jaxrl.tasks.data import hub
+from jaxrl.tasks.rewards.combine import combine_terms
+from jaxrl.tasks.rewards.pool import RewardFnError, VerifyResult
+from jaxrl.tasks.workers import load_function
+
+PREFIX = "reward_term_"
+_COUNTERS = ("_sum", "_n", "_rows")
+
+
+class CallableTerm:
+  """A TRL-style reward function ``(prompts, completions, **columns) -> list[float | None]``."""
+
+  def __init__(self, spec: str):
+    self.spec = spec
+    self.fn = load_function(spec, "reward term", RewardFnError)
+
+  def __call__(self, prompts: list[str], completions: list[str], answers: list[str]) -> np.ndarray:
+    out = self.fn(prompts=prompts, completions=completions, answer=answers)
+    if inspect.isawaitable(out):
+      out = asyncio.run(_awaited(out))
+    return as_values(out, len(completions), f"reward term {self.spec!r}")
+
+
+async def _awaited(awaitable):
+  return await awaitable
+
+
+def as_values(out, count: int, what: str) -> np.ndarray:
+  """f32[count] of a term's returned list, NaN for None; ValueError naming ``what`` otherwise."""
+  if isinstance(out, (str, bytes)) or not hasattr(out, "__len__"):
+    raise ValueError(f"{what} returned {type(out).__name__}, not a list of {count} rewards")
+  if len(out) != count:
+    raise ValueError(f"{what} returned {len(out)} rewards for {count} answers")
+  values = np.empty(count, np.float32)
+  for i, v in enumerate(out):
+    if v is None:
+      values[i] = math.nan
+    elif isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(float(v)):
+      values[i] = float(v)
+    else:
+      raise ValueError(f"{what}: answer {i} got {v!r}, not a finite number or None")
+  return values
+
+
+def rows_per_forward(rows: int, mesh) -> int:
+  """``reward.model_rows`` rounded up to a multiple of the mesh's data-parallel split: each shard
+  scores whole rows."""
+  if mesh is None:
+    return rows
+  split = mesh.size // sharding.batch_sharding(mesh).shard_shape((mesh.size,))[0]
+  return -(-rows // split) * split
+
+
+def model_dir(source: str, files=hub.MODEL_FILES) -> str:
+  """A model term's checkpoint directory: a local path as is, a Hub id ``ORG/NAME[@REVISION]``
+  its cached snapshot of ``files`` (process 0 downloads first; offline and not cached: a
+  ``HubError``)."""
+  return hub.model_snapshot(source, files)
+
+
+class ModelTerm:
+  """A sequence-classification reward model on the trainer's mesh, fed by its own tokenizer."""
+
+  def __init__(self, source: str, mesh, dtype: str, max_tokens: int, rows: int):
+    import transformers  # only a run with a reward model needs it
+
+    path = model_dir(source)
+    self.model = reward_model.load_reward_model(path, dtype, mesh)
+    self.tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    self.mesh, self.max_tokens = mesh, max_tokens
+    self.rows = rows_per_forward(rows, mesh)
+    self.truncated = 0  # inputs cut to max_tokens by the last call
+
+  def token_ids(self, prompt: str, completion: str) -> list[int]:
+    """The model's input: through its chat template (user, assistant) when it has one."""
+    tok = self.tokenizer
+    if getattr(tok, "chat_template", None):
+      chat = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+      text = tok.apply_chat_template(chat, tokenize=False)
+      return list(tok(text, add_special_tokens=False)["input_ids"])
+    return list(tok(prompt + completion)["input_ids"])
+
+  def __call__(self, prompts: list[str], completions: list[str], answers: list[str]) -> np.ndarray:
+    ids = [self.token_ids(p, c) for p, c in zip(prompts, completions)]
+    self.truncated = sum(len(x) > self.max_tokens for x in ids)
+    ids = [x[-self.max_tokens :] for x in ids]  # the score is read at the end: keep the end
+    scores = [self._scores(ids[lo : lo + self.rows]) for lo in range(0, len(ids), self.rows)]
+    return np.concatenate(scores).astype(np.float32) if scores else np.zeros(0, np.float32)
+
+  def _scores(self, ids: list[list[int]]) -> np.ndarray:
+    """Scores of up to ``rows`` inputs: padded to ``rows`` rows (copies of the first) and to a
+    power-of-two length (a few compiled shapes, not one per step)."""
+    longest = max(max(len(x) for x in ids), 1)
+    t = min(max(16, 1 << (longest - 1).bit_length()), self.max_tokens)
+    pad = self.model.pad_id if self.model.pad_id is not None else 0
+    rows = [*ids, *[ids[0]] * (self.rows - len(ids))]
+    tokens_RxT = np.full((self.rows, t), pad, np.int32)
+    mask_RxT = np.zeros((self.rows, t), bool)
+    for r, x in enumerate(rows):
+      tokens_RxT[r, : len(x)], mask_RxT[r, : len(x)] = x, True
+    if self.mesh is None:
+      return np.asarray(self.model.scores(tokens_RxT, mask_RxT))[: len(ids)]
+    tokens_RxT, mask_RxT = sharding.shard_batch((tokens_RxT, mask_RxT), self.mesh)
+    # rows may span processes: every process gathers them (a collective, as every process scores)
+    return np.asarray(distributed.to_host(self.model.scores(tokens_RxT, mask_RxT)))[: len(ids)]
+
+
+@dataclasses.dataclass(frozen=True)
+class TermsResult:
+  rewards_R: np.ndarray  # f32[R]: the combined reward (0 where not kept)
+  kept_R: np.ndarray  # bool[R]: some term applies and the verifier, if a term, scored it
+  metrics: dict  # per term: the counters ``term_means`` reads
+
+
+class RewardTerms:
+  """The run's terms, in ``reward.terms`` order, and the rule that combines them."""
+
+  def __init__(self, specs: tuple[TermSpec, ...], scorers: dict, rule: str):
+    self.specs, self.scorers, self.rule = specs, scorers, rule
+
+  @property
+  def uses_verifier(self) -> bool:
+    return any(s.kind == "verifier" for s in self.specs)
+
+  def score(
+    self,
+    prompts: list[str],
+    completions: list[str],
+    answers: list[str],
+    verified: VerifyResult | None,
+    group_ids_R,
+    num_groups: int,
+  ) -> TermsResult:
+    """The terms' values on the batch, combined; ``verified``: the verifier's, when a term."""
+    values, kept_R, metrics = [], np.ones(len(completions), bool), {}
+    for k, spec in enumerate(self.specs):
+      if spec.kind == "verifier":
+        v_R = np.asarray(verified.rewards_R, np.float32)
+        kept_R = kept_R & verified.scored
+        v_R = np.where(verified.scored, v_R, np.nan)
+      else:
+        v_R = self.scorers[k](prompts, completions, answers)
+      values.append(v_R)
+      applies_R = ~np.isnan(v_R)
+      metrics.update(
+        {
+          f"{PREFIX}{spec.label}_sum": float(np.where(applies_R, v_R, 0.0).sum()),
+          f"{PREFIX}{spec.label}_n": float(applies_R.sum()),
+          f"{PREFIX}{spec.label}_rows": float(len(v_R)),
+        }
+      )
+      if spec.kind == "model":
+        metrics["reward_model_truncated"] = float(self.scorers[k].truncated)
+    weights = [s.weight for s in self.specs]
+    rewards_R, applies_R = combine_terms(
+      np.stack(values), weights, np.asarray(group_ids_R), num_groups, self.rule
+    )
+    kept_R = kept_R & applies_R
+    return TermsResult(np.where(kept_R, rewards_R, 0.0).astype(np.float32), kept_R, metrics)
+
+
+def term_means(counters: dict) -> dict:
+  """The counters with each term's ``_sum``, ``_n`` and ``_rows`` replaced by its mean over the
+  answers it applies to (``reward_term_<label>``, NaN when none) and that share
+  (``reward_term_<label>_applies``)."""
+  out = {k: v for k, v in counters.items() if not (k.startswith(PREFIX) and k.endswith(_COUNTERS))}
+  for key in counters:
+    if key.startswith(PREFIX) and key.endswith("_sum"):
+      name = key.removesuffix("_sum")
+      n, rows = counters[name + "_n"], counters[name + "_rows"]
+      out[name] = counters[key] / n if n else math.nan
+      out[name + "_applies"] = n / rows if rows else math.nan
+  return out
+
+
+def _term_error(spec: TermSpec, e: Exception) -> ConfigError:
+  return ConfigError("reward.terms", f"term {spec.kind}:{spec.source}: {e}")
+
+
+def check_terms(cfg: Config) -> None:
+  """Read what the terms name without building them (a callable imports, a reward model's
+  config.json and tensor headers): a ConfigError naming reward.terms when one is unusable."""
+  for spec in parse_terms(cfg.reward.terms):
+    try:
+      if spec.kind == "fn":
+        load_function(spec.source, "reward term", RewardFnError)
+      elif spec.kind == "model":
+        path = model_dir(spec.source)
+        reward_model.reward_model_config(path, cfg.model.dtype)
+        hf.check_tensor_files(path)
+    except (OSError, ValueError) as e:
+      raise _term_error(spec, e) from None
+
+
+def build_terms(cfg: Config, mesh=None) -> RewardTerms | None:
+  """The terms of ``reward.terms`` (a reward model loaded onto ``mesh`` in the policy's compute
+  dtype); None when unset: the verifier alone, as the loop computes it without terms."""
+  specs = parse_terms(cfg.reward.terms)
+  if not specs:
+    return None
+  scorers = {}
+  r = cfg.reward
+  for k, spec in enumerate(specs):
+    try:
+      if spec.kind == "fn":
+        scorers[k] = CallableTerm(spec.source)
+      elif spec.kind == "model":
+        scorers[k] = ModelTerm(spec.source, mesh, cfg.model.dtype, r.model_max_tokens, r.model_rows)
+    except (OSError, ValueError) as e:
+      raise _term_error(spec, e) from None
+  labels = [s.label for s in specs]
+  if len(set(labels)) != len(labels):
+    raise ValueError(f"reward.terms: two terms share a metrics label ({labels})")
+  return RewardTerms(specs, scorers, cfg.reward.combine)
