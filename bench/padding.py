@@ -13,8 +13,8 @@ decode (``compact``, every 32 tokens), same prompts and keys (so the same sample
 ``generate`` on the same weights (``hf``). A random model cannot be told each row's length: rows stop
 at a set of stop ids whose mean probability under the model (``stop_set``) makes a row end with
 probability 1 / (25% of N) per token: geometric lengths (mean ~25% of N, ~2% reach N), alike on
-every side in distribution; the realised lengths are printed. (The vLLM CPU server:
-``sidecar_throughput.py``; not here yet.)
+every side in distribution; the realised lengths are printed. The vLLM CPU server's throughput
+against the JAX sampler is ``sidecar_throughput.py``'s (its own model and tokenizer).
 
 ``--part update``: one GRPO update of R rows whose response masks follow ``--lengths``: jaxrl with
 ``loss.packing`` on (``packed``) and off (``padded``: every row N wide), and the PyTorch update as TRL

@@ -10,11 +10,14 @@ import jax
 import numpy as np
 import pytest
 from rounding import entropy_atol, logp_atol
+from run_helpers import run_steps, step_context, tiny_config
 from test_sampler import CFG, EOS, PAD, _left_pad, _teacher_forced_logits
 
+from jaxrl.config import ConfigError
 from jaxrl.nn import model
 from jaxrl.rollout import compaction, engine, sampler
 from jaxrl.run.compiles import CompileCounter
+from jaxrl.run.loop import initial_loop
 
 # Four prompts, 32 rows: the buckets are 32, 16 and 8; EOS (1 of 16 tokens) ends rows at spread
 # lengths, and N = 80 crosses the first cache segment (64) so compaction meets a cache growth.
@@ -109,3 +112,32 @@ def test_wasted_share_counts_row_steps_by_hand():
   lengths = [30] * 8 + [70] * 8
   useful, spent = 8 * 29 + 8 * 69, 16 * 63 + 8 * 6
   assert compaction.wasted_share(lengths, 80, 100) == pytest.approx(1 - useful / spent)
+
+
+def test_a_training_step_samples_the_same_rollouts_compacted(tmp_path, monkeypatch):
+  """The trainer's step with ``rollout.compact_every``: the same rollouts, so the same rewards,
+  lengths and accuracies, as without (the update's own numbers move with ℓ_prox's rounding)."""
+  compactions = []
+
+  def counted_take(*args):
+    compactions.append(len(args[2]))  # the new batch's rows
+    return take(*args)
+
+  take = compaction._take
+  monkeypatch.setattr(compaction, "_take", counted_take)
+  rows = {}
+  for every in (0, 2):
+    # 16 rows of a fresh model, up to 32 tokens: EOS ends most rows before the last
+    overrides = {"rollout.compact_every": every, "rollout.max_new_tokens": 32}
+    cfg = tiny_config("test", steps=1, **overrides)
+    ctx, params = step_context(cfg, tmp_path / "tokenizer")
+    rows[every] = run_steps(ctx, initial_loop(ctx, ctx.programs.init_state(params)), 0, 1)[1][0]
+  assert compactions == [8]  # the step's batch went from 16 rows to 8
+  assert rows[2].keys() == rows[0].keys()
+  exact = [k for k in rows[0] if "reward" in k or "len" in k or "accuracy" in k]
+  assert len(exact) >= 3 and all(rows[2][k] == rows[0][k] for k in exact), exact
+
+
+def test_the_config_refuses_a_negative_interval():
+  with pytest.raises(ConfigError, match="rollout.compact_every"):
+    tiny_config("test", **{"rollout.compact_every": -1})

@@ -132,6 +132,9 @@ class JaxEngine:
     self._params = None
     self.version: int | None = None
     self._turns, self._respond_factory = turns, respond_factory
+    if compact_every and jax.process_count() > 1:
+      # The host reads which rows finished between chunks: every row must be on this process.
+      raise ValueError("rollout.compact_every needs one process (0 on several hosts)")
     self._compact_every = compact_every
     self.turn_counts: multiturn.TurnCounts | None = None
 

@@ -15,6 +15,9 @@ equal.
 Cache layout (``jaxrl.nn.model``): the left-padded prompt fills slots 0..P-1, generated token n goes to
 slot P+n, and ``kv_valid_RxS`` marks the real slots, so RoPE positions and attention match a
 no-cache forward over ``prompt ++ response`` with ``positions_from_mask``.
+
+The loop decodes every row until the last one finishes; ``jaxrl.rollout.compaction`` runs the same
+decode with the finished rows dropped between chunks of steps (``rollout.compact_every``).
 """
 
 from __future__ import annotations
