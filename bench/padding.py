@@ -5,15 +5,15 @@ cut at N: ~3% of rows reach N) and ``countdown`` (the countdown task's reference
 a share of its 24-token budget, ``configs/tiny.py``, scaled to N). Two parts, each its own workers
 (``side_by_side``: sides alternate call by call; medians and pairwise ratios):
 
-``--part sampler``: first the share of decode row-steps spent on rows that had already finished
-(``compaction.wasted_share``: a count, no clock), on each distribution without and with compaction.
-Then new tokens/s (tokens the rows generated, not padding) of the JAX sampler decoding every row
+``--part sampler``: the share of decode row-steps spent on rows that had already finished
+(``compaction.wasted_share``: a count, no clock), without and with compaction, on both
+distributions and on the lengths the timed rows had. Then new tokens/s (tokens the rows generated, not padding) of the JAX sampler decoding every row
 until the last one ends (``padded``, ``rollout.compact_every`` 0: the default) against the compacted
 decode (``compact``, every 32 tokens), same prompts and keys (so the same samples), and HF
 ``generate`` on the same weights (``hf``). A random model cannot be told each row's length: rows stop
 at a set of stop ids whose mean probability under the model (``stop_set``) makes a row end with
 probability 1 / (25% of N) per token: geometric lengths (mean ~25% of N, ~2% reach N), alike on
-every side in distribution; the realised lengths are printed. The vLLM CPU server's throughput
+every side in distribution (``--lengths`` is the update's); the realised lengths are printed. The vLLM CPU server's throughput
 against the JAX sampler is ``sidecar_throughput.py``'s (its own model and tokenizer).
 
 ``--part update``: one GRPO update of R rows whose response masks follow ``--lengths``: jaxrl with
@@ -58,7 +58,12 @@ def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--part", choices=("sampler", "update"), default="sampler")
   parser.add_argument("--size", choices=sorted(side_by_side.MODEL_SIZES), default="5m")
-  parser.add_argument("--lengths", choices=("lognormal", "countdown"), default="lognormal")
+  parser.add_argument(
+    "--lengths",
+    choices=("lognormal", "countdown"),
+    default="lognormal",
+    help="the update's response lengths (the sampler's rows stop at stop ids)",
+  )
   parser.add_argument("--rows", type=int, default=64)
   parser.add_argument("--group", type=int, default=8, help="samples per prompt")
   parser.add_argument("--prompt-len", type=int, default=32)
@@ -95,20 +100,16 @@ def lengths(kind: str, rows: int, budget: int, seed: int = 0) -> np.ndarray:
   return np.clip(np.rint(share * budget), 1, budget).astype(np.int32)
 
 
-def waste(rows: int, budget: int) -> dict:
-  """The share of decode row-steps spent on finished rows, per distribution, without and with
-  compaction (``compaction.wasted_share``)."""
+def waste(lengths_R, budget: int) -> dict:
+  """The share of decode row-steps spent on finished rows, without and with compaction
+  (``compaction.wasted_share``), for rows of these lengths."""
   from jaxrl.rollout import compaction
 
-  out = {}
-  for kind in ("lognormal", "countdown"):
-    lengths_R = lengths(kind, rows, budget)
-    out[kind] = {
-      "mean_len": float(lengths_R.mean()),
-      "padded": compaction.wasted_share(lengths_R, budget),
-      "compact": compaction.wasted_share(lengths_R, budget, COMPACT_EVERY),
-    }
-  return out
+  return {
+    "mean_len": float(np.mean(lengths_R)),
+    "padded": compaction.wasted_share(lengths_R, budget),
+    "compact": compaction.wasted_share(lengths_R, budget, COMPACT_EVERY),
+  }
 
 
 # The sampler part.
@@ -190,7 +191,7 @@ def _sampler_worker(args):
       model_cfg=cfg, **kw,
     )  # fmt: skip
     lengths_R = np.asarray(out.lengths_R)
-    return {"tokens": int(lengths_R.sum()), "longest": int(lengths_R.max())}
+    return {"tokens": int(lengths_R.sum()), "lengths": lengths_R.tolist()}
 
   return one, {"stop_ids": len(stops)}
 
@@ -238,7 +239,8 @@ def _median_rate(tokens: list[int], seconds: list[float]) -> float:
 
 def measure(args, argv) -> dict:
   out = {
-    "part": args.part, "size": args.size, "lengths": args.lengths, "rows": args.rows,
+    "part": args.part, "size": args.size, "rows": args.rows,
+    "lengths": args.lengths if args.part == "update" else "stop ids",
     "group": args.group, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
     "repeats": args.repeats, "machine": side_by_side.machine(),
   }  # fmt: skip
@@ -248,7 +250,10 @@ def measure(args, argv) -> dict:
       return out
     sides = UPDATE_SIDES
   else:
-    out["waste"] = waste(args.rows, args.new_tokens)
+    N = args.new_tokens
+    out["waste"] = {
+      kind: waste(lengths(kind, args.rows, N), N) for kind in ("lognormal", "countdown")
+    }
     sides = SAMPLER_SIDES
   timed = side_by_side.alternate(
     os.path.abspath(__file__), argv, sides, ("call",), args.repeats, args.sequential
@@ -261,6 +266,11 @@ def measure(args, argv) -> dict:
       out[side]["tokens_all"] = [r["tokens"] for r in results]
       out[side]["tokens_per_s"] = _median_rate(out[side]["tokens_all"], s)
       out[side]["mean_len"] = statistics.mean(out[side]["tokens_all"]) / args.rows
+  if args.part == "sampler":  # the lengths the timed rows had
+    padded, compact = (timed[side]["call_out"] for side in ("padded", "compact"))
+    out["waste"]["stop ids"] = waste(np.concatenate([r["lengths"] for r in padded]), N)
+    # the same keys: the same samples, so the same lengths, call by call
+    out["compact_same_lengths"] = all(a["lengths"] == b["lengths"] for a, b in zip(padded, compact))
   pairs = [("compact", "padded"), ("compact", "hf"), ("padded", "hf")]
   if args.part == "update":
     pairs = [("packed", "padded"), ("packed", "torch"), ("padded", "torch")]
@@ -292,6 +302,8 @@ def show(result: dict) -> None:
       f"  {kind}: mean length {w['mean_len']:.0f}; decode row-steps on finished rows "
       f"{100 * w['padded']:.0f}% padded, {100 * w['compact']:.0f}% compacted"
     )
+  if "compact_same_lengths" in r:
+    print(f"  compact's lengths equal padded's, call by call: {r['compact_same_lengths']}")
   for side in SAMPLER_SIDES if r["part"] == "sampler" else UPDATE_SIDES:
     x = r[side]
     rate = f"  {x['tokens_per_s']:,.0f} tokens/s, mean length {x['mean_len']:.0f}" if (
@@ -327,8 +339,10 @@ def report(path: str) -> str:
       lines.append(f"| {part} | {size} | {n} | {r['rows']} | {kind} | | skipped: {r['skipped']} "
                    f"| | {r['machine']} | {r.get('commit', '')} |")  # fmt: skip
       continue
-    w = r.get("waste", {}).get(kind)
-    share = f"{100 * w['padded']:.0f}% → {100 * w['compact']:.0f}%" if w else ""
+    share = "; ".join(
+      f"{name} (mean {w['mean_len']:.0f}) {100 * w['padded']:.0f}% → {100 * w['compact']:.0f}%"
+      for name, w in r.get("waste", {}).items()
+    )
     sides = SAMPLER_SIDES if part == "sampler" else UPDATE_SIDES
     secs = ", ".join(f"{s} {r[s]['s_median']:.2f}" for s in sides)
     ratios = ", ".join(
@@ -353,10 +367,11 @@ def main(argv=None):
   records = os.path.join(RESULTS, "padding.jsonl")
   if args.all or args.report:
     for size, n, rows in GRID if args.all else ():
+      point = ["--size", size, "--new-tokens", str(n), "--rows", str(rows)]
+      point += ["--repeats", str(args.repeats), "--out", records]
+      main(["--part", "sampler", *point])
       for kind in ("lognormal", "countdown"):
-        for part in ("sampler", "update"):
-          point = ["--part", part, "--size", size, "--new-tokens", str(n), "--rows", str(rows)]
-          main([*point, "--lengths", kind, "--repeats", str(args.repeats), "--out", records])
+        main(["--part", "update", "--lengths", kind, *point])
     with open(os.path.join(RESULTS, "padding.md"), "w") as f:
       f.write(report(records))
     return None
