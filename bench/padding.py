@@ -7,27 +7,30 @@ a share of its 24-token budget, ``configs/tiny.py``, scaled to N). Two parts, ea
 
 ``--part sampler``: the share of decode row-steps spent on rows that had already finished
 (``compaction.wasted_share``: a count, no clock), without and with compaction, on both
-distributions and on the lengths the timed rows had. Then new tokens/s (tokens the rows generated, not padding) of the JAX sampler decoding every row
-until the last one ends (``padded``, ``rollout.compact_every`` 0: the default) against the compacted
-decode (``compact``, every 32 tokens), same prompts and keys (so the same samples), and HF
-``generate`` on the same weights (``hf``). A random model cannot be told each row's length: rows stop
-at a set of stop ids whose mean probability under the model (``stop_set``) makes a row end with
-probability 1 / (25% of N) per token: geometric lengths (mean ~25% of N, ~2% reach N), alike on
-every side in distribution (``--lengths`` is the update's); the realised lengths are printed. The vLLM CPU server's throughput
-against the JAX sampler is ``sidecar_throughput.py``'s (its own model and tokenizer).
+distributions and on the lengths the timed rows had. Then new tokens/s (the tokens the rows
+generated, not padding) of the JAX sampler decoding every row until the last one ends (``padded``,
+``rollout.compact_every`` 0: the default) against the compacted decode (``compact``, every 32
+tokens), same prompts and keys (so the same samples: checked), and HF ``generate`` on the same
+weights (``hf``). A random model cannot be told each row's length: rows stop at a set of stop ids
+whose mean probability under the model (``stop_set``) makes a row end with probability about
+1 / (25% of N) per token: geometric lengths (mean ~25% of N, ~2% reach N), alike on every side in
+distribution (``--lengths`` is the update's); the realised lengths are printed. The vLLM CPU
+server against the JAX sampler is ``sidecar_throughput.py``'s comparison (its own model and
+tokenizer).
 
 ``--part update``: one GRPO update of R rows whose response masks follow ``--lengths``: jaxrl with
-``loss.packing`` on (``packed``) and off (``padded``: every row N wide), and the PyTorch update as TRL
-runs it (``torch``: rows padded to the batch's longest response). It says it skipped while the
+``loss.packing`` on (``packed``) and off (``padded``: every row N wide), and the PyTorch update as
+TRL runs it (``torch``: rows padded to the batch's longest response). It says it skipped while the
 config has no ``loss.packing``.
 
     PYTHONPATH=. .venv/bin/python bench/padding.py --part sampler --size 5m --new-tokens 512
     PYTHONPATH=. .venv/bin/python bench/padding.py --part update --size 5m --new-tokens 2048
     PYTHONPATH=. .venv/bin/python bench/padding.py --all     # the grid below -> results/padding.md
 
-``--all``: 5m at N = 512 and 2,048 (64 rows), 0.5b at N = 512 (16 rows, one side at a time), both
-distributions, both parts; records go to ``results/padding.jsonl`` and the table to
-``results/padding.md``. Run it with nothing else on the cores.
+``--all`` (``GRID``): 5m at N = 512 and 2,048 (64 rows), 0.5b at N = 512 (32 rows sampled, 8
+updated with each layer recomputed, one side at a time); the update on both distributions. Records
+go to ``results/padding.jsonl``, the table to ``results/padding.md``. Run it with nothing else on
+the cores.
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ SAMPLER_SIDES, UPDATE_SIDES = ("padded", "compact", "hf"), ("packed", "padded", 
 COMPACT_EVERY = 32
 MEAN_SHARE = 0.25  # the mean response length, a share of the budget N
 COUNTDOWN_BUDGET = 24  # configs/tiny.py's countdown rollout.max_new_tokens
-GRID = (("5m", 512, 64), ("5m", 2048, 64), ("0.5b", 512, 16))  # (size, N, rows) of --all
+# --all's points: (size, N, the sampler's rows, the update's rows, the update's remat). The 0.5B
+# update recomputes each layer so that a side fits in 24 GiB (train_step_vs_torch.py's --remat).
+GRID = (("5m", 512, 64, 64, "none"), ("5m", 2048, 64, 64, "none"), ("0.5b", 512, 32, 8, "full"))
 
 
 def parse_args(argv=None):
@@ -71,6 +76,9 @@ def parse_args(argv=None):
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--warmup", type=int, default=1)
   parser.add_argument("--sequential", action="store_true", help="one worker at a time")
+  parser.add_argument(
+    "--remat", choices=("none", "full"), default="none", help="the update recomputes each layer"
+  )
   parser.add_argument("--all", action="store_true", help="the issue's grid, then the report")
   parser.add_argument("--report", action="store_true", help="only write results/padding.md")
   parser.add_argument("--out", help="append the result as a JSON line to this file")
@@ -214,12 +222,14 @@ def update_fn(args, packing: bool | None):
   if packing is None:
     net = side_by_side.hf_model(args.size).train()
     net.config.use_cache = False
+    if args.remat == "full":  # as train_step_vs_torch.py's torch side
+      net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     vocab = net.config.vocab_size
     longest = int(lengths_R.max())
     b = train_step_vs_torch.batch_arrays(args.rows, args.prompt_len, N, vocab, lengths_R=lengths_R)
     b = {k: v[:, :longest] if k.endswith("_RxN") else v for k, v in b.items()}
     return train_step_vs_torch.torch_update_fn(net, b)
-  cfg, graphdef, params = side_by_side.jaxrl_model(args.size)
+  cfg, graphdef, params = side_by_side.jaxrl_model(args.size, remat=args.remat)
   b = train_step_vs_torch.batch_arrays(
     args.rows, args.prompt_len, N, cfg.vocab_size, lengths_R=lengths_R
   )
@@ -239,7 +249,7 @@ def _median_rate(tokens: list[int], seconds: list[float]) -> float:
 
 def measure(args, argv) -> dict:
   out = {
-    "part": args.part, "size": args.size, "rows": args.rows,
+    "part": args.part, "size": args.size, "rows": args.rows, "remat": args.remat,
     "lengths": args.lengths if args.part == "update" else "stop ids",
     "group": args.group, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
     "repeats": args.repeats, "machine": side_by_side.machine(),
@@ -366,12 +376,13 @@ def main(argv=None):
     return side_by_side.serve({"call": one}, info, args.warmup)
   records = os.path.join(RESULTS, "padding.jsonl")
   if args.all or args.report:
-    for size, n, rows in GRID if args.all else ():
-      point = ["--size", size, "--new-tokens", str(n), "--rows", str(rows)]
-      point += ["--repeats", str(args.repeats), "--out", records]
-      main(["--part", "sampler", *point])
+    for size, n, sampler_rows, update_rows, remat in GRID if args.all else ():
+      point = ["--size", size, "--new-tokens", str(n), "--repeats", str(args.repeats)]
+      point += ["--out", records]
+      main(["--part", "sampler", "--rows", str(sampler_rows), *point])
       for kind in ("lognormal", "countdown"):
-        main(["--part", "update", "--lengths", kind, *point])
+        update = ["--part", "update", "--lengths", kind, "--remat", remat]
+        main([*update, "--rows", str(update_rows), *point])
     with open(os.path.join(RESULTS, "padding.md"), "w") as f:
       f.write(report(records))
     return None

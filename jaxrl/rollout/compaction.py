@@ -97,12 +97,13 @@ def _write(out: _Responses, st: sampler._DecodeState, row_b: Array) -> _Response
 
 
 @jax.jit
-def _take(st: sampler._DecodeState, prompt_len_b: Array, take_c: Array, spare_c: Array):
-  """The carry of batch rows ``take_c`` (a smaller batch), its ``spare_c`` slots finished."""
-  rows = functools.partial(jnp.take, indices=take_c, axis=0)
+def _take(st: sampler._DecodeState, prompt_len_b: Array, take_b: Array, spare_b: Array):
+  """The carry of a smaller batch: its row i is the given carry's row take_b[i], finished where
+  ``spare_b`` (a slot no live row fills)."""
+  rows = functools.partial(jnp.take, indices=take_b, axis=0)
   return dataclasses.replace(
     st,
-    cache=st.cache.take_rows(take_c),
+    cache=st.cache.take_rows(take_b),
     kv_valid_RxS=rows(st.kv_valid_RxS),
     logits_RxV=rows(st.logits_RxV),
     tokens_RxN=rows(st.tokens_RxN),
@@ -110,7 +111,7 @@ def _take(st: sampler._DecodeState, prompt_len_b: Array, take_c: Array, spare_c:
     logp_RxN=rows(st.logp_RxN),
     behaviour_logp_RxN=rows(st.behaviour_logp_RxN),
     entropy_RxN=rows(st.entropy_RxN),
-    finished_R=rows(st.finished_R) | spare_c,
+    finished_R=rows(st.finished_R) | spare_b,
   ), rows(prompt_len_b)
 
 
@@ -226,16 +227,16 @@ def generate(
   row_b, out = np.arange(R, dtype=np.int32), None
   n, finished_b = jax.device_get((st.n, st.finished_R))
   while n < N and not finished_b.all():
-    live_c = np.flatnonzero(~finished_b)
-    bucket = bucket_for(len(live_c), len(row_b))
+    live = np.flatnonzero(~finished_b)
+    bucket = bucket_for(len(live), len(row_b))
     if bucket < len(row_b):
       # The first batch is every rollout row in order: its responses are the result so far.
       out = _responses(st) if out is None else _write(out, st, row_b)
-      spare = bucket - len(live_c)
-      take_c = np.concatenate([live_c, np.full(spare, live_c[0])]).astype(np.int32)
-      spare_c = np.arange(bucket) >= len(live_c)
-      st, prompt_len_b = _take(st, prompt_len_b, take_c, spare_c)
-      row_b = np.where(spare_c, R, row_b[take_c]).astype(np.int32)
+      spare = bucket - len(live)
+      take_b = np.concatenate([live, np.full(spare, live[0])]).astype(np.int32)
+      spare_b = np.arange(bucket) >= len(live)
+      st, prompt_len_b = _take(st, prompt_len_b, take_b, spare_b)
+      row_b = np.where(spare_b, R, row_b[take_b]).astype(np.int32)
     # The cache holds the slots of the chunk's segment (``sampler.segment_ends``).
     end = next(e for e in sampler.segment_ends(N) if e > n)
     if st.cache.slots < P + end:
