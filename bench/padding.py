@@ -76,6 +76,7 @@ def parse_args(argv=None):
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--warmup", type=int, default=1)
   parser.add_argument("--sequential", action="store_true", help="one worker at a time")
+  parser.add_argument("--without", nargs="+", default=[], help="sides left out (e.g. hf)")
   parser.add_argument(
     "--remat", choices=("none", "full"), default="none", help="the update recomputes each layer"
   )
@@ -258,13 +259,13 @@ def measure(args, argv) -> dict:
     if not packing_exists():
       out["skipped"] = "loss.packing does not exist yet: the packed update has not landed"
       return out
-    sides = UPDATE_SIDES
+    sides = tuple(s for s in UPDATE_SIDES if s not in args.without)
   else:
     N = args.new_tokens
     out["waste"] = {
       kind: waste(lengths(kind, args.rows, N), N) for kind in ("lognormal", "countdown")
     }
-    sides = SAMPLER_SIDES
+    sides = tuple(s for s in SAMPLER_SIDES if s not in args.without)
   timed = side_by_side.alternate(
     os.path.abspath(__file__), argv, sides, ("call",), args.repeats, args.sequential
   )
@@ -276,7 +277,7 @@ def measure(args, argv) -> dict:
       out[side]["tokens_all"] = [r["tokens"] for r in results]
       out[side]["tokens_per_s"] = _median_rate(out[side]["tokens_all"], s)
       out[side]["mean_len"] = statistics.mean(out[side]["tokens_all"]) / args.rows
-  if args.part == "sampler":  # the lengths the timed rows had
+  if {"padded", "compact"} <= set(sides) and args.part == "sampler":  # the timed rows' lengths
     padded, compact = (timed[side]["call_out"] for side in ("padded", "compact"))
     out["waste"]["stop ids"] = waste(np.concatenate([r["lengths"] for r in padded]), N)
     # the same keys: the same samples, so the same lengths, call by call
@@ -284,7 +285,7 @@ def measure(args, argv) -> dict:
   pairs = [("compact", "padded"), ("compact", "hf"), ("padded", "hf")]
   if args.part == "update":
     pairs = [("packed", "padded"), ("packed", "torch"), ("padded", "torch")]
-  for a, b in pairs:
+  for a, b in [(a, b) for a, b in pairs if a in sides and b in sides]:
     if args.part == "sampler":  # rates: a's tokens/s over b's, repeat by repeat
       ra = [t / s for t, s in zip(out[a]["tokens_all"], out[a]["s_all"])]
       rb = [t / s for t, s in zip(out[b]["tokens_all"], out[b]["s_all"])]
@@ -314,7 +315,7 @@ def show(result: dict) -> None:
     )
   if "compact_same_lengths" in r:
     print(f"  compact's lengths equal padded's, call by call: {r['compact_same_lengths']}")
-  for side in SAMPLER_SIDES if r["part"] == "sampler" else UPDATE_SIDES:
+  for side in [s for s in dict.fromkeys(SAMPLER_SIDES + UPDATE_SIDES) if s in r]:
     x = r[side]
     rate = f"  {x['tokens_per_s']:,.0f} tokens/s, mean length {x['mean_len']:.0f}" if (
       "tokens_per_s" in x
@@ -354,7 +355,7 @@ def report(path: str) -> str:
       for name, w in r.get("waste", {}).items()
     )
     sides = SAMPLER_SIDES if part == "sampler" else UPDATE_SIDES
-    secs = ", ".join(f"{s} {r[s]['s_median']:.2f}" for s in sides)
+    secs = ", ".join(f"{s} {r[s]['s_median']:.2f}" for s in sides if s in r)
     ratios = ", ".join(
       f"{k.replace('_vs_', '/')} {v:.2f}"
       + (f" [{r[k + '_pairs'][0]:.2f}–{r[k + '_pairs'][-1]:.2f}]" if k + "_pairs" in r else "")

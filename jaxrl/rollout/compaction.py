@@ -1,4 +1,4 @@
-"""The JAX sampler's decode without the rows that finished: live rows compacted into smaller batches.
+"""The JAX sampler's decode without the finished rows: live rows compacted into smaller batches.
 
 ``sampler.sample_program`` decodes every row until the last one finishes, so with long-tailed
 response lengths most of a batch's row-steps go to rows that already ended (``wasted_share``).
