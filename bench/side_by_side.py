@@ -80,7 +80,8 @@ def hf_model(size: str, vocab: int | None = None):
 
 def serve(actions: dict, info: dict, warmup: int) -> None:
   """Worker side: run every action ``warmup`` times, report ready, then time one call per line
-  read from stdin (the action's name) and answer with its seconds; on EOF report peak RSS."""
+  read from stdin (the action's name) and answer with its seconds (and the dict it returned, if
+  one: e.g. the tokens a call generated); on EOF report peak RSS."""
   start = time.perf_counter()
   for fn in actions.values():
     for _ in range(warmup):
@@ -89,8 +90,11 @@ def serve(actions: dict, info: dict, warmup: int) -> None:
   for line in sys.stdin:
     fn = actions[line.strip()]
     t0 = time.perf_counter()
-    fn()
-    print(json.dumps({"s": time.perf_counter() - t0}), flush=True)
+    returned = fn()
+    reply = {"s": time.perf_counter() - t0}
+    print(
+      json.dumps(dict(reply, out=returned) if isinstance(returned, dict) else reply), flush=True
+    )
   print(json.dumps({"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
 
 
@@ -117,10 +121,12 @@ class Worker:
       raise RuntimeError(f"{self.side} worker exited with {self.proc.wait()}")
     return json.loads(line)
 
-  def time(self, action: str) -> float:
+  def time(self, action: str) -> tuple[float, object]:
+    """One timed call: its seconds and what it returned (None if nothing)."""
     self.proc.stdin.write(action + "\n")
     self.proc.stdin.flush()
-    return self._read()["s"]
+    reply = self._read()
+    return reply["s"], reply.get("out")
 
   def close(self) -> float:
     """Stop the worker; its peak resident memory in GiB."""
@@ -134,15 +140,18 @@ def alternate(script, argv, sides, actions, repeats: int, sequential: bool) -> d
   """Time every action of every side ``repeats`` times, sides alternating call by call (or, with
   ``sequential``, one side's worker after the other's when both do not fit in memory at once).
 
-  Returns ``{side: {"info": ..., "peak_rss_gib": ..., action: [seconds, ...]}}``.
+  Returns ``{side: {"info": ..., "peak_rss_gib": ..., action: [seconds, ...], action + "_out":
+  [what each call returned, ...]}}``.
   """
-  out = {side: {a: [] for a in actions} for side in sides}
+  out = {side: {k: [] for a in actions for k in (a, a + "_out")} for side in sides}
   for group in [(s,) for s in sides] if sequential else [tuple(sides)]:
     workers = {s: Worker(script, argv, s) for s in group}
     for _ in range(repeats):
       for side, w in workers.items():
         for a in actions:
-          out[side][a].append(w.time(a))
+          seconds, returned = w.time(a)
+          out[side][a].append(seconds)
+          out[side][a + "_out"].append(returned)
     for side, w in workers.items():
       out[side]["info"] = w.info
       out[side]["peak_rss_gib"] = w.close()

@@ -66,9 +66,12 @@ def parse_args(argv=None):
 # ``batch_arrays``, ``jaxrl_update_fn`` and ``torch_update_fn`` are also bench/gpu_check.py's.
 
 
-def batch_arrays(rows: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0) -> dict:
+def batch_arrays(
+  rows: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0, lengths_R=None
+) -> dict:
   """The update's batch as numpy arrays: random prompts and responses (every response N tokens
-  long), behaviour log-probs and 0/1 rewards in groups of 8."""
+  long, or ``lengths_R`` tokens in N-wide rows), behaviour log-probs and 0/1 rewards in groups of
+  8."""
   import numpy as np
 
   rng = np.random.default_rng(seed)
@@ -77,8 +80,10 @@ def batch_arrays(rows: int, prompt_len: int, response_len: int, vocab: int, seed
   return dict(
     prompt_ids_RxP=rng.integers(0, vocab, (R, P)).astype(np.int32),
     tokens_RxN=rng.integers(0, vocab, (R, N)).astype(np.int32),
-    # every response runs to N tokens: the work is the same R·(P+N) tokens on both sides
-    mask_RxN=np.ones((R, N), bool),
+    # by default every response runs to N tokens: the same R·(P+N) tokens on both sides
+    mask_RxN=np.ones((R, N), bool)
+    if lengths_R is None
+    else np.arange(N) < np.asarray(lengths_R)[:, None],
     old_logp_RxN=(-rng.random((R, N)) * 4 - 0.5).astype(np.float32),
     rewards_R=rng.integers(0, 2, R).astype(np.float32),
     group_ids_R=np.repeat(np.arange(R // group), group).astype(np.int32),
@@ -86,10 +91,11 @@ def batch_arrays(rows: int, prompt_len: int, response_len: int, vocab: int, seed
   )
 
 
-def jaxrl_update_fn(graphdef, params, b: dict, response_len: int):
+def jaxrl_update_fn(graphdef, params, b: dict, response_len: int, **loss_fields):
   """A call that runs one GRPO update of the trainer's own program (``Programs.update``: AdamW at
   lr 1e-6, grad-norm clip 1) on the batch ``b`` (``batch_arrays``) and waits for it; the train
-  state (built from ``params``) lives in the closure and is donated step to step."""
+  state (built from ``params``) lives in the closure and is donated step to step.
+  ``loss_fields`` set more ``LossConfig`` fields."""
   import jax
   import numpy as np
 
@@ -112,7 +118,7 @@ def jaxrl_update_fn(graphdef, params, b: dict, response_len: int):
     loss_mask_RxN=b["mask_RxN"],
     behaviour_logp_RxN=b["old_logp_RxN"],
     entropy_RxN=np.zeros_like(b["old_logp_RxN"]),
-    lengths_R=np.full((R,), response_len, np.int32),
+    lengths_R=np.sum(b["mask_RxN"], axis=-1, dtype=np.int32),
     group_ids_R=b["group_ids_R"],
     finished_R=np.ones((R,), bool),
     prox_logp_RxN=b["old_logp_RxN"],
@@ -120,7 +126,12 @@ def jaxrl_update_fn(graphdef, params, b: dict, response_len: int):
   )
   batch = sharding.shard_batch(batch, mesh)
   update = programs.update(
-    LossConfig(num_groups=b["num_groups"], max_response_len=response_len, informative_only=False)
+    LossConfig(
+      num_groups=b["num_groups"],
+      max_response_len=response_len,
+      informative_only=False,
+      **loss_fields,
+    )
   )
   hp = LossHparams.create(tau=1.0)
 

@@ -16,6 +16,7 @@ Shape letters (suffixes such as ``tokens_RxN``), each with one meaning:
   Z  queries in one attention block                         Y  attention blocks (T / Z)
   I  entries one sampling search runs over (a CDF block, top-k candidates)
   O  blocks of the vocabulary in the sampler's two-level CDF (V / I)
+  b  rows of a compacted decode batch (a bucket of the live rollouts: ``rollout.compaction``)
 
 Every pytree here is a frozen dataclass registered with ``jax.tree_util.register_dataclass``;
 update with ``dataclasses.replace``.

@@ -154,6 +154,7 @@ def step_context(cfg, tokenizer_dir) -> tuple[StepContext, object]:
     max_new_tokens=cfg.rollout.max_new_tokens,
     eos_id=task.eos_id,
     pad_id=task.pad_id,
+    compact_every=cfg.rollout.compact_every,
   )
   collector = Collector(engine, programs, cfg.loss.logprob_chunk, cfg.loss.micro_batches)
   ctx = StepContext(cfg, task, programs, collector, run_phases(cfg), mcfg.vocab_size)

@@ -426,9 +426,11 @@ def test_one_step_samples_follow_softmax_at_tau(tiny):
 
 
 def _draws(fn, z_V, rows, seed):
-  """``rows`` draws of ``fn(key, z_RxV)`` for one logit vector, as a histogram over V."""
+  """``rows`` draws of ``fn(u_R, z_RxV)`` (one uniform per row) for one logit vector, as a
+  histogram over V."""
   z_RxV = jnp.broadcast_to(jnp.asarray(z_V, jnp.float32), (rows, z_V.shape[0]))
-  return np.bincount(np.asarray(jax.jit(fn)(jax.random.key(seed), z_RxV)), minlength=z_V.shape[0])
+  u_R = jax.random.uniform(jax.random.key(seed), (rows,), jnp.float32)
+  return np.bincount(np.asarray(jax.jit(fn)(u_R, z_RxV)), minlength=z_V.shape[0])
 
 
 def test_inverse_cdf_draws_follow_softmax_across_blocks():
@@ -476,7 +478,7 @@ def test_nucleus_draws_stay_inside_the_nucleus(v, scale, top_p, path):
   holds = [f"top-{t}" for t in tiers if len(inside) <= t]
   assert path == (holds[0] if holds else "sort"), (len(inside), tiers)
   hist = _draws(
-    lambda k, z: sampler._nucleus_sample(k, z, jnp.float32(top_p))[0], z_V, rows, seed=1
+    lambda u, z: sampler._nucleus_sample(u, z, jnp.float32(top_p))[0], z_V, rows, seed=1
   )
   assert hist[np.setdiff1d(np.arange(v), inside)].sum() == 0
   stat, df = _chi2(hist[inside], probs[inside] / probs[inside].sum(), rows)
@@ -484,7 +486,7 @@ def test_nucleus_draws_stay_inside_the_nucleus(v, scale, top_p, path):
   # The log of the nucleus's mass (ℓ_μ = ℓ − log mass), whichever path found it: a difference of
   # two float32 log-sum-exps of z, each within (V + 4)·u·max|z| (tests/rounding.py's terms).
   z_1xV = jnp.asarray(z_V[None], jnp.float32)
-  _, log_mass = sampler._nucleus_sample(jax.random.key(0), z_1xV, jnp.float32(top_p))
+  _, log_mass = sampler._nucleus_sample(jnp.zeros(1), z_1xV, jnp.float32(top_p))
   want = np.log(probs[inside].sum())
   bound = 2 * (v + 4 + 2) * U * float(np.max(np.abs(z_V)))
   np.testing.assert_allclose(float(log_mass[0]), want, rtol=0, atol=bound)

@@ -367,6 +367,10 @@ class RolloutSection:
   # as overlong_rows either way.
   overlong: Overlong = "keep"
   overlong_reward: float = 0.0
+  # The JAX sampler's single-turn decode drops finished rows every compact_every tokens, so long-
+  # tailed lengths stop paying for rows that ended (jaxrl/rollout/compaction.py: the same tokens
+  # for the same seed); 0 decodes every row until the last one finishes
+  compact_every: int = 0
 
   def check(self) -> None:
     _need(self.group_size >= 1, "rollout.group_size", "must be >= 1")
@@ -390,6 +394,7 @@ class RolloutSection:
     )
     _need(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
     _need(self.max_rounds >= 1, "rollout.max_rounds", "must be >= 1")
+    _need(self.compact_every >= 0, "rollout.compact_every", "must be >= 0 (0: no compaction)")
     _need(self.temperature > 0, "rollout.temperature", "must be > 0")
     _need(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
 

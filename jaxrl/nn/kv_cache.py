@@ -1,8 +1,9 @@
 """The decoder's KV cache: one slot per sequence position, keys stored transposed for decoding.
 
 ``model.Attention`` writes a step's keys and values (``KVCache.write``) and reads a layer's
-(``KVCache.layer``); the sampler builds, copies and grows caches (``model.init_cache``,
-``KVCache.repeat_rows``, ``KVCache.pad_slots``). The layout follows ``ModelConfig.scan_layers``.
+(``KVCache.layer``); the sampler builds, copies, grows and compacts caches (``model.init_cache``,
+``KVCache.repeat_rows``, ``KVCache.pad_slots``, ``KVCache.take_rows``). The layout follows
+``ModelConfig.scan_layers``.
 """
 
 from __future__ import annotations
@@ -61,6 +62,19 @@ class KVCache:
       return repeat_by_counts(cache, counts_B, rows, axis=batch_axis)
 
     return self._map(repeat, repeat)
+
+  def take_rows(self, rows_b: Array) -> KVCache:
+    """The rows ``rows_b`` (indices), in that order: the sampler's compaction to the live rows."""
+
+    def take(cache):
+      return jnp.take(cache, rows_b, axis=cache.ndim - 4)
+
+    return self._map(take, take)
+
+  @property
+  def slots(self) -> int:
+    """The number of slots (positions) the cache holds."""
+    return (self.k[0] if isinstance(self.k, tuple) else self.k).shape[-1]
 
   def pad_slots(self, slots: int) -> KVCache:
     """The cache with ``slots`` slots: the new ones (at the end) zero, so unwritten."""

@@ -47,7 +47,7 @@ def build_engine(
   if cfg.rollout.engine == "jax":
     if environment is not None:
       common["turns"] = turn_config(cfg, environment)
-    return JaxEngine(graphdef, model_cfg, **common)
+    return JaxEngine(graphdef, model_cfg, compact_every=cfg.rollout.compact_every, **common)
   if environment is not None:
     common["turns"] = sidecar_turns(cfg, environment)
   return _vllm_engine(

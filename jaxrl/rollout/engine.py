@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.parallel import distributed
-from jaxrl.rollout import multiturn, sampler
+from jaxrl.rollout import compaction, multiturn, sampler
 from jaxrl.types import Rollouts
 
 
@@ -103,6 +103,9 @@ class JaxEngine:
   environment is ``generate``'s ``respond`` or, without one, ``respond_factory(group_ids_R)`` (the
   row's question index among the call's B prompts, e.g. to build one environment per row). The
   last call's ``multiturn.TurnCounts`` are kept in ``turn_counts``.
+
+  With ``compact_every`` > 0 single-turn rollouts drop their finished rows from the decode every
+  that many tokens (``jaxrl.rollout.compaction``: the same tokens for the same key).
   """
 
   provides_entropy = True
@@ -119,6 +122,7 @@ class JaxEngine:
     top_p: float = 1.0,
     turns: multiturn.TurnConfig | None = None,
     respond_factory: Callable[[np.ndarray], multiturn.Respond] | None = None,
+    compact_every: int = 0,
   ):
     self._graphdef = graphdef
     self._model_cfg = model_cfg
@@ -128,6 +132,10 @@ class JaxEngine:
     self._params = None
     self.version: int | None = None
     self._turns, self._respond_factory = turns, respond_factory
+    if compact_every and jax.process_count() > 1:
+      # The host reads which rows finished between chunks: every row must be on this process.
+      raise ValueError("rollout.compact_every needs one process (0 on several hosts)")
+    self._compact_every = compact_every
     self.turn_counts: multiturn.TurnCounts | None = None
 
   def set_weights(self, params, version: int) -> None:
@@ -172,7 +180,8 @@ class JaxEngine:
       )
     if respond is not None:
       raise ValueError("respond is for an engine built with turns (multi-turn)")
-    out = sampler.generate(
+    compacted = {"compact_every": self._compact_every} if self._compact_every else {}
+    out = (compaction.generate if compacted else sampler.generate)(
       self._graphdef,
       self._live_params(),
       jnp.asarray(prompt_ids_BxP),
@@ -187,6 +196,7 @@ class JaxEngine:
       pad_id=self._pad,
       model_cfg=self._model_cfg,
       greedy=greedy,
+      **compacted,
     )
     # Several processes: every one decodes and scores all rollouts (identical rewards everywhere).
     return distributed.to_host(out) if jax.process_count() > 1 else out

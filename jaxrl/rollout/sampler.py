@@ -15,6 +15,9 @@ equal.
 Cache layout (``jaxrl.nn.model``): the left-padded prompt fills slots 0..P-1, generated token n goes to
 slot P+n, and ``kv_valid_RxS`` marks the real slots, so RoPE positions and attention match a
 no-cache forward over ``prompt ++ response`` with ``positions_from_mask``.
+
+The loop decodes every row until the last one finishes; ``jaxrl.rollout.compaction`` runs the same
+decode with the finished rows dropped between chunks of steps (``rollout.compact_every``).
 """
 
 from __future__ import annotations
@@ -66,12 +69,13 @@ def _invert(cdf_RxI: Array, u_R: Array, weight_RxI: Array) -> Array:
   return jnp.minimum(below_R, last_with_weight_R)
 
 
-def inverse_cdf_sample(key: Array, z_RxV: Array) -> Array:
-  """One token per row from softmax(z), exactly in distribution, from one uniform per row.
+def inverse_cdf_sample(u_R: Array, z_RxV: Array) -> Array:
+  """One token per row from softmax(z), exactly in distribution, from one uniform on [0, 1) per
+  row (``u_R``).
 
   Two levels keep it one pass over the vocabulary: the block of ``_CDF_BLOCK`` entries holding u
   (a cumsum over V / 128 block masses), then the entry inside that block (a cumsum over 128).
-  Weights are exp(z - max z), unnormalised: u is drawn on [0, total weight).
+  Weights are exp(z - max z), unnormalised: u is scaled to [0, total weight).
   """
   r, v = z_RxV.shape
   blocks = -(-v // _CDF_BLOCK)
@@ -79,7 +83,7 @@ def inverse_cdf_sample(key: Array, z_RxV: Array) -> Array:
   w_RxOxI = jnp.pad(w_RxV, ((0, 0), (0, blocks * _CDF_BLOCK - v))).reshape(r, blocks, -1)
   mass_RxO = jnp.sum(w_RxOxI, axis=-1)
   cdf_RxO = jnp.cumsum(mass_RxO, axis=-1)
-  u_R = jax.random.uniform(key, (r,), jnp.float32) * cdf_RxO[:, -1]
+  u_R = u_R * cdf_RxO[:, -1]
   block_R = _invert(cdf_RxO, u_R, mass_RxO)
   before_R = jnp.where(
     block_R > 0, jnp.take_along_axis(cdf_RxO, jnp.maximum(block_R - 1, 0)[:, None], -1)[:, 0], 0.0
@@ -90,7 +94,7 @@ def inverse_cdf_sample(key: Array, z_RxV: Array) -> Array:
 
 
 def _sample_sorted_nucleus(
-  key, z_sorted_RxI, ids_sorted_RxI, p_sorted_RxI, top_p, log_norm_Rx1
+  u_R, z_sorted_RxI, ids_sorted_RxI, p_sorted_RxI, top_p, log_norm_Rx1
 ) -> tuple[Array, Array]:
   """Sample among the most likely tokens (sorted by probability, ``p_sorted`` normalised over the
   full vocabulary, whose log-normaliser is ``log_norm``) the smallest top set whose mass reaches
@@ -99,12 +103,12 @@ def _sample_sorted_nucleus(
   # The most likely token is always kept, so top_p -> 0 degrades to greedy, never to nothing.
   keep_RxI = (mass_before_RxI < top_p) | (jnp.arange(z_sorted_RxI.shape[-1]) == 0)
   z_kept_RxI = jnp.where(keep_RxI, z_sorted_RxI, -jnp.inf)
-  rank_R = inverse_cdf_sample(key, z_kept_RxI)
+  rank_R = inverse_cdf_sample(u_R, z_kept_RxI)
   log_mass_R = jax.nn.logsumexp(z_kept_RxI, axis=-1) - log_norm_Rx1[:, 0]
   return jnp.take_along_axis(ids_sorted_RxI, rank_R[:, None], axis=-1)[:, 0], log_mass_R
 
 
-def _nucleus_sample(key: Array, z_RxV: Array, top_p: Array) -> tuple[Array, Array]:
+def _nucleus_sample(u_R: Array, z_RxV: Array, top_p: Array) -> tuple[Array, Array]:
   """Sample from softmax(z) restricted to the smallest top set whose mass reaches top_p: the
   tokens and the log of the set's mass (``_sample_sorted_nucleus``).
 
@@ -122,7 +126,7 @@ def _nucleus_sample(key: Array, z_RxV: Array, top_p: Array) -> tuple[Array, Arra
     z_sorted_RxV = -neg_z_sorted_RxV
     p_sorted_RxV = jnp.exp(z_sorted_RxV - log_norm_Rx1)
     return _sample_sorted_nucleus(
-      key, z_sorted_RxV, ids_sorted_RxV, p_sorted_RxV, top_p, log_norm_Rx1
+      u_R, z_sorted_RxV, ids_sorted_RxV, p_sorted_RxV, top_p, log_norm_Rx1
     )
 
   def among_top(tiers):
@@ -132,7 +136,7 @@ def _nucleus_sample(key: Array, z_RxV: Array, top_p: Array) -> tuple[Array, Arra
     p_top_RxI = jnp.exp(z_top_RxI - log_norm_Rx1)
     return jax.lax.cond(
       jnp.all(jnp.sum(p_top_RxI, axis=-1) >= top_p),
-      lambda: _sample_sorted_nucleus(key, z_top_RxI, ids_top_RxI, p_top_RxI, top_p, log_norm_Rx1),
+      lambda: _sample_sorted_nucleus(u_R, z_top_RxI, ids_top_RxI, p_top_RxI, top_p, log_norm_Rx1),
       lambda: among_top(tiers[1:]),
     )
 
@@ -140,7 +144,7 @@ def _nucleus_sample(key: Array, z_RxV: Array, top_p: Array) -> tuple[Array, Arra
 
 
 def _choose(
-  key: Array, logits_RxV: Array, tau: Array, top_p: Array, greedy: bool
+  u_R: Array, logits_RxV: Array, tau: Array, top_p: Array, greedy: bool
 ) -> tuple[Array, Array]:
   """Next token per row: argmax, or a sample from the top-p nucleus of softmax(z/τ); and the log
   of the sampled set's mass under softmax(z/τ), 0 when it is the whole vocabulary (top_p = 1, and
@@ -151,18 +155,29 @@ def _choose(
   z_RxV = logits_RxV / tau
 
   def whole_vocabulary():
-    tok_R = inverse_cdf_sample(key, z_RxV)
+    tok_R = inverse_cdf_sample(u_R, z_RxV)
     return tok_R, jnp.zeros(tok_R.shape, jnp.float32)
 
   # top_p = 1 skips the nucleus search; its cumsum can also round just past 1 and drop tail tokens.
-  return jax.lax.cond(top_p < 1.0, lambda: _nucleus_sample(key, z_RxV, top_p), whole_vocabulary)
+  return jax.lax.cond(top_p < 1.0, lambda: _nucleus_sample(u_R, z_RxV, top_p), whole_vocabulary)
 
 
-def _draw(key, n, logits_RxV, tau, top_p, greedy: bool, live_R, pad_id: int):
-  """Token n of each row from its logits (the draw keyed by ``fold_in(key, n)``), with ℓ (the full
-  softmax at τ), ℓ_μ (the distribution drawn from: the nucleus renormalised) and the entropy at τ;
-  ``pad_id`` and 0, 0, 0 in the rows not ``live_R``."""
-  tok_R, log_mass_R = _choose(jax.random.fold_in(key, n), logits_RxV, tau, top_p, greedy)
+def _draw(
+  key, n, logits_RxV, tau, top_p, greedy: bool, live_R, pad_id: int, row_R=None, num_rows=None
+):
+  """Token n of each row from its logits, with ℓ (the full softmax at τ), ℓ_μ (the distribution
+  drawn from: the nucleus renormalised) and the entropy at τ; ``pad_id`` and 0, 0, 0 in the rows
+  not ``live_R``.
+
+  Token n's draws are the ``num_rows`` uniforms keyed by ``fold_in(key, n)``, one per rollout row;
+  a compacted batch (``row_R``: the rollout row each of its rows holds, ``num_rows`` or more in a
+  slot that holds none) takes its rows' own, so a row draws the same tokens whichever rows share
+  its batch. Without ``row_R`` batch row r is rollout row r."""
+  rows = logits_RxV.shape[0] if row_R is None else num_rows
+  u_R = jax.random.uniform(jax.random.fold_in(key, n), (rows,), jnp.float32)
+  if row_R is not None:
+    u_R = jnp.take(u_R, row_R, mode="clip")
+  tok_R, log_mass_R = _choose(u_R, logits_RxV, tau, top_p, greedy)
   logp_R, entropy_R = logprobs_entropy_from_logits(logits_RxV, tok_R, tau)
   return (
     jnp.where(live_R, tok_R, pad_id),
@@ -248,16 +263,28 @@ class _Decoder:
   top_p: Array  # f32[]
   prompt_len_R: Array  # i32, real prompt tokens per row: the RoPE position of token 0
   prompt_width: int  # P: the response's token n sits in cache slot P + n
-  until: int  # this loop's last token is until - 1: N, or a segment's end (``segment_ends``)
+  # this loop's last token is until - 1: N, a segment's end (``segment_ends``) or a chunk's (traced)
+  until: int | Array
   eos_id: tuple[int, ...]
   pad_id: int
   greedy: bool
+  row_R: Array | None = None  # a compacted batch's rollout rows (``_draw``); None: row r is row r
+  num_rows: int | None = None  # the rollout rows, with ``row_R``
 
   def emit(self, st: _DecodeState) -> _DecodeState:
     """Choose token n from ``st.logits_RxV`` and record it (pad and masked once a row finished)."""
     live_R = ~st.finished_R
     tok_R, logp_R, behaviour_R, entropy_R = _draw(
-      self.key, st.n, st.logits_RxV, self.tau, self.top_p, self.greedy, live_R, self.pad_id
+      self.key,
+      st.n,
+      st.logits_RxV,
+      self.tau,
+      self.top_p,
+      self.greedy,
+      live_R,
+      self.pad_id,
+      self.row_R,
+      self.num_rows,
     )
     return _DecodeState(
       n=st.n + 1,
@@ -279,8 +306,8 @@ class _Decoder:
     prev, P = st.n - 1, self.prompt_width
     tok_Rx1 = jax.lax.dynamic_slice_in_dim(st.tokens_RxN, prev, 1, axis=1)
     pos_Rx1 = (self.prompt_len_R + prev)[:, None]
-    # The segment's cache holds slots < P + until (``sample_program``), as many as it attends to.
-    visible_RxS = st.kv_valid_RxS[:, : P + self.until]
+    # The segment's cache holds the slots its tokens can reach (``sample_program``): attend to them.
+    visible_RxS = st.kv_valid_RxS[:, : st.cache.slots]
     hidden_Rx1xD, lm_head, cache = model.forward(
       self.graphdef, self.params, tok_Rx1, pos_Rx1, visible_RxS, st.cache, P + prev
     )
@@ -351,6 +378,48 @@ def sample_program(
 
   The trainer counts its traces (``run/loop.py: COUNTED_PROGRAMS``) and ``--plan`` lowers it.
   """
+  decoder, st, prompt_rows = begin(
+    graphdef,
+    params,
+    prompt_ids_BxP,
+    prompt_mask_BxP,
+    counts_B,
+    key,
+    temperature,
+    top_p,
+    num_rollouts=num_rollouts,
+    max_new_tokens=max_new_tokens,
+    eos_id=eos_id,
+    pad_id=pad_id,
+    model_cfg=model_cfg,
+    greedy=greedy,
+  )
+  for end in segment_ends(max_new_tokens):
+    segment = dataclasses.replace(decoder, until=end)
+    st = dataclasses.replace(st, cache=st.cache.pad_slots(decoder.prompt_width + end))
+    st = jax.lax.while_loop(segment.running, segment.step, st)
+  return _assemble(*prompt_rows, st)
+
+
+def begin(
+  graphdef,
+  params,
+  prompt_ids_BxP,
+  prompt_mask_BxP,
+  counts_B,
+  key,
+  temperature,
+  top_p,
+  *,
+  num_rollouts,
+  max_new_tokens,
+  eos_id,
+  pad_id,
+  model_cfg,
+  greedy,
+) -> tuple[_Decoder, _DecodeState, tuple[Array, Array, Array]]:
+  """Expand, prefill and emit token 0 (traced): the decoder (``until`` N), the carry (a cache of
+  P slots) and the prompt rows ``_assemble`` takes (ids, mask, group ids)."""
   (R, N), P = (num_rollouts, max_new_tokens), prompt_ids_BxP.shape[1]
   tau = jnp.asarray(temperature, jnp.float32)
   top_p = jnp.asarray(top_p, jnp.float32)
@@ -381,11 +450,7 @@ def sample_program(
   st = decoder.emit(
     _initial_state(cache, kv_valid_RxS, logits_RxV, max_new_tokens=N, pad_id=pad_id)
   )
-  for end in segment_ends(N):
-    segment = dataclasses.replace(decoder, until=end)
-    st = dataclasses.replace(st, cache=st.cache.pad_slots(P + end))
-    st = jax.lax.while_loop(segment.running, segment.step, st)
-  return _assemble(prompt_ids_RxP, prompt_mask_RxP, group_ids_R, st)
+  return decoder, st, (prompt_ids_RxP, prompt_mask_RxP, group_ids_R)
 
 
 def generate(
@@ -414,6 +479,44 @@ def generate(
   temperature, top_p and key are traced. Its traces are counted (``sample_program``, through
   ``jaxrl.run.compiles.CompileCounter``).
   """
+  return sample_program(
+    *request_arrays(
+      graphdef,
+      params,
+      prompt_ids_BxP,
+      prompt_mask_BxP,
+      counts_B,
+      key,
+      temperature,
+      top_p,
+      num_rollouts=num_rollouts,
+      max_new_tokens=max_new_tokens,
+    ),
+    num_rollouts=num_rollouts,
+    max_new_tokens=max_new_tokens,
+    eos_id=stop_ids(eos_id),
+    pad_id=pad_id,
+    model_cfg=model_cfg,
+    greedy=greedy,
+  )
+
+
+def request_arrays(
+  graphdef,
+  params,
+  prompt_ids_BxP,
+  prompt_mask_BxP,
+  counts_B,
+  key,
+  temperature,
+  top_p,
+  *,
+  num_rollouts: int,
+  max_new_tokens: int,
+) -> tuple:
+  """``generate``'s positional arguments, checked (``max_new_tokens``, Σ counts_B) and as the arrays
+  its program takes: fixed dtypes (not weak Python scalars), so that floats, numpy and jax inputs
+  share one compilation."""
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   if not isinstance(counts_B, jax.core.Tracer):
@@ -421,8 +524,7 @@ def generate(
     total = int(np.sum(np.asarray(counts_B)))
     if total != num_rollouts:
       raise ValueError(f"sum(counts_B) = {total} but num_rollouts = {num_rollouts}")
-  # Fixed dtypes (not weak Python scalars) so floats, numpy and jax inputs share one cache entry.
-  return sample_program(
+  return (
     graphdef,
     params,
     jnp.asarray(prompt_ids_BxP, jnp.int32),
@@ -431,12 +533,6 @@ def generate(
     key,
     jnp.asarray(temperature, jnp.float32),
     jnp.asarray(top_p, jnp.float32),
-    num_rollouts=num_rollouts,
-    max_new_tokens=max_new_tokens,
-    eos_id=stop_ids(eos_id),
-    pad_id=pad_id,
-    model_cfg=model_cfg,
-    greedy=greedy,
   )
 
 
