@@ -127,11 +127,24 @@ def grad_var_ratios(rec: dict) -> np.ndarray:
   return ratio_T[np.isfinite(ratio_T) & (ratio_T > 0) & (std_T > 0)]
 
 
+def mini_batches(rec: dict) -> int:
+  """Optimizer updates per step: the ``es`` preset's 2, or the record's override."""
+  for o in rec.get("overrides", []):
+    if o.startswith("loss.mini_batches="):
+      return int(o.split("=", 1)[1])
+  return 2 if rec.get("config", "").startswith("configs/tiny.py:es") else 1
+
+
 def compute(rec: dict) -> dict:
-  """Tokens generated, and the forgetting step's (each forwarded and differentiated once)."""
+  """The protocol's compute in tokens: generated; the forgetting step's (each stage-1 token
+  forwarded and differentiated once); and those of every optimizer update beyond a step's first
+  (with m mini-batches, (m − 1)/m of the step's tokens)."""
+  generated = float(np.nansum(_series(rec, "generated_tokens")))
+  m = mini_batches(rec)
   return dict(
-    generated=float(np.nansum(_series(rec, "generated_tokens"))),
+    generated=generated,
     unlearn=float(np.nansum(_series(rec, "eepo_unlearn_tokens"))),
+    extra_updates=generated * (m - 1) / m,
   )
 
 

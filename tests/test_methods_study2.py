@@ -154,3 +154,13 @@ def test_the_quoted_verdicts_follow_the_records():
   assert "- **E3** (`e3`, pass@1): Δ +14.1 [" in text  # (8 + s) / 64 over seeds 0–2: 9/64
   assert "- **DynaMO** (`dynamo`, pass@1): 0 seed(s) so far." in text
   assert study2_report.quoted(recs, {}).startswith("Phase A (calibration) is under way")
+
+
+def test_compute_counts_the_forgetting_step_and_the_updates_beyond_the_first():
+  series = {"generated_tokens": [100.0] * STEPS, "eepo_unlearn_tokens": [0.0, 40.0] * (STEPS // 2)}
+  rec = _rec("eepo", 0, series=series)
+  assert study2_report.compute(rec) == dict(generated=40000.0, unlearn=8000.0, extra_updates=0.0)
+  es = {**_rec("es", 0, series=series), "config": "configs/tiny.py:es,countdown"}
+  assert study2_report.compute(es)["extra_updates"] == 20000.0  # the second of 2 mini-batches
+  es_baseline = {**_rec("es_baseline", 0, series=series), "overrides": ["loss.mini_batches=2"]}
+  assert study2_report.compute(es_baseline)["extra_updates"] == 20000.0
