@@ -41,6 +41,7 @@ TIMING = {
   "train_raw_tok_s",
   "train_mfu",
   "step_time",
+  "diagnostics_seconds",
   "compiles_update",
   "compiles_sampler",
 }

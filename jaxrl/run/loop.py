@@ -405,11 +405,14 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
   hp = LossHparams.from_config(c, tau, methods.clip.current(clip_state))
   measured = {}
   if diagnostics.grad_variance_due(c, i):  # before the update, which donates θ_i
+    started = time.time()
     for pending in loop.pending:  # the engine serves one caller: let the thread finish
       pending.generated(wait=True)
     measured["dynamo_grad_var_ratio"] = diagnostics.grad_variance_ratio(
       ctx, batch.issue, loop.train.params, hp, i, lambda q, r: _verify(ctx, q, r)
     )
+    # timed apart: the diagnostic is not the step's work (step_time leaves it out)
+    measured["diagnostics_seconds"] = time.time() - started
   t2 = time.time()
   train, update = rt.update(
     loop.train, sharding.shard_batch(rollouts, ctx.programs.mesh), hp, ctx.ref_params

@@ -126,7 +126,7 @@ def step_record(
     rollout_tok_s=tokens / rollout_s,
     rollout_wait_s=t1 - t0,
     update_seconds=t3 - t2,
-    step_time=t3 - t0,
+    step_time=t3 - t0 - extra.get("diagnostics_seconds", 0.0),  # the step's own work
     wall_time=t3,  # when the update finished (steps per second across rows)
     **context,
     **verified,
