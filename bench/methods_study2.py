@@ -45,6 +45,7 @@ SETTINGS = ("task.num_train_per_level=60", "task.num_heldout_per_level=48")
 TASKS = ("countdown", "arithmetic")  # primary, secondary (exploratory)
 SEEDS = {"countdown": tuple(range(8)), "arithmetic": tuple(range(5))}
 CALIBRATION_SEEDS = (0, 1, 2)
+QUOTING = ("README.md", "docs/methods.md")  # the docs whose study numbers ``report`` renders
 # DynaMO's own diagnostic, in the arms whose counts can differ from uniform: its allocation's
 # gradient variance against uniform allocation at the same budget (training is unchanged by it).
 DIAGNOSTICS = ("diagnostics.grad_variance_every=50", "diagnostics.grad_variance_draws=32")
@@ -237,25 +238,28 @@ def main(argv=None):
       [(study(args.root, args.records, arms, args.steps, args.variant), (arm, task, int(seed)))], 1
     )
     return
-  cal = read_calibration(args.calibration)
-  if (
-    args.phase == "run"
-  ):  # seed by seed, primary first: a seed's paired comparisons complete together
+  if args.phase == "run":  # seed by seed, primary first: a seed's comparisons complete together
+    cal = read_calibration(args.calibration)
     cells = [
-      (
-        study(args.root, args.records, arms_for(cal, task), args.steps, args.variant),
-        (arm, task, seed),
-      )
+      (study(args.root, args.records, arms_for(cal, task), args.steps, args.variant), cell)
       for task in args.tasks
       for seed in args.seeds or SEEDS[task]
-      for arm in args.arms or arms_for(cal, task)
+      for cell in ((arm, task, seed) for arm in args.arms or arms_for(cal, task))
     ]
     run_cells(cells, args.jobs)
     return
+  cal = read_calibration(args.calibration) if os.path.exists(args.calibration + ".json") else {}
   records = read_jsonl(args.records) if os.path.exists(args.records) else []
-  text = study2_report.report(records, cal, {t: arms_for(cal, t) for t in cal})
+  # a task not calibrated yet shows its phase-A arms
+  arms = {t: arms_for(cal, t) if t in cal else PHASE_A for t in args.tasks}
+  text = study2_report.report(records, cal, arms)
   with open(args.out, "w") as f:
     f.write(text)
+  for doc in QUOTING:  # the docs quote the records' numbers, rendered here
+    with open(os.path.join(ROOT, doc)) as f:
+      old = f.read()
+    with open(os.path.join(ROOT, doc), "w") as f:
+      f.write(study2_report.replace_quoted(old, study2_report.quoted(records, cal)))
   print(text)
 
 

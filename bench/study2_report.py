@@ -19,6 +19,13 @@ ALPHA = 0.05
 NARROW = 0.01  # a feasible ES range narrower than this (nats): ε_high cannot steer entropy
 
 
+def _nanmean(x) -> float:
+  """The mean of the values that are not NaN; NaN (without a warning) when none is."""
+  x = np.asarray(x, np.float64)
+  x = x[~np.isnan(x)]
+  return float(x.mean()) if len(x) else float("nan")
+
+
 def _series(rec: dict, key: str) -> np.ndarray:
   """A per-step metric of the record, NaN where absent."""
   values = rec.get("series", {}).get(key)
@@ -37,7 +44,7 @@ def calibrate(recs_by_arm: dict) -> dict:
   decimals, with what they came from."""
 
   def tail(rec):
-    return float(np.nanmean(_series(rec, "entropy_rollout")[-100:]))
+    return _nanmean(_series(rec, "entropy_rollout")[-100:])
 
   ends = {arm: {r["seed"]: tail(r) for r in recs_by_arm[arm]} for arm in ("es_floor", "es_ceiling")}
   h_floor, h_ceiling = (float(np.mean(list(ends[a].values()))) for a in ("es_floor", "es_ceiling"))
@@ -102,7 +109,7 @@ def allocation_acted(rec: dict) -> tuple[float, float]:
 def tracking_error(rec: dict, target: float) -> float:
   """Mean |H_t − target| over ``ES_WINDOW``."""
   h = _series(rec, "entropy_rollout")[ES_WINDOW[0] - 1 : ES_WINDOW[1]]
-  return float(np.nanmean(np.abs(h - target)))
+  return _nanmean(np.abs(h - target))
 
 
 def clip_binds(rec: dict) -> float:
@@ -111,7 +118,7 @@ def clip_binds(rec: dict) -> float:
 
 
 def gate_fired(rec: dict) -> float:
-  return float(np.nanmean(_series(rec, "eepo_gate")))
+  return _nanmean(_series(rec, "eepo_gate"))
 
 
 def grad_var_ratios(rec: dict) -> np.ndarray:
@@ -120,11 +127,24 @@ def grad_var_ratios(rec: dict) -> np.ndarray:
   return ratio_T[np.isfinite(ratio_T) & (ratio_T > 0) & (std_T > 0)]
 
 
+def mini_batches(rec: dict) -> int:
+  """Optimizer updates per step: the ``es`` preset's 2, or the record's override."""
+  for o in rec.get("overrides", []):
+    if o.startswith("loss.mini_batches="):
+      return int(o.split("=", 1)[1])
+  return 2 if rec.get("config", "").startswith("configs/tiny.py:es") else 1
+
+
 def compute(rec: dict) -> dict:
-  """Tokens generated, and the forgetting step's (each forwarded and differentiated once)."""
+  """The protocol's compute in tokens: generated; the forgetting step's (each stage-1 token
+  forwarded and differentiated once); and those of every optimizer update beyond a step's first
+  (with m mini-batches, (m − 1)/m of the step's tokens)."""
+  generated = float(np.nansum(_series(rec, "generated_tokens")))
+  m = mini_batches(rec)
   return dict(
-    generated=float(np.nansum(_series(rec, "generated_tokens"))),
+    generated=generated,
     unlearn=float(np.nansum(_series(rec, "eepo_unlearn_tokens"))),
+    extra_updates=generated * (m - 1) / m,
   )
 
 
@@ -209,7 +229,7 @@ def _interval(c: dict, scale: float = 100.0, digits: int = 1) -> str:
   )
 
 
-def arm_table(recs: list[dict], arms: dict, cal: dict) -> list[str]:
+def arm_table(recs: list[dict], arms: dict) -> list[str]:
   lines = [
     "| arm | seeds | pass@1 | Δ pass@1 [95% t] | pass@32 | Δ pass@32 [95% t] | "
     "uneven counts (later steps) | gate fired | clip binds | tokens (M) |",
@@ -253,8 +273,8 @@ def verdicts(recs: list[dict], cal: dict) -> list[str]:
   for name, c in prim.items():
     ok, why = testable[name]
     scale, digits = (1.0, 4) if name == "P4" else (100.0, 1)
-    if not c["seeds"]:
-      verdict = "not run"
+    if len(c["seeds"]) < 2:
+      verdict = f"{len(c['seeds'])} seed(s) so far: no interval yet"
     elif not ok:
       verdict = f"not testable here ({why})"
     else:
@@ -283,8 +303,64 @@ def report(records: list[dict], cal_by_task: dict, arms_by_task: dict) -> str:
     recs = [r for r in records if r["task"] == task]
     machines = sorted({r["machine"] for r in recs})
     kind = "primary" if task == PRIMARY_TASK else "secondary, exploratory"
-    lines += [f"## {task} ({kind})", "", f"Machines: {'; '.join(machines) or 'none yet'}.", ""]
-    lines += arm_table(recs, arms, cal_by_task[task]) + [""]
-    if task == PRIMARY_TASK:
+    questions = sorted({len(max(r["evals"], key=lambda e: e["step"])["correct"]) for r in recs})
+    lines += [
+      f"## {task} ({kind})",
+      "",
+      f"Machines: {'; '.join(machines) or 'none yet'}. Held-out questions per seed: "
+      f"{', '.join(map(str, questions)) or '—'}.",
+      "",
+    ]
+    if task not in cal_by_task:
+      lines += ["Phase A (calibration) under way: its arms so far.", ""]
+    lines += arm_table(recs, arms) + [""]
+    if task == PRIMARY_TASK and task in cal_by_task:
       lines += verdicts(recs, cal_by_task[task]) + [""]
   return "\n".join(lines)
+
+
+# -- what README.md and docs/methods.md quote --------------------------------------------------------
+
+BEGIN, END = "<!-- methods study: rendered by bench/methods_study2.py report -->", "<!-- end -->"
+PAPERS = {"P1": "E3", "P2": "DynaMO", "P3": "EEPO (the paper's clip)", "P4": "Entropy Scheduling"}
+
+
+def quoted(records: list[dict], cal_by_task: dict) -> str:
+  """The study's state and verdicts as README.md and docs/methods.md quote them (between
+  ``BEGIN`` and ``END``), every number computed from the records."""
+  recs = [r for r in records if r["task"] == PRIMARY_TASK]
+  if PRIMARY_TASK not in cal_by_task:
+    return (
+      f"Phase A (calibration) is under way on {PRIMARY_TASK}: {len(recs)} of its "
+      f"{3 * 3} cells finished; no verdict yet."
+    )
+  cal = cal_by_task[PRIMARY_TASK]
+  prim, acted = primaries(recs, cal), mechanisms(recs, cal)
+  seeds = sorted({r["seed"] for r in recs if r["method"] == BASELINE})
+  lines = [
+    f"On {PRIMARY_TASK}, {len(recs)} cells so far ({len(seeds)} baseline seeds); ES's target "
+    f"{cal['es_target']:.3f} (reachable: {cal['h_floor']:.3f}–{cal['h_ceiling']:.3f}), EEPO's "
+    f"α {cal['eepo_alpha']:.3f}. Δ: the arm minus the baseline, paired by seed, 95% t-interval:"
+  ]
+  testable = {"P3": acted["eepo"], "P4": acted["es"]}
+  for name, c in prim.items():
+    scale, digits = (1.0, 4) if name == "P4" else (100.0, 1)
+    head = f"- **{PAPERS[name]}** (`{c['arm']}`, {c['metric']})"
+    if len(c["seeds"]) < 2:
+      lines.append(f"{head}: {len(c['seeds'])} seed(s) so far.")
+      continue
+    ok, why = testable.get(name, (True, ""))
+    verdict = (
+      f"not testable here ({why})"
+      if not ok
+      else ("reproduced" if c["rejects"] else "not reproduced")
+    )
+    lines.append(f"{head}: Δ {_interval(c, scale, digits)}, Holm p {c['p_holm']:.3g}: {verdict}.")
+  return "\n".join(lines)
+
+
+def replace_quoted(text: str, block: str) -> str:
+  """``text`` with what lies between ``BEGIN`` and ``END`` replaced by ``block``."""
+  head, rest = text.split(BEGIN, 1)
+  _, tail = rest.split(END, 1)
+  return f"{head}{BEGIN}\n{block}\n{END}{tail}"

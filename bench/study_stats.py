@@ -70,10 +70,10 @@ def paired_t(d_S, level: float = 0.95) -> tuple[float, float, float, float]:
   n, mean = len(d_S), float(np.mean(d_S)) if len(d_S) else float("nan")
   if n < 2:
     return mean, float("nan"), float("nan"), float("nan")
+  if np.all(d_S == d_S[0]):  # no spread (exactly: the mean's rounding is no spread)
+    return float(d_S[0]), float(d_S[0]), float(d_S[0]), 1.0 if d_S[0] == 0.0 else 0.0
   se = float(np.std(d_S, ddof=1) / np.sqrt(n))
   half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * se
-  if se == 0.0:
-    return mean, mean, mean, 1.0 if mean == 0.0 else 0.0
   p = float(2 * stats.t.sf(abs(mean) / se, n - 1))
   return mean, mean - half, mean + half, p
 
