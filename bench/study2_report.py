@@ -185,6 +185,12 @@ def _arm_recs(recs: list[dict], arm: str) -> list[dict]:
   return [r for r in recs if r["method"] == arm]
 
 
+def _range(cal: dict, sep: str = "–") -> str:
+  """ES's reachable entropies, low to high (ε_high's floor need not give the lower one)."""
+  low, high = sorted((cal["h_floor"], cal["h_ceiling"]))
+  return f"{low:.3f}{sep}{high:.3f}"
+
+
 def mechanisms(recs: list[dict], cal: dict) -> dict:
   """Whether each mechanism acted (the decision rule's preconditions), with the figure."""
 
@@ -208,7 +214,7 @@ def mechanisms(recs: list[dict], cal: dict) -> dict:
     "eepo": (fired >= 0.1, f"gate fired on {100 * fired:.1f}% of steps"),
     "es": (
       bool(cal["es_testable"]) and binds >= 0.5,
-      f"target {cal['es_target']:.3f} in [{cal['h_floor']:.3f}, {cal['h_ceiling']:.3f}]"
+      f"target {cal['es_target']:.3f} in [{_range(cal, ', ')}]"
       f"{'' if cal['es_testable'] else ' (range < 0.01)'}; clip binds on {100 * binds:.0f}% of steps",
     ),
   }
@@ -339,7 +345,7 @@ def quoted(records: list[dict], cal_by_task: dict) -> str:
   seeds = sorted({r["seed"] for r in recs if r["method"] == BASELINE})
   lines = [
     f"On {PRIMARY_TASK}, {len(recs)} cells so far ({len(seeds)} baseline seeds); ES's target "
-    f"{cal['es_target']:.3f} (reachable: {cal['h_floor']:.3f}–{cal['h_ceiling']:.3f}), EEPO's "
+    f"{cal['es_target']:.3f} (reachable: {_range(cal)}), EEPO's "
     f"α {cal['eepo_alpha']:.3f}. Δ: the arm minus the baseline, paired by seed, 95% t-interval:"
   ]
   testable = {"P3": acted["eepo"], "P4": acted["es"]}
