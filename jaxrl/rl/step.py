@@ -17,9 +17,10 @@ import optax
 
 from jaxrl.nn import lora, model
 from jaxrl.nn.logprobs import fused_log1m_p, fused_logprobs_entropy
-from jaxrl.rl import losses
+from jaxrl.rl import losses, packing
 from jaxrl.rl.losses import LossConfig, LossHparams
-from jaxrl.types import Array, Rollouts, TrainState, pytree_dataclass
+from jaxrl.rl.packing import Packing
+from jaxrl.types import Array, Rollouts, TrainState, pytree_dataclass, static_field
 
 
 def response_hidden(
@@ -73,6 +74,54 @@ def logp_responses(
   )
   mask = response_mask_RxN.astype(logp.dtype)
   return logp * mask, ent * mask
+
+
+def logp_responses_packed(
+  graphdef,
+  params,
+  prompt_ids_XxP,
+  prompt_mask_XxP,
+  response_ids_XxN,
+  response_mask_XxN,
+  slot_X,
+  offset_X,
+  rows: int,
+  tau,
+  chunk_size: int,
+):
+  """``logp_responses`` of X rows with the forward over their sequences packed into ``rows``
+  buffers of P + N positions (``rl.packing``; the rows' buffers and offsets ``slot_X``,
+  ``offset_X``): (logp_XxN, ent_XxN), the same values, in the padded layout.
+
+  Only real tokens are packed, so a response token's predictor is the packed token just before
+  it, a token of its own sequence (its prompt's last or its response's previous real one: the
+  padded path's ``_predictors``). The log-prob and entropy are computed at every packed position
+  against the next packed token and read back at each response token's predictor; a position
+  whose next token starts another sequence is never read."""
+  p = prompt_ids_XxP.shape[1]
+  valid_XxT = jnp.concatenate([prompt_mask_XxP, response_mask_XxN], axis=1)
+  dest_XxT = packing.destinations(valid_XxT, slot_X, offset_X, rows)
+  place = lambda v_XxT: packing.scatter(v_XxT, dest_XxT, rows)  # noqa: E731
+  tokens_XxT = jnp.concatenate([prompt_ids_XxP, response_ids_XxN], axis=1)
+  tokens_BxT = place(tokens_XxT.astype(jnp.int32))
+  positions_BxT = place(model.positions_from_mask(valid_XxT))
+  x_XxT = jnp.broadcast_to(
+    jnp.arange(1, valid_XxT.shape[0] + 1, dtype=jnp.int32)[:, None], valid_XxT.shape
+  )
+  segments_BxT = place(x_XxT)  # row x's sequence is segment x + 1; 0 is padding
+  hidden_BxTxD, lm_head, _ = model.forward(
+    graphdef, params, tokens_BxT, positions_BxT, segments_BxT
+  )
+  b, t = tokens_BxT.shape
+  next_BxT = jnp.concatenate([tokens_BxT.reshape(-1)[1:], jnp.zeros((1,), jnp.int32)]).reshape(b, t)
+  logp_BxT, ent_BxT = fused_logprobs_entropy(
+    hidden_BxTxD, lm_head, next_BxT, tau, chunk_size=chunk_size
+  )
+  # A response token's predictor sits just before it; a masked one's index is out of range.
+  read_XxN = jnp.clip(dest_XxT[:, p:] - 1, 0, b * t - 1)
+  mask = response_mask_XxN.astype(logp_BxT.dtype)
+  read = lambda v_BxT: jnp.take(v_BxT.reshape(-1), read_XxN, axis=0) * mask  # noqa: E731
+  return read(logp_BxT), read(ent_BxT)
 
 
 def logp_responses_chunked(
@@ -184,12 +233,19 @@ class UpdateRows:
   informative_R: Array  # bool: the row's group has rewards not all equal
   ref_logp_RxN: Array | None = None  # f32 the KL reference's log-probs (``use_kl``)
   behaviour_w_RxN: Array | None = None  # f32 §9's w̃ (a ``behaviour_correction`` other than none)
+  # A packed forward (``rl.packing``): each row's buffer row and offset in its micro-batch's
+  # ``pack_rows`` packed buffers; None: the padded forward.
+  pack_slot_R: Array | None = None
+  pack_offset_R: Array | None = None
+  pack_rows: int = static_field(default=0)
 
 
-def _row_inputs(graphdef, cfg: LossConfig, batch: Rollouts, hp: LossHparams, ref_params):
+def _row_inputs(
+  graphdef, cfg: LossConfig, batch: Rollouts, hp: LossHparams, ref_params, pack: Packing | None
+):
   """Per-row inputs of the GRPO loss: advantages and informative flags over the whole batch
   (groups may straddle mini- and micro-batches), the KL reference's log-probs and §9's weights
-  (over the model's tokens: the loss mask, docs/algorithms.md §11)."""
+  (over the model's tokens: the loss mask, docs/algorithms.md §11), the packed layout if any."""
   adv_R = losses.group_advantages(
     batch.rewards_R, batch.group_ids_R, cfg.num_groups, scale_by_std=cfg.scale_by_std
   )
@@ -222,6 +278,9 @@ def _row_inputs(graphdef, cfg: LossConfig, batch: Rollouts, hp: LossHparams, ref
     informative_R=losses.informative_rollouts(batch.rewards_R, batch.group_ids_R, cfg.num_groups),
     ref_logp_RxN=ref_logp_RxN,
     behaviour_w_RxN=behaviour_w_RxN,
+    pack_slot_R=None if pack is None else pack.slot_R,
+    pack_offset_R=None if pack is None else pack.offset_R,
+    pack_rows=0 if pack is None else pack.rows,
   )
 
 
@@ -253,7 +312,13 @@ def _micro_loss(graphdef, cfg: LossConfig, hp: LossHparams):
 
 
 def _forward(graphdef, cfg: LossConfig, hp: LossHparams, params, mb: UpdateRows):
-  """ℓ and H at τ of a micro-batch's response tokens under ``params``: (logp_RxN, ent_RxN)."""
+  """ℓ and H at τ of a micro-batch's response tokens under ``params``: (logp_RxN, ent_RxN), from
+  the packed forward when the rows carry a packed layout."""
+  if mb.pack_slot_R is not None:
+    return logp_responses_packed(
+      graphdef, params, mb.prompt_ids_RxP, mb.prompt_mask_RxP, mb.tokens_RxN, mb.mask_RxN,
+      mb.pack_slot_R, mb.pack_offset_R, mb.pack_rows, hp.tau, cfg.logprob_chunk,
+    )  # fmt: skip
   return logp_responses(
     graphdef,
     params,
@@ -304,6 +369,7 @@ def policy_grad(
   batch: Rollouts,
   hp: LossHparams,
   ref_params=None,
+  pack: Packing | None = None,
   *,
   trainable: lora.Trainable = "all",
 ):
@@ -313,7 +379,7 @@ def policy_grad(
   Nothing is updated."""
   if cfg.use_kl and ref_params is None:
     ref_params = lora.without_adapters(params)
-  rows = _row_inputs(graphdef, cfg, batch, hp, ref_params)
+  rows = _row_inputs(graphdef, cfg, batch, hp, ref_params, pack)
   grad_fn = _grad_of_part(_micro_loss(graphdef, cfg, hp), trainable)
   _, grads = _minibatch_grads(graphdef, cfg, hp, grad_fn, params, rows)
   return grads
@@ -327,6 +393,7 @@ def rl_update(
   batch: Rollouts,
   hp: LossHparams,
   ref_params=None,
+  pack: Packing | None = None,
   *,
   trainable: lora.Trainable = "all",
 ):
@@ -334,7 +401,9 @@ def rl_update(
   mini-batch of rows, each accumulating gradients over ``cfg.micro_batches`` micro-batches.
 
   ``trainable`` (``lora.Trainable``) says which params move; the KL reference is ``ref_params``,
-  or with LoRA and none given, the policy with its adapters switched off.
+  or with LoRA and none given, the policy with its adapters switched off. ``pack``
+  (``rl.packing.plan`` for these mini- and micro-batches) runs the update's forwards packed: the
+  same objective, one program per ``pack.rows``.
 
   Each mini-batch has its own loss denominator, and with DynaMO's modulation its own max Ξ and
   entropy range (``_modulation_stats``), computed before its micro-batches, so a micro-batch loss
@@ -346,7 +415,7 @@ def rl_update(
     raise ValueError("rl_update: LossConfig.num_groups must count the batch's groups (>= 1)")
   if cfg.use_kl and ref_params is None:
     ref_params = lora.without_adapters(state.params)
-  per_row = _row_inputs(graphdef, cfg, batch, hp, ref_params)
+  per_row = _row_inputs(graphdef, cfg, batch, hp, ref_params, pack)
   grad_fn = _grad_of_part(_micro_loss(graphdef, cfg, hp), trainable)
 
   def one_update(state, rows: UpdateRows):
