@@ -201,6 +201,18 @@ def random_batch(rng, R=8, P=5, N=4, groups=2):
   )
 
 
+def assert_same_update(out, params, rtol: float):
+  """Two (state, metrics) of updates from ``params``: each weight within ``rtol`` of its leaf's
+  largest step and one ulp; the losses within rtol."""
+  for a, b, p in zip(*(jax.tree.leaves(x) for x in (out[0][0].params, out[1][0].params, params))):
+    a, b = np.asarray(a), np.asarray(b)
+    bound = rtol * np.max(np.abs(b - np.asarray(p))) + np.spacing(np.max(np.abs(b)))
+    np.testing.assert_allclose(a, b, rtol=0, atol=bound)
+  np.testing.assert_allclose(
+    float(out[0][1]["loss"]), float(out[1][1]["loss"]), rtol=rtol, atol=rtol
+  )
+
+
 def update_hparams():
   """The update's traced values for the update tests: no KL, no entropy bonus, τ = 0.9."""
   return losses.LossHparams.create(
