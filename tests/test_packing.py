@@ -12,7 +12,13 @@ import numpy as np
 import optax
 import pytest
 from rounding import entropy_atol, grad_rtol, logp_atol
-from run_helpers import SMALL_MODEL, assert_same_update, rollouts, update_hparams
+from run_helpers import (
+  SMALL_MODEL,
+  assert_same_step,
+  assert_same_update,
+  rollouts,
+  update_hparams,
+)
 
 from jaxrl.nn import model
 from jaxrl.nn.logprobs import logits_f32
@@ -254,3 +260,25 @@ def test_the_update_compiles_once_per_bucket():
     counter.stop()
   assert set(met) == {2, 4, 6, 8}
   assert counter.counts()["compiles_update"] == 4
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_packed_forgetting_step_equals_padded(micro):
+  """EEPO's θ' = θ + η∇L (docs/algorithms.md §5) over the same rows, packed per chunk."""
+  graphdef, params = model.create(SMALL_MODEL, 6)
+  batch = packing_batch(1)
+  pack = packing.plan(batch.prompt_mask_RxP, batch.mask_RxN, 1, micro, buckets=4)
+  rows = (batch.prompt_ids_RxP, batch.prompt_mask_RxP, batch.tokens_RxN, batch.mask_RxN)
+  forget = jax.jit(
+    functools.partial(step.eepo_forget, graphdef, 16, lr=0.1, eps_l=1e-3, eps_r=1e-2),
+    static_argnames=("micro",),
+  )
+  out = [
+    forget(params, *rows, batch.loss_mask_RxN, jnp.float32(0.9), p, micro=micro)
+    for p in (None, pack)
+  ]
+  # As the update's: θ' moves by η times the gradient, so its weights lie within ``grad_rtol``
+  # of a leaf's largest step and an ulp; L is the forward's.
+  rtol = grad_rtol(SMALL_MODEL, T, 16 * T)
+  assert_same_step(out[1][0], out[0][0], params, rtol)
+  np.testing.assert_allclose(float(out[1][1]), float(out[0][1]), rtol=rtol)

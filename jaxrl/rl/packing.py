@@ -22,7 +22,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.types import Array, pytree_dataclass, static_field
+from jaxrl.config import Config
+from jaxrl.types import Array, Rollouts, pytree_dataclass, static_field
 
 
 @pytree_dataclass
@@ -105,6 +106,17 @@ def plan(prompt_mask_RxP, mask_RxN, mini_batches: int, micro_batches: int, bucke
     needed = max(needed, bins)
   per_micro = r // (mini_batches * micro_batches)
   return Packing(slot_R, offset_R, rows=bucket(needed, per_micro, buckets))
+
+
+def for_update(cfg: Config, batch: Rollouts) -> Packing | None:
+  """The packed layout of a (phase's) update of ``batch`` when ``loss.packing`` is on, else None
+  (the padded update)."""
+  if not cfg.loss.packing:
+    return None
+  loss = cfg.loss
+  return plan(
+    batch.prompt_mask_RxP, batch.mask_RxN, loss.mini_batches, loss.micro_batches, loss.pack_buckets
+  )
 
 
 def largest(rows: int, mini_batches: int, micro_batches: int) -> Packing:

@@ -76,6 +76,50 @@ def logp_responses(
   return logp * mask, ent * mask
 
 
+def packed_token_values(
+  graphdef,
+  params,
+  prompt_ids_XxP,
+  prompt_mask_XxP,
+  response_ids_XxN,
+  response_mask_XxN,
+  slot_X,
+  offset_X,
+  rows: int,
+  fused,
+):
+  """Per-token values of X rows' response tokens, ``fused(hidden_BxTxD, lm_head, targets_BxT)``
+  (a tuple of [B, T] arrays: ``fused_logprobs_entropy``'s, ``fused_log1m_p``'s), from one forward
+  over their sequences packed into ``rows`` buffers of P + N positions (``rl.packing``; the rows'
+  buffer rows and offsets ``slot_X``, ``offset_X``); returned in the padded [X, N] layout, 0 off
+  ``response_mask_XxN``.
+
+  Only real tokens are packed, so a response token's predictor is the packed token just before
+  it, a token of its own sequence (its prompt's last or its response's previous real one: the
+  padded path's ``_predictors``). ``fused`` runs at every packed position against the next packed
+  token; the values are read back at each response token's predictor, so a position whose next
+  token starts another sequence is never read."""
+  p = prompt_ids_XxP.shape[1]
+  valid_XxT = jnp.concatenate([prompt_mask_XxP, response_mask_XxN], axis=1)
+  dest_XxT = packing.destinations(valid_XxT, slot_X, offset_X, rows)
+  place = lambda v_XxT: packing.scatter(v_XxT, dest_XxT, rows)  # noqa: E731
+  tokens_XxT = jnp.concatenate([prompt_ids_XxP, response_ids_XxN], axis=1)
+  tokens_BxT = place(tokens_XxT.astype(jnp.int32))
+  positions_BxT = place(model.positions_from_mask(valid_XxT))
+  x, t = valid_XxT.shape
+  # row x's sequence is segment x + 1; 0 is padding
+  segments_BxT = place(jnp.broadcast_to(jnp.arange(1, x + 1, dtype=jnp.int32)[:, None], (x, t)))
+  hidden_BxTxD, lm_head, _ = model.forward(
+    graphdef, params, tokens_BxT, positions_BxT, segments_BxT
+  )
+  next_BxT = jnp.roll(tokens_BxT.reshape(-1), -1).reshape(rows, t)  # the last wraps: never read
+  values = fused(hidden_BxTxD, lm_head, next_BxT)
+  # A response token's predictor sits just before it; a masked token's index is out of range.
+  read_XxN = jnp.clip(dest_XxT[:, p:] - 1, 0, rows * t - 1)
+  mask = response_mask_XxN.astype(jnp.float32)
+  return tuple(jnp.take(v_BxT.reshape(-1), read_XxN, axis=0) * mask for v_BxT in values)
+
+
 def logp_responses_packed(
   graphdef,
   params,
@@ -89,39 +133,14 @@ def logp_responses_packed(
   tau,
   chunk_size: int,
 ):
-  """``logp_responses`` of X rows with the forward over their sequences packed into ``rows``
-  buffers of P + N positions (``rl.packing``; the rows' buffers and offsets ``slot_X``,
-  ``offset_X``): (logp_XxN, ent_XxN), the same values, in the padded layout.
+  """``logp_responses`` with the forward packed (``packed_token_values``): (logp_XxN, ent_XxN),
+  the same values up to rounding."""
 
-  Only real tokens are packed, so a response token's predictor is the packed token just before
-  it, a token of its own sequence (its prompt's last or its response's previous real one: the
-  padded path's ``_predictors``). The log-prob and entropy are computed at every packed position
-  against the next packed token and read back at each response token's predictor; a position
-  whose next token starts another sequence is never read."""
-  p = prompt_ids_XxP.shape[1]
-  valid_XxT = jnp.concatenate([prompt_mask_XxP, response_mask_XxN], axis=1)
-  dest_XxT = packing.destinations(valid_XxT, slot_X, offset_X, rows)
-  place = lambda v_XxT: packing.scatter(v_XxT, dest_XxT, rows)  # noqa: E731
-  tokens_XxT = jnp.concatenate([prompt_ids_XxP, response_ids_XxN], axis=1)
-  tokens_BxT = place(tokens_XxT.astype(jnp.int32))
-  positions_BxT = place(model.positions_from_mask(valid_XxT))
-  x_XxT = jnp.broadcast_to(
-    jnp.arange(1, valid_XxT.shape[0] + 1, dtype=jnp.int32)[:, None], valid_XxT.shape
-  )
-  segments_BxT = place(x_XxT)  # row x's sequence is segment x + 1; 0 is padding
-  hidden_BxTxD, lm_head, _ = model.forward(
-    graphdef, params, tokens_BxT, positions_BxT, segments_BxT
-  )
-  b, t = tokens_BxT.shape
-  next_BxT = jnp.concatenate([tokens_BxT.reshape(-1)[1:], jnp.zeros((1,), jnp.int32)]).reshape(b, t)
-  logp_BxT, ent_BxT = fused_logprobs_entropy(
-    hidden_BxTxD, lm_head, next_BxT, tau, chunk_size=chunk_size
-  )
-  # A response token's predictor sits just before it; a masked one's index is out of range.
-  read_XxN = jnp.clip(dest_XxT[:, p:] - 1, 0, b * t - 1)
-  mask = response_mask_XxN.astype(logp_BxT.dtype)
-  read = lambda v_BxT: jnp.take(v_BxT.reshape(-1), read_XxN, axis=0) * mask  # noqa: E731
-  return read(logp_BxT), read(ent_BxT)
+  def fused(hidden_BxTxD, lm_head, targets_BxT):
+    return fused_logprobs_entropy(hidden_BxTxD, lm_head, targets_BxT, tau, chunk_size=chunk_size)
+
+  rows_in = (prompt_ids_XxP, prompt_mask_XxP, response_ids_XxN, response_mask_XxN)
+  return packed_token_values(graphdef, params, *rows_in, slot_X, offset_X, rows, fused)
 
 
 def logp_responses_chunked(
@@ -499,6 +518,7 @@ def eepo_forget(
   response_mask_RxN,
   loss_mask_RxN,
   tau,
+  pack: Packing | None = None,
   *,
   lr: float,
   eps_l: float,
@@ -515,16 +535,26 @@ def eepo_forget(
   response token (``response_mask_RxN``), L only the model's own (``loss_mask_RxN``,
   docs/algorithms.md §11). ``micro`` > 1 accumulates L and ∇L over that many strided row chunks
   (``_split_micro``) in sequence, as ``rl_update``'s micro-batches: the same θ' with the
-  activation memory of R/micro rows. Returns (θ', L).
+  activation memory of R/micro rows. ``pack`` (``rl.packing.plan`` for one mini-batch of
+  ``micro`` micro-batches) runs the forward packed: the same L and θ' up to rounding.
+  Returns (θ', L).
   """
   rows = (prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN, response_mask_RxN, loss_mask_RxN)
+  if pack is not None:
+    rows += (pack.slot_R, pack.offset_R)
+
+  def fused(hidden_BxTxD, lm_head, targets_BxT):
+    return fused_log1m_p(hidden_BxTxD, lm_head, targets_BxT, tau, chunk_size=chunk)
 
   def objective(p, rows, weight):
-    prompt_ids, prompt_mask, response_ids, response_mask, loss_mask = rows
-    hidden_RxNxD, lm_head = response_hidden(
-      graphdef, p, prompt_ids, prompt_mask, response_ids, response_mask
-    )
-    logp, log1m_p = fused_log1m_p(hidden_RxNxD, lm_head, response_ids, tau, chunk_size=chunk)
+    prompt_ids, prompt_mask, response_ids, response_mask, loss_mask = rows[:5]
+    if pack is None:
+      hidden_RxNxD, lm_head = response_hidden(
+        graphdef, p, prompt_ids, prompt_mask, response_ids, response_mask
+      )
+      logp, log1m_p = fused(hidden_RxNxD, lm_head, response_ids)
+    else:
+      logp, log1m_p = packed_token_values(graphdef, p, *rows[:4], *rows[5:], pack.rows, fused)
     loss = losses.eepo_unlearning_loss_from_logp(logp, log1m_p, loss_mask, eps_l, eps_r, paper_clip)
     return weight * loss, None
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.parallel import distributed, sharding
-from jaxrl.rl import step
+from jaxrl.rl import packing, step
 from jaxrl.rl.programs import ForgetConfig, Programs
 from jaxrl.rollout import multiturn
 from jaxrl.rollout.engine import RolloutEngine
@@ -123,4 +123,8 @@ class Collector:
     """EEPO's (θ', unlearning loss) from the rollouts' rows: the forward reads every response
     token, the objective the model's own (the loss mask, docs/algorithms.md §11)."""
     batch, micro = self._rows(rollouts, rollouts.loss_mask_RxN)
-    return self.programs.forget(fc)(params, *batch, jnp.float32(tau), micro=micro)
+    pack = None
+    if fc.pack_buckets:  # packed: each of the ``micro`` chunks' sequences, as the update's
+      pack = packing.plan(rollouts.prompt_mask_RxP, rollouts.mask_RxN, 1, micro, fc.pack_buckets)
+      pack = sharding.shard_batch(pack, self.programs.mesh)
+    return self.programs.forget(fc)(params, *batch, jnp.float32(tau), pack, micro=micro)

@@ -26,6 +26,7 @@ from jaxrl.methods.controllers import ControllerStates, Methods
 from jaxrl.methods.phases import Phase, phase_at
 from jaxrl.nn import lora
 from jaxrl.parallel import distributed, sharding
+from jaxrl.rl import packing
 from jaxrl.rl.losses import LossHparams
 from jaxrl.rl.programs import Programs
 from jaxrl.rl.stats import init_stats, update_stats
@@ -411,8 +412,11 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
       ctx, batch.issue, loop.train.params, hp, i, lambda q, r: _verify(ctx, q, r)
     )
   t2 = time.time()
+  pack = packing.for_update(rt.phase.cfg, rollouts)  # host: the lengths decide the layout
+  mesh = ctx.programs.mesh
+  pack = None if pack is None else sharding.shard_batch(pack, mesh)
   train, update = rt.update(
-    loop.train, sharding.shard_batch(rollouts, ctx.programs.mesh), hp, ctx.ref_params
+    loop.train, sharding.shard_batch(rollouts, mesh), hp, ctx.ref_params, pack
   )
   t3 = clock.ready_at(train, update)  # the new params too: the optimizer's work ends the update
   update = distributed.to_host(update)
