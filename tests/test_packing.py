@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from rounding import entropy_atol, grad_rtol, logp_atol
+from rounding import attention_atol, entropy_atol, grad_rtol, logp_atol
 from run_helpers import (
   SMALL_MODEL,
   assert_same_step,
@@ -20,7 +20,7 @@ from run_helpers import (
   update_hparams,
 )
 
-from jaxrl.nn import model
+from jaxrl.nn import attention, model
 from jaxrl.nn.logprobs import logits_f32
 from jaxrl.rl import losses, packing, step
 from jaxrl.run.loop import compile_counter
@@ -282,3 +282,43 @@ def test_packed_forgetting_step_equals_padded(micro):
   rtol = grad_rtol(SMALL_MODEL, T, 16 * T)
   assert_same_step(out[1][0], out[0][0], params, rtol)
   np.testing.assert_allclose(float(out[1][1]), float(out[0][1]), rtol=rtol)
+
+
+# Three packed rows of 12 slots: three sequences and padding; one sequence filling the row; two
+# sequences and padding.
+SEGMENTS_BxT = np.array(
+  [
+    [1, 1, 1, 2, 2, 2, 2, 3, 3, 0, 0, 0],
+    [1] * 12,
+    [1, 1, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0],
+  ],
+  np.int32,
+)
+
+
+@pytest.mark.parametrize("path", ["blocked-4", "one-block", "dot-product-xla"])
+def test_segment_attention_is_each_sequence_alone(path):
+  """Oracle: each sequence in a row of its own (boolean validity, the padded path)."""
+  b, t, kv, rep, e = 3, 12, 2, 3, 8
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.normal(size=(b, t, kv, rep, e)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(b, kv, e, t)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(b, kv, t, e)), jnp.float32)
+  segments = jnp.asarray(SEGMENTS_BxT)
+  if path == "dot-product-xla":  # the call cuDNN takes on a GPU, through its XLA implementation
+    out = jax.jit(attention.fused_attention, static_argnums=4)(q, k, v, segments, "xla")
+  else:
+    block = 4 if path == "blocked-4" else t
+    out = jax.jit(attention.attention, static_argnums=(4, 5))(q, k, v, segments, 0, block)
+  for row in range(b):
+    for seg in set(SEGMENTS_BxT[row]) - {0}:
+      at = np.flatnonzero(SEGMENTS_BxT[row] == seg)
+      alone = attention.attention(
+        q[row : row + 1, at], k[row : row + 1][..., at], v[row : row + 1][:, :, at],
+        jnp.ones((1, len(at)), bool), 0, t,
+      )  # fmt: skip
+      # The same attention of each query over the same keys (the other slots masked out give
+      # exactly 0 weight): two evaluations of it, within ``attention_atol``.
+      np.testing.assert_allclose(
+        np.asarray(out[row, at]), np.asarray(alone[0]), rtol=0, atol=attention_atol(q, k, v)
+      )
