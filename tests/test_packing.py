@@ -322,3 +322,13 @@ def test_segment_attention_is_each_sequence_alone(path):
       np.testing.assert_allclose(
         np.asarray(out[row, at]), np.asarray(alone[0]), rtol=0, atol=attention_atol(q, k, v)
       )
+
+
+@pytest.mark.parametrize("mini,micro", [(1, 1), (2, 1), (1, 4), (2, 2)])
+def test_a_pass_over_the_micro_batches_keeps_the_row_order(mini, micro):
+  """The KL reference's packed pass maps over the update's micro-batches and puts each row's
+  values back in its place: the identity comes back unchanged."""
+  cfg = losses.LossConfig(mini_batches=mini, micro_batches=micro)
+  rows_RxN = jnp.arange(16 * 3).reshape(16, 3)
+  got = step._packed_by_micro_batches(lambda chunk: chunk[0] * 1, (rows_RxN, rows_RxN), cfg)
+  np.testing.assert_array_equal(got, rows_RxN)

@@ -269,17 +269,18 @@ def _row_inputs(
     batch.rewards_R, batch.group_ids_R, cfg.num_groups, scale_by_std=cfg.scale_by_std
   )
   ref_logp_RxN = None
-  if cfg.use_kl:
-    ref_logp_RxN, _ = logp_responses(
-      graphdef,
-      ref_params,
-      batch.prompt_ids_RxP,
-      batch.prompt_mask_RxP,
-      batch.tokens_RxN,
-      batch.mask_RxN,
-      hp.tau,
-      cfg.logprob_chunk,
+  rows = (batch.prompt_ids_RxP, batch.prompt_mask_RxP, batch.tokens_RxN, batch.mask_RxN)
+  if cfg.use_kl and pack is None:
+    ref_logp_RxN, _ = logp_responses(graphdef, ref_params, *rows, hp.tau, cfg.logprob_chunk)
+  elif cfg.use_kl:  # packed as the update packs them: micro-batch by micro-batch, in sequence
+    ref_logp_RxN = _packed_by_micro_batches(
+      lambda chunk: logp_responses_packed(
+        graphdef, ref_params, *chunk, pack.rows, hp.tau, cfg.logprob_chunk
+      )[0],
+      (*rows, pack.slot_R, pack.offset_R),
+      cfg,
     )
+  if ref_logp_RxN is not None:
     ref_logp_RxN = jax.lax.stop_gradient(ref_logp_RxN)
   behaviour_w_RxN = None
   if cfg.behaviour_correction != "none":  # "none" leaves the objective exactly as it was
@@ -301,6 +302,18 @@ def _row_inputs(
     pack_offset_R=None if pack is None else pack.offset_R,
     pack_rows=0 if pack is None else pack.rows,
   )
+
+
+def _packed_by_micro_batches(fn, rows, cfg: LossConfig):
+  """``fn(chunk) → [X, ...]`` over the update's micro-batches of ``rows`` (every mini-batch's,
+  ``_split_micro`` within ``_split_micro``), in sequence (``lax.map``), put back in row order: a
+  forward over the chunks ``rl.packing.plan`` packed for the update."""
+  m1, m2 = cfg.mini_batches, cfg.micro_batches
+  nested = jax.tree.map(jax.vmap(lambda x: _split_micro(x, m2)), _split_micro(rows, m1))
+  flat = jax.tree.map(lambda x: x.reshape(m1 * m2, *x.shape[2:]), nested)
+  out_CxXx = jax.lax.map(fn, flat)
+  out_M1xM2xXx = out_CxXx.reshape(m1, m2, *out_CxXx.shape[1:])
+  return _merge_micro(jax.vmap(_merge_micro)(out_M1xM2xXx))
 
 
 def _behaviour_args(cfg: LossConfig, hp: LossHparams) -> dict:
