@@ -181,7 +181,9 @@ CASES = {
   ),
   "k1": dict(use_kl=True, kl_estimator="k1"),
   "k2": dict(use_kl=True, kl_estimator="k2"),
-  "k3, all rollouts": dict(use_kl=True, kl_estimator="k3", informative_only=False),
+  "k3, all rollouts, mini 2 micro 2": dict(
+    use_kl=True, kl_estimator="k3", informative_only=False, mini_batches=2, micro_batches=2
+  ),
   "dual clip, mini 2": dict(dual_clip=3.0, mini_batches=2),
   "tis": dict(behaviour_correction="tis"),
   "mis, micro 2": dict(behaviour_correction="mis", micro_batches=2),
@@ -328,7 +330,26 @@ def test_segment_attention_is_each_sequence_alone(path):
 def test_a_pass_over_the_micro_batches_keeps_the_row_order(mini, micro):
   """The KL reference's packed pass maps over the update's micro-batches and puts each row's
   values back in its place: the identity comes back unchanged."""
-  cfg = losses.LossConfig(mini_batches=mini, micro_batches=micro)
   rows_RxN = jnp.arange(16 * 3).reshape(16, 3)
-  got = step._packed_by_micro_batches(lambda chunk: chunk[0] * 1, (rows_RxN, rows_RxN), cfg)
+  got = step._packed_by_micro_batches(lambda chunk: chunk[0] * 1, (rows_RxN, rows_RxN), mini, micro)
   np.testing.assert_array_equal(got, rows_RxN)
+
+
+def test_packed_rescoring_equals_padded():
+  """π_old rescoring (``logp_responses_chunked``, 2 chunks) packed per chunk: the same values
+  within the bounds of ``test_packed_logprobs_equal_padded``."""
+  graphdef, params = model.create(SMALL_MODEL, 7)
+  batch = packing_batch(2)
+  pack = packing.plan(batch.prompt_mask_RxP, batch.mask_RxN, 1, 2, buckets=4)
+  rows = (batch.prompt_ids_RxP, batch.prompt_mask_RxP, batch.tokens_RxN, batch.mask_RxN)
+  tau = jnp.float32(0.9)
+  score = jax.jit(
+    functools.partial(step.logp_responses_chunked, graphdef, chunk_size=16),
+    static_argnames=("micro",),
+  )
+  (logp, ent), (logp_p, ent_p) = (score(params, *rows, tau, micro=2, pack=p) for p in (None, pack))
+  hidden, head = step.response_hidden(graphdef, params, *rows)
+  z_scale = float(jnp.max(jnp.abs(logits_f32(hidden.reshape(-1, SMALL_MODEL.hidden_size), head))))
+  z_scale /= 0.9
+  np.testing.assert_allclose(logp_p, logp, rtol=0, atol=logp_atol(SMALL_MODEL, T, z_scale))
+  np.testing.assert_allclose(ent_p, ent, rtol=0, atol=entropy_atol(SMALL_MODEL, T, z_scale))

@@ -153,10 +153,19 @@ def logp_responses_chunked(
   tau,
   chunk_size: int,
   micro: int,
+  pack: Packing | None = None,
 ):
   """``logp_responses`` over ``micro`` strided row chunks in sequence (``lax.map``): the same
-  values, with the activation memory of R/micro rows (π_old rescoring of a whole step's rollouts)."""
+  values, with the activation memory of R/micro rows (π_old rescoring of a whole step's rollouts).
+  ``pack`` (``rl.packing.plan`` for one mini-batch of ``micro`` micro-batches) packs each chunk."""
   rows = (prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN, response_mask_RxN)
+  if pack is not None:
+    return _packed_by_micro_batches(
+      lambda chunk: logp_responses_packed(graphdef, params, *chunk, pack.rows, tau, chunk_size),
+      (*rows, pack.slot_R, pack.offset_R),
+      1,
+      micro,
+    )
   if micro == 1:
     return logp_responses(graphdef, params, *rows, tau, chunk_size)
   logp_MxXxN, ent_MxXxN = jax.lax.map(
@@ -278,7 +287,8 @@ def _row_inputs(
         graphdef, ref_params, *chunk, pack.rows, hp.tau, cfg.logprob_chunk
       )[0],
       (*rows, pack.slot_R, pack.offset_R),
-      cfg,
+      cfg.mini_batches,
+      cfg.micro_batches,
     )
   if ref_logp_RxN is not None:
     ref_logp_RxN = jax.lax.stop_gradient(ref_logp_RxN)
@@ -304,16 +314,19 @@ def _row_inputs(
   )
 
 
-def _packed_by_micro_batches(fn, rows, cfg: LossConfig):
-  """``fn(chunk) → [X, ...]`` over the update's micro-batches of ``rows`` (every mini-batch's,
+def _packed_by_micro_batches(fn, rows, mini_batches: int, micro_batches: int):
+  """``fn(chunk)`` (a pytree of [X, ...]) over the micro-batches of ``rows`` (every mini-batch's,
   ``_split_micro`` within ``_split_micro``), in sequence (``lax.map``), put back in row order: a
-  forward over the chunks ``rl.packing.plan`` packed for the update."""
-  m1, m2 = cfg.mini_batches, cfg.micro_batches
+  forward over the chunks ``rl.packing.plan`` packs for these mini- and micro-batches."""
+  m1, m2 = mini_batches, micro_batches
   nested = jax.tree.map(jax.vmap(lambda x: _split_micro(x, m2)), _split_micro(rows, m1))
   flat = jax.tree.map(lambda x: x.reshape(m1 * m2, *x.shape[2:]), nested)
-  out_CxXx = jax.lax.map(fn, flat)
-  out_M1xM2xXx = out_CxXx.reshape(m1, m2, *out_CxXx.shape[1:])
-  return _merge_micro(jax.vmap(_merge_micro)(out_M1xM2xXx))
+
+  def merge(out_CxXx):
+    out_M1xM2xXx = out_CxXx.reshape(m1, m2, *out_CxXx.shape[1:])
+    return _merge_micro(jax.vmap(_merge_micro)(out_M1xM2xXx))
+
+  return jax.tree.map(merge, jax.lax.map(fn, flat))
 
 
 def _behaviour_args(cfg: LossConfig, hp: LossHparams) -> dict:

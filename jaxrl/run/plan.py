@@ -562,9 +562,12 @@ def compile_rescoring(pc: Config, programs: Programs, params) -> Compiled:
     batch.mask_RxN,
   )
   micro = step.sequential_chunks(pc.num_rollouts, pc.loss.micro_batches)
+  pack = abstract_packing(pc, batch.prompt_ids_RxP.sharding, pc.num_rollouts, 1, micro)
   return _analyse(
     "pi_old rescoring (logp_responses_chunked)",
-    lambda: score.lower(_shaped(params, programs.param_shardings), *rows, tau, micro=micro),
+    lambda: score.lower(
+      _shaped(params, programs.param_shardings), *rows, tau, micro=micro, pack=pack
+    ),
   )
 
 
