@@ -16,6 +16,8 @@ Shape letters (suffixes such as ``tokens_RxN``), each with one meaning:
   Z  queries in one attention block                         Y  attention blocks (T / Z)
   I  entries one sampling search runs over (a CDF block, top-k candidates)
   O  blocks of the vocabulary in the sampler's two-level CDF (V / I)
+In the model's code (``jaxrl.nn``) and of packed buffers (``jaxrl.rl.packing``), B is any batch of
+rows: rollouts, or buffer rows that each hold several sequences side by side (T = P + N slots).
 
 Every pytree here is a frozen dataclass registered with ``jax.tree_util.register_dataclass``;
 update with ``dataclasses.replace``.
