@@ -141,6 +141,12 @@ def test_the_plan_places_every_sequence_whole_and_apart():
       assert taken.max() == 1  # no two sequences overlap
       fills += list(taken.sum(axis=1))
     assert pack.slot_R[15] == -1
+    # The logged fill: the tokens over every buffer position, as the placements count them.
+    logged = packing.metrics(pack, batch.prompt_mask_RxP, batch.mask_RxN, mini * micro)
+    assert logged == {
+      "train_pack_rows": pack.rows,
+      "train_pack_fill": sum(fills) / (len(fills) * T),
+    }
     assert fills.count(T) >= 2  # the whole-budget row's buffer, and pairs of 7 filling one
     assert pack.rows < 16 // (mini * micro)  # packing saved buffer rows
 

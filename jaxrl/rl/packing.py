@@ -119,6 +119,19 @@ def for_update(cfg: Config, batch: Rollouts) -> Packing | None:
   )
 
 
+def metrics(pack: Packing, prompt_mask_RxP, mask_RxN, micro_batches_in_all: int) -> dict:
+  """What packing did to a step's update of ``micro_batches_in_all`` micro-batches (over all its
+  mini-batches): the buffer rows of each (``train_pack_rows``) and the share of the buffers'
+  positions that hold a token (``train_pack_fill``; the padded rows' share is
+  ``train_tok_s / train_raw_tok_s``)."""
+  t = np.shape(prompt_mask_RxP)[1] + np.shape(mask_RxN)[1]
+  used = float(np.sum(sequence_lengths(prompt_mask_RxP, mask_RxN)))
+  return {
+    "train_pack_rows": float(pack.rows),
+    "train_pack_fill": used / (micro_batches_in_all * pack.rows * t),
+  }
+
+
 def largest(rows: int, mini_batches: int, micro_batches: int) -> Packing:
   """The layout with the most buffer rows (one per sequence): what ``--plan`` sizes."""
   per_micro = rows // (mini_batches * micro_batches)

@@ -413,8 +413,12 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
     )
   t2 = time.time()
   pack = packing.for_update(rt.phase.cfg, rollouts)  # host: the lengths decide the layout
-  mesh = ctx.programs.mesh
-  pack = None if pack is None else sharding.shard_batch(pack, mesh)
+  mesh, pack_metrics = ctx.programs.mesh, {}
+  if pack is not None:
+    loss = rt.phase.cfg.loss
+    chunks = loss.mini_batches * loss.micro_batches
+    pack_metrics = packing.metrics(pack, rollouts.prompt_mask_RxP, rollouts.mask_RxN, chunks)
+    pack = sharding.shard_batch(pack, mesh)
   train, update = rt.update(
     loop.train, sharding.shard_batch(rollouts, mesh), hp, ctx.ref_params, pack
   )
@@ -450,6 +454,7 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
       **got.metrics,
       "rollout_staleness": float(i - batch.issue.version),
       **records.update_rates(rollouts, t3 - t2),
+      **pack_metrics,
       **_mfu(ctx, batch.issue.phase, t3 - t2, rollouts),
       **measured,
     },
