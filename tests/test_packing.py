@@ -17,13 +17,15 @@ from run_helpers import (
   assert_same_step,
   assert_same_update,
   rollouts,
+  step_context,
+  tiny_config,
   update_hparams,
 )
 
 from jaxrl.nn import attention, model
 from jaxrl.nn.logprobs import logits_f32
 from jaxrl.rl import losses, packing, step
-from jaxrl.run.loop import compile_counter
+from jaxrl.run.loop import compile_counter, initial_loop, rl_step
 
 # ---- the packer: a pure function over lengths
 
@@ -359,3 +361,19 @@ def test_packed_rescoring_equals_padded():
   z_scale /= 0.9
   np.testing.assert_allclose(logp_p, logp, rtol=0, atol=logp_atol(SMALL_MODEL, T, z_scale))
   np.testing.assert_allclose(ent_p, ent, rtol=0, atol=entropy_atol(SMALL_MODEL, T, z_scale))
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_loop_packs_the_update_when_the_switch_is_on(tmp_path, packed):
+  """``loss.packing`` (on by default) decides whether a step's update runs packed; the step logs
+  what packing did."""
+  cfg = tiny_config("test", **{"sft.steps": 0, "loss.packing": packed})
+  assert tiny_config("test").loss.packing  # the default
+  ctx, params = step_context(cfg, tmp_path / "tokenizer")
+  _, row = rl_step(ctx, initial_loop(ctx, ctx.programs.init_state(params)), 0)
+  assert np.isfinite(row["loss"])
+  if not packed:
+    assert "train_pack_rows" not in row
+    return
+  per_micro = cfg.num_rollouts // (cfg.loss.mini_batches * cfg.loss.micro_batches)
+  assert 1 <= row["train_pack_rows"] <= per_micro and 0 < row["train_pack_fill"] <= 1
