@@ -17,6 +17,8 @@ Shape letters (suffixes such as ``tokens_RxN``), each with one meaning:
   I  entries one sampling search runs over (a CDF block, top-k candidates)
   O  blocks of the vocabulary in the sampler's two-level CDF (V / I)
   b  rows of a compacted decode batch (a bucket of the live rollouts: ``rollout.compaction``)
+In the model's code (``jaxrl.nn``) and of packed buffers (``jaxrl.rl.packing``), B is any batch of
+rows: rollouts, or buffer rows that each hold several sequences side by side (T = P + N slots).
 
 Every pytree here is a frozen dataclass registered with ``jax.tree_util.register_dataclass``;
 update with ``dataclasses.replace``.

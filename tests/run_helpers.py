@@ -203,6 +203,24 @@ def random_batch(rng, R=8, P=5, N=4, groups=2):
   )
 
 
+def assert_same_step(new_a, new_b, params, rtol: float):
+  """Two params stepped from ``params``: each weight within ``rtol`` of its leaf's largest step
+  and one ulp."""
+  for a, b, p in zip(*(jax.tree.leaves(x) for x in (new_a, new_b, params))):
+    a, b = np.asarray(a), np.asarray(b)
+    bound = rtol * np.max(np.abs(b - np.asarray(p))) + np.spacing(np.max(np.abs(b)))
+    np.testing.assert_allclose(a, b, rtol=0, atol=bound)
+
+
+def assert_same_update(out, params, rtol: float):
+  """Two (state, metrics) of updates from ``params``: the new params as ``assert_same_step``
+  says, the losses within rtol."""
+  assert_same_step(out[0][0].params, out[1][0].params, params, rtol)
+  np.testing.assert_allclose(
+    float(out[0][1]["loss"]), float(out[1][1]["loss"]), rtol=rtol, atol=rtol
+  )
+
+
 def update_hparams():
   """The update's traced values for the update tests: no KL, no entropy bonus, τ = 0.9."""
   return losses.LossHparams.create(

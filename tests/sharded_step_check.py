@@ -2,7 +2,9 @@
 equal the same step on one device, up to the rounding of its reordered sums. Prints, as JSON, how
 far each difference stays inside its derived bound (the test asserts).
 ``--lora``: the model has rank-4 adapters (B moved off zero, so A gets gradients too); the update
-trains them alone and the KL reference is the base (adapters off)."""
+trains them alone and the KL reference is the base (adapters off). ``--packed``: prompts of mixed
+lengths, and the sharded step runs packed (``rl.packing``, docs/algorithms.md §1.6): the packed
+buffers' rows split over the mesh as the rows are."""
 
 import os
 
@@ -10,6 +12,7 @@ os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 )
 
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
@@ -25,13 +28,14 @@ from run_helpers import moved_adapters, rollouts  # noqa: E402
 
 from jaxrl.nn import lora, model
 from jaxrl.parallel import sharding
-from jaxrl.rl import (
+from jaxrl.rl import (  # noqa: E402
   losses,
-  step,  # noqa: E402
+  packing,
+  step,
 )
 
 
-def run_on(mesh, params_host, batch_host, tx, cfg, graphdef, hp, steps=1):
+def run_on(mesh, params_host, batch_host, tx, cfg, graphdef, hp, steps=1, pack=None):
   trainable = lora.policy_trainable(params_host)
   p_sh = sharding.tree_shardings(params_host, mesh)
   trained = lora.partition(params_host, trainable)[0]
@@ -52,8 +56,9 @@ def run_on(mesh, params_host, batch_host, tx, cfg, graphdef, hp, steps=1):
     donate_argnums=(0,),
     out_shardings=(state_sh, None),
   )
+  pack = None if pack is None else sharding.shard_batch(pack, mesh)
   for _ in range(steps):
-    state, metrics = update(state, sharding.shard_batch(batch_host, mesh), hp, ref)
+    state, metrics = update(state, sharding.shard_batch(batch_host, mesh), hp, ref, pack)
   specs = {
     jax.tree_util.keystr(k): str(v.sharding.spec)
     for k, v in jax.tree_util.tree_leaves_with_path(state.params)
@@ -124,6 +129,12 @@ def main():
     rewards_R=rng.integers(0, 2, R).astype(np.float32),
     group_ids_R=np.repeat(np.arange(B), R // B).astype(np.int32),
   )
+  pack = None
+  if "--packed" in sys.argv:  # left-padded prompts of 1..P/2 tokens: sequences share buffers
+    prompt_R = rng.integers(1, P // 2 + 1, R)
+    batch = dataclasses.replace(batch, prompt_mask_RxP=np.arange(P)[None] >= P - prompt_R[:, None])
+    pack = packing.plan(batch.prompt_mask_RxP, batch.mask_RxN, 1, 2, buckets=4)
+    assert pack.rows < R // 2, pack  # buffers shared
   cfg = losses.LossConfig(
     aggregation="seq-mean-token-mean",
     use_kl=True,
@@ -145,7 +156,7 @@ def main():
   # rounding, half an ulp each way).
   lr, sgd = 0.1, optax.sgd(0.1)
   p1, m1, _ = run_on(one, params, batch, sgd, cfg, graphdef, hp)
-  p8, m8, specs = run_on(eight, params, batch, sgd, cfg, graphdef, hp)
+  p8, m8, specs = run_on(eight, params, batch, sgd, cfg, graphdef, hp, pack=pack)
   step_g = [np.abs(np.asarray(a) - np.asarray(p0)) for a, p0 in zip(jax.tree.leaves(p1), leaves0)]
   sgd_ratio = max(
     float(np.max(np.abs(a - b)) / (rtol * np.max(g) + np.spacing(np.max(np.abs(a)))))
@@ -157,7 +168,7 @@ def main():
   adam_lr, adam_eps = 1e-2, 1e-3
   adam = optax.adamw(adam_lr, eps=adam_eps)
   a1, _, _ = run_on(one, params, batch, adam, cfg, graphdef, hp)
-  a8, _, _ = run_on(eight, params, batch, adam, cfg, graphdef, hp)
+  a8, _, _ = run_on(eight, params, batch, adam, cfg, graphdef, hp, pack=pack)
   adam_bound = lambda g, a: (  # noqa: E731
     adam_lr / adam_eps * rtol * np.max(g) / lr + 4 * U * adam_lr + np.spacing(np.max(np.abs(a)))
   )

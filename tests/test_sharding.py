@@ -22,12 +22,17 @@ def test_logical_rules_map_axes_and_replicate_indivisible_dims():
   assert sharding.logical_to_spec(("norm",), (64,), FakeMesh) == P(None)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_sharded_step_equals_single_device(lora):
+@pytest.mark.parametrize(
+  "lora,packed", [(False, False), (True, False), (False, True)], ids=["full", "lora", "packed"]
+)
+def test_sharded_step_equals_single_device(lora, packed):
+  """The sharded step (packed: also packed, docs/algorithms.md §1.6) against the padded step on
+  one device."""
   env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
   env.pop("XLA_FLAGS", None)
+  flags = [*(["--lora"] if lora else []), *(["--packed"] if packed else [])]
   out = subprocess.run(
-    [sys.executable, os.path.join(HERE, "sharded_step_check.py"), *(["--lora"] if lora else [])],
+    [sys.executable, os.path.join(HERE, "sharded_step_check.py"), *flags],
     env=env,
     capture_output=True,
     text=True,

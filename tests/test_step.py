@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import optax
 from rounding import grad_rtol
-from run_helpers import SMALL_MODEL, random_batch, update_hparams
+from run_helpers import SMALL_MODEL, assert_same_update, random_batch, update_hparams
 
 from jaxrl.nn import model
 from jaxrl.rl import losses, step
@@ -63,17 +63,6 @@ def _updates_by_micro_batches(params, batch, hp, **loss_fields):
   return out
 
 
-def _assert_same_update(out, params, rtol: float):
-  """Each weight within ``rtol`` of its leaf's largest step and one ulp; the losses within rtol."""
-  for a, b, p in zip(*(jax.tree.leaves(x) for x in (out[0][0].params, out[1][0].params, params))):
-    a, b = np.asarray(a), np.asarray(b)
-    bound = rtol * np.max(np.abs(b - np.asarray(p))) + np.spacing(np.max(np.abs(b)))
-    np.testing.assert_allclose(a, b, rtol=0, atol=bound)
-  np.testing.assert_allclose(
-    float(out[0][1]["loss"]), float(out[1][1]["loss"]), rtol=rtol, atol=rtol
-  )
-
-
 def test_micro_batches_give_the_same_update():
   params = model.create(SMALL_MODEL, 1)[1]
   batch = random_batch(np.random.default_rng(1))
@@ -86,7 +75,7 @@ def test_micro_batches_give_the_same_update():
   # leaf's largest lr·|g| = |Δp|, over the 8 rows of P + N = 9 slots) and by the rounding of the
   # subtraction (one ulp of the new weights: 0.5 each way). The loss: the forward half of the same
   # chain, over terms of scale ~1.
-  _assert_same_update(out, params, grad_rtol(SMALL_MODEL, 9, 8 * 9))
+  assert_same_update(out, params, grad_rtol(SMALL_MODEL, 9, 8 * 9))
 
 
 def test_dynamo_modulation_does_not_depend_on_the_micro_batches():
@@ -108,6 +97,6 @@ def test_dynamo_modulation_does_not_depend_on_the_micro_batches():
   # slope, at most α·γ/4 = 5, relative to f ≥ 1 − α: a factor 1 + α·γ/(4·(1 − α)) on the bound.
   # (Measured: 2.4e-5 of a leaf's largest step; the bound is 1.5e-3.)
   alpha, gamma = float(hp.modulation_alpha), float(hp.modulation_gamma)
-  _assert_same_update(
+  assert_same_update(
     out, params, grad_rtol(SMALL_MODEL, 9, 8 * 9) * (1 + alpha * gamma / (4 * (1 - alpha)))
   )

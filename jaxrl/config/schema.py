@@ -500,6 +500,11 @@ class LossSection:
   mini_batches: int = 1  # optimizer updates per step; > 1 makes later updates off-policy
   micro_batches: int = 1  # gradient accumulation within each mini-batch
   logprob_chunk: int = 128  # tokens per chunk of the fused log-prob (bench/fused_logprob.py)
+  # Packed update (jaxrl.rl.packing): the forward reads each sequence's real tokens only, packed
+  # side by side into buffers of P + N; the objective is the padded update's (docs/algorithms.md
+  # §1.6). Buffer rows per micro-batch come from pack_buckets values: that many programs at most.
+  packing: bool = True
+  pack_buckets: int = 4
   # Per-token objective weights for rollouts sampled by another policy μ (docs/algorithms.md §9)
   behaviour_correction: BehaviourCorrection = "auto"
   tis_cap: float = 2.0  # tis: weights truncated at this
@@ -516,7 +521,11 @@ class LossSection:
       f"must be < 1 (the ratio is clipped below at 1 - eps_low, and no ratio is <= 0: the clip "
       f"would be off), got {self.eps_low}",
     )
-    _check_ranges("loss", self, dict(logprob_chunk=AT_LEAST_1, mini_batches=AT_LEAST_1))
+    _check_ranges(
+      "loss",
+      self,
+      dict(logprob_chunk=AT_LEAST_1, mini_batches=AT_LEAST_1, pack_buckets=AT_LEAST_1),
+    )
     _check_ranges("loss", self, dict(dual_clip=Range(0, note=" (0 = off)"), mis_high=POSITIVE))
     _need(self.tis_cap > 0, "loss.tis_cap", "must be > 0")
     _need(

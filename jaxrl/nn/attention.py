@@ -5,6 +5,11 @@ products and sums for one query (a decode step); on an NVIDIA GPU, cuDNN's fused
 
 Pure functions of arrays; ``model.Attention`` projects, caches and calls them. Keys arrive as
 [B, K, E, S] and values as [B, K, S, E], the KV cache's layout (``jaxrl.nn.kv_cache``).
+
+Which slots a query sees comes as ``kv_valid_BxS``: booleans (a padded row: one sequence, the
+slots it marks valid) or integer segment ids (a packed row, ``jaxrl.rl.packing``: several
+sequences side by side, 0 for padding). With segments a query sees the slots up to its own that
+belong to its own segment; queries and keys are then the same T slots (no cache).
 """
 
 from __future__ import annotations
@@ -51,11 +56,32 @@ def rope(
   return out.astype(x_BxTxHxE.dtype)
 
 
+def is_segments(kv_valid_BxS: Array) -> bool:
+  """Whether ``kv_valid_BxS`` holds segment ids (integers) rather than validity (booleans)."""
+  return jnp.issubdtype(kv_valid_BxS.dtype, jnp.integer)
+
+
+def _visible_BxTxS(kv_valid_BxS: Array, q_segment_BxT: Array | None) -> Array:
+  """Which slots each query may see apart from causality: the valid ones (booleans), or those of
+  its own segment (segment ids; padding, segment 0, sees none and is seen by none)."""
+  if q_segment_BxT is None:
+    return kv_valid_BxS[:, None, :].astype(bool)
+  k_segment_Bx1xS = kv_valid_BxS[:, None, :]
+  return (q_segment_BxT[:, :, None] == k_segment_Bx1xS) & (k_segment_Bx1xS > 0)
+
+
 def _attend(
-  q_BxTxKxAxE: Array, k_BxKxExS: Array, v_BxKxSxE: Array, kv_valid_BxS: Array, first_slot
+  q_BxTxKxAxE: Array,
+  k_BxKxExS: Array,
+  v_BxKxSxE: Array,
+  kv_valid_BxS: Array,
+  first_slot,
+  q_segment_BxT: Array | None = None,
 ) -> Array:
   """Softmax attention of T queries at slots first_slot..first_slot+T-1 to the S slots: a query
-  sees the valid slots up to its own. Scores and softmax in float32. Returns [B, T, K, R, E]."""
+  sees the valid slots up to its own (with ``q_segment_BxT``, the queries' segment ids, those of
+  its own segment: ``kv_valid_BxS`` then holds the slots' segment ids). Scores and softmax in
+  float32. Returns [B, T, K, R, E]."""
   t, s = q_BxTxKxAxE.shape[1], k_BxKxExS.shape[3]
   if t == 1:
     scores = _one_query_scores(q_BxTxKxAxE, k_BxKxExS)
@@ -66,7 +92,7 @@ def _attend(
   scores = scores * (q_BxTxKxAxE.shape[-1] ** -0.5)
   query_slot_T = first_slot + jnp.arange(t)
   causal_TxS = jnp.arange(s)[None, :] <= query_slot_T[:, None]
-  allowed_BxTxS = causal_TxS[None] & kv_valid_BxS[:, None, :].astype(bool)
+  allowed_BxTxS = causal_TxS[None] & _visible_BxTxS(kv_valid_BxS, q_segment_BxT)
   # finfo.min, not -inf: a query with no visible slot (a pad) gets a uniform row, never NaN.
   scores = jnp.where(allowed_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1)
@@ -120,8 +146,16 @@ def attention(
   would pad T = 544 to 1,024 at block 512: almost twice the attention's work). Where cuDNN's
   fused attention takes the call (``fused_implementation``: an NVIDIA GPU, bf16/fp16, queries
   from slot 0) it runs instead, in one pass: it never holds the scores.
+
+  Integer ``kv_valid_BxS`` are segment ids of the T slots (packed rows, S = T, ``start`` 0): a
+  query attends within its own segment (``_visible_BxTxS``).
   """
   b, t = q_BxTxKxAxE.shape[:2]
+  q_segment_BxT = None
+  if is_segments(kv_valid_BxS):
+    if not (_is_zero(start) and kv_valid_BxS.shape[1] == t):
+      raise ValueError("segment ids need queries from slot 0 over their own T slots (no cache)")
+    q_segment_BxT = kv_valid_BxS
   implementation = fused_implementation(q_BxTxKxAxE, k_BxKxExS, start)
   if implementation is not None:
     try:
@@ -132,19 +166,22 @@ def attention(
       _warn_fallback(f"{implementation} attention refused {q_BxTxKxAxE.shape}: {e}")
   block = block_size(t, block)
   if block == t:
-    return _attend(q_BxTxKxAxE, k_BxKxExS, v_BxKxSxE, kv_valid_BxS, start)
+    return _attend(q_BxTxKxAxE, k_BxKxExS, v_BxKxSxE, kv_valid_BxS, start, q_segment_BxT)
   n = -(-t // block)
   pad = n * block - t  # padded queries see the same slots as any query; their rows are dropped
   q = jnp.pad(q_BxTxKxAxE, ((0, 0), (0, pad)) + ((0, 0),) * 3)
   q_YxBxZxKxAxE = jnp.swapaxes(q.reshape(b, n, block, *q.shape[2:]), 0, 1)
+  xs = (q_YxBxZxKxAxE, jnp.arange(n))
+  if q_segment_BxT is not None:  # each block's queries' segment ids, laid out as the queries
+    xs += (jnp.swapaxes(jnp.pad(q_segment_BxT, ((0, 0), (0, pad))).reshape(b, n, block), 0, 1),)
 
   @jax.checkpoint
-  def one_block(q_BxZxKxAxE, k, v, kv_valid, first_slot):
-    return _attend(q_BxZxKxAxE, k, v, kv_valid, first_slot)
+  def one_block(q_BxZxKxAxE, k, v, kv_valid, first_slot, *q_segment_BxZ):
+    return _attend(q_BxZxKxAxE, k, v, kv_valid, first_slot, *q_segment_BxZ)
 
   out_YxBxZxKxAxE = jax.lax.map(
-    lambda qi: one_block(qi[0], k_BxKxExS, v_BxKxSxE, kv_valid_BxS, start + qi[1] * block),
-    (q_YxBxZxKxAxE, jnp.arange(n)),
+    lambda qi: one_block(qi[0], k_BxKxExS, v_BxKxSxE, kv_valid_BxS, start + qi[1] * block, *qi[2:]),
+    xs,
   )
   out = jnp.swapaxes(out_YxBxZxKxAxE, 0, 1).reshape(b, n * block, *q.shape[2:])
   return out[:, :t]
@@ -160,6 +197,10 @@ def attention(
 # sums above.
 _FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
 _FUSED_MAX_HEAD_DIM = 128
+
+
+def _is_zero(start) -> bool:
+  return isinstance(start, int) and start == 0
 
 
 @functools.cache
@@ -178,7 +219,7 @@ def fused_implementation(q_BxTxKxAxE: Array, k_BxKxExS: Array, start) -> str | N
   """``jax.nn.dot_product_attention``'s implementation for this call ("cudnn" on an NVIDIA GPU
   when cuDNN takes it), or None: the blocked path (CPUs, float32, a decode step)."""
   t, e = q_BxTxKxAxE.shape[1], q_BxTxKxAxE.shape[-1]
-  from_slot_zero = isinstance(start, int) and start == 0 and k_BxKxExS.shape[-1] == t
+  from_slot_zero = _is_zero(start) and k_BxKxExS.shape[-1] == t
   supported = (
     from_slot_zero
     and t > 1
@@ -203,7 +244,8 @@ def fused_attention(
 
   Padding is a boolean mask [B, 1, T, S] (slots the row marks valid), causality ``is_causal``:
   rows are padded on the left (prompts) and the right (responses), which the call's
-  ``query_seq_lengths`` / ``key_value_seq_lengths`` (valid prefixes) cannot say. Query heads
+  ``query_seq_lengths`` / ``key_value_seq_lengths`` (valid prefixes) cannot say; nor can they say
+  segments (packed rows): with segment ids the mask holds, per query, the slots of its segment. Query heads
   k·A + a share kv head k, HF's grouping and the call's. A query that sees no valid slot (a left
   pad) gets some finite mix; its row is never read (no valid query attends to a pad, the loss
   masks pads)."""
@@ -214,7 +256,10 @@ def fused_attention(
   s = k_BxSxKxE.shape[1]
   # cuDNN takes the mask as an additive bias at the full [T, S] (broadcast, not [B, 1, 1, S]);
   # boolean, so that jax (from 0.11) skips the bias gradient nobody can ask for
-  valid_Bx1xTxS = jnp.broadcast_to(kv_valid_BxS.astype(bool)[:, None, None, :], (b, 1, t, s))
+  if is_segments(kv_valid_BxS):
+    valid_Bx1xTxS = _visible_BxTxS(kv_valid_BxS, kv_valid_BxS)[:, None]
+  else:
+    valid_Bx1xTxS = jnp.broadcast_to(kv_valid_BxS.astype(bool)[:, None, None, :], (b, 1, t, s))
   out_BxTxHxE = jax.nn.dot_product_attention(
     q_BxTxHxE,
     k_BxSxKxE,

@@ -39,11 +39,19 @@ class ForgetConfig:
   eps_l: float
   eps_r: float
   paper_clip: bool = False  # eepo.unlearn_clip = "paper"
+  pack_buckets: int = 0  # loss.pack_buckets with loss.packing on: a packed forward; 0: padded
 
   @classmethod
   def from_config(cls, cfg: Config) -> ForgetConfig:
-    e = cfg.eepo
-    return cls(cfg.loss.logprob_chunk, e.lr, e.eps_l, e.eps_r, e.unlearn_clip == "paper")
+    e, loss = cfg.eepo, cfg.loss
+    return cls(
+      loss.logprob_chunk,
+      e.lr,
+      e.eps_l,
+      e.eps_r,
+      e.unlearn_clip == "paper",
+      loss.pack_buckets if loss.packing else 0,
+    )
 
 
 def train_state_shardings(
@@ -121,8 +129,9 @@ class Programs:
     )
 
   def update(self, loss_cfg: LossConfig):
-    """The GRPO update ``(state, batch, LossHparams, ref_params) → (state, metrics)``; the state
-    is donated (updated in place) and keeps its shardings."""
+    """The GRPO update ``(state, batch, LossHparams, ref_params, packing) → (state, metrics)``;
+    the state is donated (updated in place) and keeps its shardings. A ``rl.packing.Packing``
+    runs it packed: one program per bucket of buffer rows (its static ``rows``)."""
     return self._once(
       ("update", loss_cfg),
       lambda: jax.jit(
@@ -171,7 +180,8 @@ class Programs:
     )
 
   def forget(self, fc: ForgetConfig):
-    """EEPO's θ' = θ + η∇L; θ' gets θ's shardings, so stage 2 reuses stage 1's sampler."""
+    """EEPO's θ' = θ + η∇L ``(params, *rows, tau, packing, micro=)``; θ' gets θ's shardings, so
+    stage 2 reuses stage 1's sampler."""
     return self._once(
       ("forget", fc),
       lambda: jax.jit(

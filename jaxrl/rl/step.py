@@ -17,9 +17,10 @@ import optax
 
 from jaxrl.nn import lora, model
 from jaxrl.nn.logprobs import fused_log1m_p, fused_logprobs_entropy
-from jaxrl.rl import losses
+from jaxrl.rl import losses, packing
 from jaxrl.rl.losses import LossConfig, LossHparams
-from jaxrl.types import Array, Rollouts, TrainState, pytree_dataclass
+from jaxrl.rl.packing import Packing
+from jaxrl.types import Array, Rollouts, TrainState, pytree_dataclass, static_field
 
 
 def response_hidden(
@@ -75,6 +76,73 @@ def logp_responses(
   return logp * mask, ent * mask
 
 
+def packed_token_values(
+  graphdef,
+  params,
+  prompt_ids_XxP,
+  prompt_mask_XxP,
+  response_ids_XxN,
+  response_mask_XxN,
+  slot_X,
+  offset_X,
+  rows: int,
+  fused,
+):
+  """Per-token values of X rows' response tokens, ``fused(hidden_BxTxD, lm_head, targets_BxT)``
+  (a tuple of [B, T] arrays: ``fused_logprobs_entropy``'s, ``fused_log1m_p``'s), from one forward
+  over their sequences packed into ``rows`` buffers of P + N positions (``rl.packing``; the rows'
+  buffer rows and offsets ``slot_X``, ``offset_X``); returned in the padded [X, N] layout, 0 off
+  ``response_mask_XxN``.
+
+  Only real tokens are packed, so a response token's predictor is the packed token just before
+  it, a token of its own sequence (its prompt's last or its response's previous real one: the
+  padded path's ``_predictors``). ``fused`` runs at every packed position against the next packed
+  token; the values are read back at each response token's predictor, so a position whose next
+  token starts another sequence is never read."""
+  p = prompt_ids_XxP.shape[1]
+  valid_XxT = jnp.concatenate([prompt_mask_XxP, response_mask_XxN], axis=1)
+  dest_XxT = packing.destinations(valid_XxT, slot_X, offset_X, rows)
+  place = lambda v_XxT: packing.scatter(v_XxT, dest_XxT, rows)  # noqa: E731
+  tokens_XxT = jnp.concatenate([prompt_ids_XxP, response_ids_XxN], axis=1)
+  tokens_BxT = place(tokens_XxT.astype(jnp.int32))
+  positions_BxT = place(model.positions_from_mask(valid_XxT))
+  x, t = valid_XxT.shape
+  # row x's sequence is segment x + 1; 0 is padding
+  segments_BxT = place(jnp.broadcast_to(jnp.arange(1, x + 1, dtype=jnp.int32)[:, None], (x, t)))
+  hidden_BxTxD, lm_head, _ = model.forward(
+    graphdef, params, tokens_BxT, positions_BxT, segments_BxT
+  )
+  next_BxT = jnp.roll(tokens_BxT.reshape(-1), -1).reshape(rows, t)  # the last wraps: never read
+  values = fused(hidden_BxTxD, lm_head, next_BxT)
+  # A response token's predictor sits just before it; a masked token's index is out of range.
+  read_XxN = jnp.clip(dest_XxT[:, p:] - 1, 0, rows * t - 1)
+  mask = response_mask_XxN.astype(jnp.float32)
+  return tuple(jnp.take(v_BxT.reshape(-1), read_XxN, axis=0) * mask for v_BxT in values)
+
+
+def logp_responses_packed(
+  graphdef,
+  params,
+  prompt_ids_XxP,
+  prompt_mask_XxP,
+  response_ids_XxN,
+  response_mask_XxN,
+  slot_X,
+  offset_X,
+  rows: int,
+  tau,
+  chunk_size: int,
+):
+  """``logp_responses`` with the forward packed (``packed_token_values``): (logp_XxN, ent_XxN),
+  the same values up to rounding."""
+
+  def fused(hidden_BxTxD, lm_head, targets_BxT):
+    return fused_logprobs_entropy(hidden_BxTxD, lm_head, targets_BxT, tau, chunk_size=chunk_size)
+
+  rows_in = (prompt_ids_XxP, prompt_mask_XxP, response_ids_XxN, response_mask_XxN)
+  return packed_token_values(graphdef, params, *rows_in, slot_X, offset_X, rows, fused)
+
+
 def logp_responses_chunked(
   graphdef,
   params,
@@ -85,10 +153,19 @@ def logp_responses_chunked(
   tau,
   chunk_size: int,
   micro: int,
+  pack: Packing | None = None,
 ):
   """``logp_responses`` over ``micro`` strided row chunks in sequence (``lax.map``): the same
-  values, with the activation memory of R/micro rows (π_old rescoring of a whole step's rollouts)."""
+  values, with the activation memory of R/micro rows (π_old rescoring of a whole step's rollouts).
+  ``pack`` (``rl.packing.plan`` for one mini-batch of ``micro`` micro-batches) packs each chunk."""
   rows = (prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN, response_mask_RxN)
+  if pack is not None:
+    return _packed_by_micro_batches(
+      lambda chunk: logp_responses_packed(graphdef, params, *chunk, pack.rows, tau, chunk_size),
+      (*rows, pack.slot_R, pack.offset_R),
+      1,
+      micro,
+    )
   if micro == 1:
     return logp_responses(graphdef, params, *rows, tau, chunk_size)
   logp_MxXxN, ent_MxXxN = jax.lax.map(
@@ -184,27 +261,36 @@ class UpdateRows:
   informative_R: Array  # bool: the row's group has rewards not all equal
   ref_logp_RxN: Array | None = None  # f32 the KL reference's log-probs (``use_kl``)
   behaviour_w_RxN: Array | None = None  # f32 §9's w̃ (a ``behaviour_correction`` other than none)
+  # A packed forward (``rl.packing``): each row's buffer row and offset in its micro-batch's
+  # ``pack_rows`` packed buffers; None: the padded forward.
+  pack_slot_R: Array | None = None
+  pack_offset_R: Array | None = None
+  pack_rows: int = static_field(default=0)
 
 
-def _row_inputs(graphdef, cfg: LossConfig, batch: Rollouts, hp: LossHparams, ref_params):
+def _row_inputs(
+  graphdef, cfg: LossConfig, batch: Rollouts, hp: LossHparams, ref_params, pack: Packing | None
+):
   """Per-row inputs of the GRPO loss: advantages and informative flags over the whole batch
   (groups may straddle mini- and micro-batches), the KL reference's log-probs and §9's weights
-  (over the model's tokens: the loss mask, docs/algorithms.md §11)."""
+  (over the model's tokens: the loss mask, docs/algorithms.md §11), the packed layout if any."""
   adv_R = losses.group_advantages(
     batch.rewards_R, batch.group_ids_R, cfg.num_groups, scale_by_std=cfg.scale_by_std
   )
   ref_logp_RxN = None
-  if cfg.use_kl:
-    ref_logp_RxN, _ = logp_responses(
-      graphdef,
-      ref_params,
-      batch.prompt_ids_RxP,
-      batch.prompt_mask_RxP,
-      batch.tokens_RxN,
-      batch.mask_RxN,
-      hp.tau,
-      cfg.logprob_chunk,
+  rows = (batch.prompt_ids_RxP, batch.prompt_mask_RxP, batch.tokens_RxN, batch.mask_RxN)
+  if cfg.use_kl and pack is None:
+    ref_logp_RxN, _ = logp_responses(graphdef, ref_params, *rows, hp.tau, cfg.logprob_chunk)
+  elif cfg.use_kl:  # packed as the update packs them: micro-batch by micro-batch, in sequence
+    ref_logp_RxN = _packed_by_micro_batches(
+      lambda chunk: logp_responses_packed(
+        graphdef, ref_params, *chunk, pack.rows, hp.tau, cfg.logprob_chunk
+      )[0],
+      (*rows, pack.slot_R, pack.offset_R),
+      cfg.mini_batches,
+      cfg.micro_batches,
     )
+  if ref_logp_RxN is not None:
     ref_logp_RxN = jax.lax.stop_gradient(ref_logp_RxN)
   behaviour_w_RxN = None
   if cfg.behaviour_correction != "none":  # "none" leaves the objective exactly as it was
@@ -222,7 +308,25 @@ def _row_inputs(graphdef, cfg: LossConfig, batch: Rollouts, hp: LossHparams, ref
     informative_R=losses.informative_rollouts(batch.rewards_R, batch.group_ids_R, cfg.num_groups),
     ref_logp_RxN=ref_logp_RxN,
     behaviour_w_RxN=behaviour_w_RxN,
+    pack_slot_R=None if pack is None else pack.slot_R,
+    pack_offset_R=None if pack is None else pack.offset_R,
+    pack_rows=0 if pack is None else pack.rows,
   )
+
+
+def _packed_by_micro_batches(fn, rows, mini_batches: int, micro_batches: int):
+  """``fn(chunk)`` (a pytree of [X, ...]) over the micro-batches of ``rows`` (every mini-batch's,
+  ``_split_micro`` within ``_split_micro``), in sequence (``lax.map``), put back in row order: a
+  forward over the chunks ``rl.packing.plan`` packs for these mini- and micro-batches."""
+  m1, m2 = mini_batches, micro_batches
+  nested = jax.tree.map(jax.vmap(lambda x: _split_micro(x, m2)), _split_micro(rows, m1))
+  flat = jax.tree.map(lambda x: x.reshape(m1 * m2, *x.shape[2:]), nested)
+
+  def merge(out_CxXx):
+    out_M1xM2xXx = out_CxXx.reshape(m1, m2, *out_CxXx.shape[1:])
+    return _merge_micro(jax.vmap(_merge_micro)(out_M1xM2xXx))
+
+  return jax.tree.map(merge, jax.lax.map(fn, flat))
 
 
 def _behaviour_args(cfg: LossConfig, hp: LossHparams) -> dict:
@@ -253,7 +357,13 @@ def _micro_loss(graphdef, cfg: LossConfig, hp: LossHparams):
 
 
 def _forward(graphdef, cfg: LossConfig, hp: LossHparams, params, mb: UpdateRows):
-  """ℓ and H at τ of a micro-batch's response tokens under ``params``: (logp_RxN, ent_RxN)."""
+  """ℓ and H at τ of a micro-batch's response tokens under ``params``: (logp_RxN, ent_RxN), from
+  the packed forward when the rows carry a packed layout."""
+  if mb.pack_slot_R is not None:
+    return logp_responses_packed(
+      graphdef, params, mb.prompt_ids_RxP, mb.prompt_mask_RxP, mb.tokens_RxN, mb.mask_RxN,
+      mb.pack_slot_R, mb.pack_offset_R, mb.pack_rows, hp.tau, cfg.logprob_chunk,
+    )  # fmt: skip
   return logp_responses(
     graphdef,
     params,
@@ -304,6 +414,7 @@ def policy_grad(
   batch: Rollouts,
   hp: LossHparams,
   ref_params=None,
+  pack: Packing | None = None,
   *,
   trainable: lora.Trainable = "all",
 ):
@@ -313,7 +424,7 @@ def policy_grad(
   Nothing is updated."""
   if cfg.use_kl and ref_params is None:
     ref_params = lora.without_adapters(params)
-  rows = _row_inputs(graphdef, cfg, batch, hp, ref_params)
+  rows = _row_inputs(graphdef, cfg, batch, hp, ref_params, pack)
   grad_fn = _grad_of_part(_micro_loss(graphdef, cfg, hp), trainable)
   _, grads = _minibatch_grads(graphdef, cfg, hp, grad_fn, params, rows)
   return grads
@@ -327,6 +438,7 @@ def rl_update(
   batch: Rollouts,
   hp: LossHparams,
   ref_params=None,
+  pack: Packing | None = None,
   *,
   trainable: lora.Trainable = "all",
 ):
@@ -334,7 +446,9 @@ def rl_update(
   mini-batch of rows, each accumulating gradients over ``cfg.micro_batches`` micro-batches.
 
   ``trainable`` (``lora.Trainable``) says which params move; the KL reference is ``ref_params``,
-  or with LoRA and none given, the policy with its adapters switched off.
+  or with LoRA and none given, the policy with its adapters switched off. ``pack``
+  (``rl.packing.plan`` for these mini- and micro-batches) runs the update's forwards packed: the
+  same objective, one program per ``pack.rows``.
 
   Each mini-batch has its own loss denominator, and with DynaMO's modulation its own max Ξ and
   entropy range (``_modulation_stats``), computed before its micro-batches, so a micro-batch loss
@@ -346,7 +460,7 @@ def rl_update(
     raise ValueError("rl_update: LossConfig.num_groups must count the batch's groups (>= 1)")
   if cfg.use_kl and ref_params is None:
     ref_params = lora.without_adapters(state.params)
-  per_row = _row_inputs(graphdef, cfg, batch, hp, ref_params)
+  per_row = _row_inputs(graphdef, cfg, batch, hp, ref_params, pack)
   grad_fn = _grad_of_part(_micro_loss(graphdef, cfg, hp), trainable)
 
   def one_update(state, rows: UpdateRows):
@@ -430,6 +544,7 @@ def eepo_forget(
   response_mask_RxN,
   loss_mask_RxN,
   tau,
+  pack: Packing | None = None,
   *,
   lr: float,
   eps_l: float,
@@ -446,16 +561,26 @@ def eepo_forget(
   response token (``response_mask_RxN``), L only the model's own (``loss_mask_RxN``,
   docs/algorithms.md §11). ``micro`` > 1 accumulates L and ∇L over that many strided row chunks
   (``_split_micro``) in sequence, as ``rl_update``'s micro-batches: the same θ' with the
-  activation memory of R/micro rows. Returns (θ', L).
+  activation memory of R/micro rows. ``pack`` (``rl.packing.plan`` for one mini-batch of
+  ``micro`` micro-batches) runs the forward packed: the same L and θ' up to rounding.
+  Returns (θ', L).
   """
   rows = (prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN, response_mask_RxN, loss_mask_RxN)
+  if pack is not None:
+    rows += (pack.slot_R, pack.offset_R)
+
+  def fused(hidden_BxTxD, lm_head, targets_BxT):
+    return fused_log1m_p(hidden_BxTxD, lm_head, targets_BxT, tau, chunk_size=chunk)
 
   def objective(p, rows, weight):
-    prompt_ids, prompt_mask, response_ids, response_mask, loss_mask = rows
-    hidden_RxNxD, lm_head = response_hidden(
-      graphdef, p, prompt_ids, prompt_mask, response_ids, response_mask
-    )
-    logp, log1m_p = fused_log1m_p(hidden_RxNxD, lm_head, response_ids, tau, chunk_size=chunk)
+    prompt_ids, prompt_mask, response_ids, response_mask, loss_mask = rows[:5]
+    if pack is None:
+      hidden_RxNxD, lm_head = response_hidden(
+        graphdef, p, prompt_ids, prompt_mask, response_ids, response_mask
+      )
+      logp, log1m_p = fused(hidden_RxNxD, lm_head, response_ids)
+    else:
+      logp, log1m_p = packed_token_values(graphdef, p, *rows[:4], *rows[5:], pack.rows, fused)
     loss = losses.eepo_unlearning_loss_from_logp(logp, log1m_p, loss_mask, eps_l, eps_r, paper_clip)
     return weight * loss, None
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.parallel import distributed, sharding
-from jaxrl.rl import step
+from jaxrl.rl import packing, step
 from jaxrl.rl.programs import ForgetConfig, Programs
 from jaxrl.rollout import multiturn
 from jaxrl.rollout.engine import RolloutEngine
@@ -41,6 +41,8 @@ class Collector:
   logprob_chunk: int
   micro_batches: int  # loss.micro_batches: the rescoring's chunks are at most this many
   environment: object = None  # the run's Environment (multi-turn rollouts); None = single-turn
+  # loss.pack_buckets with loss.packing on: the rescoring's forward packs each chunk; 0: padded
+  pack_buckets: int = 0
 
   def sample(
     self,
@@ -117,10 +119,22 @@ class Collector:
   def logp(self, params, rollouts: Rollouts, tau):
     """(logp_RxN, entropy_RxN) at τ of the rollouts under ``params``."""
     batch, micro = self._rows(rollouts)
-    return self.programs.logp(self.logprob_chunk)(params, *batch, jnp.float32(tau), micro=micro)
+    pack = self._plan(rollouts, micro, self.pack_buckets)
+    return self.programs.logp(self.logprob_chunk)(
+      params, *batch, jnp.float32(tau), micro=micro, pack=pack
+    )
+
+  def _plan(self, rollouts: Rollouts, micro: int, buckets: int):
+    """The rows' packed layout over ``micro`` chunks (``buckets`` 0: None, padded), sharded as
+    the rows."""
+    if not buckets:
+      return None
+    pack = packing.plan(rollouts.prompt_mask_RxP, rollouts.mask_RxN, 1, micro, buckets)
+    return sharding.shard_batch(pack, self.programs.mesh)
 
   def forget(self, params, rollouts: Rollouts, tau, fc: ForgetConfig):
     """EEPO's (θ', unlearning loss) from the rollouts' rows: the forward reads every response
     token, the objective the model's own (the loss mask, docs/algorithms.md §11)."""
     batch, micro = self._rows(rollouts, rollouts.loss_mask_RxN)
-    return self.programs.forget(fc)(params, *batch, jnp.float32(tau), micro=micro)
+    pack = self._plan(rollouts, micro, fc.pack_buckets)
+    return self.programs.forget(fc)(params, *batch, jnp.float32(tau), pack, micro=micro)

@@ -26,6 +26,7 @@ from jaxrl.methods.controllers import ControllerStates, Methods
 from jaxrl.methods.phases import Phase, phase_at
 from jaxrl.nn import lora
 from jaxrl.parallel import distributed, sharding
+from jaxrl.rl import packing
 from jaxrl.rl.losses import LossHparams
 from jaxrl.rl.programs import Programs
 from jaxrl.rl.stats import init_stats, update_stats
@@ -429,8 +430,15 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
     # timed apart: the diagnostic is not the step's work (step_time leaves it out)
     measured["diagnostics_seconds"] = time.time() - started
   t2 = time.time()
+  pack = packing.for_update(rt.phase.cfg, rollouts)  # host: the lengths decide the layout
+  mesh, pack_metrics = ctx.programs.mesh, {}
+  if pack is not None:
+    loss = rt.phase.cfg.loss
+    chunks = loss.mini_batches * loss.micro_batches
+    pack_metrics = packing.metrics(pack, rollouts.prompt_mask_RxP, rollouts.mask_RxN, chunks)
+    pack = sharding.shard_batch(pack, mesh)
   train, update = rt.update(
-    loop.train, sharding.shard_batch(rollouts, ctx.programs.mesh), hp, ctx.ref_params
+    loop.train, sharding.shard_batch(rollouts, mesh), hp, ctx.ref_params, pack
   )
   t3 = clock.ready_at(train, update)  # the new params too: the optimizer's work ends the update
   update = distributed.to_host(update)
@@ -464,6 +472,7 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
       **got.metrics,
       "rollout_staleness": float(i - batch.issue.version),
       **records.update_rates(rollouts, t3 - t2),
+      **pack_metrics,
       **_mfu(ctx, batch.issue.phase, t3 - t2, rollouts),
       **measured,
     },

@@ -30,7 +30,7 @@ from jaxrl.methods.phases import run_phases
 from jaxrl.nn import arch, attention, lora, model, reward_model
 from jaxrl.nn.attention import block_size
 from jaxrl.parallel import sharding
-from jaxrl.rl import step
+from jaxrl.rl import packing, step
 from jaxrl.rl.losses import LossHparams
 from jaxrl.rl.programs import ForgetConfig, Programs, reference_copy
 from jaxrl.tasks.rewards.terms import model_dir, rows_per_forward
@@ -465,8 +465,24 @@ def lower_train_step(pc: Config, programs: Programs, params):
   )
   hp = jax.eval_shape(lambda: LossHparams.from_config(pc, pc.rollout.temperature, pc.loss.eps_high))
   ref = _shaped(params, state_sh.params) if reference_copy(pc) else None
-  batch = abstract_batch(pc, sharding.batch_sharding(programs.mesh))
-  return update.lower(state, batch, hp, ref)
+  rows_sh = sharding.batch_sharding(programs.mesh)
+  batch = abstract_batch(pc, rows_sh)
+  loss = pc.loss
+  pack = abstract_packing(pc, rows_sh, pc.num_rollouts, loss.mini_batches, loss.micro_batches)
+  return update.lower(state, batch, hp, ref, pack)
+
+
+def abstract_packing(
+  pc: Config, rows_sharding, rows: int, mini_batches: int, micro_batches: int
+) -> packing.Packing | None:
+  """With ``loss.packing``, the packed layout of ``rows`` rows with the most buffer rows (one per
+  sequence: every sequence as long as the budget), so the plan sizes the largest packed buffers
+  a program meets; None for a padded one."""
+  if not pc.loss.packing:
+    return None
+  largest = packing.largest(rows, mini_batches, micro_batches)
+  sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows_sharding)  # noqa: E731
+  return dataclasses.replace(largest, slot_R=sds(largest.slot_R), offset_R=sds(largest.offset_R))
 
 
 def compile_train_step(pc: Config, programs: Programs, params) -> Compiled:
@@ -555,9 +571,12 @@ def compile_rescoring(pc: Config, programs: Programs, params) -> Compiled:
     batch.mask_RxN,
   )
   micro = step.sequential_chunks(pc.num_rollouts, pc.loss.micro_batches)
+  pack = abstract_packing(pc, batch.prompt_ids_RxP.sharding, pc.num_rollouts, 1, micro)
   return _analyse(
     "pi_old rescoring (logp_responses_chunked)",
-    lambda: score.lower(_shaped(params, programs.param_shardings), *rows, tau, micro=micro),
+    lambda: score.lower(
+      _shaped(params, programs.param_shardings), *rows, tau, micro=micro, pack=pack
+    ),
   )
 
 
@@ -580,10 +599,11 @@ def compile_forget(pc: Config, programs: Programs, params) -> Compiled:
     batch.loss_mask_RxN,
   )
   micro = step.sequential_chunks(half, pc.loss.micro_batches)
+  pack = abstract_packing(pc, batch.prompt_ids_RxP.sharding, half, 1, micro)
   return _analyse(
     "EEPO forgetting step (eepo_forget)",
     lambda: forget.lower(
-      _shaped(params, programs.param_shardings), *map(rows, stage1), tau, micro=micro
+      _shaped(params, programs.param_shardings), *map(rows, stage1), tau, pack, micro=micro
     ),
   )
 

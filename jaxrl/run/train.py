@@ -141,7 +141,12 @@ class Trainer:
       engine = task_engine(cfg, graphdef, model_cfg, task, workdir)
       started.callback(engine.close)
       collector = Collector(
-        engine, programs, cfg.loss.logprob_chunk, cfg.loss.micro_batches, task.environment
+        engine,
+        programs,
+        cfg.loss.logprob_chunk,
+        cfg.loss.micro_batches,
+        task.environment,
+        cfg.loss.pack_buckets if cfg.loss.packing else 0,
       )
       compiles = compile_counter(
         multiturn=task.environment is not None
