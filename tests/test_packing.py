@@ -377,3 +377,5 @@ def test_the_loop_packs_the_update_when_the_switch_is_on(tmp_path, packed):
     return
   per_micro = cfg.num_rollouts // (cfg.loss.mini_batches * cfg.loss.micro_batches)
   assert 1 <= row["train_pack_rows"] <= per_micro and 0 < row["train_pack_fill"] <= 1
+  # the raw throughput counts the packed buffers' positions: their share of tokens is the fill
+  assert row["train_tok_s"] / row["train_raw_tok_s"] == pytest.approx(row["train_pack_fill"])

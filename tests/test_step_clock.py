@@ -34,4 +34,4 @@ def test_the_rollout_and_the_update_are_timed_when_their_arrays_are_ready(tmp_pa
   assert isinstance(state, TrainState) and "loss" in metrics
   assert row["rollout_seconds"] > 0 and row["update_seconds"] > 0
   # throughputs over the tokens that are not padding, and over every position processed
-  assert 0 < row["train_tok_s"] < row["train_raw_tok_s"]
+  assert 0 < row["train_tok_s"] <= row["train_raw_tok_s"]

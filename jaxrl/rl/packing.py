@@ -122,8 +122,7 @@ def for_update(cfg: Config, batch: Rollouts) -> Packing | None:
 def metrics(pack: Packing, prompt_mask_RxP, mask_RxN, micro_batches_in_all: int) -> dict:
   """What packing did to a step's update of ``micro_batches_in_all`` micro-batches (over all its
   mini-batches): the buffer rows of each (``train_pack_rows``) and the share of the buffers'
-  positions that hold a token (``train_pack_fill``; the padded rows' share is
-  ``train_tok_s / train_raw_tok_s``)."""
+  positions that hold a token (``train_pack_fill``)."""
   t = np.shape(prompt_mask_RxP)[1] + np.shape(mask_RxN)[1]
   used = float(np.sum(sequence_lengths(prompt_mask_RxP, mask_RxN)))
   return {

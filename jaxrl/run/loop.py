@@ -401,58 +401,87 @@ def _dynamic_arrival(ctx: StepContext, batch, rounds, stats, verified, ended) ->
 
 
 def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]:
-  """RL step ``i`` (0-based): the next loop state and the step's metrics row."""
+  """RL step ``i`` (0-based): the next loop state and the step's metrics row.
+
+  Take the step's batch (issuing the batches due) → score it (rewards, the questions'
+  statistics) → measure it (H_t, the clip, diagnostics) → update θ → advance the controllers →
+  record the step."""
   t0 = time.time()
-  loop = _issue_due(ctx, loop, i)
-  batch = loop.pending[0].result()
-  assert batch.issue.step == i, (batch.issue.step, i)
-  loop = dataclasses.replace(loop, pending=loop.pending[1:])
+  loop, batch = _take(ctx, loop, i)
   t1 = time.time()
-  c, rt = ctx.cfg, ctx.runtime(batch.issue.phase)
-  methods, ctl, tau = rt.methods, loop.controllers, batch.issue.tau
   loop, got = _arrive(ctx, loop, batch, i)
+  rt, tau = ctx.runtime(batch.issue.phase), batch.issue.tau
   rollouts = got.rollouts
   if not batch.issue.fresh:  # sampled by older params: ℓ_prox and entropies under θ_i (§9)
     rollouts = ctx.collector.anchor(loop.train.params, rollouts, tau)
   # Entropy of the rollouts at τ under the params the update starts from: E3's H_t and the clip
   # controller's measured entropy, known before this step's update (over the model's tokens, §11).
   h_t = token_mean_entropy(rollouts)
-  clip_state = methods.update_clip(ctl.clip, h_t)
-  hp = LossHparams.from_config(c, tau, methods.clip.current(clip_state))
-  measured = {}
-  if diagnostics.grad_variance_due(c, i):  # before the update, which donates θ_i
-    started = time.time()
-    for pending in loop.pending:  # the engine serves one caller: let the thread finish
-      pending.generated(wait=True)
-    measured["dynamo_grad_var_ratio"] = diagnostics.grad_variance_ratio(
-      ctx, batch.issue, loop.train.params, hp, i, lambda q, r: _verify(ctx, q, r)
-    )
-    # timed apart: the diagnostic is not the step's work (step_time leaves it out)
-    measured["diagnostics_seconds"] = time.time() - started
+  clip_state = rt.methods.update_clip(loop.controllers.clip, h_t)
+  hp = LossHparams.from_config(ctx.cfg, tau, rt.methods.clip.current(clip_state))
+  measured = _diagnose(ctx, loop, batch, hp, i)  # before the update, which donates θ_i
   t2 = time.time()
-  pack = packing.for_update(rt.phase.cfg, rollouts)  # host: the lengths decide the layout
-  mesh, pack_metrics = ctx.programs.mesh, {}
-  if pack is not None:
-    loss = rt.phase.cfg.loss
-    chunks = loss.mini_batches * loss.micro_batches
-    pack_metrics = packing.metrics(pack, rollouts.prompt_mask_RxP, rollouts.mask_RxN, chunks)
-    pack = sharding.shard_batch(pack, mesh)
-  train, update = rt.update(
-    loop.train, sharding.shard_batch(rollouts, mesh), hp, ctx.ref_params, pack
-  )
+  train, update, packed = _update(ctx, rt, loop.train, rollouts, hp)
   t3 = clock.ready_at(train, update)  # the new params too: the optimizer's work ends the update
   update = distributed.to_host(update)
   ctl = dataclasses.replace(
-    ctl,
-    temperature=methods.update_temperature(ctl.temperature, h_t),
+    loop.controllers,
+    temperature=rt.methods.update_temperature(loop.controllers.temperature, h_t),
     clip=clip_state,
     gate=batch.gate,
   )
   for epoch in got.epochs_ended:  # a pass over the data ended: E3 re-ranks
-    ctl = dataclasses.replace(ctl, alloc=methods.on_epoch_end(ctl.alloc, got.stats, epoch))
-  # The rows of the step's questions (not padding, not set aside) are what its metrics describe.
+    ctl = dataclasses.replace(ctl, alloc=rt.methods.on_epoch_end(ctl.alloc, got.stats, epoch))
+  times, measured = (t0, t1, t2, t3), {**measured, **packed}
+  record = _record(ctx, loop, batch, got, rollouts, update, hp, h_t, ctl, times, measured, i)
+  return dataclasses.replace(loop, train=train, stats=got.stats, controllers=ctl), record
+
+
+def _take(ctx: StepContext, loop: LoopState, i: int):
+  """Issue the batches due, then wait for step ``i``'s: the loop without it, and the batch."""
+  loop = _issue_due(ctx, loop, i)
+  batch = loop.pending[0].result()
+  assert batch.issue.step == i, (batch.issue.step, i)
+  return dataclasses.replace(loop, pending=loop.pending[1:]), batch
+
+
+def _diagnose(ctx: StepContext, loop: LoopState, batch, hp, i: int) -> dict:
+  """The step's diagnostics (DynaMO's gradient-variance ratio when due), timed apart: they are
+  not the step's work (``step_time`` leaves ``diagnostics_seconds`` out)."""
+  if not diagnostics.grad_variance_due(ctx.cfg, i):
+    return {}
+  started = time.time()
+  for pending in loop.pending:  # the engine serves one caller: let the thread finish
+    pending.generated(wait=True)
+  ratio = diagnostics.grad_variance_ratio(
+    ctx, batch.issue, loop.train.params, hp, i, lambda q, r: _verify(ctx, q, r)
+  )
+  return {"dynamo_grad_var_ratio": ratio, "diagnostics_seconds": time.time() - started}
+
+
+def _update(ctx: StepContext, rt: PhaseRuntime, train: TrainState, rollouts, hp):
+  """The train step on the rollouts, packed when ``loss.packing`` is on (the lengths, read on the
+  host, decide the layout): the new train state, its metrics, and the throughputs and what packing
+  did, over the positions the update processed."""
+  pack = packing.for_update(rt.phase.cfg, rollouts)
+  mesh, positions, pack_metrics = ctx.programs.mesh, None, {}
+  if pack is not None:
+    loss = rt.phase.cfg.loss
+    chunks = loss.mini_batches * loss.micro_batches
+    pack_metrics = packing.metrics(pack, rollouts.prompt_mask_RxP, rollouts.mask_RxN, chunks)
+    positions = chunks * pack.rows * (rollouts.prompt_ids_RxP.shape[1] + rollouts.mask_RxN.shape[1])
+    pack = sharding.shard_batch(pack, mesh)
+  train, update = rt.update(train, sharding.shard_batch(rollouts, mesh), hp, ctx.ref_params, pack)
+  return train, update, {"_positions": positions, **pack_metrics}
+
+
+def _record(ctx: StepContext, loop, batch, got, rollouts, update, hp, h_t, ctl, times, measured, i):
+  """The step's metrics row (and its text samples), of the rows of the step's questions: not
+  padding, not set aside."""
+  c, methods, tau = ctx.cfg, ctx.runtime(batch.issue.phase).methods, batch.issue.tau
   in_group_R = np.asarray(rollouts.group_ids_R) < c.batch_questions
   real = jax.tree.map(lambda x: np.asarray(x)[in_group_R], rollouts)
+  update_s = times[3] - times[2]
   record = records.step_record(
     update=update,
     rollouts=real,
@@ -464,16 +493,15 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
       **records.paper_metrics_row(methods, ctl, h_t),
     },
     counts_B=batch.issue.counts_B,
-    times=(t0, t1, t2, t3),
+    times=times,
     context=_context(ctx, ctx.runtime(loop.phase), loop.cursor),
     verified=term_means(got.verified),
     extra={
       **batch.metrics,
       **got.metrics,
       "rollout_staleness": float(i - batch.issue.version),
-      **records.update_rates(rollouts, t3 - t2),
-      **pack_metrics,
-      **_mfu(ctx, batch.issue.phase, t3 - t2, rollouts),
+      **records.update_rates(rollouts, update_s, measured.pop("_positions")),
+      **_mfu(ctx, batch.issue.phase, update_s, rollouts),
       **measured,
     },
   )
@@ -481,7 +509,7 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
   record["samples"] = records.sample_rows(
     ctx.task, real, got.qids_B, got.counts_B, tau, c.log.samples_per_step
   )
-  return dataclasses.replace(loop, train=train, stats=got.stats, controllers=ctl), record
+  return record
 
 
 def _mfu(ctx: StepContext, phase: int, seconds: float, rollouts) -> dict:

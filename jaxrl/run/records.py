@@ -37,11 +37,12 @@ def useful_and_raw_tokens(rollouts) -> tuple[float, float]:
   return useful, float(prompt_RxP.size + mask_RxN.size)
 
 
-def update_rates(rollouts, seconds: float) -> dict:
+def update_rates(rollouts, seconds: float, positions: int | None = None) -> dict:
   """The update's throughputs over every row it processed: of the tokens that are not padding
-  (``train_tok_s``: prompts' and responses') and of every position its ``[R, P + N]`` rows hold
-  (``train_raw_tok_s``)."""
+  (``train_tok_s``: prompts' and responses') and of every position it processed
+  (``train_raw_tok_s``): its packed buffers' ``positions``, or (None) its ``[R, P + N]`` rows."""
   useful, raw = useful_and_raw_tokens(rollouts)
+  raw = raw if positions is None else float(positions)
   seconds = max(seconds, 1e-9)
   return {"train_tok_s": useful / seconds, "train_raw_tok_s": raw / seconds}
 
