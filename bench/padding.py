@@ -20,8 +20,7 @@ tokenizer).
 
 ``--part update``: one GRPO update of R rows whose response masks follow ``--lengths``: jaxrl with
 ``loss.packing`` on (``packed``) and off (``padded``: every row N wide), and the PyTorch update as
-TRL runs it (``torch``: rows padded to the batch's longest response). It says it skipped while the
-config has no ``loss.packing``.
+TRL runs it (``torch``: rows padded to the batch's longest response).
 
     PYTHONPATH=. .venv/bin/python bench/padding.py --part sampler --size 5m --new-tokens 512
     PYTHONPATH=. .venv/bin/python bench/padding.py --part update --size 5m --new-tokens 2048
@@ -36,7 +35,6 @@ the cores.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -208,13 +206,6 @@ def _sampler_worker(args):
 # The update part.
 
 
-def packing_exists() -> bool:
-  """Whether the update has a ``loss.packing`` switch (the packed update has landed)."""
-  from jaxrl.config import LossConfig
-
-  return "packing" in {f.name for f in dataclasses.fields(LossConfig)}
-
-
 def update_fn(args, packing: bool | None):
   """One update on R rows whose masks follow ``args.lengths``: jaxrl's with ``loss.packing`` =
   ``packing``, or (None) the PyTorch peer's, rows padded to the batch's longest response."""
@@ -256,9 +247,6 @@ def measure(args, argv) -> dict:
     "repeats": args.repeats, "machine": side_by_side.machine(),
   }  # fmt: skip
   if args.part == "update":
-    if not packing_exists():
-      out["skipped"] = "loss.packing does not exist yet: the packed update has not landed"
-      return out
     sides = tuple(s for s in UPDATE_SIDES if s not in args.without)
   else:
     N = args.new_tokens
@@ -305,9 +293,6 @@ def show(result: dict) -> None:
     f"{r['part']}: {r['size']}, {r['rows']} rows, {r['prompt_len']}-token prompts, N = "
     f"{r['new_tokens']}, {r['lengths']} lengths, median of {r['repeats']}"
   )
-  if "skipped" in r:
-    print(f"  skipped: {r['skipped']}")
-    return
   for kind, w in r.get("waste", {}).items():
     print(
       f"  {kind}: mean length {w['mean_len']:.0f}; decode row-steps on finished rows "
@@ -346,10 +331,6 @@ def report(path: str) -> str:
     "|---|---|---|---|---|---|---|---|---|---|",
   ]
   for (part, size, n, kind), r in sorted(points.items()):
-    if "skipped" in r:
-      lines.append(f"| {part} | {size} | {n} | {r['rows']} | {kind} | | skipped: {r['skipped']} "
-                   f"| | {r['machine']} | {r.get('commit', '')} |")  # fmt: skip
-      continue
     share = "; ".join(
       f"{name} (mean {w['mean_len']:.0f}) {100 * w['padded']:.0f}% → {100 * w['compact']:.0f}%"
       for name, w in r.get("waste", {}).items()

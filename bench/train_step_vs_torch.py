@@ -91,17 +91,21 @@ def batch_arrays(
   )
 
 
-def jaxrl_update_fn(graphdef, params, b: dict, response_len: int, **loss_fields):
+def jaxrl_update_fn(
+  graphdef, params, b: dict, response_len: int, packing: bool = False, **loss_fields
+):
   """A call that runs one GRPO update of the trainer's own program (``Programs.update``: AdamW at
   lr 1e-6, grad-norm clip 1) on the batch ``b`` (``batch_arrays``) and waits for it; the train
-  state (built from ``params``) lives in the closure and is donated step to step.
+  state (built from ``params``) lives in the closure and is donated step to step. ``packing``:
+  the update packed as the trainer packs it (``loss.packing``), else on the padded rows.
   ``loss_fields`` set more ``LossConfig`` fields."""
   import jax
   import numpy as np
 
-  from jaxrl.config import LossConfig
+  from jaxrl.config import LossConfig, LossSection
   from jaxrl.parallel import sharding
   from jaxrl.rl import optim
+  from jaxrl.rl import packing as packing_lib
   from jaxrl.rl.losses import LossHparams
   from jaxrl.rl.programs import Programs
   from jaxrl.types import Rollouts
@@ -124,20 +128,24 @@ def jaxrl_update_fn(graphdef, params, b: dict, response_len: int, **loss_fields)
     prox_logp_RxN=b["old_logp_RxN"],
     rewards_R=b["rewards_R"],
   )
-  batch = sharding.shard_batch(batch, mesh)
-  update = programs.update(
-    LossConfig(
-      num_groups=b["num_groups"],
-      max_response_len=response_len,
-      informative_only=False,
-      **loss_fields,
-    )
+  loss_cfg = LossConfig(
+    num_groups=b["num_groups"],
+    max_response_len=response_len,
+    informative_only=False,
+    **loss_fields,
   )
+  pack = None
+  if packing:  # the layout the trainer's loop plans on the host (rl/packing.py), default buckets
+    mini, micro, buckets = loss_cfg.mini_batches, loss_cfg.micro_batches, LossSection.pack_buckets
+    pack = packing_lib.plan(batch.prompt_mask_RxP, batch.mask_RxN, mini, micro, buckets)
+    pack = sharding.shard_batch(pack, mesh)
+  batch = sharding.shard_batch(batch, mesh)
+  update = programs.update(loss_cfg)
   hp = LossHparams.create(tau=1.0)
 
   def one():
     nonlocal state
-    state, metrics = update(state, batch, hp, None)
+    state, metrics = update(state, batch, hp, None, pack)
     jax.block_until_ready((state, metrics))
 
   return one
