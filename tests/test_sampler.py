@@ -18,37 +18,22 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jaxpr_helpers import output_shapes  # noqa: E402
 from rounding import U, chain_terms, entropy_atol, logp_atol  # noqa: E402
+from sampler_fixtures import (  # noqa: E402
+  CFG,
+  EOS,
+  PAD,
+  full_logits,
+  left_pad,
+  teacher_forced_logits,
+)
 
 from jaxrl.nn import model  # noqa: E402
 from jaxrl.rollout import sampler  # noqa: E402
 from jaxrl.run.compiles import CompileCounter  # noqa: E402
 
-PAD, EOS = 0, 1
-# A small vocabulary so that EOS is sampled often (per-row stops happen within N tokens).
-CFG = model.ModelConfig(
-  vocab_size=16,
-  hidden_size=32,
-  intermediate_size=64,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=8,
-  rope_theta=1e6,
-  tie_embeddings=False,
-)
 # Three prompts of different lengths (7, 3, 5), left-padded to P = 7.
 PROMPTS = [[5, 9, 12, 3, 7, 11, 4], [7, 3, 10], [14, 8, 8, 6, 2]]
 P, N = 7, 10
-
-
-def _left_pad(prompts, p):
-  ids = np.full((len(prompts), p), PAD, np.int32)
-  for i, row in enumerate(prompts):
-    ids[i, p - len(row) :] = row
-  mask = np.zeros_like(ids, bool)
-  for i, row in enumerate(prompts):
-    mask[i, p - len(row) :] = True
-  return ids, mask
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +57,7 @@ def _gen(
   greedy=False,
 ):
   graphdef, params = tiny
-  ids, mask = _left_pad(prompts, p)
+  ids, mask = left_pad(prompts, p)
   return sampler.generate(
     graphdef,
     params,
@@ -96,35 +81,17 @@ def _np_log_softmax(z):
   return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
 
-@jax.jit
-def _full_logits(graphdef, params, ids_BxT, mask_BxT):
-  """The training forward (no cache) over a whole padded sequence, as [B, T, V] logits."""
-  hidden, lm_head, _ = model.forward(
-    graphdef, params, ids_BxT, model.positions_from_mask(mask_BxT), mask_BxT
-  )
-  return hidden @ lm_head.T
-
-
-def _teacher_forced_logits(tiny, out):
-  """Float64 logits predicting each response token: one no-cache forward, prompt ++ response."""
-  ids = jnp.concatenate([out.prompt_ids_RxP, out.tokens_RxN], axis=1)
-  mask = jnp.concatenate([out.prompt_mask_RxP, out.mask_RxN], axis=1)
-  logits = np.asarray(_full_logits(*tiny, ids, mask), np.float64)
-  p = out.prompt_ids_RxP.shape[1]
-  return logits[:, p - 1 : -1]
-
-
 @pytest.mark.parametrize("tau", [0.7, 1.3])
 def test_logp_and_entropy_equal_training_forward(tiny, tau):
   out = _gen(tiny, [2, 1, 3], key=1, tau=tau)  # a key whose draws stop some rows early at both τ
-  logp_ref = _np_log_softmax(_teacher_forced_logits(tiny, out) / tau)
+  logp_ref = _np_log_softmax(teacher_forced_logits(tiny, out) / tau)
   tokens = np.asarray(out.tokens_RxN)
   mask = np.asarray(out.mask_RxN)
   want_logp = np.take_along_axis(logp_ref, tokens[..., None], -1)[..., 0]
   want_entropy = -(np.exp(logp_ref) * logp_ref).sum(-1)
   # Two float32 forwards (the cached decode, the training forward) of the same sums in other
   # orders, over P + N slots; the reference's log-softmax runs in float64 (tests/rounding.py).
-  z_scale = float(np.max(np.abs(_teacher_forced_logits(tiny, out)[mask]))) / tau
+  z_scale = float(np.max(np.abs(teacher_forced_logits(tiny, out)[mask]))) / tau
   np.testing.assert_allclose(
     np.asarray(out.behaviour_logp_RxN)[mask],
     want_logp[mask],
@@ -163,7 +130,7 @@ def test_decode_segments_equal_one_loop(tiny, monkeypatch):
   np.testing.assert_array_equal(segmented.tokens_RxN, one_loop.tokens_RxN)
   # float32: the softmax sums over fewer (masked, exactly 0) slots in another order, and the
   # rounding of that passes on: two forwards over P + n slots (tests/rounding.py).
-  logits = _teacher_forced_logits(tiny, segmented)
+  logits = teacher_forced_logits(tiny, segmented)
   z_scale = float(np.max(np.abs(logits)))
   for got, want, atol in [
     (segmented.behaviour_logp_RxN, one_loop.behaviour_logp_RxN, logp_atol(CFG, P + n, z_scale)),
@@ -221,7 +188,7 @@ def test_no_recompilation_when_counts_temperature_or_top_p_change(tiny):
 def test_rows_follow_each_questions_own_count(tiny):
   counts = [0, 4, 2]
   out = _gen(tiny, counts, tau=0.9)
-  ids, mask = _left_pad(PROMPTS, P)
+  ids, mask = left_pad(PROMPTS, P)
   want_groups = [i for i, c in enumerate(counts) for _ in range(c)]
   np.testing.assert_array_equal(out.group_ids_R, want_groups)
   np.testing.assert_array_equal(out.prompt_ids_RxP, ids[want_groups])
@@ -252,7 +219,7 @@ def test_each_prompt_is_prefilled_once(scan):
   forward, and the values of a prefill of the R rows up to the rounding of reordered sums."""
   cfg = dataclasses.replace(CFG, scan_layers=scan)
   graphdef, params = model.create(cfg, seed=0)
-  ids, mask = _left_pad(PROMPTS, P)
+  ids, mask = left_pad(PROMPTS, P)
   counts = np.array([0, 4, 2], np.int32)
   rows = [i for i, c in enumerate(counts) for _ in range(c)]
   R = len(rows)
@@ -320,7 +287,7 @@ def test_tiny_top_p_is_greedy(tiny):
   nucleus = _gen(tiny, [2, 1, 3], key=9, tau=1.0, top_p=1e-6)
   greedy = _gen(tiny, [2, 1, 3], tau=1.0, greedy=True)
   # Two sampler programs (their forwards may sum in other orders): each choice must be decided.
-  logits = _teacher_forced_logits(tiny, greedy)
+  logits = teacher_forced_logits(tiny, greedy)
   gap = 2 * chain_terms(CFG, P + N) * U * float(np.max(np.abs(logits)))
   _assert_argmax_is_decided(logits, greedy.mask_RxN, gap)
   np.testing.assert_array_equal(nucleus.tokens_RxN, greedy.tokens_RxN)
@@ -349,7 +316,7 @@ def test_behaviour_logp_is_the_truncated_renormalised_softmax(tiny, tau, top_p, 
   renormalised, at the sampled token (what vLLM's processed log-probs are); ℓ (``prox_logp_RxN``)
   is that of the full softmax(z/τ), the trainer's ℓ_prox for an on-policy batch."""
   out = _gen(tiny, [2, 1, 3], key=key, tau=tau, top_p=top_p)
-  logits = _teacher_forced_logits(tiny, out)
+  logits = teacher_forced_logits(tiny, out)
   tokens, mask = np.asarray(out.tokens_RxN), np.asarray(out.mask_RxN)
   z_scale = float(np.max(np.abs(logits[mask]))) / tau
   # Whether a token is in the nucleus must not hang on rounding (as in the one-step test: two
@@ -395,8 +362,8 @@ def _chi2_upper(df, z=3.719):
 def test_one_step_samples_follow_softmax_at_tau(tiny):
   rows, tau = 20_000, 0.7
   prompt = [[5, 9, 12, 3]]
-  ids, mask = _left_pad(prompt, 4)
-  z = np.asarray(_full_logits(*tiny, ids, mask)[0, -1], np.float64)
+  ids, mask = left_pad(prompt, 4)
+  z = np.asarray(full_logits(*tiny, ids, mask)[0, -1], np.float64)
   probs = np.exp(_np_log_softmax(z / tau))
   wrong_tau = np.exp(_np_log_softmax(z / 0.8))
   # The sampler's logits (a cached prefill) and these (the training forward) are two forwards: a
@@ -502,7 +469,7 @@ def test_greedy_equals_hf_generate(tmp_path):
   path = hf_fixtures.make_tiny_hf("qwen2", False, tmp_path / "qwen2")
   cfg, graphdef, params = hf.load_hf_checkpoint(path)
   prompts = [[15, 99, 3, 42, 7, 120], [61, 8, 150]]
-  ids, mask = _left_pad(prompts, 6)
+  ids, mask = left_pad(prompts, 6)
   new, eos = 12, cfg.vocab_size - 1
   out = sampler.generate(
     graphdef,
@@ -535,7 +502,7 @@ def test_greedy_equals_hf_generate(tmp_path):
   hf_tokens = np.pad(hf_tokens, ((0, 0), (0, new - hf_tokens.shape[1])), constant_values=PAD)
   # Two frameworks' forwards, each summing in its own CPU kernels' order: each choice must be
   # decided by more than their logits' gap (two float32 forwards, tests/rounding.py).
-  logits = _teacher_forced_logits((graphdef, params), out)
+  logits = teacher_forced_logits((graphdef, params), out)
   gap = 2 * chain_terms(cfg, ids.shape[1] + new) * U * float(np.max(np.abs(logits)))
   _assert_argmax_is_decided(logits, out.mask_RxN, gap)
   np.testing.assert_array_equal(np.asarray(out.tokens_RxN), hf_tokens)

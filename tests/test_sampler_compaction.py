@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from rounding import entropy_atol, logp_atol
 from run_helpers import run_steps, step_context, tiny_config
-from test_sampler import CFG, EOS, PAD, _left_pad, _teacher_forced_logits
+from sampler_fixtures import CFG, EOS, PAD, left_pad, teacher_forced_logits
 
 from jaxrl.config import ConfigError
 from jaxrl.nn import model
@@ -31,7 +31,7 @@ def tiny():
 
 
 def _request(n, key, top_p, **kw):
-  ids, mask = _left_pad(PROMPTS, P)
+  ids, mask = left_pad(PROMPTS, P)
   return (ids, mask, np.asarray(COUNTS), jax.random.key(key), 1.0, top_p), dict(
     num_rollouts=sum(COUNTS), max_new_tokens=n, eos_id=EOS, pad_id=PAD, model_cfg=CFG, **kw
   )
@@ -57,7 +57,7 @@ def test_compacted_rollouts_equal_the_full_batchs(tiny, top_p):
   for field in ("prompt_ids_RxP", "prompt_mask_RxP", "group_ids_R"):
     np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
   # The same sums over batches of other sizes: XLA's CPU products add them in other orders.
-  z_scale = float(np.max(np.abs(_teacher_forced_logits(tiny, want)[want.mask_RxN])))
+  z_scale = float(np.max(np.abs(teacher_forced_logits(tiny, want)[want.mask_RxN])))
   for field in ("behaviour_logp_RxN", "prox_logp_RxN"):
     np.testing.assert_allclose(
       getattr(got, field), getattr(want, field), atol=logp_atol(CFG, P + n, z_scale), rtol=0

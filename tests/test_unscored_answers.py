@@ -36,9 +36,9 @@ def test_unscored_answers_are_set_aside_from_the_update_and_the_statistics(tmp_p
   trained = {}
   update = ctx.runtime(0).update
 
-  def spy(state, batch, hp, ref):  # the rollouts the update is given
+  def spy(state, batch, hp, ref, pack):  # the rollouts the update is given (and their layout)
     trained["batch"] = jax.tree.map(np.asarray, batch)
-    return update(state, batch, hp, ref)
+    return update(state, batch, hp, ref, pack)
 
   ctx._runtimes[0] = dataclasses.replace(ctx.runtime(0), update=spy)
   try:
