@@ -426,12 +426,13 @@ def _golden_update() -> dict:
 
 
 def _greedy_vs_hf(tmp: str) -> dict:
-  """tests/test_sampler.py's greedy check with transformers on this device: the same tokens,
-  where every choice is decided by more than two float32 forwards' rounding."""
+  """tests/test_sampler.py's greedy check (its fixtures: tests/sampler_fixtures.py) with
+  transformers on this device: the same tokens, where every choice is decided by more than two
+  float32 forwards' rounding."""
   import hf_fixtures
   import jax
   import numpy as np
-  import test_sampler as ts
+  import sampler_fixtures as ts
   import torch
   import transformers
   from rounding import U, chain_terms
@@ -441,7 +442,7 @@ def _greedy_vs_hf(tmp: str) -> dict:
 
   path = hf_fixtures.make_tiny_hf("qwen2", False, os.path.join(tmp, "qwen2-greedy"))
   cfg, graphdef, params = hf.load_hf_checkpoint(path)
-  ids, mask = ts._left_pad([[15, 99, 3, 42, 7, 120], [61, 8, 150]], 6)
+  ids, mask = ts.left_pad([[15, 99, 3, 42, 7, 120], [61, 8, 150]], 6)
   new, eos = 12, cfg.vocab_size - 1
   out = sampler.generate(
     graphdef, params, ids, mask, np.array([1, 1]), jax.random.key(0), 1.0, 1.0,
@@ -457,7 +458,7 @@ def _greedy_vs_hf(tmp: str) -> dict:
     )  # fmt: skip
   hf_tokens = hf_out[:, ids.shape[1] :].cpu().numpy()
   hf_tokens = np.pad(hf_tokens, ((0, 0), (0, new - hf_tokens.shape[1])), constant_values=ts.PAD)
-  logits = ts._teacher_forced_logits((graphdef, params), out)
+  logits = ts.teacher_forced_logits((graphdef, params), out)
   gap = 2 * chain_terms(cfg, ids.shape[1] + new) * U * float(np.max(np.abs(logits)))
   top2 = np.sort(logits, axis=-1)[..., -2:][np.asarray(out.mask_RxN, bool)]
   lead = float(np.min(top2[:, 1] - top2[:, 0]))
