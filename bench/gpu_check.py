@@ -1,6 +1,6 @@
 """One command for a GPU host: jaxrl's correctness, speed against PyTorch and memory there.
 
-    python bench/gpu_check.py               # environment + stages 1-5 -> bench/results/gpu.{jsonl,md}
+    python bench/gpu_check.py               # environment + stages 1-5, 7 -> bench/results/gpu.{jsonl,md}
     python bench/gpu_check.py --stages 6    # the 7B LoRA step against --plan, a command of its own
     python bench/gpu_check.py --smoke       # every stage at tiny shapes on CPU, into a temp dir
     make gpu-check PY=python3               # the first line, with the host's Python
@@ -21,7 +21,11 @@ measured bfloat16 matmul peak and copy bandwidth: the references of stages 3 and
      (64 + 512) tokens, with the decode's achieved memory bandwidth against the measured copy one;
   5. the fused log-prob + entropy at V = 151,936 against the naive [B, T, V] one (time, XLA temp);
   6. ``--plan`` of ``configs/qwen7b.py:lora`` against a real update: random bfloat16 7B weights
-     with LoRA, 1 x (64 + 1,024) tokens per micro-batch, the measured peak beside the plan's.
+     with LoRA, 1 x (64 + 1,024) tokens per micro-batch, the measured peak beside the plan's;
+  7. the packed update (``loss.packing``) against the padded one and the PyTorch update padded to
+     the batch's longest row, at 0.5B, 16 x (64 + 2,048) tokens with log-normal response lengths
+     (mean 25% of the budget: ``bench/padding.py``'s): useful tokens/s and ratios. Stage 1 checks
+     the segment-masked attention it runs on this device (cuDNN where the device has it).
 
 Every stage runs in a process of its own (and each side of a comparison in its own again): a
 crash, an out-of-memory or ``--timeout`` ends that stage only, each side has the device's memory
@@ -61,6 +65,7 @@ STAGES = {
   4: "JAX sampler vs HF generate",
   5: "fused log-prob + entropy",
   6: "7B LoRA update vs --plan",
+  7: "packed update vs padded",
 }
 # (hidden, layers, heads, kv heads, head_dim, ffn, vocab): Qwen2.5's shapes, untied, as
 # side_by_side.MODEL_SIZES; "tiny" for --smoke.
@@ -73,17 +78,21 @@ SHAPES = {
 FULL = dict(
   rows=8, prompt=64, response=512, sample_rows=64, group=8, new_tokens=512, matmul_n=8192,
   copy_mib=2048, logprob=(8, 576, 896, 151936), lora_tokens=(64, 1024),
+  packed=dict(size="0.5b", rows=16, prompt=64, response=2048),
 )  # fmt: skip
 SMOKE = dict(
   rows=8, prompt=8, response=16, sample_rows=8, group=4, new_tokens=16, matmul_n=256,
   copy_mib=16, logprob=(2, 32, 32, 1024), lora_tokens=(8, 16),
+  packed=dict(size="tiny", rows=8, prompt=8, response=64),
 )  # fmt: skip
 
 
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU is enough")
-  parser.add_argument("--stages", help="comma-separated stage numbers (default 1-5; --smoke 1-6)")
+  parser.add_argument(
+    "--stages", help="comma-separated stage numbers (default 1-5, 7; --smoke all)"
+  )
   parser.add_argument("--out", help="results directory (default bench/results; --smoke a temp dir)")
   parser.add_argument(
     "--repeats", type=int, help="timed calls per measurement (default 3, smoke 2)"
@@ -96,7 +105,7 @@ def parse_args(argv=None):
   parser.add_argument("--stage-worker", help=argparse.SUPPRESS)  # run one stage (a child)
   parser.add_argument("--side-worker", help=argparse.SUPPRESS)  # run one side (a grandchild)
   args = parser.parse_args(argv)
-  default = "1,2,3,4,5,6" if args.smoke else "1,2,3,4,5"
+  default = "1,2,3,4,5,6,7" if args.smoke else "1,2,3,4,5,7"
   args.stages = [int(s) for s in (args.stages or default).split(",") if s.strip()]
   unknown = sorted(set(args.stages) - set(STAGES))
   if unknown:
@@ -466,6 +475,55 @@ def _greedy_vs_hf(tmp: str) -> dict:
   return {"same_tokens": same, "min_lead": lead, "twice_gap": 2 * gap, "ok": same}
 
 
+def _segment_attention() -> dict:
+  """Packed rows' attention (segment ids) as the update runs it on this device (``attention``:
+  cuDNN's fused call in bfloat16 on an NVIDIA GPU), each sequence against itself alone in float32
+  (tests/test_packing.py's oracle). Bound: the blocked XLA path's own bfloat16 error plus one
+  bfloat16 rounding of the output."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jaxrl.nn import attention
+
+  b, t, kv, rep, e = 2, 256, 2, 4, 64
+  segments_BxT = np.zeros((b, t), np.int32)  # row 0: three sequences and padding; row 1: one
+  segments_BxT[0, :100], segments_BxT[0, 100:180], segments_BxT[0, 180:240] = 1, 2, 3
+  segments_BxT[1] = 1
+  rng = np.random.default_rng(0)
+  q, k, v = (rng.normal(size=shape).astype(np.float32) for shape in
+             [(b, t, kv, rep, e), (b, kv, e, t), (b, kv, t, e)])  # fmt: skip
+  bf16 = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+  implementation = attention.fused_implementation(bf16[0], bf16[1], 0) or "xla (blocked)"
+  accepted = None
+  if implementation == "cudnn":  # whether cuDNN takes it, or ``attention`` falls back
+    try:
+      jax.block_until_ready(attention.fused_attention(*bf16, jnp.asarray(segments_BxT), "cudnn"))
+      accepted = True
+    except Exception as err:  # noqa: BLE001 - recorded: the fallback is what runs then
+      accepted = f"{type(err).__name__}: {str(err)[:200]}"
+  run = jax.jit(attention.attention, static_argnums=(4, 5))
+  got = np.asarray(run(*bf16, jnp.asarray(segments_BxT), 0, 512), np.float32)
+  with jax.default_device(jax.devices("cpu")[0]):  # the blocked path's own bfloat16 result
+    on_cpu = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+    xla = np.asarray(run(*on_cpu, jnp.asarray(segments_BxT), 0, 64), np.float32)
+  err, xla_err = 0.0, 0.0
+  for row in range(b):
+    for seg in set(segments_BxT[row].tolist()) - {0}:
+      at = np.flatnonzero(segments_BxT[row] == seg)
+      alone = attention.attention(
+        q[row : row + 1, at], k[row : row + 1][..., at], v[row : row + 1][:, :, at],
+        jnp.ones((1, len(at)), bool), 0, len(at),
+      )[0]  # fmt: skip
+      err = max(err, float(np.max(np.abs(got[row, at] - alone))))
+      xla_err = max(xla_err, float(np.max(np.abs(xla[row, at] - alone))))
+  bound = xla_err + 2.0**-8 * float(np.max(np.abs(v)))
+  return dict(
+    implementation=implementation, cudnn_accepted=accepted, max_err=err,
+    xla_bfloat16_err=xla_err, bound=bound, ok=err <= bound and accepted in (None, True),
+  )  # fmt: skip
+
+
 def stage_correctness(ctx: Stage) -> None:
   import jax
 
@@ -478,6 +536,7 @@ def stage_correctness(ctx: Stage) -> None:
     _check(ctx, "hf_parity", lambda: _hf_parity(tmp))
     _check(ctx, "golden_update", _golden_update)
     _check(ctx, "greedy_vs_hf_generate", lambda: _greedy_vs_hf(tmp))
+    _check(ctx, "segment_attention", _segment_attention)
   ctx.report(ok=all(c.get("ok") for c in ctx.record["checks"].values()))
 
 
@@ -574,8 +633,10 @@ def _build_side(spec: dict):
 
       cfg = _jaxrl_cfg(shape, dtype="bfloat16", param_dtype="float32", scan_layers=True)
       graphdef, params = model.create(cfg, 0)
-      b = ts.batch_arrays(spec["rows"], spec["prompt"], spec["response"], cfg.vocab_size)
-      one = ts.jaxrl_update_fn(graphdef, params, b, spec["response"])
+      b = _update_batch(spec, cfg.vocab_size)
+      one = ts.jaxrl_update_fn(
+        graphdef, params, b, spec["response"], packing=bool(spec.get("packed"))
+      )
     else:
       import sampler_vs_hf as sv
 
@@ -592,7 +653,10 @@ def _build_side(spec: dict):
 
     net = _hf_qwen2(shape, "float32").train()
     net.config.use_cache = False
-    b = ts.batch_arrays(spec["rows"], spec["prompt"], spec["response"], net.config.vocab_size)
+    b = _update_batch(spec, net.config.vocab_size)
+    if "lengths" in spec:  # as TRL pads: to the batch's longest response
+      longest = max(spec["lengths"])
+      b = {k: v[:, :longest] if k.endswith("_RxN") else v for k, v in b.items()}
     compiled = spec["side"] == "torch_compile"
     one = ts.torch_update_fn(net, b, autocast_dtype=torch.bfloat16, compile_model=compiled)
   else:
@@ -604,6 +668,15 @@ def _build_side(spec: dict):
       net, prompts, spec["group"], spec["new"], 1.0, cache_implementation="static"
     )
   return one, sum(p.numel() for p in net.parameters()), name, _torch_peak
+
+
+def _update_batch(spec: dict, vocab: int) -> dict:
+  """An update's batch: every response ``response`` tokens, or ``lengths`` where the spec has them."""
+  import train_step_vs_torch as ts
+
+  return ts.batch_arrays(
+    spec["rows"], spec["prompt"], spec["response"], vocab, lengths_R=spec.get("lengths")
+  )
 
 
 def side_main(spec_path: str) -> int:
@@ -846,6 +919,32 @@ def stage_lora_vs_plan(ctx: Stage) -> None:
   )
 
 
+def stage_packed_update(ctx: Stage) -> None:
+  """The update on long-tailed responses: packed and padded jaxrl (bf16 over f32 params, layers
+  scanned, as stage 3), and PyTorch padded to the batch's longest row (stage 3's torch side)."""
+  import padding
+
+  p = ctx.s["packed"]
+  lengths_R = padding.lengths("lognormal", p["rows"], p["response"], seed=1).tolist()
+  useful = p["rows"] * p["prompt"] + sum(lengths_R)  # prompt and response tokens, no padding
+  ctx.report(**p, lengths=lengths_R, useful_tokens=useful, sides={})
+  for name, side, packed in (("packed", "jaxrl", True), ("padded", "jaxrl", False),
+                             ("torch", "torch", None)):  # fmt: skip
+    spec = dict(side=side, size=p["size"], rows=p["rows"], prompt=p["prompt"])
+    spec.update(response=p["response"], lengths=lengths_R, packed=packed)
+    r = run_side(ctx, spec)
+    if "median_s" in r:
+      r["tokens_per_s"] = useful / r["median_s"]
+    r.pop("lengths", None)
+    ctx.report(sides=dict(ctx.record["sides"], **{name: r}))
+  sides = ctx.record["sides"]
+  for peer in ("padded", "torch"):
+    if "tokens_per_s" in sides["packed"] and "tokens_per_s" in sides[peer]:
+      ratio = sides["packed"]["tokens_per_s"] / sides[peer]["tokens_per_s"]
+      ctx.report(**{f"ratio_vs_{peer}": ratio})
+  _raise_side_errors({p["size"]: sides})
+
+
 STAGE_FNS = {
   1: stage_correctness,
   2: stage_tiny_run,
@@ -853,6 +952,7 @@ STAGE_FNS = {
   4: stage_sampler_vs_hf,
   5: stage_fused_logprob,
   6: stage_lora_vs_plan,
+  7: stage_packed_update,
 }
 
 
@@ -933,6 +1033,14 @@ def _stage1_md(r: dict) -> list[str]:
       rows.append(
         f"| golden update | max rel. diff {c['max_rel_diff']:.2e} ({c['worst']}) | "
         f"≤ {c['bound']:.0e} (across CPUs) | {_mark(c['ok'])} |"
+      )
+    elif name == "segment_attention":
+      how = c["implementation"] + ("" if c["cudnn_accepted"] in (None, True) else
+                                   f" (refused: {c['cudnn_accepted']}; blocked instead)")  # fmt: skip
+      rows.append(
+        f"| packed rows' attention, bfloat16, {how} | max err vs each sequence alone (f32) "
+        f"{c['max_err']:.3g} | ≤ {c['bound']:.3g} (XLA bf16's {c['xla_bfloat16_err']:.3g} + "
+        f"1 bf16 rounding) | {_mark(c['ok'])} |"
       )
     else:
       rows.append(
@@ -1031,6 +1139,27 @@ def _stage6_md(r: dict) -> list[str]:
   ]
 
 
+def _stage7_md(r: dict) -> list[str]:
+  lengths = r.get("lengths") or [0]
+  out = [
+    f"{r.get('rows')} rows x ({r.get('prompt')} + {r.get('response')}) slots at shape "
+    f"{r.get('size')}, responses log-normal (mean {statistics.mean(lengths):.0f}, longest "
+    f"{max(lengths)}): {r.get('useful_tokens')} useful tokens per update, the rate's numerator "
+    "on every side. packed: `loss.packing`; padded: every row N wide; torch: rows cut to the "
+    "longest response.",
+    "",
+    "| side | useful tokens/s | s/update | peak memory | device |",
+    "|---|---:|---:|---:|---|",
+  ]
+  for side, s in r.get("sides", {}).items():
+    out.append("| " + " | ".join([side, *_side_cells(s, "tokens_per_s")]) + " |")
+  return out + [
+    "",
+    f"packed / padded: **{_num(r.get('ratio_vs_padded'), '{:.2f}')}**, packed / torch: "
+    f"**{_num(r.get('ratio_vs_torch'), '{:.2f}')}**",
+  ]
+
+
 BOOKKEEPING = {"stage", "name", "error", "run", "commit", "wall_s", "device"}
 STAGE_MD = {
   1: _stage1_md,
@@ -1039,6 +1168,7 @@ STAGE_MD = {
   4: _stage4_md,
   5: _stage5_md,
   6: _stage6_md,
+  7: _stage7_md,
 }
 
 

@@ -1,5 +1,6 @@
 """The docs a user has: every ``docs/algorithms.md §N`` cited in the code, tests, benchmarks and docs
-is a section of it, nothing points outside the repository, and the API example runs."""
+is a section of it, nothing points outside the repository, the README's performance figures are
+their results files' and the API example runs."""
 
 from __future__ import annotations
 
@@ -39,6 +40,34 @@ def test_every_cited_section_of_the_algorithms_doc_exists():
 def test_nothing_points_outside_the_repository():
   files = _files("jaxrl/**/*.py", "docs/*.md", "README.md", "WORKSPACE.md")
   assert not [f for f in files if "shared/" in open(f, encoding="utf-8").read()]
+
+
+NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+RESULTS_LINK = re.compile(r"\]\((bench/results/[^)#]+)")
+
+
+def _performance_rows() -> list[list[str]]:
+  """README's performance table: one list of cells per figure row."""
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    section = f.read().split("\n## Performance\n", 1)[1].split("\n## ", 1)[0]
+  rows = [line.strip().strip("|").split("|") for line in section.splitlines() if line[:2] == "| "]
+  return [[c.strip() for c in row] for row in rows[1:]]  # the header row left out
+
+
+def test_the_performance_table_quotes_its_results_files():
+  """Each figure of the table (every number in its figure column) appears, as written, in the
+  results file its row links: a figure changes with its file or the test fails."""
+  rows = _performance_rows()
+  assert len(rows) >= 8
+  missing = []
+  for what, figure, _, details in rows:
+    links = RESULTS_LINK.findall(details)
+    assert links, f"the row {what!r} links no results file"
+    text = "".join(open(os.path.join(ROOT, p), encoding="utf-8").read() for p in links)
+    for number in NUMBER.findall(figure):
+      if not re.search(rf"(?<![\d.]){re.escape(number)}(?!\d)", text):
+        missing.append((what, number, links))
+  assert not missing
 
 
 def test_the_python_api_example_runs(tmp_path, capsys):

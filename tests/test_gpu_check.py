@@ -21,7 +21,7 @@ RUN = {"run": "2026-01-01T00:00:00+00:00", "commit": "abc", "smoke": True}
 RUN["repeats"] = 2
 
 
-@pytest.mark.slow  # about 3 minutes on 2 cores: six stages, each compiling in its own process
+@pytest.mark.slow  # about 3 minutes on 2 cores: seven stages, each compiling in its own process
 def test_smoke_run_writes_every_stage(tmp_path):
   env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1")
   cmd = [sys.executable, os.path.join(ROOT, "bench", "gpu_check.py"), "--smoke", "--out", tmp_path]
@@ -29,7 +29,7 @@ def test_smoke_run_writes_every_stage(tmp_path):
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   with open(tmp_path / "gpu.jsonl") as f:
     records = {r["stage"]: r for r in map(json.loads, f)}
-  assert set(records) == {"env", 1, 2, 3, 4, 5, 6}
+  assert set(records) == {"env", 1, 2, 3, 4, 5, 6, 7}
   for stage, r in records.items():
     assert "error" not in r, (stage, r["error"])
   assert records["env"]["matmul_peak_flops"] > 0 and records["env"]["copy_bandwidth"] > 0
@@ -38,9 +38,10 @@ def test_smoke_run_writes_every_stage(tmp_path):
   assert records[2]["held_out"]["after"]["pass@1"] >= 0
   assert records[3]["sizes"]["tiny"]["ratio_vs_torch"] > 0
   assert records[4]["ratio"] > 0 and records[6]["peak_bytes"] > 0
+  assert records[7]["ratio_vs_padded"] > 0 and records[7]["ratio_vs_torch"] > 0
   md = (tmp_path / "gpu.md").read_text()
   sections = md.split("\n## ")[1:]
-  assert [s.split(".")[0] for s in sections] == ["1", "2", "3", "4", "5", "6"]
+  assert [s.split(".")[0] for s in sections] == ["1", "2", "3", "4", "5", "6", "7"]
   for section in sections:
     assert "\n|---" in section, section  # each stage's table
   assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no inputs left behind
