@@ -10,13 +10,14 @@ a share of its 24-token budget, ``configs/tiny.py``, scaled to N). Two parts, ea
 distributions and on the lengths the timed rows had. Then new tokens/s (the tokens the rows
 generated, not padding) of the JAX sampler decoding every row until the last one ends (``padded``,
 ``rollout.compact_every`` 0: the default) against the compacted decode (``compact``, every 32
-tokens), same prompts and keys (so the same samples: checked), and HF ``generate`` on the same
-weights (``hf``). A random model cannot be told each row's length: rows stop at a set of stop ids
-whose mean probability under the model (``stop_set``) makes a row end with probability about
-1 / (25% of N) per token: geometric lengths (mean ~25% of N, ~2% reach N), alike on every side in
-distribution (``--lengths`` is the update's); the realised lengths are printed. The vLLM CPU
-server against the JAX sampler is ``sidecar_throughput.py``'s comparison (its own model and
-tokenizer).
+tokens), same prompts and keys (so the same samples: checked), HF ``generate`` on the same
+weights (``hf``) and the vLLM CPU server (``vllm``: its own venv ``.venv-vllm``, started by the
+worker as the trainer's sidecar is, serving the same weights and stopping at the same ids; its
+continuous batching never decodes a finished row; ``--without vllm`` leaves it out). A random
+model cannot be told each row's length: rows stop at a set of stop ids whose mean probability
+under the model (``stop_set``) makes a row end with probability about 1 / (25% of N) per token:
+geometric lengths (mean ~25% of N, ~2% reach N), alike on every side in distribution
+(``--lengths`` is the update's); the realised lengths are printed.
 
 ``--part update``: one GRPO update of R rows whose response masks follow ``--lengths``: jaxrl with
 ``loss.packing`` on (``packed``) and off (``padded``: every row N wide), and the PyTorch update as
@@ -49,7 +50,7 @@ import side_by_side  # noqa: E402
 import train_step_vs_torch  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-SAMPLER_SIDES, UPDATE_SIDES = ("padded", "compact", "hf"), ("packed", "padded", "torch")
+SAMPLER_SIDES, UPDATE_SIDES = ("padded", "compact", "hf", "vllm"), ("packed", "padded", "torch")
 COMPACT_EVERY = 32
 MEAN_SHARE = 0.25  # the mean response length, a share of the budget N
 COUNTDOWN_BUDGET = 24  # configs/tiny.py's countdown rollout.max_new_tokens
@@ -155,6 +156,52 @@ def stop_set(cfg, graphdef, params, prompts_BxP, budget: int) -> tuple[int, ...]
   return tuple(chosen)
 
 
+def _id_tokenizer(vocab: int, eos: int):
+  """A word-level tokenizer whose tokens are the random model's ids ("t0" ... "t{vocab - 1}"):
+  vLLM loads a tokenizer with every checkpoint and stops at its EOS, here one of the stop ids."""
+  import transformers
+  from tokenizers import Tokenizer, models, pre_tokenizers
+
+  raw = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+  raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  return transformers.PreTrainedTokenizerFast(
+    tokenizer_object=raw, pad_token="t0", unk_token="t0", eos_token=f"t{eos}"
+  )
+
+
+def _vllm_side(args, cfg, params, prompts_BxP, stops, calls):
+  """The vLLM CPU server with the weights ``params``, as the trainer's engine drives it."""
+  import atexit
+  import tempfile
+
+  import jax
+
+  from jaxrl.rollout.sidecar import LaunchConfig
+  from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine
+
+  work = tempfile.mkdtemp(prefix="bench-padding-vllm-")
+  launch = LaunchConfig(
+    python=os.path.join(side_by_side.REPO_ROOT, ".venv-vllm", "bin", "python"),
+    log_dir=work,
+    max_model_len=-(-(args.prompt_len + args.new_tokens) // 16) * 16,
+    max_num_seqs=args.rows,
+  )
+  engine = VllmEngine(
+    cfg, _id_tokenizer(cfg.vocab_size, stops[0]), EngineConfig(launch=launch), workdir=work,
+    max_new_tokens=args.new_tokens, eos_id=stops, pad_id=0,
+  )  # fmt: skip
+  atexit.register(engine.close)
+  engine.set_weights(params, 0)
+  mask_BxP = np.ones_like(prompts_BxP, bool)
+  counts_B = np.full(len(prompts_BxP), args.group, np.int32)
+
+  def one():
+    out = engine.generate(prompts_BxP, mask_BxP, counts_B, 1.0, jax.random.PRNGKey(next(calls)))
+    return {"tokens": int(np.asarray(out.mask_RxN).sum())}
+
+  return one, {"stop_ids": len(stops)}
+
+
 def _sampler_worker(args):
   """One side's call: sample the rows, return the tokens generated (EOS included)."""
   import jax
@@ -186,6 +233,8 @@ def _sampler_worker(args):
       return {"tokens": int(seqs.size - ended_RxN.sum() + ended_RxN.any(1).sum())}
 
     return one, {"stop_ids": len(stops)}
+  if args.worker == "vllm":
+    return _vllm_side(args, cfg, params, prompts_BxP, stops, calls)
   from jaxrl.rollout import compaction, sampler
 
   generate = compaction.generate if args.worker == "compact" else sampler.generate
@@ -271,7 +320,7 @@ def measure(args, argv) -> dict:
     out["waste"]["stop ids"] = waste(np.concatenate([r["lengths"] for r in padded]), N)
     # the same keys: the same samples, so the same lengths, call by call
     out["compact_same_lengths"] = all(a["lengths"] == b["lengths"] for a, b in zip(padded, compact))
-  pairs = [("compact", "padded"), ("compact", "hf"), ("padded", "hf")]
+  pairs = [("compact", "padded"), ("compact", "hf"), ("padded", "hf"), ("compact", "vllm")]
   if args.part == "update":
     pairs = [("packed", "padded"), ("packed", "torch"), ("padded", "torch")]
   for a, b in [(a, b) for a, b in pairs if a in sides and b in sides]:
@@ -308,7 +357,7 @@ def show(result: dict) -> None:
     ) else ""  # fmt: skip
     print(f"  {side:8s} {x['s_median']:.3f} s{rate}  peak RSS {x['peak_rss_gib']:.1f} GiB")
   for key, value in r.items():
-    if key.endswith("_vs_padded") or key.endswith("_vs_hf") or key.endswith("_vs_torch"):
+    if "_vs_" in key and not key.endswith("_pairs"):
       pairs = r.get(key + "_pairs")
       spread = f" (pairwise {pairs[0]:.2f}–{pairs[-1]:.2f})" if pairs else ""
       print(f"  {key.replace('_vs_', ' / ')}: {value:.2f}×{spread}")
