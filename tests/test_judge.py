@@ -394,3 +394,30 @@ def test_judge_sidecar_needs_its_model_before_the_run():
   cd.reward.terms = "verifier, judge:sidecar*0.5"
   with pytest.raises(ConfigError, match="config.reward.judge_model: judge:sidecar serves"):
     check_inputs(from_configdict(cd))
+
+
+def test_a_run_trains_on_the_judges_verdicts_and_stops_its_threads(tmp_path, endpoint_of):
+  """One RL step of a run with the verifier and a judge that gives every answer 10 of 10: the
+  step's reward is the verifier's plus half a point, the judge's metrics are in the row, and the
+  trainer's close stops the judge's threads. A dead judge URL stops the start, naming it, and
+  leaves the run directory free."""
+  from run_helpers import read_metrics, tiny_config
+
+  from jaxrl.run.train import Trainer
+
+  server = endpoint_of(lambda p, t, r: chat("Fine.\nScore: 10"))
+  cfg = tiny_config("test", steps=1, **{"reward.terms": f"verifier, judge:{server.url}*0.5"})
+  with Trainer.open(cfg, str(tmp_path)) as trainer:
+    judge = trainer.reward_terms.scorers[1]
+    trainer.rl(trainer.init_params())
+  assert judge._pool._shutdown  # closed with the trainer
+  (row,) = read_metrics(tmp_path)
+  assert row["reward_term_judge"] == 1.0 and row["reward_term_judge_applies"] == 1.0
+  assert row["reward_term_judge_failed"] == 0
+  assert row["reward"] == pytest.approx(row["reward_term_verifier"] + 0.5, rel=1e-6)
+  assert len(server.chats()) >= cfg.num_rollouts  # an answer, a request
+  url = _dead_url()
+  dead = tiny_config("test", steps=1, **{"reward.terms": f"judge:{url}"})
+  with pytest.raises(ConfigError, match=f"the judge endpoint {url} did not answer"):
+    Trainer.open(dead, str(tmp_path / "dead"))
+  Trainer.open(tiny_config("test"), str(tmp_path / "dead")).close()  # the directory's lock is free
