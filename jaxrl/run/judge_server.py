@@ -8,11 +8,14 @@ vLLM environment ``vllm.python`` names, with the policy server's dtype, start-up
 cores, and its own context (``reward.judge_max_model_len``) and extra flags
 (``reward.judge_extra_args``; on a GPU shared with the policy's server, e.g.
 ``--gpu-memory-utilization 0.3``). Only process 0 starts one: the other processes' rewards are
-process 0's. A judge server that dies mid-run is not restarted: its verdicts fail, counted in
-``reward_term_judge_failed`` and logged at every step.
+process 0's. A judge server that dies mid-run is restarted before the next batch, at most
+``vllm.max_restarts`` times in a run; past that, or while a restart fails, its verdicts fail,
+counted in ``reward_term_judge_failed`` and logged at every step.
 """
 
 from __future__ import annotations
+
+import logging
 
 from jaxrl.config import Config, ConfigError, parse_terms
 from jaxrl.config.reward_terms import SIDECAR
@@ -21,6 +24,8 @@ from jaxrl.rollout import sidecar
 from jaxrl.rollout.build import vllm_python
 from jaxrl.tasks.rewards.judge import Endpoint
 from jaxrl.tasks.rewards.terms import RewardTerms, build_terms, model_dir
+
+log = logging.getLogger(__name__)
 
 LOG_NAME = "judge.log"
 
@@ -61,7 +66,32 @@ def start(cfg: Config, workdir: str) -> Endpoint | None:
     server.close()
     raise
   # vLLM serves the model under the path it was given: requests name it so.
-  return Endpoint(server.url, path, sidecar.urlopen, server.close)
+  revive = _reviver(server, path, cfg.vllm.max_restarts)
+  return Endpoint(server.url, path, sidecar.urlopen, server.close, revive)
+
+
+def _reviver(server: sidecar.Sidecar, path: str, restarts: int):
+  """A function that restarts ``server`` when it has died, ``restarts`` times at most, and returns
+  its new URL (None when it is alive, out of restarts, or the restart failed: logged)."""
+  left = [restarts]
+
+  def revive() -> str | None:
+    if server.alive() or left[0] <= 0:
+      return None
+    left[0] -= 1
+    log.warning(
+      "the judge's vLLM server has died (log %s): restarting it, %d restart(s) left after this",
+      server.log_path,
+      left[0],
+    )
+    try:
+      server.restart(path)
+    except sidecar.SidecarError as e:  # the batch's verdicts fail, counted
+      log.error("the judge's vLLM server did not restart: %s", e)
+      return None
+    return server.url
+
+  return revive
 
 
 def open_terms(cfg: Config, mesh, workdir: str) -> RewardTerms | None:

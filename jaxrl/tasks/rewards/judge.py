@@ -168,12 +168,14 @@ class Refused(Exception):
 @dataclasses.dataclass(frozen=True)
 class Endpoint:
   """Where the judge answers: a base URL, the model name requests carry, and how to open a URL
-  (the sidecar's opener for its ``http+unix`` URL); ``close`` stops a server the run started."""
+  (the sidecar's opener for its ``http+unix`` URL). For a server the run started, ``revive``
+  restarts it if it has died (its new URL, or None) before each batch, and ``close`` stops it."""
 
   url: str
   model: str = ""
   opener: Callable = open_url
   close: Callable[[], None] = lambda: None
+  revive: Callable[[], str | None] = lambda: None
 
 
 def _read(response, deadline: float) -> bytes:
@@ -295,6 +297,8 @@ class JudgeTerm:
     if not self.active:
       self.failed = 0
       return np.full(len(completions), np.nan, np.float32)
+    if url := self.endpoint.revive():  # the run's own server, restarted on a new socket
+      self.endpoint = dataclasses.replace(self.endpoint, url=url)
     down = threading.Event()  # set once a request fails at the transport after its retries
     jobs = [self.prompt(*qra) for qra in zip(prompts, completions, answers)]
     verdicts = list(self._pool.map(lambda p: self._verdict(p, down), jobs))
