@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 
 NOT_CALLABLE = 3
@@ -97,3 +98,13 @@ def trl_too_few(prompts, completions, **columns):
 
 def trl_nan(prompts, completions, **columns):
   return [math.nan] * len(completions)
+
+
+# Held until a test sets it: trl_blocked's call overruns any time limit until then.
+RELEASE = threading.Event()
+
+
+def trl_blocked(prompts, completions, **columns):
+  """1.0 per answer, once ``RELEASE`` is set."""
+  RELEASE.wait()
+  return [1.0] * len(completions)

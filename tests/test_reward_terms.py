@@ -42,7 +42,7 @@ def test_terms_spec():
 @pytest.mark.parametrize(
   "spec, match",
   [
-    ("judge:x", "kind 'judge' is not one of"),
+    ("critic:x", "kind 'critic' is not one of"),
     ("verifier*two", "weight 'two' is not a finite number"),
     ("verifier*inf", "not a finite number"),
     ("verifier:x", "the verifier takes no source"),
@@ -200,6 +200,34 @@ def test_a_bad_callable_result_is_named(name, match):
   terms = _terms(f"fn:reward_fns:{name}")
   with pytest.raises(ValueError, match=f"reward term 'reward_fns:{name}'.*{match}"):
     terms.score(["p"] * 3, ["a"] * 3, ["a"] * 3, None, np.zeros(3, int), 1)
+
+
+def test_a_callable_past_its_time_limit_fails_its_batch_counted(caplog):
+  """The call blocks until the test releases it, so the limit always passes first: that batch's
+  values are None and counted; while the abandoned call still runs, the next batch fails at once
+  (no second call piles up); once it has ended, calls score again."""
+  import reward_fns
+
+  reward_fns.RELEASE.clear()
+  cd = default_configdict()
+  cd.reward.terms, cd.reward.fn_time_limit = "verifier, fn:reward_fns:trl_blocked", 0.05
+  terms = build_terms(from_configdict(cd))
+  verified = _verified([1, 0, 1], [True, True, True])
+  try:
+    for _ in range(2):
+      got = terms.score(["p"] * 3, ["a"] * 3, ["a"] * 3, verified, np.zeros(3, int), 1)
+      np.testing.assert_array_equal(got.rewards_R, [1, 0, 1])  # the verifier's alone
+      np.testing.assert_array_equal(got.kept_R, [1, 1, 1])
+      assert got.metrics["reward_term_fn_trl_blocked_failed"] == 3
+      assert term_means(got.metrics)["reward_term_fn_trl_blocked_applies"] == 0
+  finally:
+    reward_fns.RELEASE.set()
+  assert "no result within reward.fn_time_limit = 0.05 s" in caplog.text
+  assert "an earlier batch, past its limit, is still running" in caplog.text
+  terms.scorers[1].overrun.join()
+  got = terms.score(["p"] * 3, ["a"] * 3, ["a"] * 3, verified, np.zeros(3, int), 1)
+  np.testing.assert_array_equal(got.rewards_R, [2, 1, 2])
+  assert got.metrics["reward_term_fn_trl_blocked_failed"] == 0
 
 
 def test_a_missing_callable_or_model_is_named_before_the_run(tmp_path, monkeypatch):

@@ -37,6 +37,8 @@ UnlearnClip = Literal["straight-through", "paper"]
 Overlong = Literal["keep", "drop", "reward"]  # a response the budget cut (docs/algorithms.md §10)
 # How reward.terms combine into one reward (docs/algorithms.md §13)
 RewardCombine = Literal["sum-then-normalise", "normalise-then-sum"]
+# Where a judge's score is read in its reply (``jaxrl.tasks.rewards.judge.parse_score``)
+JudgeParse = Literal["score", "boxed", "last-number"]
 
 
 class ConfigError(ValueError):
@@ -262,7 +264,7 @@ class DataSection:
 @dataclasses.dataclass(frozen=True)
 class RewardSection:
   """Math rewards run in a pool of worker processes (``jaxrl.tasks.rewards.pool``); further reward
-  terms (a Python callable, a reward model) combine with the verifier (``terms``)."""
+  terms (a Python callable, a reward model, a judge model) combine with the verifier (``terms``)."""
 
   fn: str = ""  # "" = the task's verifier; else "module:function"
   workers: int = 0  # 0 = min(8, CPUs)
@@ -275,11 +277,58 @@ class RewardSection:
   # is read at the last token); longer inputs are cut on the left and counted
   model_max_tokens: int = 2048
   model_rows: int = 64  # rows per reward-model forward: its activations' memory is that many rows'
+  # A callable term's call on one batch (fn:) may take this long; over it that batch's values of the
+  # term are None, counted in reward_term_<label>_failed, and the call is abandoned (a thread)
+  fn_time_limit: float = 300.0
+  # The judge term (judge:URL or judge:sidecar, docs/rewards.md). judge_model: with a URL, the model
+  # name sent ("" = the one the endpoint lists); with sidecar, the checkpoint the run serves (a
+  # directory or a Hub id)
+  judge_model: str = ""
+  judge_template: str = (
+    ""  # "" = the built-in prompt; else a text file with {question} {response} …
+  )
+  judge_parse: JudgeParse = "score"  # the last "Score: X", the last \boxed{X}, or the last number
+  judge_min: float = 0.0  # the scale the judge scores on; the term's value is
+  judge_max: float = 10.0  # (score - judge_min) / (judge_max - judge_min), in [0, 1]
+  judge_workers: int = 8  # requests in flight at once
+  judge_timeout: float = 60.0  # seconds per request
+  judge_retries: int = 2  # per request, after a failed connection, a time-out, HTTP 429 or 5xx
+  judge_backoff: float = 1.0  # seconds before the first retry, doubled before each next one
+  judge_max_tokens: int = 512  # the judge's reply budget (max_tokens of the request)
+  judge_temperature: float = 0.0
+  judge_api_key_env: str = ""  # the environment variable holding the endpoint's API key (Bearer)
+  judge_max_model_len: int = 4096  # sidecar: the served judge's context (prompt + reply)
+  judge_extra_args: str = ""  # sidecar: appended to its server's command line
 
   def check(self) -> None:
     # (the terms' syntax: ``config.build`` parses them)
     _need(self.model_max_tokens >= 1, "reward.model_max_tokens", "must be >= 1")
     _need(self.model_rows >= 1, "reward.model_rows", "must be >= 1")
+    _need_seconds(self.fn_time_limit, "reward.fn_time_limit")
+    _need_seconds(self.judge_timeout, "reward.judge_timeout")
+    _check_ranges(
+      "reward",
+      self,
+      dict(
+        judge_workers=AT_LEAST_1,
+        judge_retries=AT_LEAST_0,
+        judge_backoff=Range(0, high=3600),
+        judge_max_tokens=AT_LEAST_1,
+        judge_temperature=AT_LEAST_0,
+        judge_max_model_len=Range(16),
+      ),
+    )
+    _need(
+      self.judge_min < self.judge_max and math.isfinite(self.judge_max - self.judge_min),
+      "reward.judge_min",
+      f"the judge's scale [{self.judge_min}, {self.judge_max}] must be finite with min < max",
+    )
+    _need(
+      re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.judge_api_key_env or "_") is not None,
+      "reward.judge_api_key_env",
+      f"{self.judge_api_key_env!r} is not an environment variable's name (the key itself goes "
+      "in that variable, never in the config)",
+    )
     _need(self.workers >= 0, "reward.workers", "must be >= 0 (0 = min(8, CPUs))")
     _need_seconds(self.time_limit, "reward.time_limit")
     _need(

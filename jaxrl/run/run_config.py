@@ -44,6 +44,15 @@ SAFE = (
   "eval",
   # The verifier pool's size: each answer is scored alike by any worker, within the same limits.
   "reward.workers",
+  # How a judge's requests are sent, waited for and retried, and where its API key is read: the
+  # same judge gives the same verdicts.
+  "reward.judge_workers",
+  "reward.judge_timeout",
+  "reward.judge_retries",
+  "reward.judge_backoff",
+  "reward.judge_api_key_env",
+  # How long a callable term may take: a limit, not what it computes.
+  "reward.fn_time_limit",
   # The tool pool's size: each call is answered alike by any worker, within the same limits.
   "tool.workers",
   # Measurements at fixed params on their own random stream: no step reads them.

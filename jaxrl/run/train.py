@@ -37,7 +37,7 @@ from jaxrl.rl.programs import Programs, reference_copy
 from jaxrl.rollout.build import task_engine
 from jaxrl.rollout.collect import Collector
 from jaxrl.rollout.engine import RolloutEngine, eval_version
-from jaxrl.run import mfu, run_config, sft, weights
+from jaxrl.run import judge_server, mfu, run_config, sft, weights
 from jaxrl.run.compiles import CompileCounter
 from jaxrl.run.heldout import EvalResult, comparison_table, evaluate_task, questions_per_call
 from jaxrl.run.loop import (
@@ -57,7 +57,7 @@ from jaxrl.run.stops import (
   check_saved,
   stop_after_checkpoint,
 )
-from jaxrl.tasks.rewards.terms import RewardTerms, build_terms
+from jaxrl.tasks.rewards.terms import RewardTerms
 from jaxrl.tasks.task import TaskData, load_task
 from jaxrl.workdir import lock
 from jaxrl.workdir.checkpoint import Checkpointer
@@ -137,7 +137,10 @@ class Trainer:
       mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
       graphdef, abstract_params = model.abstract(model_cfg)
       programs = Programs.for_run(cfg, graphdef, abstract_params, mesh)
-      terms = build_terms(cfg, mesh)  # a reward model loads onto the trainer's mesh
+      # a reward model loads onto the trainer's mesh; judge:sidecar starts the judge's server
+      terms = judge_server.open_terms(cfg, mesh, workdir)
+      if terms is not None:
+        started.callback(terms.close)
       engine = task_engine(cfg, graphdef, model_cfg, task, workdir)
       started.callback(engine.close)
       collector = Collector(
@@ -175,12 +178,14 @@ class Trainer:
 
   def close(self) -> None:
     """Stop what ``open`` and ``step_context`` started: the rollout threads, the compile counter,
-    the rollout engine (a sidecar server), the verifier's workers; each even if one before it
-    fails. Idempotent."""
+    the rollout engine (a sidecar server), the reward terms (a judge's threads and server), the
+    verifier's workers; each even if one before it fails. Idempotent."""
     held, self._lock = self._lock, None
     with contextlib.ExitStack() as closing:
       closing.callback(lock.release, held)  # last: the run directory is free once all is stopped
       closing.callback(self.task.close)
+      if self.reward_terms is not None:  # a judge's threads and server
+        closing.callback(self.reward_terms.close)
       closing.callback(self.engine.close)
       closing.callback(self.compiles.stop)
       for pool in self._rollout_pools:  # a batch in flight is abandoned

@@ -5,9 +5,13 @@ The verifier's values are the task's ``VerifyResult`` (its failures set the answ
 callable term (``fn:MODULE:NAME``) is TRL's reward function: it runs in the trainer's process on
 the whole batch (a batch API call, a model of its own), called as ``fn(prompts=..., completions=...,
 answer=...)``, awaited when it is a coroutine, and must return one finite number or None per
-answer: anything else is an error naming it. A model term (``model:PATH``) re-tokenises prompt and
-response with the checkpoint's tokenizer and scores them with ``jaxrl.nn.reward_model`` on the
-trainer's mesh.
+answer: anything else is an error naming it. The call runs on a thread of its own and has
+``reward.fn_time_limit`` seconds: past it the batch's values of that term are None, counted in
+``reward_term_<label>_failed``, and the call is abandoned (a thread cannot be stopped); while it
+still runs, later batches fail that term at once rather than pile up calls. A model term
+(``model:PATH``) re-tokenises prompt and response with the checkpoint's tokenizer and scores them
+with ``jaxrl.nn.reward_model`` on the trainer's mesh. A judge term (``judge:URL``, ``judge:sidecar``) asks a generative model for a
+score (``jaxrl.tasks.rewards.judge``); answers without a verdict are None, counted the same way.
 
 A step's term metrics are counters that add over dynamic sampling's rounds (``_sum``, ``_n``,
 ``_rows``); ``term_means`` turns them into each term's mean and the share it applies to.
@@ -16,20 +20,27 @@ A step's term metrics are counters that add over dynamic sampling's rounds (``_s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import inspect
+import logging
 import math
 import numbers
+import threading
 
 import numpy as np
 
 from jaxrl.config import Config, ConfigError, TermSpec, parse_terms
+from jaxrl.config.reward_terms import SIDECAR
 from jaxrl.nn import hf, reward_model
 from jaxrl.parallel import distributed, sharding
 from jaxrl.tasks.data import hub
 from jaxrl.tasks.rewards.combine import combine_terms
+from jaxrl.tasks.rewards.judge import Endpoint, JudgeSettings, JudgeTerm, shown
 from jaxrl.tasks.rewards.pool import RewardFnError, VerifyResult
 from jaxrl.tasks.workers import load_function
+
+log = logging.getLogger(__name__)
 
 PREFIX = "reward_term_"
 _COUNTERS = ("_sum", "_n", "_rows")
@@ -38,15 +49,42 @@ _COUNTERS = ("_sum", "_n", "_rows")
 class CallableTerm:
   """A TRL-style reward function ``(prompts, completions, **columns) -> list[float | None]``."""
 
-  def __init__(self, spec: str):
-    self.spec = spec
+  def __init__(self, spec: str, time_limit: float | None = None):
+    self.spec, self.time_limit = spec, time_limit
     self.fn = load_function(spec, "reward term", RewardFnError)
+    self.failed = 0  # answers of the last batch without values (the call overran)
+    self.overrun: threading.Thread | None = None  # an abandoned call, maybe still running
 
   def __call__(self, prompts: list[str], completions: list[str], answers: list[str]) -> np.ndarray:
-    out = self.fn(prompts=prompts, completions=completions, answer=answers)
-    if inspect.isawaitable(out):
-      out = asyncio.run(_awaited(out))
-    return as_values(out, len(completions), f"reward term {self.spec!r}")
+    what, n = f"reward term {self.spec!r}", len(completions)
+    if self.overrun is not None and self.overrun.is_alive():
+      return self._fail(n, "its call of an earlier batch, past its limit, is still running")
+    got, done = {}, threading.Event()
+
+    def call():
+      try:
+        out = self.fn(prompts=prompts, completions=completions, answer=answers)
+        got["out"] = asyncio.run(_awaited(out)) if inspect.isawaitable(out) else out
+      except BaseException as e:  # noqa: BLE001 — re-raised on the trainer's thread
+        got["error"] = e
+      finally:
+        done.set()
+
+    thread = threading.Thread(target=call, name=f"jaxrl-term-{self.spec}", daemon=True)
+    thread.start()
+    if not done.wait(self.time_limit):  # None: no limit
+      self.overrun = thread
+      return self._fail(n, f"no result within reward.fn_time_limit = {self.time_limit:g} s")
+    self.failed = 0
+    if "error" in got:
+      raise got["error"]
+    return as_values(got["out"], n, what)
+
+  def _fail(self, n: int, why: str) -> np.ndarray:
+    """The batch's values all None, counted and logged."""
+    self.failed = n
+    log.warning("reward term %r: %s; its %d values are None (counted)", self.spec, why, n)
+    return np.full(n, np.nan, np.float32)
 
 
 async def _awaited(awaitable):
@@ -179,12 +217,21 @@ class RewardTerms:
       )
       if spec.kind == "model":
         metrics["reward_model_truncated"] = float(self.scorers[k].truncated)
+      if spec.kind in ("fn", "judge"):  # answers the term could not score: None, counted
+        metrics[f"{PREFIX}{spec.label}_failed"] = float(self.scorers[k].failed)
     weights = [s.weight for s in self.specs]
     rewards_R, applies_R = combine_terms(
       np.stack(values), weights, np.asarray(group_ids_R), num_groups, self.rule
     )
     kept_R = kept_R & applies_R
     return TermsResult(np.where(kept_R, rewards_R, 0.0).astype(np.float32), kept_R, metrics)
+
+  def close(self) -> None:
+    """Stop what the terms started (a judge's threads, its server); each even if one fails."""
+    with contextlib.ExitStack() as closing:
+      for scorer in self.scorers.values():
+        if hasattr(scorer, "close"):
+          closing.callback(scorer.close)
 
 
 def term_means(counters: dict) -> dict:
@@ -202,7 +249,33 @@ def term_means(counters: dict) -> dict:
 
 
 def _term_error(spec: TermSpec, e: Exception) -> ConfigError:
-  return ConfigError("reward.terms", f"term {spec.kind}:{spec.source}: {e}")
+  source = shown(spec.source) if spec.kind == "judge" else spec.source
+  return ConfigError("reward.terms", f"term {spec.kind}:{source}: {e}")
+
+
+def _check_judge(cfg: Config, spec: TermSpec) -> None:
+  """The judge's template and key (and for the sidecar its checkpoint), without a request."""
+  JudgeSettings.from_config(cfg.reward)
+  if spec.source == SIDECAR:
+    if not cfg.reward.judge_model:
+      raise ConfigError("reward.judge_model", "judge:sidecar serves this checkpoint: set it")
+    try:
+      hf.check_tensor_files(model_dir(cfg.reward.judge_model))
+    except (OSError, ValueError) as e:
+      raise ConfigError("reward.judge_model", str(e)) from None
+
+
+def _judge_term(cfg: Config, spec: TermSpec, endpoint: Endpoint | None) -> JudgeTerm:
+  """The judge at ``spec``'s URL, or at ``endpoint`` (the server the run started for
+  ``judge:sidecar``); on processes other than the first, one that sends nothing."""
+  settings = JudgeSettings.from_config(cfg.reward)
+  if not distributed.is_main():
+    return JudgeTerm(Endpoint(spec.source), settings, active=False)
+  if spec.source != SIDECAR:
+    return JudgeTerm(Endpoint(spec.source, cfg.reward.judge_model), settings)
+  if endpoint is None:
+    raise ValueError("judge:sidecar has no server: the trainer starts it (jaxrl.run.judge_server)")
+  return JudgeTerm(endpoint, settings)
 
 
 def check_terms(cfg: Config) -> None:
@@ -216,27 +289,46 @@ def check_terms(cfg: Config) -> None:
         path = model_dir(spec.source)
         reward_model.reward_model_config(path, cfg.model.dtype)
         hf.check_tensor_files(path)
+      elif spec.kind == "judge":
+        _check_judge(cfg, spec)
+    except ConfigError:
+      raise
     except (OSError, ValueError) as e:
       raise _term_error(spec, e) from None
 
 
-def build_terms(cfg: Config, mesh=None) -> RewardTerms | None:
+def _scorer(cfg: Config, spec: TermSpec, mesh, judge: Endpoint | None):
+  """The scorer of a term other than the verifier; a ConfigError naming reward.terms if unusable."""
+  r = cfg.reward
+  try:
+    if spec.kind == "fn":
+      return CallableTerm(spec.source, r.fn_time_limit)
+    if spec.kind == "model":
+      return ModelTerm(spec.source, mesh, cfg.model.dtype, r.model_max_tokens, r.model_rows)
+    return _judge_term(cfg, spec, judge)
+  except ConfigError:
+    raise
+  except (OSError, ValueError) as e:
+    raise _term_error(spec, e) from None
+
+
+def build_terms(cfg: Config, mesh=None, judge: Endpoint | None = None) -> RewardTerms | None:
   """The terms of ``reward.terms`` (a reward model loaded onto ``mesh`` in the policy's compute
-  dtype); None when unset: the verifier alone, as the loop computes it without terms."""
+  dtype; a judge at its URL, or at ``judge``, the server the run started for ``judge:sidecar``);
+  None when unset: the verifier alone, as the loop computes it without terms. A term that fails
+  to build stops those built before it."""
   specs = parse_terms(cfg.reward.terms)
   if not specs:
     return None
-  scorers = {}
-  r = cfg.reward
-  for k, spec in enumerate(specs):
-    try:
-      if spec.kind == "fn":
-        scorers[k] = CallableTerm(spec.source)
-      elif spec.kind == "model":
-        scorers[k] = ModelTerm(spec.source, mesh, cfg.model.dtype, r.model_max_tokens, r.model_rows)
-    except (OSError, ValueError) as e:
-      raise _term_error(spec, e) from None
   labels = [s.label for s in specs]
   if len(set(labels)) != len(labels):
     raise ValueError(f"reward.terms: two terms share a metrics label ({labels})")
-  return RewardTerms(specs, scorers, cfg.reward.combine)
+  terms = RewardTerms(specs, {}, cfg.reward.combine)
+  try:
+    for k, spec in enumerate(specs):
+      if spec.kind != "verifier":
+        terms.scorers[k] = _scorer(cfg, spec, mesh, judge)
+  except BaseException:
+    terms.close()
+    raise
+  return terms
