@@ -86,6 +86,14 @@ class RunResult:
 
 
 @dataclasses.dataclass
+def _collector(cfg: Config, engine: RolloutEngine, programs: Programs, task) -> Collector:
+  """The run's rollout collector: its engine, the scoring programs, packed as the update packs."""
+  pack_buckets = cfg.loss.pack_buckets if cfg.loss.packing else 0
+  return Collector(
+    engine, programs, cfg.loss.logprob_chunk, cfg.loss.micro_batches, task.environment, pack_buckets
+  )
+
+
 class Trainer:
   """What setup built, and the phases of a run over it; ``run`` drives SFT → eval → RL → eval.
 
@@ -143,14 +151,7 @@ class Trainer:
         started.callback(terms.close)
       engine = task_engine(cfg, graphdef, model_cfg, task, workdir)
       started.callback(engine.close)
-      collector = Collector(
-        engine,
-        programs,
-        cfg.loss.logprob_chunk,
-        cfg.loss.micro_batches,
-        task.environment,
-        cfg.loss.pack_buckets if cfg.loss.packing else 0,
-      )
+      collector = _collector(cfg, engine, programs, task)
       compiles = compile_counter(
         multiturn=task.environment is not None
       ).start()  # counted from here
