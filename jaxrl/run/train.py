@@ -85,7 +85,6 @@ class RunResult:
   rl: RLResult
 
 
-@dataclasses.dataclass
 def _collector(cfg: Config, engine: RolloutEngine, programs: Programs, task) -> Collector:
   """The run's rollout collector: its engine, the scoring programs, packed as the update packs."""
   pack_buckets = cfg.loss.pack_buckets if cfg.loss.packing else 0
@@ -94,6 +93,7 @@ def _collector(cfg: Config, engine: RolloutEngine, programs: Programs, task) -> 
   )
 
 
+@dataclasses.dataclass
 class Trainer:
   """What setup built, and the phases of a run over it; ``run`` drives SFT → eval → RL → eval.
 
