@@ -160,6 +160,28 @@ def test_hub_revisions_are_recorded_and_another_one_is_refused(tmp_path, hub_cac
   assert run_config.resume_changes(first, moved) == []
 
 
+def test_a_reward_models_hub_commit_is_recorded_and_another_one_is_refused(tmp_path, hub_cache):
+  from jaxrl.run import run_config
+
+  old, new = "c" * 40, "d" * 40
+  cfg = tiny_config()
+  cfg = dataclasses.replace(
+    cfg, reward=dataclasses.replace(cfg.reward, terms="verifier, model:acme/rm*0.5")
+  )
+  _lay_out(hub_cache, "model", "acme/rm", {"config.json": "{}"}, old)
+  first = run_config.record(cfg)
+  assert first["revisions"] == {"model:acme/rm": old}
+  directory = str(tmp_path / "checkpoints")
+  ckpt = Checkpointer(directory, keep=1, async_save=False, record=first)
+  ckpt.save(1, {"x": jnp.zeros(2)}, {"step": 1})
+  ckpt.close()
+  assert run_config.check_resume(first, directory) == 1
+  _lay_out(hub_cache, "model", "acme/rm", {"config.json": "{}"}, new)  # main moved on
+  with pytest.raises(run_config.ChangedConfig) as refused:
+    run_config.check_resume(run_config.record(cfg), directory)
+  assert refused.value.fields == ["revision of model:acme/rm"]
+
+
 def test_a_checkpoint_without_a_recorded_config_is_checked_against_config_json(tmp_path):
   from jaxrl.run import run_config
 

@@ -20,7 +20,7 @@ import logging
 import os
 import re
 
-from jaxrl.config import Config, ConfigError, parse_mixture, to_dict
+from jaxrl.config import Config, ConfigError, parse_mixture, parse_terms, to_dict
 from jaxrl.run import json_config
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,8 @@ def _hub_datasets(cfg: Config) -> list[str]:
 def record(cfg: Config) -> dict:
   """What a checkpoint records of its run's config: every field, and the commit each Hub id
   resolves to (a Hub model's ``model.checkpoint`` is already its local snapshot, whose directory is
-  the commit; a Hub dataset is resolved here, from the cache, as the task loads it)."""
+  the commit; a Hub dataset and a reward model term's Hub id are resolved here, from the cache, as
+  the task and the terms load them)."""
   from jaxrl.tasks.data import hub
 
   revisions = {}
@@ -172,6 +173,11 @@ def record(cfg: Config) -> dict:
     found = snapshot_revision(hub.dataset_snapshot(hub.dataset_id(spec)))
     if found is not None:
       revisions[spec] = found.rpartition("@")[2]
+  for term in parse_terms(cfg.reward.terms):  # a reward model from the Hub, as the terms load it
+    if term.kind == "model" and hub.model_id(term.source) is not None:
+      found = snapshot_revision(hub.model_snapshot(term.source))
+      if found is not None:
+        revisions[f"model:{term.source}"] = found.rpartition("@")[2]
   from jaxrl.methods.phases import run_phases
 
   # Where the phases start follows from other fields (`steps`, which a resume may change, among
