@@ -64,8 +64,10 @@ class Rollouts:
   (an index into the step's B questions); responses are right-padded after EOS.
 
   Engines return every field up to ``finished_R`` (the JAX sampler also its full-softmax ℓ under
-  the params it sampled with, as ``prox_logp_RxN``); the collector sets the proximal log-probs and
-  the loop the verifier's rewards (``dataclasses.replace``) before the update, which reads both.
+  the params it sampled with, as ``prox_logp_RxN``; multi-turn engines the turn counts and the
+  environment's trajectory reward, if any, as ``rewards_R``); the collector sets the proximal
+  log-probs and the loop the verifier's rewards (``dataclasses.replace``) before the update,
+  which reads both.
   The three log-probs of docs/algorithms.md §9 are ℓ_μ (``behaviour_logp_RxN``), ℓ_prox
   (``prox_logp_RxN``) and ℓ (the update's own forward).
 
@@ -91,6 +93,10 @@ class Rollouts:
   finished_R: Array  # bool, the row emitted EOS
   prox_logp_RxN: Array | None = None  # f32 ℓ_prox: under the params the update starts from
   rewards_R: Array | None = None  # f32, added after verification
+  # Multi-turn engines (docs/algorithms.md §11): i32 model turns per row (turns in which it sampled
+  # a token) and observations the environment appended; None for single-turn rollouts
+  turns_R: Array | None = None
+  tool_calls_R: Array | None = None
 
 
 @pytree_dataclass

@@ -14,6 +14,7 @@ from math_fixtures import make_tokenizer
 from run_helpers import tiny_config
 
 from jaxrl.config import ConfigError
+from jaxrl.rollout.engine import SampleRequest
 from jaxrl.tasks.data import tokenizer as vocab
 from jaxrl.tasks.envs import calculator
 from jaxrl.tasks.envs.chat import ChatTemplateError, chat_frame, render, user_prompt
@@ -173,10 +174,10 @@ def test_a_chat_rollout_is_the_templates_conversation_id_for_id(tmp_path):
   with Trainer.open(cfg, str(tmp_path)) as trainer:
     params = trainer.warm_start(trainer.init_params())
     task, engine = trainer.task, trainer.engine
-    engine.set_weights(params, 0)
     ids, mask = task.train_prompt_ids, task.train_prompt_mask
     counts = np.full(len(ids), 2)
-    out = jax.tree.map(np.asarray, engine.generate(ids, mask, counts, 1.0, jax.random.PRNGKey(0)))
+    request = SampleRequest(ids, mask, counts, jax.random.PRNGKey(0), 1.0)
+    out = jax.tree.map(np.asarray, engine.generate(params, 0, request))
     tok, frame = task.tokenizer, task.environment.chat
   close = tok.convert_tokens_to_ids(calculator.CALL_CLOSE)
   asked = finished = 0

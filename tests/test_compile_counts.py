@@ -19,7 +19,7 @@ from jaxrl.parallel import sharding
 from jaxrl.rl import optim
 from jaxrl.rl.losses import LossHparams
 from jaxrl.rl.programs import Programs
-from jaxrl.rollout.engine import JaxEngine
+from jaxrl.rollout.engine import JaxEngine, SampleRequest
 from jaxrl.run.loop import COUNTED_PROGRAMS, compile_counter
 
 # A vocabulary no other test's model has: the sampler (one jitted function for the process, its
@@ -52,7 +52,6 @@ def test_the_counter_counts_the_update_and_the_sampler_the_trainer_runs():
   graphdef, params = model.create(mcfg, 0)
   programs = Programs(graphdef, params, sharding.make_mesh(1, 1, 1), optim.from_config(cfg.optim))
   engine = JaxEngine(graphdef, mcfg, max_new_tokens=n, eos_id=1, pad_id=0)
-  engine.set_weights(params, 0)
   counter = compile_counter().start()
   try:
     update = programs.update(LossConfig.from_config(cfg))  # as the loop builds it
@@ -61,13 +60,14 @@ def test_the_counter_counts_the_update_and_the_sampler_the_trainer_runs():
       update(programs.init_state(params), _batch(cfg, n), hp)
     b = cfg.batch_questions
     for temperature in (1.0, 0.7):
-      engine.generate(
+      request = SampleRequest(
         np.full((b, 3), 2, np.int32),
         np.ones((b, 3), bool),
         np.full(b, cfg.rollout.group_size),
-        temperature,
         jax.random.PRNGKey(int(10 * temperature)),
+        temperature,
       )
+      engine.generate(params, 0, request)
   finally:
     counter.stop()
     engine.close()

@@ -1,6 +1,7 @@
 """Weights enter a rollout engine one way: each sampling call names its params and their int
-version right before it samples (``Collector.sample``, ``run/heldout.py: engine_sampler``), so no
-sample reads weights someone else set, nor params an update has donated since."""
+version (``engine.generate(params, version, request)``, from ``Collector.sample`` and
+``run/heldout.py: engine_sampler``), so no sample reads weights someone else set, nor params an
+update has donated since."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from jaxrl.rl.programs import ForgetConfig
 from jaxrl.rollout.eepo import two_stage_rollouts
 from jaxrl.rollout.engine import (
   JaxEngine,
+  SampleRequest,
   check_version,
   eval_version,
   forget_version,
@@ -36,9 +38,9 @@ class Recording(JaxEngine):
     super().__init__(*args, **kwargs)
     self.versions = []
 
-  def set_weights(self, params, version) -> None:
+  def generate(self, params, version, request):
     self.versions.append(version)
-    super().set_weights(params, version)
+    return super().generate(params, version, request)
 
 
 @pytest.fixture(scope="module")
@@ -79,42 +81,40 @@ def test_versions_are_ints_and_the_special_ones_never_collide():
       eval_version(bad)
 
 
-def test_the_jax_engine_refuses_a_non_int_version_and_sampling_before_weights(run):
+def test_the_jax_engine_refuses_a_non_int_version(run):
   ctx, params = run
   engine = _engine(ctx)
   ids, mask, counts_B = _prompts(ctx)
-  with pytest.raises(RuntimeError, match="before set_weights"):
-    engine.generate(ids, mask, counts_B, 1.0, jax.random.PRNGKey(0))
+  request = SampleRequest(ids, mask, counts_B, jax.random.PRNGKey(0), 1.0)
   collector = dataclasses.replace(ctx.collector, engine=engine)
   for bad in NOT_VERSIONS:
-    for set_weights in (engine.set_weights, PerHostEngine(engine).set_weights):
+    for generate in (engine.generate, PerHostEngine(engine).generate):
       with pytest.raises(TypeError, match="weight version is an int"):
-        set_weights(params, bad)
+        generate(params, bad, request)
     with pytest.raises(TypeError, match="weight version is an int"):
       collector.sample(params, bad, ids, mask, counts_B, 1.0, jax.random.PRNGKey(0), 4)
-  assert engine.version is None
   with pytest.raises(TypeError, match="weight version is an int"):
     engine_sampler(engine, params, "eval", lambda out: [], 1.0)(ids, mask, counts_B, None, True)
 
 
 def test_no_sample_reads_params_an_update_donated(run):
   """Step 0 samples from the train state's own params (inline: no copy), which its update
-  donates: the engine's reference to them is dead. The next sample names its params and never
-  reads it; sampling from the dead reference would be an error saying so."""
+  donates. The engine keeps no reference to them: the next sample names its params, and asking
+  for a sample from the donated ones is an error saying so."""
   ctx, params = run
   loop = initial_loop(ctx, ctx.programs.init_state(params))
   sampled_from = loop.train.params
   first, _ = rl_step(ctx, loop, 0)
   engine = ctx.collector.engine
-  assert engine.version == 0 and all(x.is_deleted() for x in jax.tree.leaves(sampled_from))
+  assert all(x.is_deleted() for x in jax.tree.leaves(sampled_from))
   ids, mask, counts_B = _prompts(ctx)
   key, n = jax.random.PRNGKey(3), ctx.cfg.rollout.max_new_tokens
   with pytest.raises(RuntimeError, match="version 0 were donated"):
-    engine.generate(ids, mask, counts_B, 1.0, key)
+    engine.generate(sampled_from, 0, SampleRequest(ids, mask, counts_B, key, 1.0))
   theta_1 = jax.tree.map(jnp.copy, first.train.params)  # step 1's update donates first's
   second, row = rl_step(ctx, first, 1)
-  assert engine.version == 1 and int(second.train.step) == 2 and np.isfinite(row["loss"])
-  # The engine now holds first's params, donated by step 1's update: a sample of θ_1 is θ_1's.
+  assert int(second.train.step) == 2 and np.isfinite(row["loss"])
+  # Step 1 sampled from first's params, donated by its update since: a sample of θ_1 is θ_1's.
   out = ctx.collector.sample(theta_1, 1, ids, mask, counts_B, 1.0, key, n)
   fresh = dataclasses.replace(ctx.collector, engine=_engine(ctx))
   want = fresh.sample(theta_1, 1, ids, mask, counts_B, 1.0, key, n)
@@ -148,7 +148,7 @@ def test_eepo_samples_stage_2_under_the_forget_version(run, fire):
   assert all(type(v) is int for v in engine.versions)
 
 
-def test_evaluation_sets_its_weights_before_each_sample(run):
+def test_evaluation_names_its_weights_in_each_sample(run):
   ctx, params = run
   engine = _engine(ctx, Recording)
   ids, mask, counts_B = _prompts(ctx)

@@ -23,8 +23,9 @@ from rounding import U, chain_terms, entropy_atol, logp_atol  # noqa: E402
 from jaxrl.nn import model  # noqa: E402
 from jaxrl.rl import step  # noqa: E402
 from jaxrl.rollout import multiturn, sampler  # noqa: E402
-from jaxrl.rollout.engine import JaxEngine  # noqa: E402
+from jaxrl.rollout.engine import JaxEngine, SampleRequest, eval_version  # noqa: E402
 from jaxrl.run.compiles import CompileCounter  # noqa: E402
+from jaxrl.run.heldout import engine_sampler  # noqa: E402
 
 PAD, EOS, CALL_END = 0, 1, 2  # CALL_END plays the id of ``</calc>``: the model's turn-stop
 # The tiny model of tests/test_sampler.py: a vocabulary of 16, so EOS and the turn-stop are sampled
@@ -184,18 +185,17 @@ def sampled(tiny):
   runs = []
   for key in range(3):
     echo = Echo(done_at={0: 1, 4: 0, 5: 0, 9: 1})
-    out, counts = _gen(tiny, [4, 4, 4], echo, key=10 + key)
-    runs.append((_host(out), _host(counts), echo))
+    runs.append((_host(_gen(tiny, [4, 4, 4], echo, key=10 + key)), echo))
   return runs
 
 
 def test_response_is_turns_and_observations_exactly(sampled):
   asked = waited = inert = 0
-  for out, counts, echo in sampled:
+  for out, echo in sampled:
     _check_layout(out, echo)
     tools = np.array([len(echo.asked.get(r, [])) for r in range(len(out.lengths_R))])
-    np.testing.assert_array_equal(counts.tool_calls_R, tools)
-    assert np.all((counts.turns_R >= tools) & (counts.turns_R <= tools + 1))
+    np.testing.assert_array_equal(out.tool_calls_R, tools)
+    assert np.all((out.turns_R >= tools) & (out.turns_R <= tools + 1))
     asked += tools.sum()
     waited += _interior_gaps(out.mask_RxN)
     # observations holding a turn-stop (and EOS) that ended nothing: the model went on after them
@@ -205,13 +205,13 @@ def test_response_is_turns_and_observations_exactly(sampled):
 
 def test_done_rows_stop_after_their_observation(sampled):
   ended = 0
-  for out, counts, echo in sampled:
+  for out, echo in sampled:
     tokens, loss, _ = _compact(out)
     for r, calls in echo.asked.items():
       if not any(done for _, _, done in calls):
         continue
       # the environment ended this row: its observation is the response's end
-      assert calls[-1][2] and out.finished_R[r] and counts.tool_calls_R[r] == len(calls)
+      assert calls[-1][2] and out.finished_R[r] and out.tool_calls_R[r] == len(calls)
       k, obs = int(out.lengths_R[r]), calls[-1][1]
       np.testing.assert_array_equal(tokens[r, k - len(obs) : k], obs)
       assert tokens[r, k - len(obs) - 1] == CALL_END and loss[r, k - len(obs) - 1]
@@ -220,7 +220,7 @@ def test_done_rows_stop_after_their_observation(sampled):
 
 
 def test_finished_means_eos_or_done(sampled):
-  for out, counts, echo in sampled:
+  for out, echo in sampled:
     tokens, loss = _compact(out)[:2]
     for r in range(len(tokens)):
       k = int(out.lengths_R[r])
@@ -233,7 +233,7 @@ def test_behaviour_logp_equals_no_cache_forward(tiny, sampled):
   """The sampler's ℓ_μ at the model's tokens equals (a) a float64 log-softmax of a no-cache forward
   over prompt ++ the compacted response, (b) the update's own forward over the gapped response."""
   graphdef, params = tiny
-  for out, _, _ in sampled:
+  for out, _ in sampled:
     tokens, loss, real = _compact(out)
     ids = np.concatenate([out.prompt_ids_RxP, tokens], 1)
     mask = np.concatenate([out.prompt_mask_RxP, real], 1)
@@ -313,13 +313,12 @@ def test_no_environment_call_is_single_turn(tiny):
   turns = multiturn.TurnConfig(
     stop_ids=(unused[0],), max_turn_tokens=n, max_observation_tokens=3, max_turns=2
   )
-  multi, counts = _gen(tiny, [1, 1, 1], never, tau=1.0, n=n, turns=turns, greedy=True)
-  multi = _host(multi)
+  multi = _host(_gen(tiny, [1, 1, 1], never, tau=1.0, n=n, turns=turns, greedy=True))
   for name in ("tokens_RxN", "mask_RxN", "lengths_R", "finished_R", "group_ids_R"):
     np.testing.assert_array_equal(getattr(multi, name), getattr(single, name), err_msg=name)
   np.testing.assert_array_equal(multi.loss_mask_RxN, single.mask_RxN)
-  np.testing.assert_array_equal(counts.turns_R, [1, 1, 1])
-  np.testing.assert_array_equal(counts.tool_calls_R, [0, 0, 0])
+  np.testing.assert_array_equal(multi.turns_R, [1, 1, 1])
+  np.testing.assert_array_equal(multi.tool_calls_R, [0, 0, 0])
   # Two programs of the same arithmetic over the same P + n slots (the single-turn sampler's one
   # segment): bit for bit on the CPU this was written on, but XLA may fuse the two loop bodies
   # differently elsewhere, so float32 rounding apart; the greedy choices must then be decided
@@ -350,14 +349,13 @@ def test_turn_limit_ends_rows_unfinished(tiny):
   seen = 0
   for key in range(3):
     echo = Echo()
-    out, counts = _gen(tiny, [2, 2, 2], echo, key=30 + key, turns=turns)
-    out, counts = _host(out), _host(counts)
+    out = _host(_gen(tiny, [2, 2, 2], echo, key=30 + key, turns=turns))
     _check_layout(out, echo, turns)
-    assert counts.turns_R.max() <= 2 and counts.tool_calls_R.max() <= 1
+    assert out.turns_R.max() <= 2 and out.tool_calls_R.max() <= 1
     tokens, loss, _ = _compact(out)
     for r in range(len(tokens)):
       k = int(out.lengths_R[r])
-      if counts.turns_R[r] == 2 and tokens[r, k - 1] == CALL_END and loss[r, k - 1]:
+      if out.turns_R[r] == 2 and tokens[r, k - 1] == CALL_END and loss[r, k - 1]:
         assert not out.finished_R[r]  # asked after the last turn: not answered, unfinished
         seen += 1
   assert seen, "no row was asked after its last turn"
@@ -371,17 +369,16 @@ def test_turn_budget_and_length_limit_end_rows_unfinished(tiny):
   budget = late = 0
   for key in range(4):
     echo = Echo()
-    out, counts = _gen(tiny, [2, 2, 2], echo, key=50 + key, n=n, turns=turns)
-    out, counts = _host(out), _host(counts)
+    out = _host(_gen(tiny, [2, 2, 2], echo, key=50 + key, n=n, turns=turns))
     _check_layout(out, echo, turns)
-    assert counts.tool_calls_R.max() <= 1 and counts.turns_R.max() <= 2
+    assert out.tool_calls_R.max() <= 1 and out.turns_R.max() <= 2
     tokens, loss, _ = _compact(out)
     for r in range(len(tokens)):
       k = int(out.lengths_R[r])
       last = tokens[r, :k][loss[r, :k]][-3:]
       if not out.finished_R[r] and len(last) == 3 and not np.isin(last, [EOS, CALL_END]).any():
         budget += 1
-      late += int(counts.tool_calls_R[r] == 1 and tokens[r, k - 1] == CALL_END and loss[r, k - 1])
+      late += int(out.tool_calls_R[r] == 1 and tokens[r, k - 1] == CALL_END and loss[r, k - 1])
   assert budget and late, (budget, late)
 
 
@@ -392,8 +389,7 @@ def test_an_observation_that_fits_is_answered_and_the_reply_gets_what_is_left(ti
   n, answered = TURNS.max_turn_tokens + TURNS.max_observation_tokens + 2, 0
   for key in range(3):
     echo = Echo()
-    out, counts = _gen(tiny, [2, 2, 2], echo, key=70 + key, n=n)
-    out, counts = _host(out), _host(counts)
+    out = _host(_gen(tiny, [2, 2, 2], echo, key=70 + key, n=n))
     _check_layout(out, echo)
     tokens, loss, _ = _compact(out)
     for r in range(len(tokens)):
@@ -401,7 +397,7 @@ def test_an_observation_that_fits_is_answered_and_the_reply_gets_what_is_left(ti
       model = tokens[r, :k][loss[r, :k]]
       ends = np.flatnonzero(np.isin(model, [EOS, CALL_END]))
       if ends.size and model[ends[0]] == CALL_END:  # turn 1 asked
-        assert counts.tool_calls_R[r] == 1, r  # and was answered
+        assert out.tool_calls_R[r] == 1, r  # and was answered
         assert len(model) - (ends[0] + 1) <= 2  # the reply got the 2 positions left
         answered += 1
   assert answered >= 3, answered
@@ -417,8 +413,7 @@ def test_a_chat_turn_asks_only_with_a_call_and_finishes_without_one(tiny):
   asked = finished = 0
   for key in range(4):
     echo = Echo()
-    out, counts = _gen(tiny, [2, 2, 2], echo, key=90 + key, turns=turns)
-    out, counts = _host(out), _host(counts)
+    out = _host(_gen(tiny, [2, 2, 2], echo, key=90 + key, turns=turns))
     for r, calls in echo.asked.items():
       assert all(CALL in turn for turn, _, _ in calls), r
       asked += len(calls)
@@ -463,17 +458,22 @@ def test_jax_engine_multiturn_mode(tiny):
   engine = JaxEngine(
     graphdef, CFG, max_new_tokens=N, eos_id=EOS, pad_id=PAD, turns=TURNS, respond_factory=factory
   )
-  engine.set_weights(params, 0)
   ids, mask = _left_pad(PROMPTS, P)
-  got = _host(engine.generate(ids, mask, [2, 2, 2], 1.3, jax.random.key(10)))
+  request = SampleRequest(ids, mask, [2, 2, 2], jax.random.key(10), 1.3)
+  got = _host(engine.generate(params, 0, request))
   np.testing.assert_array_equal(made[0], [0, 0, 1, 1, 2, 2])
-  want, counts = _gen(tiny, [2, 2, 2], Echo(), key=10)
-  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(_host(want))):
+  want = _host(_gen(tiny, [2, 2, 2], Echo(), key=10))
+  assert got.turns_R is not None and got.tool_calls_R is not None
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(x, y)
-  np.testing.assert_array_equal(engine.turn_counts.tool_calls_R, counts.tool_calls_R)
-  again = engine.generate(ids, mask, [2, 2, 2], 1.3, jax.random.key(10), respond=Echo())
+  again = engine.generate(params, 0, dataclasses.replace(request, respond=Echo()))
   np.testing.assert_array_equal(again.tokens_RxN, got.tokens_RxN)
   assert len(made) == 1
+  # Evaluation reads the turn counts from the rollouts the call returned.
+  sample_fn = engine_sampler(engine, params, eval_version(0), lambda out: [], 1.3)
+  sampled = sample_fn(ids, mask, np.array([2, 2, 2]), jax.random.key(10), False)
+  np.testing.assert_array_equal(sampled.turns_R, got.turns_R)
+  np.testing.assert_array_equal(sampled.tool_calls_R, got.tool_calls_R)
 
 
 def test_pending_batch_saved_without_loss_mask_restores_as_single_turn():

@@ -45,9 +45,8 @@ def test_compacted_rollouts_equal_the_full_batchs(tiny, top_p):
   jax_engine = engine.JaxEngine(
     tiny[0], CFG, max_new_tokens=n, eos_id=EOS, pad_id=PAD, top_p=top_p, compact_every=4
   )
-  jax_engine.set_weights(tiny[1], 0)
-  ids, mask, counts, key, tau, _ = args
-  got = jax.tree.map(np.asarray, jax_engine.generate(ids, mask, counts, tau, key))
+  request = engine.SampleRequest(*args[:5])
+  got = jax.tree.map(np.asarray, jax_engine.generate(tiny[1], 0, request))
   lengths = want.lengths_R
   # The batch shrank: most rows ended early, some ran to N.
   assert compaction.wasted_share(lengths, n, 4) < compaction.wasted_share(lengths, n) / 1.3

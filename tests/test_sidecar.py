@@ -39,7 +39,7 @@ from jaxrl.nn.arch import model_config
 from jaxrl.rl import losses, step
 from jaxrl.rollout.build import build_engine
 from jaxrl.rollout.collect import Collector
-from jaxrl.rollout.engine import JaxEngine, eval_version, forget_version
+from jaxrl.rollout.engine import JaxEngine, SampleRequest, eval_version, forget_version
 from jaxrl.rollout.sidecar import (
   LaunchConfig,
   Sidecar,
@@ -116,6 +116,11 @@ def served(sidecar_env, inductor_dir, tmp_path_factory):
   engine.close()
 
 
+def _sample(engine, params, version, ids, mask, counts, tau, key, **more):
+  """``engine``'s rollouts of one request from ``params`` (pushed unless it holds ``version``)."""
+  return engine.generate(params, version, SampleRequest(ids, mask, counts, key, tau, **more))
+
+
 def _served_config(**overrides):
   return _vllm_config(
     **{"rollout.max_new_tokens": 8, "vllm.request_timeout": 10.0, "vllm.retries": 0, **overrides}
@@ -177,9 +182,9 @@ def test_the_server_builds_no_kernel_into_the_inductor_cache(served, inductor_di
   """vLLM's torch.compile'd sampler helpers run eager in the sidecar. Compiled, a request with
   logprobs builds a C++ kernel into the machine-wide inductor cache, and a server killed during
   that build leaves a 0-byte .so which every later server on the machine loads and dies of."""
-  engine, _, _, task = served
+  engine, _, params, task = served
   ids, mask = _prompts(task)
-  out = engine.generate(ids, mask, np.array([2, 1, 2]), 1.0, jax.random.PRNGKey(5))
+  out = _sample(engine, params, 0, ids, mask, np.array([2, 1, 2]), 1.0, jax.random.PRNGKey(5))
   assert out.mask_RxN.sum() > 0
   assert [f for _, _, files in os.walk(inductor_dir) for f in files] == []
 
@@ -188,7 +193,7 @@ def test_the_server_builds_no_kernel_into_the_inductor_cache(served, inductor_di
 def test_server_logprobs_match_fused_logprobs(served, tau):
   engine, graphdef, params, task = served
   ids, mask = _prompts(task)
-  out = engine.generate(ids, mask, np.array([4, 1, 3]), tau, jax.random.PRNGKey(7))
+  out = _sample(engine, params, 0, ids, mask, np.array([4, 1, 3]), tau, jax.random.PRNGKey(7))
   assert out.tokens_RxN.shape == (8, 8)
   np.testing.assert_array_equal(out.group_ids_R, [0, 0, 0, 0, 1, 2, 2, 2])
   assert out.mask_RxN.sum() > 8  # random weights: long responses, few early EOS
@@ -206,7 +211,7 @@ def test_server_logprobs_under_top_p_are_the_nucleus_renormalised(served, monkey
   tau, top_p = 0.9, 0.7
   monkeypatch.setattr(engine, "_top_p", top_p)
   ids, mask = _prompts(task)
-  out = engine.generate(ids, mask, np.array([4, 1, 3]), tau, jax.random.PRNGKey(11))
+  out = _sample(engine, params, 0, ids, mask, np.array([4, 1, 3]), tau, jax.random.PRNGKey(11))
   rows = (out.prompt_ids_RxP, out.prompt_mask_RxP, out.tokens_RxN, out.mask_RxN)
   hidden_RxNxD, lm_head_VxD = step.response_hidden(graphdef, params, *map(jnp.asarray, rows))
   z_RxNxV = np.asarray(hidden_RxNxD @ lm_head_VxD.T, np.float64) / tau
@@ -238,7 +243,7 @@ def test_weight_push_serves_new_params_and_version(served):
   engine.set_weights(new, 99)
   assert engine.client.weight_version(engine.sidecar.url) == 99
   ids, mask = _prompts(task)
-  out = engine.generate(ids, mask, np.array([2, 2, 2]), 1.0, jax.random.PRNGKey(3))
+  out = _sample(engine, new, 99, ids, mask, np.array([2, 2, 2]), 1.0, jax.random.PRNGKey(3))
   np.testing.assert_allclose(out.behaviour_logp_RxN, _score(graphdef, new, out, 1.0), atol=1e-4)
   assert np.abs(out.behaviour_logp_RxN - _score(graphdef, params, out, 1.0)).max() > 1e-2
   assert len(os.listdir(engine._root)) == 1  # the previous version's directory is gone
@@ -249,7 +254,7 @@ def test_greedy_rows_match_the_jax_sampler(served):
   engine, graphdef, params, task = served
   ids, mask = _prompts(task)
   counts = np.array([2, 0, 3])  # vLLM takes greedy requests with n = 1 only
-  out = engine.generate(ids, mask, counts, 1.0, jax.random.PRNGKey(0), greedy=True)
+  out = _sample(engine, params, 0, ids, mask, counts, 1.0, jax.random.PRNGKey(0), greedy=True)
   ref = JaxEngine(
     graphdef,
     engine.model_cfg,
@@ -257,8 +262,7 @@ def test_greedy_rows_match_the_jax_sampler(served):
     eos_id=task.eos_id,
     pad_id=task.pad_id,
   )
-  ref.set_weights(params, 0)
-  want = ref.generate(ids, mask, counts, 1.0, jax.random.PRNGKey(0), greedy=True)
+  want = _sample(ref, params, 0, ids, mask, counts, 1.0, jax.random.PRNGKey(0), greedy=True)
   for field in (
     "prompt_ids_RxP",
     "prompt_mask_RxP",
@@ -304,12 +308,12 @@ def test_sync_every_skips_steps_but_never_keeps_a_temporary_version(served):
 
 
 def test_a_rejected_request_fails_at_once_without_restart(served):
-  engine, _, _, task = served
+  engine, _, params, task = served
   starts = engine.sidecar.starts
   too_long = np.full((1, engine.sidecar.cfg.max_model_len + 1), 5, np.int32)
   with pytest.raises(SidecarError, match="rejected the rollout request: .*HTTP 400"):
-    engine.generate(
-      too_long, np.ones_like(too_long, bool), np.array([1]), 1.0, jax.random.PRNGKey(0)
+    _sample(
+      engine, params, 0, too_long, np.ones_like(too_long, bool), [1], 1.0, jax.random.PRNGKey(0)
     )
   assert engine.sidecar.starts == starts
 
@@ -493,7 +497,7 @@ def test_server_killed_while_answering_is_restarted(served, caplog):
   os.kill(pid, signal.SIGSTOP)
   ids, mask = _prompts(task)
   with caplog.at_level("WARNING", logger="jaxrl.rollout.vllm_engine"):
-    out = engine.generate(ids, mask, np.array([128, 128, 128]), 1.0, jax.random.PRNGKey(11))
+    out = _sample(engine, params, 0, ids, mask, [128, 128, 128], 1.0, jax.random.PRNGKey(11))
   assert len(killed) == 1 and engine.sidecar.starts == starts + 1
   failures = [
     r.getMessage() for r in caplog.records if "failed during the rollout" in r.getMessage()
@@ -510,7 +514,7 @@ def test_hung_server_times_out_and_is_restarted(served):
   starts = engine.sidecar.starts
   os.kill(engine.sidecar.server_pid(), signal.SIGSTOP)  # alive but answering nothing
   ids, mask = _prompts(task)
-  out = engine.generate(ids, mask, np.array([2, 1, 1]), 1.0, jax.random.PRNGKey(5))
+  out = _sample(engine, params, 0, ids, mask, np.array([2, 1, 1]), 1.0, jax.random.PRNGKey(5))
   assert engine.sidecar.starts == starts + 1
   assert engine.client.weight_version(engine.sidecar.url) == 0  # re-synced version
   np.testing.assert_allclose(out.behaviour_logp_RxN, _score(graphdef, params, out, 1.0), atol=1e-4)
@@ -575,8 +579,7 @@ def test_a_bfloat16_server_samples_measurably_off_policy(served, tmp_path):
   kl, diff = {}, {}
   try:
     for name, engine in (("float32", engine32), ("bfloat16", engine16)):
-      engine.set_weights(sharp, 1)
-      out = engine.generate(ids, mask, np.full(4, 8), 1.0, jax.random.PRNGKey(5))
+      out = _sample(engine, sharp, 1, ids, mask, np.full(4, 8), 1.0, jax.random.PRNGKey(5))
       prox = _score(graphdef, sharp, out, 1.0)
       kl[name] = float(losses.mismatch_kl(prox, out.behaviour_logp_RxN, out.mask_RxN))
       diff[name] = np.abs(prox - out.behaviour_logp_RxN)[out.mask_RxN]

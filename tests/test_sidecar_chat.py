@@ -14,6 +14,7 @@ import pytest
 from run_helpers import ROOT, tiny_config
 
 from jaxrl.rl import step
+from jaxrl.rollout.engine import SampleRequest
 from jaxrl.rollout.vllm_engine import VllmEngine
 from jaxrl.run.train import Trainer
 from jaxrl.tasks.envs.calculator import CALL_CLOSE
@@ -32,11 +33,9 @@ def test_a_chat_rollouts_log_probs_are_the_trainers_at_every_model_token(tmp_pat
     params = trainer.warm_start(trainer.init_params())
     task, engine = trainer.task, trainer.engine
     assert isinstance(engine, VllmEngine)
-    engine.set_weights(params, 0)
     ids, mask = task.train_prompt_ids[:16], task.train_prompt_mask[:16]
     counts = np.full(16, 4)
-    out = engine.generate(ids, mask, counts, 1.0, jax.random.PRNGKey(5))
-    turns = engine.turn_counts
+    out = engine.generate(params, 0, SampleRequest(ids, mask, counts, jax.random.PRNGKey(5), 1.0))
     logp, _ = step.logp_responses(
       trainer.graphdef,
       params,
@@ -53,8 +52,8 @@ def test_a_chat_rollouts_log_probs_are_the_trainers_at_every_model_token(tmp_pat
   np.testing.assert_allclose(
     out.behaviour_logp_RxN[model_RxN], np.asarray(logp)[model_RxN], rtol=0, atol=1e-4
   )
-  two_turns = np.flatnonzero((turns.turns_R == 2) & (turns.tool_calls_R == 1))
-  assert two_turns.size >= 2, turns
+  two_turns = np.flatnonzero((out.turns_R == 2) & (out.tool_calls_R == 1))
+  assert two_turns.size >= 2, (out.turns_R, out.tool_calls_R)
   for r in two_turns:
     keep = out.mask_RxN[r]
     ids_r, by_model = out.tokens_RxN[r][keep].tolist(), model_RxN[r][keep]

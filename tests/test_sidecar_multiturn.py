@@ -23,6 +23,7 @@ from jaxrl.nn.arch import model_config
 from jaxrl.rl import step
 from jaxrl.rollout import multiturn
 from jaxrl.rollout.build import build_engine, task_engine
+from jaxrl.rollout.engine import SampleRequest
 from jaxrl.rollout.vllm_engine import VllmEngine
 from jaxrl.run.train import Trainer
 from jaxrl.tasks.envs.calculator import CALL_CLOSE
@@ -94,8 +95,13 @@ def _jax_engine(cfg, served_engine, graphdef, params, task):
     workdir="",
     environment=task.environment,
   )
-  engine.set_weights(params, 0)
   return engine
+
+
+def _request(ids, mask, counts, key, task, qids_R, **more) -> SampleRequest:
+  """A request at τ = 1 whose environment records what it answers (``Recorder``)."""
+  respond = Recorder(task.environment, qids_R)
+  return SampleRequest(ids, mask, counts, key, 1.0, respond=respond, **more)
 
 
 def _score(graphdef, params, out, tau):
@@ -121,13 +127,9 @@ def test_greedy_multi_turn_rows_match_the_jax_sampler(served):
   counts = np.array([1, 2, 0, 1, 1, 1, 1, 1])  # vLLM takes greedy requests with n = 1 only
   qids_R = np.repeat(np.arange(8), counts)
   key = jax.random.PRNGKey(0)
-  out = engine.generate(
-    ids, mask, counts, 1.0, key, greedy=True, respond=Recorder(task.environment, qids_R)
-  )
+  out = engine.generate(params, 0, _request(ids, mask, counts, key, task, qids_R, greedy=True))
   ref = _jax_engine(cfg, engine, graphdef, params, task)
-  want = ref.generate(
-    ids, mask, counts, 1.0, key, greedy=True, respond=Recorder(task.environment, qids_R)
-  )
+  want = ref.generate(params, 0, _request(ids, mask, counts, key, task, qids_R, greedy=True))
   for field in (
     "prompt_ids_RxP",
     "prompt_mask_RxP",
@@ -140,15 +142,14 @@ def test_greedy_multi_turn_rows_match_the_jax_sampler(served):
   ):
     np.testing.assert_array_equal(getattr(out, field), np.asarray(getattr(want, field)), field)
   for field in ("turns_R", "tool_calls_R"):
-    got, expected = getattr(engine.turn_counts, field), getattr(ref.turn_counts, field)
-    np.testing.assert_array_equal(got, np.asarray(expected), field)
+    np.testing.assert_array_equal(getattr(out, field), np.asarray(getattr(want, field)), field)
   np.testing.assert_allclose(
     out.behaviour_logp_RxN, np.asarray(want.behaviour_logp_RxN), rtol=0, atol=1e-4
   )
   # A multi-turn batch: some rows called the calculator and went on, some never called it.
-  calls = engine.turn_counts.tool_calls_R
+  calls = out.tool_calls_R
   assert calls.min() == 0 and calls.max() >= 1, calls
-  assert (engine.turn_counts.turns_R > 1).any()
+  assert (out.turns_R > 1).any()
 
 
 def _compact(out, r):
@@ -164,7 +165,8 @@ def test_calls_get_the_calculators_answer_and_only_the_model_trains(served):
   counts = np.full(4, 8)
   qids_R = np.repeat(np.arange(4), counts)
   recorder = Recorder(task.environment, qids_R)
-  out = engine.generate(ids, mask, counts, 1.0, jax.random.PRNGKey(3), respond=recorder)
+  request = SampleRequest(ids, mask, counts, jax.random.PRNGKey(3), 1.0, respond=recorder)
+  out = engine.generate(params, 0, request)
   close = task.tokenizer.convert_tokens_to_ids(CALL_CLOSE)
   answered = 0
   for r in range(len(qids_R)):
@@ -180,7 +182,7 @@ def test_calls_get_the_calculators_answer_and_only_the_model_trains(served):
     k = len(want_tokens)
     assert tokens[:k] == want_tokens and loss[:k] == want_loss, r
     assert all(loss[k:]) and len(tokens) - k <= cfg.rollout.max_turn_tokens  # the last turn
-    assert engine.turn_counts.tool_calls_R[r] == len(recorder.asked.get(r, []))
+    assert out.tool_calls_R[r] == len(recorder.asked.get(r, []))
   assert answered >= 4, answered
   env_R_N = out.mask_RxN & ~out.loss_mask_RxN
   assert env_R_N.sum() > 0 and np.all(out.behaviour_logp_RxN[env_R_N] == 0)
@@ -193,7 +195,7 @@ def test_calls_get_the_calculators_answer_and_only_the_model_trains(served):
   # The same key sends the same requests (each turn's seeds come from it): the same rollouts, as a
   # resumed run needs.
   again = engine.generate(
-    ids, mask, counts, 1.0, jax.random.PRNGKey(3), respond=Recorder(task.environment, qids_R)
+    params, 0, _request(ids, mask, counts, jax.random.PRNGKey(3), task, qids_R)
   )
   np.testing.assert_array_equal(again.tokens_RxN, out.tokens_RxN)
   np.testing.assert_array_equal(again.loss_mask_RxN, out.loss_mask_RxN)
@@ -240,12 +242,12 @@ def test_a_server_killed_between_turns_is_restarted_and_the_turn_retried(served)
   counts = np.full(4, 8)
   qids_R = np.repeat(np.arange(4), counts)
   key = jax.random.PRNGKey(5)
-  want = engine.generate(ids, mask, counts, 1.0, key, respond=Recorder(task.environment, qids_R))
+  want = engine.generate(params, 7, _request(ids, mask, counts, key, task, qids_R))
   starts = engine.sidecar.starts
   killer = KillOnFirstTurn(task.environment, qids_R, engine.sidecar)
-  out = engine.generate(ids, mask, counts, 1.0, key, respond=killer)
+  out = engine.generate(params, 7, SampleRequest(ids, mask, counts, key, 1.0, respond=killer))
   assert killer.kills == 1 and engine.sidecar.starts == starts + 1
-  assert sum(map(len, killer.asked.values())) == int(engine.turn_counts.tool_calls_R.sum()) > 0
+  assert sum(map(len, killer.asked.values())) == int(out.tool_calls_R.sum()) > 0
   for field in ("tokens_RxN", "mask_RxN", "loss_mask_RxN", "lengths_R", "finished_R"):
     np.testing.assert_array_equal(getattr(out, field), getattr(want, field), field)
   np.testing.assert_allclose(out.behaviour_logp_RxN, want.behaviour_logp_RxN, rtol=0, atol=1e-5)

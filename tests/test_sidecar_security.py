@@ -37,7 +37,7 @@ from sidecar_helpers import NOBODY, as_nobody, socket_path, tcp_sockets
 from jaxrl.config import ConfigError
 from jaxrl.nn import model
 from jaxrl.rollout import sidecar as sc
-from jaxrl.rollout.engine import forget_version
+from jaxrl.rollout.engine import SampleRequest, forget_version
 from jaxrl.rollout.sidecar import LaunchConfig, Sidecar, SidecarError, group_members, owned_pids
 from jaxrl.rollout.vllm_client import RequestError, ServerError, VllmClient
 from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine
@@ -335,11 +335,13 @@ def _engine(workdir, *, urls=(), launch=None, lora=False, **cfg):
   return engine
 
 
-def _generate(engine, n_questions=2, group=2):
+def _generate(engine, params, version, n_questions=2, group=2):
   ids = np.full((n_questions, 3), 5, np.int32)
   mask = np.ones_like(ids, bool)
   counts = np.full(n_questions, group)
-  return engine.generate(ids, mask, counts, 1.0, jax.random.PRNGKey(0))
+  return engine.generate(
+    params, version, SampleRequest(ids, mask, counts, jax.random.PRNGKey(0), 1.0)
+  )
 
 
 # -- 1: the launched server's API --------------------------------------------------------------
@@ -540,15 +542,14 @@ def test_a_weights_dir_other_users_control_is_refused(serve, params, tmp_path, c
 def test_weight_versions_are_ints_and_strings_only_on_the_wire(serve, params, tmp_path):
   """The engine takes int versions and refuses anything else before writing a byte; the server's
   API stores a string, which the client writes from the int and reads back as one (a label no
-  jaxrl client writes is refused, naming it). No sampling before the first ``set_weights``: an
-  attached server may serve anything."""
+  jaxrl client writes is refused, naming it)."""
   fake, url = serve()
   engine = _engine(tmp_path, urls=[url])
-  with pytest.raises(SidecarError, match="before set_weights"):
-    _generate(engine)
   for bad in ("1", "eval", "1-forget", 1.0, True):
     with pytest.raises(TypeError, match="weight version is an int"):
       engine.set_weights(params[False], bad)
+    with pytest.raises(TypeError, match="weight version is an int"):
+      _generate(engine, params[False], bad)
   with pytest.raises(TypeError, match="weight version is an int"):
     engine.client.set_version("7")
   assert fake.reloads == [] and fake.version == "default"
@@ -557,7 +558,7 @@ def test_weight_versions_are_ints_and_strings_only_on_the_wire(serve, params, tm
   assert fake.version == "-4" and engine.client.weight_version(url) == -4 == engine.version
   engine.set_weights(params[False], np.int64(2))  # numpy ints too (an Issue read back)
   assert fake.version == "2" and engine.version == 2 and type(engine.version) is int
-  assert _generate(engine).tokens_RxN.shape[0] == 4
+  assert _generate(engine, params[False], 2).tokens_RxN.shape[0] == 4
   fake.version = "2-forget"
   with pytest.raises(ServerError, match="weight version '2-forget', not an int"):
     engine.client.weight_version(url)
@@ -574,10 +575,10 @@ def test_runs_sharing_a_server_serve_their_own_adapters(serve, params, tmp_path)
   b = _engine(tmp_path, urls=[url], lora=True, weights_root=str(tmp_path / "b"))
   for engine in (a, b):
     engine.set_weights(params[True], 1)
-  _generate(b)
+  _generate(b, params[True], 1)
   name, root = fake.served[-1]
   assert name.startswith("policy-") and root.startswith(str(tmp_path / "b")), fake.served
-  _generate(a)
+  _generate(a, params[True], 1)
   name_a, root_a = fake.served[-1]
   assert name_a != name and root_a.startswith(str(tmp_path / "a"))
 
@@ -603,11 +604,11 @@ def test_nothing_restarts_after_close(launched, params, tmp_path):
   engine.set_weights(params[False], 0)
   engine.client.on_requests_sent = engine.close
   with pytest.raises(SidecarError, match="closed"):
-    _generate(engine)
+    _generate(engine, params[False], 0)
   with pytest.raises(SidecarError, match="closed"):
     engine.set_weights(params[False], 1)
   with pytest.raises(SidecarError, match="closed"):
-    _generate(engine)
+    _generate(engine, params[False], 0)
   assert _starts(tmp_path) == 1
   assert not any(group_members(g) for g in engine.sidecar.group_ids)
 
@@ -651,7 +652,7 @@ def test_a_models_failure_is_a_server_error_and_restarts(serve, launched, params
   engine = launched(spec={"drop": {"1": {"/v1/models": 10}}}, lora_rank=8)
   engine.set_weights(params[True], 0)
   assert _starts(tmp_path) == 2
-  _generate(engine)
+  _generate(engine, params[True], 0)
 
 
 def test_a_start_that_does_not_come_up_counts_as_a_failure(launched, params, tmp_path):
@@ -686,11 +687,11 @@ def test_token_ids_and_logprobs_are_checked(serve, params, tmp_path, tokens, log
   engine = _engine(tmp_path, urls=[url])
   engine.set_weights(params[False], 0)
   if refused is None:
-    out = _generate(engine)
+    out = _generate(engine, params[False], 0)
     assert out.tokens_RxN[0, : len(tokens)].tolist() == tokens
     return
   with pytest.raises(SidecarError, match=f"{url}.*{refused}"):
-    _generate(engine)
+    _generate(engine, params[False], 0)
 
 
 def test_an_attached_trainer_killed_outright_leaves_no_weights_behind(serve, tmp_path):

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from jaxrl.rollout import multiturn, vllm_multiturn
+from jaxrl.rollout.engine import SampleRequest
 from jaxrl.rollout.sidecar import LaunchConfig
 from jaxrl.rollout.vllm_client import Completion, ServerError
 from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine
@@ -218,10 +219,12 @@ def test_a_turn_that_fails_is_retried_whole_after_a_restart(tmp_path):
     calls = []
     engine, restarts = _engine(tmp_path, calls, fail_at)
     env = Environment()
-    outs.append(engine.generate(ids, mask, [1, 1], 1.0, jax.random.PRNGKey(0), respond=env))
+    # version 0 is the one the engine holds: no push
+    request = SampleRequest(ids, mask, [1, 1], jax.random.PRNGKey(0), 1.0, respond=env)
+    outs.append(engine.generate(None, 0, request))
     engine.close()
     envs.append(env.shown)
-    logs.append((calls, restarts, engine.turn_counts))
+    logs.append((calls, restarts, outs[-1]))
   (calls0, restarts0, counts0), (calls1, restarts1, counts1) = logs
   assert restarts0 == [] and restarts1 == [str(tmp_path)]
   assert len(calls0) == 2 and calls1 == [calls0[0], calls0[1], calls0[1]]

@@ -33,9 +33,9 @@ def build_engine(
   """The rollout engine ``cfg.rollout.engine`` names: the JAX sampler, or vLLM sidecar(s).
 
   With an ``environment`` (``task.environment``): multi-turn rollouts, the JAX sampler's
-  (``multiturn``) or the sidecar's (``vllm_multiturn``). A caller that knows its questions passes
-  ``generate(..., respond=multiturn.EnvironmentRespond(environment, question_ids_R))``; without
-  one, the environment is reset with each row's prompt index among the call's prompts (held-out
+  (``multiturn``) or the sidecar's (``vllm_multiturn``). A caller that knows its questions puts
+  ``multiturn.EnvironmentRespond(environment, question_ids_R)`` in its ``SampleRequest.respond``;
+  without one, the environment is reset with each row's prompt index among the call's prompts (held-out
   evaluation's chunks)."""
   common = dict(
     max_new_tokens=cfg.rollout.max_new_tokens, eos_id=eos_id, pad_id=pad_id, top_p=cfg.rollout.top_p

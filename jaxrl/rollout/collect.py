@@ -19,8 +19,18 @@ from jaxrl.parallel import distributed, sharding
 from jaxrl.rl import packing, step
 from jaxrl.rl.programs import ForgetConfig, Programs
 from jaxrl.rollout import multiturn
-from jaxrl.rollout.engine import RolloutEngine
+from jaxrl.rollout.engine import RolloutEngine, SampleRequest
 from jaxrl.types import Rollouts
+
+
+def turn_metrics(rollouts: Rollouts) -> dict:
+  """Multi-turn rollouts' mean model turns and tool calls per row ({} single-turn)."""
+  if rollouts.turns_R is None:
+    return {}
+  return dict(
+    turns_mean=float(np.mean(np.asarray(rollouts.turns_R))),
+    tool_calls_mean=float(np.mean(np.asarray(rollouts.tool_calls_R))),
+  )
 
 
 def token_mean_entropy(rollouts: Rollouts) -> float:
@@ -61,8 +71,8 @@ class Collector:
     """Rollouts sampled from ``params`` (weight version ``version``) at τ, with the engine's
     behaviour log-probs.
 
-    The one place rollouts set the engine's weights: each call names its params, so nothing
-    samples from weights someone else set (an engine skips a version it holds).
+    Every call names its params to the engine (which skips loading a version it holds), so
+    nothing samples from weights someone else set.
 
     ``score``: the rollouts also get ℓ_prox and entropies under ``params`` (the update will start
     from them: an on-policy batch). The JAX sampler's own numbers are both (its full-softmax ℓ,
@@ -74,27 +84,17 @@ class Collector:
     (``qids_B``, the prompts' question ids); the engine gives the environment's
     ``trajectory_reward``, if any, as the rollouts' ``rewards_R`` (the loop adds the verifier's).
     """
-    self.engine.set_weights(params, version)
-    more = {}
+    respond = None
     if self.environment is not None and qids_B is not None:
       qids_R = np.repeat(np.asarray(qids_B), np.asarray(counts_B))
-      more["respond"] = multiturn.EnvironmentRespond(self.environment, qids_R)
-    out = self.engine.generate(
-      ids_BxP, mask_BxP, counts_B, tau, key, max_new_tokens=max_new_tokens, **more
+      respond = multiturn.EnvironmentRespond(self.environment, qids_R)
+    request = SampleRequest(
+      ids_BxP, mask_BxP, counts_B, key, tau, max_new_tokens=max_new_tokens, respond=respond
     )
+    out = self.engine.generate(params, version, request)
     if self.engine.provides_entropy:
       return dataclasses.replace(out, prox_logp_RxN=out.prox_logp_RxN if score else None)
     return self.anchor(params, out, tau) if score else out
-
-  def turn_metrics(self) -> dict:
-    """The last multi-turn call's mean turns and tool calls per row ({} single-turn)."""
-    counts = getattr(self.engine, "turn_counts", None)
-    if counts is None:
-      return {}
-    return dict(
-      turns_mean=float(np.mean(np.asarray(counts.turns_R))),
-      tool_calls_mean=float(np.mean(np.asarray(counts.tool_calls_R))),
-    )
 
   def anchor(self, params, rollouts: Rollouts, tau) -> Rollouts:
     """``rollouts`` with ℓ_prox and entropies at τ under ``params`` (the update's start)."""

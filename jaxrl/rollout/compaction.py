@@ -120,8 +120,8 @@ def _take(st: sampler._DecodeState, prompt_len_b: Array, take_b: Array, spare_b:
   static_argnames=("num_rollouts", "max_new_tokens", "eos_id", "pad_id", "model_cfg", "greedy"),
 )
 def _start(*args, num_rollouts, max_new_tokens, eos_id, pad_id, model_cfg, greedy):
-  """``sampler.begin``, jitted: the carry after token 0, the prompt rows and each row's prompt
-  length."""
+  """``sampler.begin``, jitted: the decoder without its params (each chunk passes them), the
+  carry after token 0 and the prompt rows."""
   decoder, st, prompt_rows = sampler.begin(
     *args,
     num_rollouts=num_rollouts,
@@ -131,48 +131,16 @@ def _start(*args, num_rollouts, max_new_tokens, eos_id, pad_id, model_cfg, greed
     model_cfg=model_cfg,
     greedy=greedy,
   )
-  return st, prompt_rows, decoder.prompt_len_R
+  return dataclasses.replace(decoder, params=None), st, prompt_rows
 
 
-@functools.partial(
-  jax.jit,
-  static_argnames=("num_rows", "prompt_width", "eos_id", "pad_id", "greedy"),
-  donate_argnames=("st",),
-)
+@functools.partial(jax.jit, donate_argnames=("st",))
 def decode_chunk(
-  graphdef,
-  params,
-  st: sampler._DecodeState,
-  key,
-  tau,
-  top_p,
-  prompt_len_b,
-  row_b,
-  until,
-  *,
-  num_rows: int,
-  prompt_width: int,
-  eos_id: tuple[int, ...],
-  pad_id: int,
-  greedy: bool,
+  params, decoder: sampler._Decoder, st: sampler._DecodeState
 ) -> sampler._DecodeState:
-  """Decode a batch of rollout rows ``row_b`` up to token ``until`` (traced) or until every row
-  finished (the cache holds the slots of ``until``'s segment: ``_grow``)."""
-  decoder = sampler._Decoder(
-    graphdef=graphdef,
-    params=params,
-    key=key,
-    tau=tau,
-    top_p=top_p,
-    prompt_len_R=prompt_len_b,
-    prompt_width=prompt_width,
-    until=until,
-    eos_id=eos_id,
-    pad_id=pad_id,
-    greedy=greedy,
-    row_R=row_b,
-    num_rows=num_rows,
-  )
+  """Decode ``decoder``'s batch of rollout rows (``row_R``) up to its token ``until`` (traced) or
+  until every row finished (the cache holds the slots of ``until``'s segment: ``_grow``)."""
+  decoder = dataclasses.replace(decoder, params=params)
   return jax.lax.while_loop(decoder.running, decoder.step, st)
 
 
@@ -181,6 +149,25 @@ def _grow(st: sampler._DecodeState, slots: int) -> sampler._DecodeState:
   """The carry with a cache of ``slots`` slots (its own program, so that ``decode_chunk``'s input
   and output have one shape and the carry it is given is updated in place)."""
   return dataclasses.replace(st, cache=st.cache.pad_slots(slots))
+
+
+def _compact(out: _Responses | None, decoder: sampler._Decoder, st, finished_b):
+  """(out, decoder, carry) for the next chunk: once the live rows (not ``finished_b``) fit a
+  smaller bucket, the batch's responses written into ``out`` (the first batch's are ``out``) and
+  the live rows gathered; unchanged otherwise."""
+  row_b = np.asarray(decoder.row_R)
+  live = np.flatnonzero(~finished_b)
+  bucket = bucket_for(len(live), len(row_b))
+  if bucket == len(row_b):
+    return out, decoder, st
+  # The first batch is every rollout row in order: its responses are the result so far.
+  out = _responses(st) if out is None else _write(out, st, row_b)
+  spare = bucket - len(live)
+  take_b = np.concatenate([live, np.full(spare, live[0])]).astype(np.int32)
+  spare_b = np.arange(bucket) >= len(live)
+  st, prompt_len_b = _take(st, decoder.prompt_len_R, take_b, spare_b)
+  row_b = np.where(spare_b, decoder.num_rows, row_b[take_b]).astype(np.int32)
+  return out, dataclasses.replace(decoder, prompt_len_R=prompt_len_b, row_R=row_b), st
 
 
 def generate(
@@ -206,55 +193,31 @@ def generate(
   if compact_every < 1:
     raise ValueError(f"compact_every must be >= 1, got {compact_every}")
   args = sampler.request_arrays(
-    graphdef,
-    params,
-    prompt_ids_BxP,
-    prompt_mask_BxP,
-    counts_B,
-    key,
-    temperature,
-    top_p,
+    *(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, key, temperature, top_p),
     num_rollouts=num_rollouts,
     max_new_tokens=max_new_tokens,
   )
-  R, N, eos_id = num_rollouts, max_new_tokens, sampler.stop_ids(eos_id)
-  static = dict(eos_id=eos_id, pad_id=pad_id, greedy=greedy)
-  st, prompt_rows, prompt_len_b = _start(
-    *args, num_rollouts=R, max_new_tokens=N, model_cfg=model_cfg, **static
+  R, N = num_rollouts, max_new_tokens
+  decoder, st, prompt_rows = _start(
+    *args,
+    num_rollouts=R,
+    max_new_tokens=N,
+    eos_id=sampler.stop_ids(eos_id),
+    pad_id=pad_id,
+    model_cfg=model_cfg,
+    greedy=greedy,
   )
-  *_, key, tau, top_p = args
-  P = prompt_rows[0].shape[1]
-  row_b, out = np.arange(R, dtype=np.int32), None
+  decoder = dataclasses.replace(decoder, row_R=np.arange(R, dtype=np.int32), num_rows=R)
+  P, out = decoder.prompt_width, None
   n, finished_b = jax.device_get((st.n, st.finished_R))
   while n < N and not finished_b.all():
-    live = np.flatnonzero(~finished_b)
-    bucket = bucket_for(len(live), len(row_b))
-    if bucket < len(row_b):
-      # The first batch is every rollout row in order: its responses are the result so far.
-      out = _responses(st) if out is None else _write(out, st, row_b)
-      spare = bucket - len(live)
-      take_b = np.concatenate([live, np.full(spare, live[0])]).astype(np.int32)
-      spare_b = np.arange(bucket) >= len(live)
-      st, prompt_len_b = _take(st, prompt_len_b, take_b, spare_b)
-      row_b = np.where(spare_b, R, row_b[take_b]).astype(np.int32)
+    out, decoder, st = _compact(out, decoder, st, finished_b)
     # The cache holds the slots of the chunk's segment (``sampler.segment_ends``).
     end = next(e for e in sampler.segment_ends(N) if e > n)
     if st.cache.slots < P + end:
       st = _grow(st, P + end)
-    st = decode_chunk(
-      graphdef,
-      params,
-      st,
-      key,
-      tau,
-      top_p,
-      prompt_len_b,
-      row_b,
-      jnp.int32(chunk_end(n, N, compact_every)),
-      num_rows=R,
-      prompt_width=P,
-      **static,
-    )
+    chunk = dataclasses.replace(decoder, until=jnp.int32(chunk_end(n, N, compact_every)))
+    st = decode_chunk(params, chunk, st)
     n, finished_b = jax.device_get((st.n, st.finished_R))
-  out = _responses(st) if out is None else _write(out, st, row_b)
+  out = _responses(st) if out is None else _write(out, st, np.asarray(decoder.row_R))
   return sampler._assemble(*prompt_rows, out)

@@ -101,6 +101,8 @@ _ZERO_ON_PAD = (
   "entropy_RxN",
   "rewards_R",
   "finished_R",
+  "turns_R",
+  "tool_calls_R",
 )
 
 

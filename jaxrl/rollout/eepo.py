@@ -54,46 +54,41 @@ def two_stage_rollouts(
 ) -> TwoStage:
   """``gate(gate_state, H_stage1) → (fire, gate_state)`` is the jitted EEPO gate controller;
   ``version``: the weight version of ``params`` (a training step's)."""
+
+  def stage(theta, theta_version: int, stage_counts_B, index: int, scored: bool) -> Rollouts:
+    return collector.sample(
+      theta,
+      theta_version,
+      ids_BxP,
+      mask_BxP,
+      stage_counts_B,
+      tau,
+      jax.random.fold_in(key, index),
+      max_new_tokens,
+      score=scored,
+      qids_B=qids_B,
+    )
+
   counts1_B = eepo_stage1_counts(counts_B)
   # Stage 1 is always scored: the gate reads its entropy under the sampling params.
-  out1 = collector.sample(
-    params,
-    version,
-    ids_BxP,
-    mask_BxP,
-    counts1_B,
-    tau,
-    jax.random.fold_in(key, 1),
-    max_new_tokens,
-    qids_B=qids_B,
-  )
+  out1 = stage(params, version, counts1_B, 1, True)
   h1 = token_mean_entropy(out1)
   fire, gate_state = gate(gate_state, h1)
   unlearn, params2, version2 = float("nan"), params, version
   if bool(fire):
     params2, unlearn = collector.forget(params, out1, tau, forget)
     version2 = forget_version(version)
-  out2 = collector.sample(
-    params2,
-    version2,
-    ids_BxP,
-    mask_BxP,
-    counts_B - counts1_B,
-    tau,
-    jax.random.fold_in(key, 2),
-    max_new_tokens,
-    score=score,
-    qids_B=qids_B,
-  )
-  if not score:
-    out1 = dataclasses.replace(out1, prox_logp_RxN=None)
-  out = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out1, out2)
-  if score and bool(fire) and old_logp_from == "policy":
-    prox, _ = collector.logp(params, out, tau)
-    out = dataclasses.replace(out, prox_logp_RxN=prox)
+  out2 = stage(params2, version2, counts_B - counts1_B, 2, score)
+  policy_prox = score and bool(fire) and old_logp_from == "policy"
+  out = _joined(collector, params, out1, out2, tau, score=score, policy_prox=policy_prox)
   # (a stale batch from a server that gives no entropies has none to read until it is rescored)
   h2 = token_mean_entropy(out2) if score or collector.engine.provides_entropy else float("nan")
-  metrics = {
+  return TwoStage(out, gate_state, _metrics(out1, h1, h2, fire, unlearn))
+
+
+def _metrics(out1: Rollouts, h1: float, h2: float, fire, unlearn) -> dict:
+  """The step's EEPO metrics: the gate, the forgetting step and the two stages' entropies."""
+  return {
     "eepo_gate": float(bool(fire)),
     "eepo_unlearn_loss": float(unlearn),
     # the forgetting step's compute: each stage-1 model token forwarded and differentiated once
@@ -102,4 +97,15 @@ def two_stage_rollouts(
     "entropy_stage2": h2,
     "eepo_entropy_ratio": eepo_entropy_ratio(h1, h2, fire),
   }
-  return TwoStage(out, gate_state, metrics)
+
+
+def _joined(collector: Collector, params, out1, out2, tau, *, score: bool, policy_prox: bool):
+  """The two stages' rows in one batch: a stale one (not ``score``) without ℓ_prox, and with
+  ``policy_prox`` ℓ_prox under θ for both stages (``eepo.old_logp_from = "policy"``)."""
+  if not score:
+    out1 = dataclasses.replace(out1, prox_logp_RxN=None)
+  out = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out1, out2)
+  if policy_prox:
+    prox, _ = collector.logp(params, out, tau)
+    out = dataclasses.replace(out, prox_logp_RxN=prox)
+  return out

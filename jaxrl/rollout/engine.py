@@ -1,11 +1,12 @@
 """The rollout protocol the trainer talks to, and its in-process JAX engine.
 
-The trainer only calls ``set_weights(params, version)`` and then ``generate(prompt ids, counts G_i,
-temperature, key)``; a vLLM sidecar engine implements the same two methods. Two functions call
-them, each naming the params it samples from right before it samples: ``Collector.sample``
-(rollouts) and ``run/heldout.py: engine_sampler`` (evaluation). No sample relies on weights another
-caller set, so none comes from params older than its caller's, and the JAX engine's reference
-(the train state's arrays, which the next update donates) is replaced before it is read again.
+Every engine has one sampling call, ``generate(params, version, request) -> Rollouts``: the params
+to sample from and their int weight version, and a ``SampleRequest`` (the prompts, counts G_i,
+key, τ, response budget, greedy, and for multi-turn rollouts the environment's callback). The
+JAX sampler (single-turn, compacted or multi-turn) and the vLLM sidecar engines all take it; the
+``Rollouts`` it returns carry a multi-turn call's turn counts (``turns_R``, ``tool_calls_R``).
+Every call names its params, so no sample comes from weights another caller set, nor from arrays
+an update has donated since (the JAX engine holds none between calls).
 
 Weight versions are ints. A training step's version (>= 0) is the number of updates its params
 have had; params that no training step samples from get negative versions (``eval_version``,
@@ -19,9 +20,10 @@ environment (``jaxrl.rollout.multiturn``) through the same ``generate``.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -58,15 +60,48 @@ def check_version(version) -> int:
   return int(version)
 
 
+@dataclasses.dataclass(frozen=True)
+class SampleRequest:
+  """One sampling call, as every engine's ``generate`` takes it."""
+
+  prompt_ids_BxP: Any  # i32, left-padded
+  prompt_mask_BxP: Any  # bool
+  counts_B: Any  # i32 rollouts per prompt, G_i (Σ = R)
+  key: Any  # the call's PRNG key
+  temperature: Any  # τ, a float or f32[]
+  max_new_tokens: int | None = None  # N; None: the engine's default
+  greedy: bool = False  # argmax tokens (evaluation), τ and top-p unused
+  # Multi-turn: the environment's callback for these rows (``multiturn.Respond``, e.g. an
+  # ``EnvironmentRespond`` of the rows' questions); None: the engine's ``respond_factory``
+  respond: multiturn.Respond | None = None
+  # The prompts are questions first_question.. (rows first_row..) of a larger batch (one host's
+  # slice, ``hosts.PerHostEngine``): an engine draws for them what the whole batch would draw
+  first_question: int = 0
+  first_row: int = 0
+
+  def respond_or(self, factory: Callable[[np.ndarray], Any] | None):
+    """The call's ``respond``; without one ``factory(question_ids_R)`` (each row's prompt index
+    in the whole batch, e.g. to reset one environment per row)."""
+    if self.respond is not None:
+      return self.respond
+    if factory is None:
+      raise ValueError("a multi-turn engine needs a request's respond or a respond_factory")
+    counts_B = np.asarray(self.counts_B)
+    return factory(np.repeat(np.arange(len(counts_B)), counts_B) + self.first_question)
+
+
 class RolloutEngine(Protocol):
   provides_entropy: bool  # False: the trainer scores the rollouts for ℓ_prox and entropies
   # True: generation may run on a thread beside the trainer's programs (rollout.max_staleness
   # >= 1 overlaps them); False: it shares their devices or collectives, so it runs inline
   concurrent: bool
-  max_new_tokens: int  # the default response length (a call may ask for another)
+  max_new_tokens: int  # the default response length (a request may ask for another)
 
-  def set_weights(self, params, version: int) -> None:
-    """Sample from ``params`` (named ``version``, an int: ``check_version``) from now on."""
+  def generate(self, params, version: int, request: SampleRequest) -> Rollouts:
+    """``request``'s rollouts sampled from ``params``, whose weight version is ``version`` (an
+    int: ``check_version``), with the engine's own sampled-token log-probs as
+    ``behaviour_logp_RxN``; multi-turn, with the turn counts and the environment's trajectory
+    reward (``rewards_R``, if it has one)."""
     ...
 
   def close(self) -> None: ...
@@ -76,33 +111,23 @@ class RolloutEngine(Protocol):
     signal may have been the whole job's). Called from a signal handler: it only sets a flag."""
     ...
 
-  def generate(
-    self,
-    prompt_ids_BxP,
-    prompt_mask_BxP,
-    counts_B,
-    temperature,
-    key,
-    *,
-    max_new_tokens: int | None = None,
-    greedy: bool = False,
-  ) -> Rollouts:
-    """Rollouts from the weights of the last ``set_weights``; before any, an error."""
-    ...
+
+def live_params(params, version: int):
+  """``params`` to sample from; params an update has donated are an error naming ``version``."""
+  if any(x.is_deleted() for x in jax.tree.leaves(params) if isinstance(x, jax.Array)):
+    raise RuntimeError(
+      f"generate(): the params of version {version} were donated (an update ran since they "
+      "were read); pass the params to sample from"
+    )
+  return params
 
 
 class JaxEngine:
-  """Samples with ``jaxrl.rollout.sampler`` from params held in device memory (no copy on sync).
+  """Samples with ``jaxrl.rollout.sampler`` from the params each call names (device arrays, no
+  copy; the engine keeps no reference between calls).
 
-  It holds a reference to the params of the last ``set_weights``: the trainer's own arrays, which
-  its next update donates. Each sampling caller sets its params right before it samples, so a
-  donated reference is only ever replaced, never read; were it read, ``generate`` says so instead
-  of failing inside the sampler.
-
-  With ``turns`` it samples multi-turn rollouts (``multiturn.generate``) instead: each call's
-  environment is ``generate``'s ``respond`` or, without one, ``respond_factory(group_ids_R)`` (the
-  row's question index among the call's B prompts, e.g. to build one environment per row). The
-  last call's ``multiturn.TurnCounts`` are kept in ``turn_counts``.
+  With ``turns`` it samples multi-turn rollouts (``multiturn.generate``) instead, with the
+  request's ``respond`` or ``respond_factory``'s (``SampleRequest.respond_or``).
 
   With ``compact_every`` > 0 single-turn rollouts drop their finished rows from the decode every
   that many tokens (``jaxrl.rollout.compaction``: the same tokens for the same key).
@@ -126,108 +151,52 @@ class JaxEngine:
   ):
     self._graphdef = graphdef
     self._model_cfg = model_cfg
-    self.max_new_tokens = max_new_tokens  # the default; each phase passes its own to generate
+    self.max_new_tokens = max_new_tokens  # the default; each phase passes its own
     self._eos, self._pad = eos_id, pad_id
     self._top_p = jnp.float32(top_p)
-    self._params = None
-    self.version: int | None = None
     self._turns, self._respond_factory = turns, respond_factory
     if compact_every and jax.process_count() > 1:
       # The host reads which rows finished between chunks: every row must be on this process.
       raise ValueError("rollout.compact_every needs one process (0 on several hosts)")
     self._compact_every = compact_every
-    self.turn_counts: multiturn.TurnCounts | None = None
-
-  def set_weights(self, params, version: int) -> None:
-    # Always the caller's arrays, even for the version held: the same version may come as other
-    # arrays (a copy for the rollout thread, the train state's own), and the held ones may have
-    # been donated since.
-    self.version = check_version(version)
-    self._params = params
-
-  def _live_params(self):
-    if self._params is None:
-      raise RuntimeError("JaxEngine.generate() before set_weights(): it holds no params")
-    if any(x.is_deleted() for x in jax.tree.leaves(self._params) if isinstance(x, jax.Array)):
-      raise RuntimeError(
-        f"JaxEngine.generate(): the params set as version {self.version} were donated (an "
-        "update ran since set_weights); set the params to sample from first"
-      )
-    return self._params
 
   def close(self) -> None:
-    self._params = None
+    """Nothing held: the params are each call's."""
 
   def stop_restarts(self) -> None:
     """Nothing to restart: the sampler runs in the trainer."""
 
-  def generate(
-    self,
-    prompt_ids_BxP,
-    prompt_mask_BxP,
-    counts_B,
-    temperature,
-    key,
-    *,
-    max_new_tokens: int | None = None,
-    greedy: bool = False,
-    respond: multiturn.Respond | None = None,
-  ) -> Rollouts:
-    counts_B = np.asarray(counts_B, np.int32)
-    if self._turns is not None:
-      return self._multiturn(
-        prompt_ids_BxP, prompt_mask_BxP, counts_B, temperature, key, max_new_tokens, greedy, respond
-      )
-    if respond is not None:
-      raise ValueError("respond is for an engine built with turns (multi-turn)")
-    compacted = {"compact_every": self._compact_every} if self._compact_every else {}
-    out = (compaction.generate if compacted else sampler.generate)(
+  def generate(self, params, version: int, request: SampleRequest) -> Rollouts:
+    params = live_params(params, check_version(version))
+    counts_B = np.asarray(request.counts_B, np.int32)
+    # The sampler's positional arguments (its programs' order) and its static ones.
+    args = (
       self._graphdef,
-      self._live_params(),
-      jnp.asarray(prompt_ids_BxP),
-      jnp.asarray(prompt_mask_BxP),
+      params,
+      jnp.asarray(request.prompt_ids_BxP),
+      jnp.asarray(request.prompt_mask_BxP),
       jnp.asarray(counts_B),
-      key,
-      jnp.float32(temperature),
+      request.key,
+      jnp.float32(request.temperature),
       self._top_p,
+    )
+    static = dict(
       num_rollouts=int(counts_B.sum()),
-      max_new_tokens=max_new_tokens or self.max_new_tokens,
+      max_new_tokens=request.max_new_tokens or self.max_new_tokens,
       eos_id=self._eos,
       pad_id=self._pad,
       model_cfg=self._model_cfg,
-      greedy=greedy,
-      **compacted,
+      greedy=request.greedy,
     )
+    if self._turns is not None:
+      respond = request.respond_or(self._respond_factory)
+      out = multiturn.generate(*args, respond, turns=self._turns, **static)
+    elif request.respond is not None:
+      raise ValueError("respond is for an engine built with turns (multi-turn)")
+    elif self._compact_every:
+      out = compaction.generate(*args, compact_every=self._compact_every, **static)
+    else:
+      out = sampler.generate(*args, **static)
     # Several processes: every one decodes and scores all rollouts (identical rewards everywhere).
-    return distributed.to_host(out) if jax.process_count() > 1 else out
-
-  def _multiturn(
-    self, ids_BxP, mask_BxP, counts_B, temperature, key, max_new_tokens, greedy, respond
-  ) -> Rollouts:
-    if respond is None:
-      if self._respond_factory is None:
-        raise ValueError("a multi-turn JaxEngine needs respond= or a respond_factory")
-      respond = self._respond_factory(np.repeat(np.arange(len(counts_B)), counts_B))
-    out_and_counts = multiturn.generate(
-      self._graphdef,
-      self._live_params(),
-      ids_BxP,
-      mask_BxP,
-      counts_B,
-      key,
-      temperature,
-      self._top_p,
-      respond,
-      num_rollouts=int(counts_B.sum()),
-      max_new_tokens=max_new_tokens or self.max_new_tokens,
-      turns=self._turns,
-      eos_id=self._eos,
-      pad_id=self._pad,
-      model_cfg=self._model_cfg,
-      greedy=greedy,
-    )
-    # Several processes: every one sees all rollouts and their turn counts, as single-turn.
-    out, self.turn_counts = (
-      distributed.to_host(out_and_counts) if jax.process_count() > 1 else out_and_counts
-    )
-    return multiturn.with_trajectory_reward(out, respond)
+    out = distributed.to_host(out) if jax.process_count() > 1 else out
+    return out if self._turns is None else multiturn.with_trajectory_reward(out, respond)

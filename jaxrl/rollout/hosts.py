@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxrl.rollout.engine import SampleRequest
 from jaxrl.types import Rollouts
 
 
@@ -50,22 +51,18 @@ class PerHostEngine:
   """A rollout engine per process (its own vLLM sidecar) serving that process's questions.
 
   Multi-turn: each process steps the environment for its own rows (``respond.rows``: a fresh
-  respond over that slice), so the environment's trajectory reward comes back in ``rewards_R``
-  and is gathered with the rows, as are the local engine's ``turn_counts``."""
+  respond over that slice), so the environment's trajectory reward and the turn counts come back
+  in the rollouts and are gathered with the rows."""
 
   def __init__(self, local):
     self.local = local
     self.provides_entropy = local.provides_entropy
     # Gathering every host's rows is a collective: it must not run beside the trainer's.
     self.concurrent = False
-    self.turn_counts = None  # the last multi-turn call's, every host's rows
 
   @property
   def max_new_tokens(self) -> int:
     return self.local.max_new_tokens
-
-  def set_weights(self, params, version: int) -> None:
-    self.local.set_weights(params, version)  # every process exports its own copy for its server
 
   def close(self) -> None:
     self.local.close()
@@ -73,38 +70,28 @@ class PerHostEngine:
   def stop_restarts(self) -> None:
     self.local.stop_restarts()
 
-  def generate(
-    self,
-    prompt_ids_BxP,
-    prompt_mask_BxP,
-    counts_B,
-    temperature,
-    key,
-    *,
-    max_new_tokens: int | None = None,
-    greedy: bool = False,
-    respond=None,
-  ) -> Rollouts:
-    counts_B = np.asarray(counts_B, np.int64)
+  def generate(self, params, version: int, request: SampleRequest) -> Rollouts:
+    """This process's slice of ``request`` from its own engine (every process pushes its own copy
+    of ``params`` to its server), every process's rows gathered."""
+    counts_B = np.asarray(request.counts_B, np.int64)
     bounds = host_slices(counts_B, jax.process_count())
     lo, hi = bounds[jax.process_index()], bounds[jax.process_index() + 1]
     first_row_B = np.concatenate([[0], np.cumsum(counts_B)])
-    more = {} if respond is None else dict(respond=respond.rows(first_row_B[lo], first_row_B[hi]))
+    respond = request.respond
     local = self.local.generate(
-      np.asarray(prompt_ids_BxP)[lo:hi],
-      np.asarray(prompt_mask_BxP)[lo:hi],
-      counts_B[lo:hi],
-      temperature,
-      key,
-      max_new_tokens=max_new_tokens,
-      greedy=greedy,
-      first_question=int(lo),
-      first_row=int(first_row_B[lo]),
-      **more,
+      params,
+      version,
+      dataclasses.replace(
+        request,
+        prompt_ids_BxP=np.asarray(request.prompt_ids_BxP)[lo:hi],
+        prompt_mask_BxP=np.asarray(request.prompt_mask_BxP)[lo:hi],
+        counts_B=counts_B[lo:hi],
+        respond=None if respond is None else respond.rows(first_row_B[lo], first_row_B[hi]),
+        first_question=int(lo),
+        first_row=int(first_row_B[lo]),
+      ),
     )
     rows_P = first_row_B[bounds[1:]] - first_row_B[bounds[:-1]]
     out = gather_rows(local, rows_P)
-    if self.local.turn_counts is not None:  # multi-turn: every process's engine has them
-      self.turn_counts = gather_rows(self.local.turn_counts, rows_P)
     group_ids_R = np.repeat(np.arange(len(counts_B), dtype=np.int32), counts_B)
     return dataclasses.replace(out, group_ids_R=group_ids_R)

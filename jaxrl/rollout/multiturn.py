@@ -7,12 +7,12 @@ of ``</calc>``); the host's ``respond`` callback answers with observation tokens
 continues. Turns run in lockstep over the R rows, as host-driven jitted programs that each
 compile once per run (their shapes are fixed by R, P, N, T and O; the turn's start is traced):
 
-  ``prefill_program``   expand B prompts to R rows, prefill once per prompt (``sampler._prefill``)
+  ``prefill_program``   expand B prompts to R rows, prefill once per prompt (``sampler.prefill_rows``)
   ``turn_program``      one model turn: a ``while_loop`` of at most T = ``max_turn_tokens`` steps
                         that stops when every row's turn ended
   ``observe_program``   O = ``max_observation_tokens`` observation positions for every row, filled
                         by one forward (rows without an observation: all masked)
-  ``assemble_program``  the ``Rollouts`` and the per-row ``TurnCounts``
+  ``assemble_program``  the ``Rollouts``, with each row's turn counts
 
 A row's turn ends at a turn-stop id (the host is asked for an observation; with
 ``TurnConfig.call_ids``, a chat model's end-of-turn id, only if the turn holds a call, else the row
@@ -29,8 +29,9 @@ Gaps are invisible to the model: the cache slot of a gap is not valid (``kv_vali
 RoPE positions count real tokens only, so the log-probs are those of a forward without a cache
 over ``prompt ++ response`` with ``positions_from_mask`` (the update's, ``rl/step.py:
 response_hidden``). Response token n sits in cache slot P + n, as in the single-turn sampler,
-whose token draw (``sampler._draw``: the draw of token n keyed by ``fold_in(key, n)``), prompt
-expansion and prefill this module shares.
+whose token draw (``sampler._draw``: the draw of token n keyed by ``fold_in(key, n)``), request
+checks (``sampler.request_arrays``) and prefilled rows (``sampler.prefill_rows``) this module
+shares.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ import numpy as np
 from jaxrl.nn import kv_cache, model
 from jaxrl.nn.logprobs import logits_f32
 from jaxrl.parallel import distributed
-from jaxrl.rollout.sampler import _draw, _expand, _prefill, _put, stop_ids
+from jaxrl.rollout import sampler
+from jaxrl.rollout.sampler import _draw, _put, stop_ids
 from jaxrl.types import Array, Rollouts, pytree_dataclass
 
 # respond(asked_R, turn_tokens) -> (observation_ids, done_R). ``asked_R`` [R] marks the rows whose
@@ -177,35 +179,33 @@ def prefill_program(
 ):
   """The R prompt rows, their masks and group ids, and the state before the first turn."""
   (R, N), P = (num_rollouts, max_new_tokens), prompt_ids_BxP.shape[1]
-  prompt_ids_RxP, prompt_mask_RxP, group_ids_R = _expand(
-    prompt_ids_BxP, prompt_mask_BxP, counts_B, R
-  )
-  cache, logits_RxV = _prefill(
-    graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, rows=R, model_cfg=model_cfg
+  rows = sampler.prefill_rows(
+    graphdef,
+    params,
+    prompt_ids_BxP,
+    prompt_mask_BxP,
+    counts_B,
+    rows=R,
+    max_new_tokens=N,
+    model_cfg=model_cfg,
   )
   # One cache for every turn (a turn's start is traced): no segments as in ``sample_program``.
-  zeros_RxN, false_R, zero_R = jnp.zeros((R, N), bool), jnp.zeros(R, bool), jnp.zeros(R, jnp.int32)
+  st = sampler._initial_state(
+    rows.cache.pad_slots(P + N), rows.kv_valid_RxS, rows.logits_RxV, max_new_tokens=N, pad_id=pad_id
+  )
+  false_R, zero_R = jnp.zeros(R, bool), jnp.zeros(R, jnp.int32)
   state = _TurnState(
-    n=jnp.int32(0),
-    cache=cache.pad_slots(P + N),
-    kv_valid_RxS=jnp.concatenate([prompt_mask_RxP, zeros_RxN], axis=1),
-    logits_RxV=logits_RxV,
-    tokens_RxN=jnp.full((R, N), pad_id, jnp.int32),
-    mask_RxN=zeros_RxN,
-    loss_mask_RxN=zeros_RxN,
-    logp_RxN=jnp.zeros((R, N), jnp.float32),
-    behaviour_logp_RxN=jnp.zeros((R, N), jnp.float32),
-    entropy_RxN=jnp.zeros((R, N), jnp.float32),
-    next_pos_R=jnp.sum(prompt_mask_RxP, axis=-1, dtype=jnp.int32),
+    **{f.name: getattr(st, f.name) for f in dataclasses.fields(st)},
+    loss_mask_RxN=st.mask_RxN,
+    next_pos_R=rows.prompt_len_R,
     in_turn_R=false_R,
     asked_R=false_R,
     called_R=false_R,
     ended_R=false_R,
-    finished_R=false_R,
     turns_R=zero_R,
     tool_calls_R=zero_R,
   )
-  return state, prompt_ids_RxP, prompt_mask_RxP, group_ids_R
+  return state, rows.prompt_ids_RxP, rows.prompt_mask_RxP, rows.group_ids_R
 
 
 def _prompt_width(st: _TurnState) -> int:
@@ -386,9 +386,9 @@ def observe_program(
 
 @jax.jit
 def assemble_program(state: _TurnState, prompt_ids_RxP, prompt_mask_RxP, group_ids_R):
-  """The rollouts (lengths count every real response token) and the turn counts."""
+  """The rollouts (lengths count every real response token) with their turn counts."""
   st = state
-  rollouts = Rollouts(
+  return Rollouts(
     prompt_ids_RxP=prompt_ids_RxP,
     prompt_mask_RxP=prompt_mask_RxP,
     tokens_RxN=st.tokens_RxN,
@@ -400,8 +400,9 @@ def assemble_program(state: _TurnState, prompt_ids_RxP, prompt_mask_RxP, group_i
     group_ids_R=group_ids_R,
     finished_R=st.finished_R,
     prox_logp_RxN=st.logp_RxN,
+    turns_R=st.turns_R,
+    tool_calls_R=st.tool_calls_R,
   )
-  return rollouts, TurnCounts(turns_R=st.turns_R, tool_calls_R=st.tool_calls_R)
 
 
 def _host(x) -> np.ndarray:
@@ -465,59 +466,68 @@ def generate(
   pad_id: int,
   model_cfg,
   greedy: bool = False,
-) -> tuple[Rollouts, TurnCounts]:
+) -> Rollouts:
   """Sample counts_B[i] multi-turn responses to each left-padded prompt i, asking ``respond`` for
   the observations; needs Σ counts_B == num_rollouts and T <= N.
 
   ``mask_RxN`` marks every real response token (the model's and the environment's), ``loss_mask_RxN``
   the model's; the behaviour log-probs and entropies are 0 elsewhere. ``finished_R``: the row ended
   at EOS or the environment ended it; a row that a limit stopped (T tokens in a turn, no room or
-  no turn left for another) is unfinished. The host syncs once per turn (which rows were asked,
-  their tokens); each program compiles once per (shapes, statics).
+  no turn left for another) is unfinished. ``turns_R`` and ``tool_calls_R``: each row's model
+  turns and observations. The host syncs once per turn (which rows were asked, their tokens); each
+  program compiles once per (shapes, statics).
   """
-  T, O, N = turns.max_turn_tokens, turns.max_observation_tokens, max_new_tokens
+  T, N = turns.max_turn_tokens, max_new_tokens
   if T > N:
     raise ValueError(f"max_turn_tokens = {T} exceeds max_new_tokens = {N}")
-  total = int(np.sum(np.asarray(counts_B)))
-  if total != num_rollouts:
-    raise ValueError(f"sum(counts_B) = {total} but num_rollouts = {num_rollouts}")
-  eos = stop_ids(eos_id)
-  temperature, top_p = jnp.float32(temperature), jnp.float32(top_p)
-  st, prompt_ids_RxP, prompt_mask_RxP, group_ids_R = prefill_program(
-    graphdef,
-    params,
-    jnp.asarray(prompt_ids_BxP, jnp.int32),
-    jnp.asarray(prompt_mask_BxP, bool),
-    jnp.asarray(counts_B, jnp.int32),
+  # graphdef, params, ids, mask, counts, key, τ, top_p: checked, in the programs' dtypes
+  args = sampler.request_arrays(
+    *(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, key, temperature, top_p),
     num_rollouts=num_rollouts,
     max_new_tokens=N,
-    pad_id=pad_id,
-    model_cfg=model_cfg,
   )
-  start = 0
+  st, *prompt_rows = prefill_program(
+    *args[:5], num_rollouts=num_rollouts, max_new_tokens=N, pad_id=pad_id, model_cfg=model_cfg
+  )
+  static = dict(max_new_tokens=N, eos_id=stop_ids(eos_id), pad_id=pad_id, greedy=greedy)
+  st = _take_turns(args, st, respond, turns, **static)
+  return assemble_program(st, *prompt_rows)
+
+
+def _take_turns(args, st, respond, turns, *, max_new_tokens, eos_id, pad_id, greedy) -> _TurnState:
+  """The model's turns from the prefilled state ``st`` (``args``: ``sampler.request_arrays``'),
+  each answered by ``respond`` where it asked and an answer fits (``answers_fit``), until no row
+  asks or no turn is left."""
+  graphdef, params, *_, key, tau, top_p = args
+  statics = dict(eos_id=eos_id, stop_ids=turns.stop_ids, call_ids=turns.call_ids, pad_id=pad_id)
+  start, o = 0, turns.max_observation_tokens
   for turn in range(turns.max_turns):
     st = turn_program(
       graphdef,
       params,
       st,
       key,
-      temperature,
+      tau,
       top_p,
-      max_turn_tokens=T,
-      eos_id=eos,
-      stop_ids=turns.stop_ids,
-      call_ids=turns.call_ids,
-      pad_id=pad_id,
+      max_turn_tokens=turns.max_turn_tokens,
       greedy=greedy,
+      **statics,
     )
     end, asked_R = int(_host(st.n)), _host(st.asked_R)
-    if not answers_fit(turn, end, turns, N) or not asked_R.any():
+    if not answers_fit(turn, end, turns, max_new_tokens) or not asked_R.any():
       break
-    tokens = _turn_tokens(_host(st.tokens_RxN), _host(st.mask_RxN), asked_R, start, end)
-    observations, done_R = respond(asked_R.copy(), tokens)
-    ids_RxO, mask_RxO, done_R = observation_block(observations, done_R, asked_R, O, pad_id)
-    st = observe_program(graphdef, params, st, ids_RxO, mask_RxO, done_R, pad_id=pad_id)
-    start = end + O
+    st, done_R = _answer(graphdef, params, st, respond, asked_R, (start, end), o, pad_id)
+    start = end + o
     if not (asked_R & ~done_R).any():
       break
-  return assemble_program(st, prompt_ids_RxP, prompt_mask_RxP, group_ids_R)
+  return st
+
+
+def _answer(graphdef, params, st: _TurnState, respond: Respond, asked_R, span, o: int, pad_id):
+  """The observations ``respond`` gives the ``asked_R`` rows for their turn's tokens (positions
+  ``span``: start, end), run through the model (``observe_program``): the state after them, and
+  the rows the environment ended."""
+  tokens = _turn_tokens(_host(st.tokens_RxN), _host(st.mask_RxN), asked_R, *span)
+  observations, done_R = respond(asked_R.copy(), tokens)
+  ids_RxO, mask_RxO, done_R = observation_block(observations, done_R, asked_R, o, pad_id)
+  return observe_program(graphdef, params, st, ids_RxO, mask_RxO, done_R, pad_id=pad_id), done_R

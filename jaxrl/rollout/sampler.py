@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxrl.nn import kv_cache, model
 from jaxrl.nn.logprobs import logits_f32, logprobs_entropy_from_logits
-from jaxrl.types import Array, Rollouts, pytree_dataclass
+from jaxrl.types import Array, Rollouts, pytree_dataclass, static_field
 
 
 @pytree_dataclass
@@ -251,10 +251,11 @@ def _initial_state(cache, kv_valid_RxS, logits_RxV, *, max_new_tokens, pad_id) -
   )
 
 
-@dataclasses.dataclass(frozen=True)
+@pytree_dataclass
 class _Decoder:
   """The loop-invariant inputs of a decode step (traced arrays and static settings alike), so
-  ``emit``/``step``/``running`` can be the ``while_loop``'s functions without a closure."""
+  ``emit``/``step``/``running`` can be the ``while_loop``'s functions without a closure; a pytree,
+  so that compacted decode passes it into its chunk program (``compaction.decode_chunk``)."""
 
   graphdef: object
   params: object
@@ -262,14 +263,14 @@ class _Decoder:
   tau: Array  # f32[]
   top_p: Array  # f32[]
   prompt_len_R: Array  # i32, real prompt tokens per row: the RoPE position of token 0
-  prompt_width: int  # P: the response's token n sits in cache slot P + n
   # this loop's last token is until - 1: N, a segment's end (``segment_ends``) or a chunk's (traced)
   until: int | Array
-  eos_id: tuple[int, ...]
-  pad_id: int
-  greedy: bool
+  prompt_width: int = static_field()  # P: the response's token n sits in cache slot P + n
+  eos_id: tuple[int, ...] = static_field()
+  pad_id: int = static_field()
+  greedy: bool = static_field()
   row_R: Array | None = None  # a compacted batch's rollout rows (``_draw``); None: row r is row r
-  num_rows: int | None = None  # the rollout rows, with ``row_R``
+  num_rows: int | None = static_field(default=None)  # the rollout rows, with ``row_R``
 
   def emit(self, st: _DecodeState) -> _DecodeState:
     """Choose token n from ``st.logits_RxV`` and record it (pad and masked once a row finished)."""
@@ -357,36 +358,14 @@ def _assemble(prompt_ids_RxP, prompt_mask_RxP, group_ids_R, st: _DecodeState) ->
   jax.jit,
   static_argnames=("num_rollouts", "max_new_tokens", "eos_id", "pad_id", "model_cfg", "greedy"),
 )
-def sample_program(
-  graphdef,
-  params,
-  prompt_ids_BxP,
-  prompt_mask_BxP,
-  counts_B,
-  key,
-  temperature,
-  top_p,
-  *,
-  num_rollouts,
-  max_new_tokens,
-  eos_id,
-  pad_id,
-  model_cfg,
-  greedy,
-):
-  """Jitted body of ``generate`` (no host-side checks): expand, prefill, decode, assemble.
+def sample_program(*args, num_rollouts, max_new_tokens, eos_id, pad_id, model_cfg, greedy):
+  """Jitted body of ``generate`` (no host-side checks): expand, prefill, decode, assemble; its
+  positional arguments are ``begin``'s (``request_arrays``' checked arrays).
 
   The trainer counts its traces (``run/loop.py: COUNTED_PROGRAMS``) and ``--plan`` lowers it.
   """
   decoder, st, prompt_rows = begin(
-    graphdef,
-    params,
-    prompt_ids_BxP,
-    prompt_mask_BxP,
-    counts_B,
-    key,
-    temperature,
-    top_p,
+    *args,
     num_rollouts=num_rollouts,
     max_new_tokens=max_new_tokens,
     eos_id=eos_id,
@@ -420,37 +399,74 @@ def begin(
 ) -> tuple[_Decoder, _DecodeState, tuple[Array, Array, Array]]:
   """Expand, prefill and emit token 0 (traced): the decoder (``until`` N), the carry (a cache of
   P slots) and the prompt rows ``_assemble`` takes (ids, mask, group ids)."""
-  (R, N), P = (num_rollouts, max_new_tokens), prompt_ids_BxP.shape[1]
-  tau = jnp.asarray(temperature, jnp.float32)
-  top_p = jnp.asarray(top_p, jnp.float32)
-  prompt_ids_RxP, prompt_mask_RxP, group_ids_R = _expand(
-    prompt_ids_BxP, prompt_mask_BxP, counts_B, R
+  rows = prefill_rows(
+    graphdef,
+    params,
+    prompt_ids_BxP,
+    prompt_mask_BxP,
+    counts_B,
+    rows=num_rollouts,
+    max_new_tokens=max_new_tokens,
+    model_cfg=model_cfg,
   )
-  # Response token n sits at RoPE position prompt_len + n (no gap after a left-padded prompt).
-  prompt_len_R = jnp.sum(prompt_mask_RxP, axis=-1, dtype=jnp.int32)
-  cache, logits_RxV = _prefill(
-    graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, rows=R, model_cfg=model_cfg
-  )
-  # The real prompt slots are valid; none of the N response slots yet.
-  kv_valid_RxS = jnp.concatenate([prompt_mask_RxP, jnp.zeros((R, N), bool)], axis=1)
   decoder = _Decoder(
     graphdef=graphdef,
     params=params,
     key=key,
-    tau=tau,
-    top_p=top_p,
-    prompt_len_R=prompt_len_R,
-    prompt_width=P,
-    until=N,
+    tau=jnp.asarray(temperature, jnp.float32),
+    top_p=jnp.asarray(top_p, jnp.float32),
+    prompt_len_R=rows.prompt_len_R,
+    until=max_new_tokens,
+    prompt_width=prompt_ids_BxP.shape[1],
     eos_id=eos_id,
     pad_id=pad_id,
     greedy=greedy,
   )
   # Token 0 comes straight from the prefill's logits; each loop step feeds the last token back.
   st = decoder.emit(
-    _initial_state(cache, kv_valid_RxS, logits_RxV, max_new_tokens=N, pad_id=pad_id)
+    _initial_state(
+      rows.cache, rows.kv_valid_RxS, rows.logits_RxV, max_new_tokens=max_new_tokens, pad_id=pad_id
+    )
   )
-  return decoder, st, (prompt_ids_RxP, prompt_mask_RxP, group_ids_R)
+  return decoder, st, (rows.prompt_ids_RxP, rows.prompt_mask_RxP, rows.group_ids_R)
+
+
+@pytree_dataclass
+class Prefilled:
+  """R rollout rows before their token 0: where every decode starts, single- or multi-turn."""
+
+  prompt_ids_RxP: Array  # i32
+  prompt_mask_RxP: Array  # bool
+  group_ids_R: Array  # i32, the row's prompt
+  prompt_len_R: Array  # i32, real prompt tokens: the RoPE position of response token 0
+  cache: kv_cache.KVCache  # the prompts' keys and values, P slots
+  kv_valid_RxS: Array  # bool over P + N slots: the real prompt slots, none of the response's yet
+  logits_RxV: Array  # f32, predict token 0
+
+
+def prefill_rows(
+  graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, *, rows, max_new_tokens, model_cfg
+) -> Prefilled:
+  """Expand the B prompts to ``rows`` = R rows (``_expand``) and prefill them (``_prefill``: once
+  per distinct prompt), for responses of at most ``max_new_tokens`` tokens."""
+  prompt_ids_RxP, prompt_mask_RxP, group_ids_R = _expand(
+    prompt_ids_BxP, prompt_mask_BxP, counts_B, rows
+  )
+  cache, logits_RxV = _prefill(
+    graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, rows=rows, model_cfg=model_cfg
+  )
+  return Prefilled(
+    prompt_ids_RxP=prompt_ids_RxP,
+    prompt_mask_RxP=prompt_mask_RxP,
+    group_ids_R=group_ids_R,
+    # Response token n sits at RoPE position prompt_len + n (no gap after a left-padded prompt).
+    prompt_len_R=jnp.sum(prompt_mask_RxP, axis=-1, dtype=jnp.int32),
+    cache=cache,
+    kv_valid_RxS=jnp.concatenate(
+      [prompt_mask_RxP, jnp.zeros((rows, max_new_tokens), bool)], axis=1
+    ),
+    logits_RxV=logits_RxV,
+  )
 
 
 def generate(

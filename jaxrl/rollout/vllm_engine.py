@@ -1,8 +1,9 @@
 """``VllmEngine``: the rollout protocol served by vLLM sidecars (launched here, or attached by URL).
 
-``set_weights(params, version)`` exports the params as an HF-layout directory and loads it into
-every server; ``generate`` sends one request per question with ``n = G_i`` and returns the same
-``Rollouts`` layout as the JAX sampler; built with ``turns``, multi-turn rollouts with an environment
+``generate(params, version, request)`` (``engine.SampleRequest``) first pushes the params
+(``set_weights``: an HF-layout directory loaded into every server, skipped for the version they
+hold), then sends one request per question with ``n = G_i`` and returns the same ``Rollouts``
+layout as the JAX sampler; built with ``turns``, multi-turn rollouts with an environment
 (``vllm_multiturn``: one request per running row and turn). The server returns sampled-token log-probs at τ but no
 entropies (``provides_entropy = False``): the trainer scores the rollouts under the sampling params,
 which gives both; token ids outside the model's vocabulary and impossible log-probs are refused.
@@ -56,7 +57,7 @@ import numpy as np
 from jaxrl.config.paths import check_private_dir
 from jaxrl.nn import hf, lora, peft
 from jaxrl.rollout import multiturn, vllm_multiturn
-from jaxrl.rollout.engine import check_version, is_step_version
+from jaxrl.rollout.engine import SampleRequest, check_version, is_step_version
 from jaxrl.rollout.sampler import stop_ids
 from jaxrl.rollout.sidecar import LaunchConfig, Sidecar, SidecarError, StartError
 from jaxrl.rollout.vllm_client import RequestError, ServerError, VllmClient
@@ -119,6 +120,18 @@ def _dir_bytes(path: str) -> int:
   return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
 
 
+def _prompts(request: SampleRequest):
+  """The request's prompt arrays on the host, and each prompt's real ids (a request's prompt)."""
+  ids_BxP = np.asarray(request.prompt_ids_BxP)
+  mask_BxP = np.asarray(request.prompt_mask_BxP, bool)
+  return ids_BxP, mask_BxP, [row[m].tolist() for row, m in zip(ids_BxP, mask_BxP)]
+
+
+def _tau(request: SampleRequest) -> float:
+  """The server's temperature: 0 samples greedily."""
+  return 0.0 if request.greedy else float(request.temperature)
+
+
 class VllmEngine:
   provides_entropy = False
   concurrent = True  # HTTP to a server in another process
@@ -162,7 +175,6 @@ class VllmEngine:
     self._base_dir: str | None = None  # adapter pushes: the base the server was started on
     self._adapter: str | None = None  # ... and the name of the adapter it serves
     self._turns, self._respond_factory = turns, respond_factory
-    self.turn_counts: multiturn.TurnCounts | None = None  # the last multi-turn call's
 
   def _adapter_name(self, push: int) -> str:
     return f"policy-{self._run_id}-{push:06d}"
@@ -191,28 +203,7 @@ class VllmEngine:
     if k > 1 and held_step and is_step_version(version) and version % k:
       return  # between syncs the servers keep sampling from the last pushed step
     t0 = time.time()
-    if self._root is None:
-      size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-      self._root = _run_dir(
-        self.cfg.weights_root, os.path.join(self.workdir, self.cfg.fallback_dir), size
-      )
-      if self.sidecar is not None:
-        self.sidecar.cleanup_dir = self._root  # ours alone: the guard removes it if we die
-      else:  # attached servers: no guard runs beside us, a janitor removes it if we die
-        self._janitor = _janitor(self._root)
-    self._pushes += 1
-    adapters = lora.has_adapters(params)
-    if adapters and self.cfg.lora_adapters:
-      new_dir, push = self._write_adapter(params, version)
-    else:
-      if adapters:  # the adapted model as plain weights, in the server's default dtype
-        merged = lora.merged(params, self.model_cfg.lora_alpha, self.model_cfg.lora_rank)
-        params = jax.tree.map(lambda x: x.astype(self.model_cfg.dtype), merged)
-      new_dir = os.path.abspath(os.path.join(self._root, f"v{self._pushes:06d}"))
-      hf.save_hf_checkpoint(
-        _base_config(self.model_cfg), params, new_dir, tokenizer=self.tokenizer, untie=True
-      )
-      push = lambda: self.client.load_weights(new_dir, version)  # noqa: E731
+    new_dir, push = self._write_version(params, version)
     self.push_bytes.append(_dir_bytes(new_dir))
     fresh = self.sidecar is not None and not self.sidecar.alive()
     try:
@@ -245,6 +236,31 @@ class VllmEngine:
       self.push_bytes[-1] / 1e6,
       ", LoRA adapter" if self._base_dir is not None else "",
     )
+
+  def _write_version(self, params, version: int):
+    """(the new version's directory, the push that loads it into a server); the first makes this
+    engine's own directory of versions."""
+    if self._root is None:
+      size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+      self._root = _run_dir(
+        self.cfg.weights_root, os.path.join(self.workdir, self.cfg.fallback_dir), size
+      )
+      if self.sidecar is not None:
+        self.sidecar.cleanup_dir = self._root  # ours alone: the guard removes it if we die
+      else:  # attached servers: no guard runs beside us, a janitor removes it if we die
+        self._janitor = _janitor(self._root)
+    self._pushes += 1
+    adapters = lora.has_adapters(params)
+    if adapters and self.cfg.lora_adapters:
+      return self._write_adapter(params, version)
+    if adapters:  # the adapted model as plain weights, in the server's default dtype
+      merged = lora.merged(params, self.model_cfg.lora_alpha, self.model_cfg.lora_rank)
+      params = jax.tree.map(lambda x: x.astype(self.model_cfg.dtype), merged)
+    new_dir = os.path.abspath(os.path.join(self._root, f"v{self._pushes:06d}"))
+    hf.save_hf_checkpoint(
+      _base_config(self.model_cfg), params, new_dir, tokenizer=self.tokenizer, untie=True
+    )
+    return new_dir, lambda: self.client.load_weights(new_dir, version)
 
   def _write_adapter(self, params, version: int):
     """(the new adapter's directory, the push that loads it); the base is written on the first."""
@@ -337,44 +353,22 @@ class VllmEngine:
 
   # -- rollouts ------------------------------------------------------------------------------------
 
-  def generate(
-    self,
-    prompt_ids_BxP,
-    prompt_mask_BxP,
-    counts_B,
-    temperature,
-    key,
-    *,
-    max_new_tokens: int | None = None,
-    greedy: bool = False,
-    first_question: int = 0,
-    first_row: int = 0,
-    respond: multiturn.Respond | None = None,
-  ) -> Rollouts:
-    """``first_question``, ``first_row``: the batch is questions first_question.. (rows
-    first_row..) of a larger one (one host's slice): their requests get the seeds they would get
-    in the whole batch. Built with ``turns``: multi-turn rollouts (``vllm_multiturn``) with
-    ``respond``, or without one ``respond_factory(group_ids_R)`` (question indices of the whole
-    batch)."""
+  def generate(self, params, version: int, request: SampleRequest) -> Rollouts:
+    """Push ``params`` as ``version`` (``set_weights``: nothing when the servers hold it), then
+    sample: one request per question with ``n = G_i``; built with ``turns``, multi-turn rollouts
+    (``vllm_multiturn``) with the request's ``respond`` or ``respond_factory``'s. A request that is
+    one host's slice of a batch (``first_question``, ``first_row``) gets the seeds its questions
+    would get in the whole batch."""
     self._check_open("rollout")
-    ids_BxP, mask_BxP = np.asarray(prompt_ids_BxP), np.asarray(prompt_mask_BxP, bool)
-    counts_B = np.asarray(counts_B, np.int64)
-    prompts = [row[m].tolist() for row, m in zip(ids_BxP, mask_BxP)]
-    tau = 0.0 if greedy else float(temperature)
-    n = max_new_tokens or self.max_new_tokens
-    if self.version is None:  # an attached server may serve anything: not this run's policy
-      raise SidecarError(
-        "generate() before set_weights(): no weights of this run have been loaded"
-        + ("" if self.sidecar is None else " (and no sidecar has been started)")
-      )
+    self.set_weights(params, version)
     if self._turns is not None:
-      return self._multiturn(
-        ids_BxP, mask_BxP, counts_B, prompts, tau, key, n, respond, first_question, first_row
-      )
-    if respond is not None:
+      return self._multiturn(request)
+    if request.respond is not None:
       raise ValueError("respond is for an engine built with turns (multi-turn)")
+    ids_BxP, mask_BxP, prompts = _prompts(request)
+    counts_B, n = np.asarray(request.counts_B, np.int64), self._budget(request)
     # One seed per call from the step's key: a resumed run sends the same requests.
-    seed = int(jax.random.randint(key, (), 0, 2**30)) + first_question
+    seed = int(jax.random.randint(request.key, (), 0, 2**30)) + request.first_question
     done = self._with_restarts(
       "rollout",
       self._served_dir(),
@@ -382,38 +376,65 @@ class VllmEngine:
       lambda: self.client.complete(
         prompts,
         counts_B.tolist(),
-        temperature=tau,
+        temperature=_tau(request),
         max_tokens=n,
         stop_token_ids=list(self._eos),
         seed=seed,
-        top_p=1.0 if greedy else self._top_p,
+        top_p=1.0 if request.greedy else self._top_p,
         model=self._adapter,  # with adapter sync every request names it (None: the model)
         vocab_size=self.model_cfg.vocab_size,
       ),
     )
     return self._assemble(ids_BxP, mask_BxP, counts_B, done, n)
 
+  def _budget(self, request: SampleRequest) -> int:
+    return request.max_new_tokens or self.max_new_tokens
+
   def _served_dir(self) -> str:
     """The directory a restarted server starts on: the weights, or with adapters the base."""
     return self._dir if self._base_dir is None else self._base_dir
 
-  def _multiturn(
-    self, ids_BxP, mask_BxP, counts_B, prompts, tau, key, n, respond, first_question, first_row
-  ) -> Rollouts:
+  def _multiturn(self, request: SampleRequest) -> Rollouts:
     """One request per running row and turn (``vllm_multiturn``); each turn's requests are
-    retried as a whole on a restarted server, so a failure never steps the environment twice.
-    ``first_question``, ``first_row``: where this slice starts in the whole batch."""
+    retried as a whole on a restarted server, so a failure never steps the environment twice."""
+    ids_BxP, mask_BxP, prompts = _prompts(request)
+    counts_B = np.asarray(request.counts_B, np.int64)
     group_ids_R = np.repeat(np.arange(len(counts_B), dtype=np.int32), counts_B)
-    if respond is None:
-      if self._respond_factory is None:
-        raise ValueError("a multi-turn VllmEngine needs respond= or a respond_factory")
-      respond = self._respond_factory(group_ids_R + first_question)
-    stops = self._turns
+    respond = request.respond_or(self._respond_factory)
+    tokens_RxN, mask_RxN, loss_mask_RxN, logp_RxN, finished_R, counts = vllm_multiturn.generate(
+      self._turn_requests(request),
+      [prompts[i] for i in group_ids_R],
+      respond,
+      stops=self._turns,
+      max_new_tokens=self._budget(request),
+      eos_id=self._eos,
+      pad_id=self._pad,
+    )
+    out = Rollouts(
+      prompt_ids_RxP=ids_BxP[group_ids_R],
+      prompt_mask_RxP=mask_BxP[group_ids_R],
+      tokens_RxN=tokens_RxN,
+      mask_RxN=mask_RxN,
+      loss_mask_RxN=loss_mask_RxN,
+      behaviour_logp_RxN=logp_RxN,
+      entropy_RxN=np.zeros(tokens_RxN.shape, np.float32),
+      lengths_R=mask_RxN.sum(axis=1, dtype=np.int32),
+      group_ids_R=group_ids_R,
+      finished_R=finished_R,
+      turns_R=counts.turns_R,
+      tool_calls_R=counts.tool_calls_R,
+    )
+    return multiturn.with_trajectory_reward(out, respond)
+
+  def _turn_requests(self, request: SampleRequest) -> vllm_multiturn.Complete:
+    """The requests of one turn (``vllm_multiturn.Complete``), with their seeds and restarts."""
+    tau, stops = _tau(request), self._turns
 
     def complete(seqs, running_R, turn, max_tokens):
       # A seed per turn from the step's key, and the whole batch's row r's is seed + r: a resumed
       # run (or one host's slice) sends the same requests, and no two rows or turns share a draw.
-      seed = first_row + int(jax.random.randint(jax.random.fold_in(key, turn), (), 0, 2**30))
+      turn_key = jax.random.fold_in(request.key, turn)
+      seed = request.first_row + int(jax.random.randint(turn_key, (), 0, 2**30))
       return self._with_restarts(
         f"rollout (turn {turn + 1})",
         self._served_dir(),
@@ -432,30 +453,7 @@ class VllmEngine:
         ),
       )
 
-    tokens_RxN, mask_RxN, loss_mask_RxN, logp_RxN, finished_R, self.turn_counts = (
-      vllm_multiturn.generate(
-        complete,
-        [prompts[i] for i in group_ids_R],
-        respond,
-        stops=stops,
-        max_new_tokens=n,
-        eos_id=self._eos,
-        pad_id=self._pad,
-      )
-    )
-    out = Rollouts(
-      prompt_ids_RxP=ids_BxP[group_ids_R],
-      prompt_mask_RxP=mask_BxP[group_ids_R],
-      tokens_RxN=tokens_RxN,
-      mask_RxN=mask_RxN,
-      loss_mask_RxN=loss_mask_RxN,
-      behaviour_logp_RxN=logp_RxN,
-      entropy_RxN=np.zeros(tokens_RxN.shape, np.float32),
-      lengths_R=mask_RxN.sum(axis=1, dtype=np.int32),
-      group_ids_R=group_ids_R,
-      finished_R=finished_R,
-    )
-    return multiturn.with_trajectory_reward(out, respond)
+    return complete
 
   def _assemble(self, ids_BxP, mask_BxP, counts_B, done, n: int) -> Rollouts:
     """Rows grouped in question order, responses right-padded with pad_id to ``n`` tokens."""

@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxrl import rng
 from jaxrl.rl.programs import ForgetConfig
+from jaxrl.rollout.collect import turn_metrics
 from jaxrl.rollout.eepo import two_stage_rollouts
 from jaxrl.run import clock
 from jaxrl.types import Rollouts
@@ -156,7 +157,7 @@ def generate(ctx, issue: Issue, params, gate_state, *, round_index: int = 0, fir
       score=issue.fresh,
       qids_B=issue.qids_B,
     )
-    metrics = {"rollout_seconds": clock.ready_at(out) - t0, **collector.turn_metrics()}
+    metrics = {"rollout_seconds": clock.ready_at(out) - t0, **turn_metrics(out)}
     return Batch(issue, out, gate_state, metrics)
   gate = rt.methods.gate if fire is None else (lambda state, h: (fire, state))
   two = two_stage_rollouts(
@@ -176,7 +177,6 @@ def generate(ctx, issue: Issue, params, gate_state, *, round_index: int = 0, fir
     score=issue.fresh,
     qids_B=issue.qids_B,
   )
-  # (multi-turn: the turn counts of stage 2, the last call)
   seconds = clock.ready_at(two.rollouts) - t0
-  metrics = {**two.metrics, "rollout_seconds": seconds, **collector.turn_metrics()}
+  metrics = {**two.metrics, "rollout_seconds": seconds, **turn_metrics(two.rollouts)}
   return Batch(issue, two.rollouts, two.gate_state, metrics)

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxrl import rng
 from jaxrl.rl.passk import pass_at_k_array
+from jaxrl.rollout.engine import SampleRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +81,8 @@ class Sampled(NamedTuple):
 
   responses: list  # str per row
   group_ids_R: np.ndarray  # the row's question in the chunk
-  # Multi-turn: i32[R] model turns and tool calls (``multiturn.TurnCounts``); None: single-turn
+  # Multi-turn: i32[R] model turns and tool calls (``Rollouts.turns_R``, ``tool_calls_R``); None:
+  # single-turn
   turns_R: np.ndarray | None = None
   tool_calls_R: np.ndarray | None = None
 
@@ -95,24 +97,20 @@ def engine_sampler(
 ):
   """The ``sample_fn`` of ``evaluate`` over a rollout engine sampling from ``params`` (weight
   version ``version``: ``engine.eval_version``): responses decoded to text, and a multi-turn
-  engine's turn counts of the call (``JaxEngine.turn_counts``).
-
-  Every call sets the weights it samples from (the engine skips the version it holds), as
-  ``Collector.sample`` does for rollouts."""
+  engine's turn counts of the call. Every call names its params, as ``Collector.sample`` does."""
 
   def sample_fn(ids, mask, counts, key, greedy) -> Sampled:
-    engine.set_weights(params, version)
-    out = engine.generate(ids, mask, counts, temperature, key, greedy=greedy)
+    out = engine.generate(
+      params, version, SampleRequest(ids, mask, counts, key, temperature, greedy=greedy)
+    )
     if greedy and on_call is not None:  # one greedy call per chunk of questions
       on_call()
-    turn_counts = getattr(engine, "turn_counts", None)  # this call's: set by every generate
-    if turn_counts is None:
-      return Sampled(decode(out), np.asarray(out.group_ids_R))
+    turns_R, tool_calls_R = out.turns_R, out.tool_calls_R
     return Sampled(
       decode(out),
       np.asarray(out.group_ids_R),
-      np.asarray(turn_counts.turns_R),
-      np.asarray(turn_counts.tool_calls_R),
+      None if turns_R is None else np.asarray(turns_R),
+      None if tool_calls_R is None else np.asarray(tool_calls_R),
     )
 
   return sample_fn
@@ -175,8 +173,7 @@ def evaluate(
   num_q = len(levels_Q)
   correct_Q = np.zeros(num_q, np.int64)
   greedy_Q = np.zeros(num_q, np.float64)
-  turns_Q, tool_calls_Q = np.zeros(num_q, np.float64), np.zeros(num_q, np.float64)
-  with_call_Q = np.zeros(num_q, np.float64)
+  turns_3xQ = np.zeros((len(_TURN_METRICS), num_q), np.float64)
   multi_turn = False
   for start in range(0, num_q, questions_per_call):
     idx = np.arange(start, min(start + questions_per_call, num_q))
@@ -185,36 +182,47 @@ def evaluate(
     key, k_sample, k_greedy = jax.random.split(key, 3)
     counts = np.full(questions_per_call, num_samples, np.int32)
     out = Sampled(*sample_fn(ids, mask, counts, k_sample, False))
-    group_ids = np.asarray(out.group_ids_R)
-    rewards = score_fn(out.responses, padded[group_ids])
-    per_q = np.bincount(group_ids, weights=(rewards > 0), minlength=questions_per_call)
-    correct_Q[idx] = per_q[: len(idx)].astype(np.int64)
-    if out.turns_R is not None:
+    rewards = score_fn(out.responses, padded[np.asarray(out.group_ids_R)])
+    correct, turns = _chunk_tallies(out, rewards, questions_per_call, num_samples)
+    correct_Q[idx] = correct[: len(idx)]
+    if turns is not None:
       multi_turn = True
-      with_call_R = (rewards > 0) & (np.asarray(out.tool_calls_R) > 0)
-      per_rows = (
-        (turns_Q, out.turns_R),
-        (tool_calls_Q, out.tool_calls_R),
-        (with_call_Q, with_call_R),
-      )
-      for total_Q, per_row in per_rows:
-        sums = np.bincount(group_ids, weights=per_row, minlength=questions_per_call)
-        total_Q[idx] = sums[: len(idx)] / num_samples
+      turns_3xQ[:, idx] = turns[:, : len(idx)]
     out = Sampled(*sample_fn(ids, mask, np.ones(questions_per_call, np.int32), k_greedy, True))
     rewards = score_fn(out.responses, padded[np.asarray(out.group_ids_R)])
     greedy_Q[idx] = rewards[: len(idx)] > 0
+  turns_3xQ = turns_3xQ if multi_turn else None
+  return _result(levels_Q, correct_Q, greedy_Q, turns_3xQ, num_samples=num_samples, ks=ks)
+
+
+# A multi-turn evaluation's per-question means over its samples (``EvalResult.turns``).
+_TURN_METRICS = ("turns", "tool_calls", "solved_with_call")
+
+
+def _chunk_tallies(out: Sampled, rewards_R, questions: int, num_samples: int):
+  """One chunk's correct samples per question; multi-turn also each question's mean turns, tool
+  calls and samples solved with a call (``_TURN_METRICS``, [3, questions]; None single-turn)."""
+  group_ids_R = np.asarray(out.group_ids_R)
+
+  def per_question(weights_R):
+    return np.bincount(group_ids_R, weights=weights_R, minlength=questions)
+
+  correct = per_question(rewards_R > 0).astype(np.int64)
+  if out.turns_R is None:
+    return correct, None
+  with_call_R = (rewards_R > 0) & (np.asarray(out.tool_calls_R) > 0)
+  per_row = (out.turns_R, out.tool_calls_R, with_call_R)
+  return correct, np.stack([per_question(x) / num_samples for x in per_row])
+
+
+def _result(levels_Q, correct_Q, greedy_Q, turns_3xQ, *, num_samples: int, ks) -> EvalResult:
+  """The per-level ``EvalResult`` of the per-question tallies (``turns_3xQ`` None: single-turn)."""
   levels = tuple(sorted(set(int(l) for l in levels_Q)))
-  pass_at = {
-    k: _per_level(pass_at_k_array(np.full(num_q, num_samples), correct_Q, k), levels_Q, levels)
-    for k in ks
-  }
+  attempts_Q = np.full(len(levels_Q), num_samples)
+  pass_at = {k: _per_level(pass_at_k_array(attempts_Q, correct_Q, k), levels_Q, levels) for k in ks}
   turns = {}
-  if multi_turn:
-    turns = {
-      "turns": _per_level(turns_Q, levels_Q, levels),
-      "tool_calls": _per_level(tool_calls_Q, levels_Q, levels),
-      "solved_with_call": _per_level(with_call_Q, levels_Q, levels),
-    }
+  if turns_3xQ is not None:
+    turns = {name: _per_level(v_Q, levels_Q, levels) for name, v_Q in zip(_TURN_METRICS, turns_3xQ)}
   return EvalResult(
     levels=levels,
     num_questions={lvl: int((levels_Q == lvl).sum()) for lvl in levels},
