@@ -176,6 +176,7 @@ def _vllm_side(args, cfg, params, prompts_BxP, stops, calls):
 
   import jax
 
+  from jaxrl.rollout.engine import SampleRequest
   from jaxrl.rollout.sidecar import LaunchConfig
   from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine
 
@@ -191,12 +192,12 @@ def _vllm_side(args, cfg, params, prompts_BxP, stops, calls):
     max_new_tokens=args.new_tokens, eos_id=stops, pad_id=0,
   )  # fmt: skip
   atexit.register(engine.close)
-  engine.set_weights(params, 0)
   mask_BxP = np.ones_like(prompts_BxP, bool)
   counts_B = np.full(len(prompts_BxP), args.group, np.int32)
 
   def one():
-    out = engine.generate(prompts_BxP, mask_BxP, counts_B, 1.0, jax.random.PRNGKey(next(calls)))
+    key = jax.random.PRNGKey(next(calls))
+    out = engine.generate(params, 0, SampleRequest(prompts_BxP, mask_BxP, counts_B, key, 1.0))
     return {"tokens": int(np.asarray(out.mask_RxN).sum())}
 
   return one, {"stop_ids": len(stops)}

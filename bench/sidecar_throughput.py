@@ -27,15 +27,16 @@ sys.path.insert(0, ROOT)
 
 from jaxrl.nn import model
 from jaxrl.rl import step  # noqa: E402
-from jaxrl.rollout.engine import JaxEngine  # noqa: E402
+from jaxrl.rollout.engine import JaxEngine, SampleRequest  # noqa: E402
 from jaxrl.rollout.sidecar import LaunchConfig  # noqa: E402
 from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine  # noqa: E402
 from jaxrl.tasks.data.tokenizer import build_tokenizer  # noqa: E402
 
 
-def timed(engine, ids, mask, counts, tau, seed):
+def timed(engine, params, ids, mask, counts, tau, seed):
   t0 = time.perf_counter()
-  out = engine.generate(ids, mask, counts, tau, jax.random.PRNGKey(seed))
+  request = SampleRequest(ids, mask, counts, jax.random.PRNGKey(seed), tau)
+  out = engine.generate(params, 0, request)
   jax.block_until_ready(out.tokens_RxN)
   return time.perf_counter() - t0, int(np.asarray(out.mask_RxN).sum()), out
 
@@ -95,15 +96,15 @@ def main():
   )
   vllm_engine = VllmEngine(cfg, tok, EngineConfig(launch=launch), workdir=work, **common)
   try:
-    jax_engine.set_weights(params, 0)
-    vllm_engine.set_weights(params, 0)
     gaps = {}
     for name, engine in (("jax", jax_engine), ("vllm", vllm_engine)):  # warm-up; same model?
-      gaps[name] = logp_gap(graphdef, params, timed(engine, ids, mask, counts, 1.0, 0)[2], 1.0)
+      gaps[name] = logp_gap(
+        graphdef, params, timed(engine, params, ids, mask, counts, 1.0, 0)[2], 1.0
+      )
     runs = {"jax": [], "vllm": []}
     for r in range(args.repeats):
       for name, engine in (("jax", jax_engine), ("vllm", vllm_engine)):
-        runs[name].append(timed(engine, ids, mask, counts, 1.0, r + 1)[:2])
+        runs[name].append(timed(engine, params, ids, mask, counts, 1.0, r + 1)[:2])
     pushes = []
     for v in range(args.pushes):
       t0 = time.perf_counter()

@@ -137,6 +137,29 @@ def test_a_training_step_samples_the_same_rollouts_compacted(tmp_path, monkeypat
   assert len(exact) >= 3 and all(rows[2][k] == rows[0][k] for k in exact), exact
 
 
+def test_the_engine_compacts_only_budgets_longer_than_a_chunk(tiny, monkeypatch):
+  """A budget of at most ``compact_every`` tokens is one chunk: the plain sampler decodes it."""
+  calls = []
+  full = compaction.generate
+  monkeypatch.setattr(compaction, "generate", lambda *a, **k: calls.append(1) or full(*a, **k))
+  args, _ = _request(8, 1, 1.0)
+  for n, compacted in ((8, False), (9, True)):
+    e = engine.JaxEngine(tiny[0], CFG, max_new_tokens=n, eos_id=EOS, pad_id=PAD, compact_every=8)
+    calls.clear()
+    e.generate(tiny[1], 0, engine.SampleRequest(*args[:5]))
+    assert bool(calls) == compacted, n
+
+
+def test_several_processes_decode_without_compaction(tiny, monkeypatch, caplog):
+  """Between chunks the host reads every row: on several processes the engine decodes every row to
+  the end instead, and says so."""
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with caplog.at_level("WARNING", logger=engine.__name__):
+    e = engine.JaxEngine(tiny[0], CFG, max_new_tokens=64, eos_id=EOS, pad_id=PAD, compact_every=8)
+  assert e._compact_every == 0
+  assert "off on several processes" in caplog.text
+
+
 def test_the_config_refuses_a_negative_interval():
   with pytest.raises(ConfigError, match="rollout.compact_every"):
     tiny_config("test", **{"rollout.compact_every": -1})

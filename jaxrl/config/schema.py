@@ -418,8 +418,9 @@ class RolloutSection:
   overlong_reward: float = 0.0
   # The JAX sampler's single-turn decode drops finished rows every compact_every tokens, so long-
   # tailed lengths stop paying for rows that ended (jaxrl/rollout/compaction.py: the same tokens
-  # for the same seed); 0 decodes every row until the last one finishes
-  compact_every: int = 0
+  # for the same seed; bench/results/padding.md: 1.9-2.5x the tokens/s); 0 decodes every row
+  # until the last one finishes. Off on several processes (a warning) and for budgets <= it.
+  compact_every: int = 32
 
   def check(self) -> None:
     _need(self.group_size >= 1, "rollout.group_size", "must be >= 1")

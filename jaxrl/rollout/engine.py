@@ -21,6 +21,7 @@ environment (``jaxrl.rollout.multiturn``) through the same ``generate``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import numbers
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -32,6 +33,8 @@ import numpy as np
 from jaxrl.parallel import distributed
 from jaxrl.rollout import compaction, multiturn, sampler
 from jaxrl.types import Rollouts
+
+log = logging.getLogger(__name__)
 
 
 def eval_version(step: int) -> int:
@@ -129,8 +132,9 @@ class JaxEngine:
   With ``turns`` it samples multi-turn rollouts (``multiturn.generate``) instead, with the
   request's ``respond`` or ``respond_factory``'s (``SampleRequest.respond_or``).
 
-  With ``compact_every`` > 0 single-turn rollouts drop their finished rows from the decode every
-  that many tokens (``jaxrl.rollout.compaction``: the same tokens for the same key).
+  With ``compact_every`` > 0 single-turn rollouts longer than it drop their finished rows from the
+  decode every that many tokens (``jaxrl.rollout.compaction``: the same tokens for the same key);
+  on several processes it is off, with a warning.
   """
 
   provides_entropy = True
@@ -157,7 +161,9 @@ class JaxEngine:
     self._turns, self._respond_factory = turns, respond_factory
     if compact_every and jax.process_count() > 1:
       # The host reads which rows finished between chunks: every row must be on this process.
-      raise ValueError("rollout.compact_every needs one process (0 on several hosts)")
+      log.warning("rollout.compact_every=%d: off on several processes (rows decode to the end)",
+                  compact_every)  # fmt: skip
+      compact_every = 0
     self._compact_every = compact_every
 
   def close(self) -> None:
@@ -193,7 +199,7 @@ class JaxEngine:
       out = multiturn.generate(*args, respond, turns=self._turns, **static)
     elif request.respond is not None:
       raise ValueError("respond is for an engine built with turns (multi-turn)")
-    elif self._compact_every:
+    elif 0 < self._compact_every < static["max_new_tokens"]:  # one chunk: nothing to compact
       out = compaction.generate(*args, compact_every=self._compact_every, **static)
     else:
       out = sampler.generate(*args, **static)
