@@ -16,9 +16,16 @@ Layers, lowest first (a module imports only from its own layer and the ones belo
   run/                                the commands, the trainer and its loop, SFT, held-out
                                       evaluation, --plan, params in and out (weights)
 
-The reference functions of docs/algorithms.md §0 are importable from ``jaxrl.allocation``,
-``jaxrl.schedules``, ``jaxrl.losses`` and ``jaxrl.metrics``. Commands (``run/cli.py`` holds what they
-share): ``jaxrl-train`` (``python -m jaxrl.main``) trains, ``jaxrl-eval`` (``python -m jaxrl.eval``)
-evaluates a checkpoint, ``jaxrl-export`` (``python -m jaxrl.export``) writes any checkpoint in HF
-layout. The built-in configs are the checkout's ``configs/``, installed as ``jaxrl/configs``.
+The reference functions of docs/algorithms.md §0 are the public API under the names that section
+uses: ``jaxrl.allocation``, ``jaxrl.schedules``, ``jaxrl.losses`` and ``jaxrl.metrics``. Each only
+re-exports from the module that implements them (``methods/allocation.py``,
+``methods/schedules.py``, ``rl/losses.py``; ``rl/passk.py``, ``rl/paper_metrics.py``,
+``rl/grad_variance.py``): a stable name for users, not a second implementation.
+
+Commands (``run/cli.py`` holds what they share): ``jaxrl-train`` (``python -m jaxrl.main``)
+trains, ``jaxrl-eval`` (``python -m jaxrl.eval``) evaluates a checkpoint, ``jaxrl-export``
+(``python -m jaxrl.export``) writes any checkpoint in HF layout. Each ``python -m`` module here
+runs its command's flags, ``run/*_cli.py``, which call the library (``run/launch.py``,
+``run/checkpoint_eval.py``, ``run/weights.py``). The built-in configs are the checkout's
+``configs/``, installed as ``jaxrl/configs``.
 """

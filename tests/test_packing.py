@@ -165,9 +165,12 @@ def test_packed_logprobs_equal_padded(block):
   tau = jnp.float32(0.9)
   rows = (batch.prompt_ids_RxP, batch.prompt_mask_RxP, batch.tokens_RxN, batch.mask_RxN)
   logp, ent = step.logp_responses(graphdef, params, *rows, tau, 16)
-  logp_p, ent_p = jax.jit(step.logp_responses_packed, static_argnums=(0, 8, 10))(
-    graphdef, params, *rows, pack.slot_R, pack.offset_R, pack.rows, tau, 16
-  )
+
+  def packed(params, tau, *rows_and_layout):
+    fused = step.logprobs_entropies(tau, 16)
+    return step.packed_token_values(graphdef, params, *rows_and_layout, pack.rows, fused)
+
+  logp_p, ent_p = jax.jit(packed)(params, tau, *rows, pack.slot_R, pack.offset_R)
   hidden, head = step.response_hidden(graphdef, params, *rows)
   z_scale = float(jnp.max(jnp.abs(logits_f32(hidden.reshape(-1, cfg.hidden_size), head)))) / 0.9
   mask = np.asarray(batch.mask_RxN)

@@ -1,11 +1,11 @@
 """Typed, frozen run configuration, converted once from an ``ml_collections.ConfigDict``.
 
-``schema``: the sections, ``Config`` and ``ConfigError``; ``build``: ConfigDict → validated
+``schema``: the sections, ``Config`` and ``ConfigError``; ``validate``: ConfigDict → validated
 ``Config`` (``from_configdict``); ``loss``: the update's static part (``LossConfig``);
-``mixture``: ``NAME[:WEIGHT],...`` specs; ``reward_terms``: ``KIND[:SOURCE][*WEIGHT],...`` specs; ``phases``: the config inside the annealing phase.
+``mixture``: ``NAME[:WEIGHT],...`` specs; ``reward_terms``: ``KIND[:SOURCE][*WEIGHT],...`` specs;
+``phases``: the config inside the annealing phase (the phases themselves: ``jaxrl.methods.phases``).
 """
 
-from jaxrl.config.build import default_configdict, from_configdict, to_dict  # noqa: F401
 from jaxrl.config.loss import LossConfig, resolved_correction  # noqa: F401
 from jaxrl.config.mixture import parse_mixture  # noqa: F401
 from jaxrl.config.phases import annealing  # noqa: F401
@@ -56,3 +56,4 @@ from jaxrl.config.schema import (  # noqa: F401
   WeightTransfer,
   resolve_ks,
 )
+from jaxrl.config.validate import default_configdict, from_configdict, to_dict  # noqa: F401

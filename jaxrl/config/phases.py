@@ -1,5 +1,7 @@
 """The run's config inside the annealing phase (Entropy Scheduling §5), derived from the run's, and
-the multi-turn turn budget, which every phase shares."""
+the multi-turn turn budget, which every phase shares. The phases themselves (when each starts,
+which config and mixture it runs) are ``jaxrl.methods.phases``: where they start follows the
+schedules of ``methods/``, a layer above this one."""
 
 from __future__ import annotations
 

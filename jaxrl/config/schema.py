@@ -1,9 +1,10 @@
 """The config's schema: every section as a frozen dataclass with its defaults and its own checks,
 the ``Config`` that holds them, and ``ConfigError``.
 
-Config files (``configs/*.py``) stay Python and return a ConfigDict; ``jaxrl.config.build`` turns it
-into these dataclasses at the boundary and validates it before anything is compiled. Every problem
-raises ``ConfigError`` naming the dotted field; ``jaxrl.main`` prints that one line and exits 2.
+Config files (``configs/*.py``) stay Python and return a ConfigDict; ``jaxrl.config.validate``
+turns it into these dataclasses at the boundary and validates it before anything is compiled. Every
+problem raises ``ConfigError`` naming the dotted field; ``jaxrl.main`` prints that one line and
+exits 2.
 """
 
 from __future__ import annotations
@@ -301,7 +302,7 @@ class RewardSection:
   judge_extra_args: str = ""  # sidecar: appended to its server's command line
 
   def check(self) -> None:
-    # (the terms' syntax: ``config.build`` parses them)
+    # (the terms' syntax: ``config.validate`` parses them)
     _need(self.model_max_tokens >= 1, "reward.model_max_tokens", "must be >= 1")
     _need(self.model_rows >= 1, "reward.model_rows", "must be >= 1")
     _need_seconds(self.fn_time_limit, "reward.fn_time_limit")

@@ -120,27 +120,14 @@ def packed_token_values(
   return tuple(jnp.take(v_BxT.reshape(-1), read_XxN, axis=0) * mask for v_BxT in values)
 
 
-def logp_responses_packed(
-  graphdef,
-  params,
-  prompt_ids_XxP,
-  prompt_mask_XxP,
-  response_ids_XxN,
-  response_mask_XxN,
-  slot_X,
-  offset_X,
-  rows: int,
-  tau,
-  chunk_size: int,
-):
-  """``logp_responses`` with the forward packed (``packed_token_values``): (logp_XxN, ent_XxN),
-  the same values up to rounding."""
+def logprobs_entropies(tau, chunk_size: int):
+  """``packed_token_values``' ``fused`` for ``logp_responses``' values: (logp, ent) at τ of each
+  target token (``fused_logprobs_entropy``); the packed forward gives them up to rounding."""
 
   def fused(hidden_BxTxD, lm_head, targets_BxT):
     return fused_logprobs_entropy(hidden_BxTxD, lm_head, targets_BxT, tau, chunk_size=chunk_size)
 
-  rows_in = (prompt_ids_XxP, prompt_mask_XxP, response_ids_XxN, response_mask_XxN)
-  return packed_token_values(graphdef, params, *rows_in, slot_X, offset_X, rows, fused)
+  return fused
 
 
 def logp_responses_chunked(
@@ -160,8 +147,9 @@ def logp_responses_chunked(
   ``pack`` (``rl.packing.plan`` for one mini-batch of ``micro`` micro-batches) packs each chunk."""
   rows = (prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN, response_mask_RxN)
   if pack is not None:
+    fused = logprobs_entropies(tau, chunk_size)
     return _packed_by_micro_batches(
-      lambda chunk: logp_responses_packed(graphdef, params, *chunk, pack.rows, tau, chunk_size),
+      lambda chunk: packed_token_values(graphdef, params, *chunk, pack.rows, fused),
       (*rows, pack.slot_R, pack.offset_R),
       1,
       micro,
@@ -282,10 +270,9 @@ def _row_inputs(
   if cfg.use_kl and pack is None:
     ref_logp_RxN, _ = logp_responses(graphdef, ref_params, *rows, hp.tau, cfg.logprob_chunk)
   elif cfg.use_kl:  # packed as the update packs them: micro-batch by micro-batch, in sequence
+    fused = logprobs_entropies(hp.tau, cfg.logprob_chunk)
     ref_logp_RxN = _packed_by_micro_batches(
-      lambda chunk: logp_responses_packed(
-        graphdef, ref_params, *chunk, pack.rows, hp.tau, cfg.logprob_chunk
-      )[0],
+      lambda chunk: packed_token_values(graphdef, ref_params, *chunk, pack.rows, fused)[0],
       (*rows, pack.slot_R, pack.offset_R),
       cfg.mini_batches,
       cfg.micro_batches,
@@ -345,13 +332,32 @@ def _micro_loss(graphdef, cfg: LossConfig, hp: LossHparams):
     adv_RxN = None
     if cfg.modulation:  # DynaMO (§4.3), normalised by the mini-batch's max Ξ and H range
       adv_RxN = losses.dynamo_modulate(
-        mb.adv_R, logp_RxN, mb.old_logp_RxN, ent_RxN, mb.loss_mask_RxN, hp.eps_low, hp.eps_high,
-        hp.modulation_alpha, hp.modulation_gamma, hp.modulation_tau, stats=stats,
-      )  # fmt: skip
+        adv=mb.adv_R,
+        logp=logp_RxN,
+        old_logp=mb.old_logp_RxN,
+        entropy=ent_RxN,
+        mask=mb.loss_mask_RxN,
+        eps_low=hp.eps_low,
+        eps_high=hp.eps_high,
+        alpha=hp.modulation_alpha,
+        gamma=hp.modulation_gamma,
+        tau=hp.modulation_tau,
+        stats=stats,
+      )
     return losses.grpo_loss(
-      logp_RxN, mb.old_logp_RxN, mb.adv_R, mb.loss_mask_RxN, ent_RxN, mb.ref_logp_RxN,
-      mb.informative_R, denom, hp, cfg, adv_RxT=adv_RxN, behaviour_w_RxT=mb.behaviour_w_RxN,
-    )  # fmt: skip
+      logp_RxT=logp_RxN,
+      old_logp_RxT=mb.old_logp_RxN,
+      adv_R=mb.adv_R,
+      mask_RxT=mb.loss_mask_RxN,
+      entropy_RxT=ent_RxN,
+      ref_logp_RxT=mb.ref_logp_RxN,
+      informative_R=mb.informative_R,
+      denom=denom,
+      hp=hp,
+      cfg=cfg,
+      adv_RxT=adv_RxN,
+      behaviour_w_RxT=mb.behaviour_w_RxN,
+    )
 
   return loss
 
@@ -359,21 +365,12 @@ def _micro_loss(graphdef, cfg: LossConfig, hp: LossHparams):
 def _forward(graphdef, cfg: LossConfig, hp: LossHparams, params, mb: UpdateRows):
   """ℓ and H at τ of a micro-batch's response tokens under ``params``: (logp_RxN, ent_RxN), from
   the packed forward when the rows carry a packed layout."""
-  if mb.pack_slot_R is not None:
-    return logp_responses_packed(
-      graphdef, params, mb.prompt_ids_RxP, mb.prompt_mask_RxP, mb.tokens_RxN, mb.mask_RxN,
-      mb.pack_slot_R, mb.pack_offset_R, mb.pack_rows, hp.tau, cfg.logprob_chunk,
-    )  # fmt: skip
-  return logp_responses(
-    graphdef,
-    params,
-    mb.prompt_ids_RxP,
-    mb.prompt_mask_RxP,
-    mb.tokens_RxN,
-    mb.mask_RxN,
-    hp.tau,
-    cfg.logprob_chunk,
-  )
+  rows = (mb.prompt_ids_RxP, mb.prompt_mask_RxP, mb.tokens_RxN, mb.mask_RxN)
+  if mb.pack_slot_R is None:
+    return logp_responses(graphdef, params, *rows, hp.tau, cfg.logprob_chunk)
+  fused = logprobs_entropies(hp.tau, cfg.logprob_chunk)
+  layout = (mb.pack_slot_R, mb.pack_offset_R, mb.pack_rows)
+  return packed_token_values(graphdef, params, *rows, *layout, fused)
 
 
 def _modulation_stats(graphdef, cfg: LossConfig, hp: LossHparams, params, rows: UpdateRows):
@@ -534,6 +531,21 @@ def sft_update(
   return new_state, dict(loss=loss, grad_norm=optax.global_norm(grads))
 
 
+@pytree_dataclass
+class ForgetRows:
+  """The per-row inputs of EEPO's forgetting step (the stage-1 responses), split along R into
+  micro-batches (``_split_micro``); each field means what ``UpdateRows``' of its name means, and
+  L reads the loss mask's tokens only (§11)."""
+
+  prompt_ids_RxP: Array
+  prompt_mask_RxP: Array
+  tokens_RxN: Array
+  mask_RxN: Array
+  loss_mask_RxN: Array
+  pack_slot_R: Array | None = None  # None: the padded forward
+  pack_offset_R: Array | None = None
+
+
 def eepo_forget(
   graphdef,
   chunk: int,
@@ -565,44 +577,63 @@ def eepo_forget(
   ``micro`` micro-batches) runs the forward packed: the same L and θ' up to rounding.
   Returns (θ', L).
   """
-  rows = (prompt_ids_RxP, prompt_mask_RxP, response_ids_RxN, response_mask_RxN, loss_mask_RxN)
-  if pack is not None:
-    rows += (pack.slot_R, pack.offset_R)
+  rows = ForgetRows(
+    prompt_ids_RxP=prompt_ids_RxP,
+    prompt_mask_RxP=prompt_mask_RxP,
+    tokens_RxN=response_ids_RxN,
+    mask_RxN=response_mask_RxN,
+    loss_mask_RxN=loss_mask_RxN,
+    pack_slot_R=None if pack is None else pack.slot_R,
+    pack_offset_R=None if pack is None else pack.offset_R,
+  )
+  objective = _unlearning_objective(graphdef, chunk, tau, pack, eps_l, eps_r, paper_clip)
+  value, grads = _forget_grads(_grad_of_part(objective, trainable), params, rows, micro)
+  trained, frozen = lora.partition(params, trainable)
+  return lora.combine(jax.tree.map(lambda p, g: p + lr * g, trained, grads), frozen), value
+
+
+def _unlearning_objective(graphdef, chunk: int, tau, pack, eps_l, eps_r, paper_clip: bool):
+  """``objective(params, rows, weight) → (weight · L, None)``: EEPO's unlearning loss of
+  ``rows`` (``ForgetRows``) at τ, from the packed forward when ``pack`` is given."""
 
   def fused(hidden_BxTxD, lm_head, targets_BxT):
     return fused_log1m_p(hidden_BxTxD, lm_head, targets_BxT, tau, chunk_size=chunk)
 
-  def objective(p, rows, weight):
-    prompt_ids, prompt_mask, response_ids, response_mask, loss_mask = rows[:5]
+  def objective(p, rows: ForgetRows, weight):
+    inputs = (rows.prompt_ids_RxP, rows.prompt_mask_RxP, rows.tokens_RxN, rows.mask_RxN)
     if pack is None:
-      hidden_RxNxD, lm_head = response_hidden(
-        graphdef, p, prompt_ids, prompt_mask, response_ids, response_mask
-      )
-      logp, log1m_p = fused(hidden_RxNxD, lm_head, response_ids)
+      hidden_RxNxD, lm_head = response_hidden(graphdef, p, *inputs)
+      logp, log1m_p = fused(hidden_RxNxD, lm_head, rows.tokens_RxN)
     else:
-      logp, log1m_p = packed_token_values(graphdef, p, *rows[:4], *rows[5:], pack.rows, fused)
-    loss = losses.eepo_unlearning_loss_from_logp(logp, log1m_p, loss_mask, eps_l, eps_r, paper_clip)
+      layout = (rows.pack_slot_R, rows.pack_offset_R, pack.rows)
+      logp, log1m_p = packed_token_values(graphdef, p, *inputs, *layout, fused)
+    loss = losses.eepo_unlearning_loss_from_logp(
+      logp, log1m_p, rows.loss_mask_RxN, eps_l, eps_r, paper_clip
+    )
     return weight * loss, None
 
-  part_grad = _grad_of_part(objective, trainable)
+  return objective
 
-  def grad_fn(p, rows, weight):
-    (value, _), grads = part_grad(p, rows, weight)
+
+def _forget_grads(part_grad, params, rows: ForgetRows, micro: int):
+  """(L, ∇L) at ``params`` (``part_grad``: ``_grad_of_part`` of the objective), over ``micro``
+  strided row chunks in sequence when ``micro`` > 1 (``accumulate``)."""
+
+  def grad_fn(p, mb: ForgetRows, weight):
+    (value, _), grads = part_grad(p, mb, weight)
     return value, grads
 
   if micro == 1:
-    value, grads = grad_fn(params, rows, jnp.float32(1))
-  else:
-    # L is a mean over the rows with a model token; a chunk's mean, weighted by its share of
-    # those rows, is its part of the sum.
-    def responses(mask_RxN):
-      return jnp.sum((jnp.sum(mask_RxN, axis=1) > 0).astype(jnp.float32))
+    return grad_fn(params, rows, jnp.float32(1))
 
-    total = jnp.maximum(responses(loss_mask_RxN), 1.0)
+  # L is a mean over the rows with a model token; a chunk's mean, weighted by its share of
+  # those rows, is its part of the sum.
+  def responses(mask_RxN):
+    return jnp.sum((jnp.sum(mask_RxN, axis=1) > 0).astype(jnp.float32))
 
-    value, grads = accumulate(lambda mb: grad_fn(params, mb, responses(mb[4]) / total), rows, micro)
-  trained, frozen = lora.partition(params, trainable)
-  return lora.combine(jax.tree.map(lambda p, g: p + lr * g, trained, grads), frozen), value
+  total = jnp.maximum(responses(rows.loss_mask_RxN), 1.0)
+  share = lambda mb: responses(mb.loss_mask_RxN) / total  # noqa: E731
+  return accumulate(lambda mb: grad_fn(params, mb, share(mb)), rows, micro)
 
 
 def init_state(params, tx, trainable: lora.Trainable = "all") -> TrainState:

@@ -15,6 +15,10 @@ import os
 import signal
 import sys
 
+from absl import flags
+
+from jaxrl.config import Config
+
 USAGE_ERROR = 2
 _JAXRL = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _JSON_LOADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "json_config.py")
@@ -101,8 +105,6 @@ def describe_configs() -> str:
 
 def describe_sections() -> str:
   """One line per config section (its docstring's first line), after the top-level fields."""
-  from jaxrl.config import Config
-
   fields = dataclasses.fields(Config)
   top = [f.name for f in fields if not dataclasses.is_dataclass(f.default)]
   lines = [f"  {'(top level)':<14} {', '.join(top)}"]
@@ -118,8 +120,6 @@ def wants_help(argv: list[str]) -> bool:
 
 def print_help(usage: str, modules, with_configs: bool = True) -> None:
   """The command's usage text, the built-in configs and sections, and its flags."""
-  from absl import flags
-
   parts = [usage.strip(), ""]
   if with_configs:
     parts += [
@@ -154,6 +154,7 @@ def end_on_sigterm(command: str, what: str) -> None:
 
 def fail(command: str, message) -> None:
   """One line naming the problem, exit 2 (in a multi-process run, every process ends)."""
+  # Lazy: jaxrl-train imports this module at start and loads JAX only once its config is read.
   from jaxrl.parallel import distributed
 
   print(f"{command}: error: {message}", file=sys.stderr)
@@ -165,7 +166,7 @@ def with_local_checkpoint(cfg, config_only: bool = False):
   """``cfg`` with a Hub ``model.checkpoint`` (``ORG/NAME[@REVISION]``) replaced by its local
   snapshot (process 0 downloads, the others wait); ``config_only``: its config files, for
   ``--plan``. Raises ``HubError`` (one line) offline when it is not cached."""
-  from jaxrl.tasks.data import hub
+  from jaxrl.tasks.data import hub  # lazy: it loads JAX (as in ``fail``)
 
   if hub.model_id(cfg.model.checkpoint) is None:
     return cfg

@@ -16,8 +16,10 @@ import sys
 
 from absl import app, flags
 
+from jaxrl.config import ConfigError
 from jaxrl.run import cli, weights
 from jaxrl.workdir import run_log
+from jaxrl.workdir.checkpoint import UnreadableCheckpoint
 
 _CHECKPOINT = flags.DEFINE_string(
   "checkpoint", None, "A run directory (its latest checkpoint) or RUN/checkpoints/N."
@@ -40,9 +42,6 @@ COMMAND = "jaxrl-export"
 
 def main(argv):
   del argv
-  from jaxrl.config import ConfigError
-  from jaxrl.workdir.checkpoint import UnreadableCheckpoint
-
   run_log.setup()
   cli.end_on_sigterm(COMMAND, "nothing written (an earlier export in --out is as it was)")
   if not _CHECKPOINT.value or not _OUT.value:

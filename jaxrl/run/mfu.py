@@ -8,6 +8,12 @@ out unless a peak is configured.
 
 from __future__ import annotations
 
+import dataclasses
+
+from jaxrl.nn import arch, model
+from jaxrl.rl.programs import Programs
+from jaxrl.run import plan
+
 PEAK_TFLOPS = {  # dense bfloat16, per device; matched as a substring of jax's device_kind
   "H100": 989.0,  # SXM
   "H100 PCIe": 756.0,
@@ -43,12 +49,6 @@ def update_flops(pc, vocab_size: int, mesh) -> float:
   on the same update with the layers unrolled (``model.scan_layers`` off); the log-prob chunks
   and attention blocks stay loops, counted once: at long sequences the count is low by their
   share (see ``--plan`` for the shapes)."""
-  import dataclasses
-
-  from jaxrl.nn import arch, model
-  from jaxrl.rl.programs import Programs
-  from jaxrl.run import plan
-
   flat = dataclasses.replace(pc, model=dataclasses.replace(pc.model, scan_layers=False))
   graphdef, params = model.abstract(arch.model_config(flat, vocab_size))
   programs = Programs.for_run(flat, graphdef, params, mesh)

@@ -33,6 +33,9 @@ from jaxrl.parallel import sharding
 from jaxrl.rl import packing, step
 from jaxrl.rl.losses import LossHparams
 from jaxrl.rl.programs import ForgetConfig, Programs, reference_copy
+from jaxrl.rollout import multiturn, sampler
+from jaxrl.rollout.sampler import segment_ends
+from jaxrl.tasks import task
 from jaxrl.tasks.rewards.terms import model_dir, rows_per_forward
 from jaxrl.types import Rollouts
 
@@ -172,10 +175,8 @@ def architecture(cfg: Config) -> tuple[model.ModelConfig, str]:
   if m.checkpoint and arch.missing_checkpoint(cfg) is None:
     return arch.model_config(cfg), f"config.json of {m.checkpoint}"
   vocab = m.vocab_size
-  from jaxrl.tasks import task
-
   if not vocab and cfg.task.name in task.BUILTIN_TASKS:
-    from jaxrl.tasks.data.tokenizer import vocab_size
+    from jaxrl.tasks.data.tokenizer import vocab_size  # lazy: it imports transformers (heavy)
 
     vocab = vocab_size(task.tokenizer_variant(cfg))
   if not vocab:
@@ -191,8 +192,6 @@ def prompt_len(cfg: Config) -> int:
   """P as the task pads prompts: task.max_prompt_len, or a built-in task's longest + BOS."""
   if cfg.task.max_prompt_len:
     return cfg.task.max_prompt_len
-  from jaxrl.tasks import task
-
   if cfg.task.name not in task.BUILTIN_TASKS:
     raise ConfigError("task.max_prompt_len", "the plan needs a fixed prompt length: set it")
   return task.prompt_len(cfg)
@@ -337,8 +336,6 @@ def rollout_estimate(pc: Config, m: model.ModelConfig, mesh_shape: dict) -> Esti
       (f"log-prob chunk: f32 logits [C={pc.loss.logprob_chunk}, V]", chunk),
     )
     return Estimate(rows, s, tuple(i for i in items if i[1]), internals + scores + chunk)
-  from jaxrl.rollout.sampler import segment_ends
-
   cache = 2 * m.num_layers * rows * k * s * m.head_dim * jnp.dtype(m.dtype).itemsize
   # Each distinct prompt is prefilled once (then copied to its rows); a prefill sees its P slots.
   prompts = -(-pc.batch_questions // (mesh_shape["data"] * mesh_shape["fsdp"]))
@@ -491,8 +488,6 @@ def compile_train_step(pc: Config, programs: Programs, params) -> Compiled:
 
 def compile_sampler(pc: Config, graphdef, mcfg, params, param_sh) -> Compiled:
   """The JAX sampler's jitted body with host prompts, as ``JaxEngine.generate`` calls it."""
-  from jaxrl.rollout import sampler
-
   p, b = prompt_len(pc), pc.batch_questions
   sds = jax.ShapeDtypeStruct
   args = (
@@ -520,8 +515,6 @@ def compile_multiturn(pc: Config, graphdef, mcfg, params, param_sh, turn_tokens:
   """The multi-turn sampler's three jitted programs with host prompts and observations, as
   ``multiturn.generate`` calls them (docs/algorithms.md §11); the turn state between them is
   the prefill's output."""
-  from jaxrl.rollout import multiturn
-
   p, b, r, o = (
     prompt_len(pc),
     pc.batch_questions,

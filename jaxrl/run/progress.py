@@ -7,6 +7,15 @@ import logging
 import sys
 import time
 
+from rich.progress import (
+  BarColumn,
+  MofNCompleteColumn,
+  TextColumn,
+  TimeElapsedColumn,
+  TimeRemainingColumn,
+)
+from rich.progress import Progress as RichProgress
+
 log = logging.getLogger(__name__)
 
 
@@ -18,17 +27,6 @@ class Progress:
   def task(self, description: str, total: int, completed: int = 0):
     """Yields ``advance(done, total, note="")``."""
     if self.enabled and sys.stderr.isatty():
-      from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-      )
-      from rich.progress import (
-        Progress as RichProgress,
-      )
-
       bar = RichProgress(
         TextColumn("{task.description}"),
         BarColumn(),

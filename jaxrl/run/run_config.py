@@ -16,12 +16,16 @@ no config field changes; JAX's compiled programs by the program, the devices and
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 
 from jaxrl.config import Config, ConfigError, parse_mixture, parse_terms, to_dict
+from jaxrl.methods.phases import run_phases
 from jaxrl.run import json_config
+from jaxrl.tasks.data import hub
+from jaxrl.workdir.checkpoint import Checkpointer
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +140,6 @@ class ChangedConfig(ConfigError):
 
 def _pin_hint(changed: list[tuple[str, object, object]]) -> str:
   """How to resume on the recorded commit of a Hub model whose id now resolves to another."""
-  from jaxrl.tasks.data import hub
-
   for name, old, _ in changed:
     parsed = hub.model_id(old) if name == "model.checkpoint" and isinstance(old, str) else None
     if parsed is not None and parsed[1]:
@@ -164,8 +166,6 @@ def record(cfg: Config) -> dict:
   resolves to (a Hub model's ``model.checkpoint`` is already its local snapshot, whose directory is
   the commit; a Hub dataset and a reward model term's Hub id are resolved here, from the cache, as
   the task and the terms load them)."""
-  from jaxrl.tasks.data import hub
-
   revisions = {}
   if model := snapshot_revision(cfg.model.checkpoint):
     revisions["model.checkpoint"] = model
@@ -178,8 +178,6 @@ def record(cfg: Config) -> dict:
       found = snapshot_revision(hub.model_snapshot(term.source))
       if found is not None:
         revisions[f"model:{term.source}"] = found.rpartition("@")[2]
-  from jaxrl.methods.phases import run_phases
-
   # Where the phases start follows from other fields (`steps`, which a resume may change, among
   # them): recorded as resolved, so that a resume cannot move a boundary the run has crossed.
   starts = [p.start for p in run_phases(cfg)]
@@ -244,8 +242,6 @@ def check_resume(now: dict, directory: str) -> int | None:
   config that differs from the one it records in a field a resume may not change; returns that
   checkpoint's step (None: nothing to resume). A checkpoint that records no config (an older
   jaxrl wrote it) is compared with the run's ``config.json``, its last start's config."""
-  from jaxrl.workdir.checkpoint import Checkpointer
-
   reader = Checkpointer.reader(directory)
   try:
     if not reader.all_steps():
@@ -262,8 +258,6 @@ def check_resume(now: dict, directory: str) -> int | None:
 
 
 def _config_json(workdir: str, step: int) -> dict | None:
-  import json
-
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
     log.warning(

@@ -17,8 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.parallel import distributed
-from jaxrl.run import cli
+from jaxrl import rng
+from jaxrl.config import from_configdict
+from jaxrl.nn import arch, hf, lora, model, peft
+from jaxrl.parallel import distributed, sharding
+from jaxrl.run import cli, sft
+from jaxrl.tasks.data import math_prompts
+from jaxrl.tasks.task import tokenizer_variant
+from jaxrl.workdir.checkpoint import Checkpointer
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +44,6 @@ def run_checkpoint(path: str) -> tuple[str, int] | None:
 def checkpoint_step(directory: str, step: int) -> int:
   """``step`` of a run's checkpoints ``directory`` (-1: its latest), read-only; a
   ``FileNotFoundError`` when there is no such checkpoint."""
-  from jaxrl.workdir.checkpoint import Checkpointer
-
   reader = Checkpointer.reader(directory)
   try:
     return _existing(reader, step)
@@ -64,9 +68,6 @@ def eval_dir(directory: str, step: int) -> str:
 
 def _hf_params(cfg, model_cfg, path: str, shardings):
   """An HF directory's weights on ``shardings``; a LoRA model's adapters start fresh (B = 0)."""
-  from jaxrl import rng
-  from jaxrl.nn import hf, lora
-
   m = cfg.model
   params = hf.load_hf_checkpoint(
     path,
@@ -86,9 +87,6 @@ def initial_params(cfg, model_cfg, shardings):
   """A run's params before any training: ``model.checkpoint``'s weights streamed onto their
   shardings, or the seeded random init (a LoRA model's adapters: fresh, B = 0, the same for a
   seed either way)."""
-  from jaxrl import rng
-  from jaxrl.nn import model
-
   m = cfg.model
   if m.checkpoint:
     log.info("loading %s (params %s, compute %s)", m.checkpoint, m.param_dtype, m.dtype)
@@ -100,8 +98,6 @@ def initial_params(cfg, model_cfg, shardings):
 def run_base(cfg, model_cfg, run_dir: str, shardings):
   """The params a run's RL started from, rebuilt as its trainer built them: the initial params,
   or its cached SFT warm start (``run_dir/sft``). A LoRA checkpoint's adapters go on its base."""
-  from jaxrl.run import sft
-
   params = initial_params(cfg, model_cfg, shardings)
   cached = sft.load_cached(run_dir, params, read_only=True)
   return params if cached is None else cached[0]
@@ -110,9 +106,6 @@ def run_base(cfg, model_cfg, run_dir: str, shardings):
 def load_params(cfg, path: str, graphdef_and_shardings, model_cfg=None):
   """Params of an HF directory or a jaxrl run checkpoint, on the given shardings (a LoRA run's:
   its adapters on its rebuilt base, ``run_base``)."""
-  from jaxrl.nn import arch, lora
-  from jaxrl.workdir.checkpoint import Checkpointer
-
   abstract_params, shardings = graphdef_and_shardings
   model_cfg = model_cfg or arch.model_config(cfg)
   run = run_checkpoint(path)
@@ -163,8 +156,6 @@ def write_hf(cfg, model_cfg, params, out: str, tokenizer, dtype: str = "") -> st
 
   The export is written into a fresh directory beside ``out`` and renamed into place once whole:
   a write that fails midway (a full disk) leaves the previous export as it was."""
-  from jaxrl.nn import lora
-
   final = os.path.abspath(out)
   os.makedirs(os.path.dirname(final), exist_ok=True)
   # Process 0 writes (every process takes part in the gathers); the others write nothing.
@@ -201,8 +192,6 @@ def _replace_dir(new: str, final: str) -> None:
 def _write_peft(cfg, model_cfg, params, roots: tuple[str, str], sub: str, tokenizer, dtype):
   """The adapters in PEFT layout in ``roots[0]/sub``, which will be ``roots[1]/sub``: the base they
   name is where it will lie."""
-  from jaxrl.nn import lora, peft
-
   final, out = roots[1], os.path.join(roots[0], sub)
   base_model = cfg.model.checkpoint
   if not base_model or cfg.sft.steps:  # the base is not the checkpoint as it lies: written
@@ -217,8 +206,6 @@ def _write_peft(cfg, model_cfg, params, roots: tuple[str, str], sub: str, tokeni
 
 
 def _write_plain_hf(cfg, model_cfg, params, out: str, tokenizer, dtype: str) -> str:
-  from jaxrl.nn import hf
-
   dtype = jnp.dtype(dtype or cfg.model.dtype)
   params = jax.tree.map(lambda x: x.astype(dtype), params)
   if jax.process_count() > 1:
@@ -237,7 +224,7 @@ def _write_plain_hf(cfg, model_cfg, params, out: str, tokenizer, dtype: str) -> 
 
 def _write_generation_config(tokenizer, out: str) -> None:
   """The ids HF's ``generate`` (and vLLM) stop and pad with."""
-  import transformers
+  import transformers  # lazy: heavy, needed only when an export writes its files
 
   transformers.GenerationConfig(
     bos_token_id=tokenizer.bos_token_id,
@@ -257,8 +244,6 @@ def _run_dir(checkpoint: str) -> str:
 
 def _config(run_dir: str, spec: str):
   """The run's config: ``spec`` (a ``--config`` value) when given, else its ``config.json``."""
-  from jaxrl.config import from_configdict
-
   return from_configdict(cli.load_config(spec or os.path.join(run_dir, "config.json")))
 
 
@@ -266,15 +251,10 @@ def _tokenizer(cfg, run_dir: str):
   """The run's tokenizer, read: the checkpoint's, or the task's as the run cached it (one built
   in a temporary directory when the run has none yet)."""
   if cfg.model.checkpoint:
-    from jaxrl.tasks.data import math_prompts
-
     return math_prompts.load_tokenizer(cfg.model.checkpoint)
-  import tempfile
+  import transformers  # lazy: heavy, and only a built-in task's tokenizer needs it here
 
-  import transformers
-
-  from jaxrl.tasks.data.tokenizer import build_tokenizer
-  from jaxrl.tasks.task import tokenizer_variant
+  from jaxrl.tasks.data.tokenizer import build_tokenizer  # imports transformers at its top
 
   cached = os.path.join(run_dir, "tokenizer")
   if os.path.isfile(os.path.join(cached, "tokenizer.json")):
@@ -308,9 +288,6 @@ def _check_out(out: str) -> None:
 def export(checkpoint: str, out: str, dtype: str = "", config: str = "") -> str:
   """Write ``checkpoint`` (a run or one of its checkpoints) in HF layout into ``out``;
   ``config``: a ``--config`` value (default: the run's own)."""
-  from jaxrl.nn import arch, model
-  from jaxrl.parallel import sharding
-
   run_dir = _run_dir(checkpoint)
   _check_out(out)
   cfg = _config(run_dir, config)

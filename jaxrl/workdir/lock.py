@@ -10,8 +10,8 @@ beside a trainer. In a multi-process run process 0 holds it for the job: the pro
 are one trainer and share the directory (they write each checkpoint together), and a lock per
 process would let through a second job's processes that the first has no counterpart of. So a
 second job is refused as a whole at its process 0, which its other processes wait for before they
-write anything (``train_cli``). ``flock`` is local to a host: on a network filesystem whose locks
-do not reach other hosts, two jobs on different hosts are not kept apart.
+write anything (``run/launch.py``). ``flock`` is local to a host: on a network filesystem whose
+locks do not reach other hosts, two jobs on different hosts are not kept apart.
 """
 
 from __future__ import annotations
