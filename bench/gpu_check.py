@@ -477,12 +477,15 @@ def _greedy_vs_hf(tmp: str) -> dict:
 
 def _segment_attention() -> dict:
   """Packed rows' attention (segment ids) as the update runs it on this device (``attention``:
-  cuDNN's fused call in bfloat16 on an NVIDIA GPU), each sequence against itself alone in float32
-  (tests/test_packing.py's oracle). Bound: the blocked XLA path's own bfloat16 error plus one
-  bfloat16 rounding of the output."""
+  cuDNN's fused call in bfloat16 on an NVIDIA GPU; a CPU has no bfloat16 dot, so float32 there),
+  each sequence against itself alone in float32 (tests/test_packing.py's oracle). Bound: the error
+  rounding the inputs to the compute dtype makes in the oracle, two roundings of max |v| in that
+  dtype (the probabilities and the output), and two float32 evaluations' apart
+  (tests/rounding.py: ``attention_atol``)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
+  from rounding import attention_atol
 
   from jaxrl.nn import attention
 
@@ -491,36 +494,41 @@ def _segment_attention() -> dict:
   segments_BxT[0, :100], segments_BxT[0, 100:180], segments_BxT[0, 180:240] = 1, 2, 3
   segments_BxT[1] = 1
   rng = np.random.default_rng(0)
-  q, k, v = (rng.normal(size=shape).astype(np.float32) for shape in
-             [(b, t, kv, rep, e), (b, kv, e, t), (b, kv, t, e)])  # fmt: skip
-  bf16 = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
-  implementation = attention.fused_implementation(bf16[0], bf16[1], 0) or "xla (blocked)"
+  qkv = [rng.normal(size=shape).astype(np.float32) for shape in
+         [(b, t, kv, rep, e), (b, kv, e, t), (b, kv, t, e)]]  # fmt: skip
+  dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+  low = [jnp.asarray(x, dtype) for x in qkv]
+  implementation = attention.fused_implementation(low[0], low[1], 0) or "xla (blocked)"
   accepted = None
   if implementation == "cudnn":  # whether cuDNN takes it, or ``attention`` falls back
     try:
-      jax.block_until_ready(attention.fused_attention(*bf16, jnp.asarray(segments_BxT), "cudnn"))
+      jax.block_until_ready(attention.fused_attention(*low, jnp.asarray(segments_BxT), "cudnn"))
       accepted = True
     except Exception as err:  # noqa: BLE001 - recorded: the fallback is what runs then
       accepted = f"{type(err).__name__}: {str(err)[:200]}"
   run = jax.jit(attention.attention, static_argnums=(4, 5))
-  got = np.asarray(run(*bf16, jnp.asarray(segments_BxT), 0, 512), np.float32)
-  with jax.default_device(jax.devices("cpu")[0]):  # the blocked path's own bfloat16 result
-    on_cpu = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
-    xla = np.asarray(run(*on_cpu, jnp.asarray(segments_BxT), 0, 64), np.float32)
-  err, xla_err = 0.0, 0.0
+  got = np.asarray(run(*low, jnp.asarray(segments_BxT), 0, 512), np.float32)
+  rounded = [np.asarray(x, np.float32) for x in low]  # the inputs as the compute dtype holds them
+
+  def alone(q, k, v, row, at):
+    return np.asarray(attention.attention(
+      q[row : row + 1, at], k[row : row + 1][..., at], v[row : row + 1][:, :, at],
+      jnp.ones((1, len(at)), bool), 0, len(at),
+    )[0])  # fmt: skip
+
+  err, input_err = 0.0, 0.0
   for row in range(b):
     for seg in set(segments_BxT[row].tolist()) - {0}:
       at = np.flatnonzero(segments_BxT[row] == seg)
-      alone = attention.attention(
-        q[row : row + 1, at], k[row : row + 1][..., at], v[row : row + 1][:, :, at],
-        jnp.ones((1, len(at)), bool), 0, len(at),
-      )[0]  # fmt: skip
-      err = max(err, float(np.max(np.abs(got[row, at] - alone))))
-      xla_err = max(xla_err, float(np.max(np.abs(xla[row, at] - alone))))
-  bound = xla_err + 2.0**-8 * float(np.max(np.abs(v)))
+      exact = alone(*qkv, row, at)
+      err = max(err, float(np.max(np.abs(got[row, at] - exact))))
+      input_err = max(input_err, float(np.max(np.abs(alone(*rounded, row, at) - exact))))
+  unit = float(jnp.finfo(dtype).eps) / 2  # the unit roundoff: a rounding's relative error
+  bound = input_err + 2 * unit * float(np.max(np.abs(qkv[2]))) + attention_atol(*qkv)
   return dict(
-    implementation=implementation, cudnn_accepted=accepted, max_err=err,
-    xla_bfloat16_err=xla_err, bound=bound, ok=err <= bound and accepted in (None, True),
+    implementation=implementation, dtype=jnp.dtype(dtype).name, cudnn_accepted=accepted,
+    max_err=err, input_rounding_err=input_err, bound=bound,
+    ok=err <= bound and accepted in (None, True),
   )  # fmt: skip
 
 
@@ -1038,9 +1046,9 @@ def _stage1_md(r: dict) -> list[str]:
       how = c["implementation"] + ("" if c["cudnn_accepted"] in (None, True) else
                                    f" (refused: {c['cudnn_accepted']}; blocked instead)")  # fmt: skip
       rows.append(
-        f"| packed rows' attention, bfloat16, {how} | max err vs each sequence alone (f32) "
-        f"{c['max_err']:.3g} | ≤ {c['bound']:.3g} (XLA bf16's {c['xla_bfloat16_err']:.3g} + "
-        f"1 bf16 rounding) | {_mark(c['ok'])} |"
+        f"| packed rows' attention, {c['dtype']}, {how} | max err vs each sequence alone (f32) "
+        f"{c['max_err']:.3g} | ≤ {c['bound']:.3g} (inputs' rounding {c['input_rounding_err']:.3g}"
+        f" + 2 roundings of max abs v + f32 evaluation) | {_mark(c['ok'])} |"
       )
     else:
       rows.append(
