@@ -198,22 +198,25 @@ def mechanisms(recs: list[dict], cal: dict) -> dict:
     values = [fn(r) for r in _arm_recs(recs, arm)]
     return float(np.mean(values)) if values else float("nan")
 
+  def at_least(value, threshold):  # None: no cell of the arm yet
+    return None if np.isnan(value) else bool(value >= threshold)
+
   e3_alloc = mean_of("e3_allocation", lambda r: allocation_acted(r)[0])
   dyn_alloc = mean_of("dynamo_allocation", lambda r: allocation_acted(r)[0])
   fired = mean_of("eepo_paper", gate_fired)
   binds = mean_of("es", clip_binds)
   return {
     "e3_allocation": (
-      e3_alloc >= 0.5,
+      at_least(e3_alloc, 0.5),
       f"counts not uniform on {100 * e3_alloc:.0f}% of later steps",
     ),
     "dynamo_allocation": (
-      dyn_alloc >= 0.5,
+      at_least(dyn_alloc, 0.5),
       f"counts not uniform on {100 * dyn_alloc:.0f}% of later steps",
     ),
-    "eepo": (fired >= 0.1, f"gate fired on {100 * fired:.1f}% of steps"),
+    "eepo": (at_least(fired, 0.1), f"gate fired on {100 * fired:.1f}% of steps"),
     "es": (
-      bool(cal["es_testable"]) and binds >= 0.5,
+      at_least(binds, 0.5) if cal["es_testable"] else False,
       f"target {cal['es_target']:.3f} in [{_range(cal, ', ')}]"
       f"{'' if cal['es_testable'] else ' (range < 0.01)'}; clip binds on {100 * binds:.0f}% of steps",
     ),
@@ -291,7 +294,11 @@ def verdicts(recs: list[dict], cal: dict) -> list[str]:
       f"{c['p']:.3g} | {c['p_holm']:.3g} | {verdict} |"
     )
   lines += ["", "Whether each mechanism acted (the rule's precondition):", ""]
-  lines += [f"- `{m}`: {'acted' if ok else 'did not act'}: {why}" for m, (ok, why) in acted.items()]
+  said = {True: "acted", False: "did not act"}
+  lines += [
+    f"- `{m}`: {said[ok]}: {why}" if ok is not None else f"- `{m}`: no cell yet"
+    for m, (ok, why) in acted.items()
+  ]
   return lines
 
 
