@@ -15,7 +15,7 @@ from jaxrl.config import ConfigError, TermSpec, default_configdict, from_configd
 from jaxrl.run.loop import initial_loop, rl_step
 from jaxrl.tasks.rewards.combine import combine_terms
 from jaxrl.tasks.rewards.pool import VerifyResult
-from jaxrl.tasks.rewards.terms import build_terms, term_means
+from jaxrl.tasks.rewards.terms import CallableTerm, build_terms, term_means
 from jaxrl.tasks.task import check_inputs
 
 N = math.nan
@@ -228,6 +228,14 @@ def test_a_callable_past_its_time_limit_fails_its_batch_counted(caplog):
   got = terms.score(["p"] * 3, ["a"] * 3, ["a"] * 3, verified, np.zeros(3, int), 1)
   np.testing.assert_array_equal(got.rewards_R, [2, 1, 2])
   assert got.metrics["reward_term_fn_trl_blocked_failed"] == 0
+
+
+def test_a_callable_off_process_0_is_not_called():
+  """On processes other than the first (``active`` False) the function is not called (this one
+  would raise): its values are NaN there, replaced by process 0's
+  (tests/test_multihost_reward_terms.py)."""
+  term = CallableTerm("reward_fns:trl_too_few", active=False)
+  assert np.isnan(term(["p"] * 3, ["a"] * 3, ["a"] * 3)).all() and term.failed == 0
 
 
 def test_a_missing_callable_or_model_is_named_before_the_run(tmp_path, monkeypatch):

@@ -10,8 +10,21 @@ answer: anything else is an error naming it. The call runs on a thread of its ow
 ``reward_term_<label>_failed``, and the call is abandoned (a thread cannot be stopped); while it
 still runs, later batches fail that term at once rather than pile up calls. A model term
 (``model:PATH``) re-tokenises prompt and response with the checkpoint's tokenizer and scores them
-with ``jaxrl.nn.reward_model`` on the trainer's mesh. A judge term (``judge:URL``, ``judge:sidecar``) asks a generative model for a
-score (``jaxrl.tasks.rewards.judge``); answers without a verdict are None, counted the same way.
+with ``jaxrl.nn.reward_model`` on the trainer's mesh. A judge term (``judge:URL``,
+``judge:sidecar``) asks a generative model for a score (``jaxrl.tasks.rewards.judge``); answers
+without a verdict are None, counted the same way.
+
+With several processes (``jax.distributed``) every process decodes every rollout and calls
+``RewardTerms.score`` on the whole batch; process 0's values are everyone's. The verifier runs on
+every process (each under its own clock, so a time limit can pass on one and not another). A
+model term runs on every process together: its forward pass is one program over the global mesh,
+its scores gathered to each. A callable term and a judge term run on process 0 alone (an API call
+or a judge request is sent once, and a callable that draws random numbers or reads a clock cannot
+split the processes); the others hold NaN in their place. ``score`` then broadcasts process 0's
+values of every term, whether the verifier scored each answer, and the terms' failure and
+truncation counts (one ``distributed.from_main``), and each process combines them: the rewards,
+the rows set aside and the term metrics are the same on every process, bit for bit. A callable
+runs on process 0 only, so it must not start a JAX computation that spans processes.
 
 A step's term metrics are counters that add over dynamic sampling's rounds (``_sum``, ``_n``,
 ``_rows``); ``term_means`` turns them into each term's mean and the share it applies to.
@@ -47,16 +60,21 @@ _COUNTERS = ("_sum", "_n", "_rows")
 
 
 class CallableTerm:
-  """A TRL-style reward function ``(prompts, completions, **columns) -> list[float | None]``."""
+  """A TRL-style reward function ``(prompts, completions, **columns) -> list[float | None]``.
+  ``active`` False (processes other than the first of a multi-process run, which take process
+  0's values) calls nothing: its values are NaN."""
 
-  def __init__(self, spec: str, time_limit: float | None = None):
-    self.spec, self.time_limit = spec, time_limit
+  def __init__(self, spec: str, time_limit: float | None = None, active: bool = True):
+    self.spec, self.time_limit, self.active = spec, time_limit, active
     self.fn = load_function(spec, "reward term", RewardFnError)
     self.failed = 0  # answers of the last batch without values (the call overran)
     self.overrun: threading.Thread | None = None  # an abandoned call, maybe still running
 
   def __call__(self, prompts: list[str], completions: list[str], answers: list[str]) -> np.ndarray:
     what, n = f"reward term {self.spec!r}", len(completions)
+    if not self.active:
+      self.failed = 0
+      return np.full(n, np.nan, np.float32)
     if self.overrun is not None and self.overrun.is_alive():
       return self._fail(n, "its call of an earlier batch, past its limit, is still running")
     got, done = {}, threading.Event()
@@ -197,16 +215,24 @@ class RewardTerms:
     group_ids_R,
     num_groups: int,
   ) -> TermsResult:
-    """The terms' values on the batch, combined; ``verified``: the verifier's, when a term."""
-    values, kept_R, metrics = [], np.ones(len(completions), bool), {}
+    """The terms' values on the batch, combined; ``verified``: the verifier's, when a term. With
+    several processes: process 0's values, the same on every process (the module says how)."""
+    values, scored_R = [], np.ones(len(completions), bool)
+    counts_K = np.zeros(len(self.specs), np.float32)  # per term: failed (fn, judge), truncated
     for k, spec in enumerate(self.specs):
       if spec.kind == "verifier":
-        v_R = np.asarray(verified.rewards_R, np.float32)
-        kept_R = kept_R & verified.scored
-        v_R = np.where(verified.scored, v_R, np.nan)
+        scored_R = np.asarray(verified.scored, bool)
+        v_R = np.where(scored_R, np.asarray(verified.rewards_R, np.float32), np.nan)
       else:
         v_R = self.scorers[k](prompts, completions, answers)
-      values.append(v_R)
+        counts_K[k] = self.scorers[k].truncated if spec.kind == "model" else self.scorers[k].failed
+      values.append(np.asarray(v_R, np.float32))
+    values_KxR = np.stack(values).reshape(len(self.specs), len(completions))
+    values_KxR, scored_R, counts_K = distributed.from_main(
+      (values_KxR, scored_R.astype(np.int32), counts_K)
+    )
+    metrics = {}
+    for spec, v_R, count in zip(self.specs, values_KxR, counts_K):
       applies_R = ~np.isnan(v_R)
       metrics.update(
         {
@@ -216,14 +242,14 @@ class RewardTerms:
         }
       )
       if spec.kind == "model":
-        metrics["reward_model_truncated"] = float(self.scorers[k].truncated)
+        metrics["reward_model_truncated"] = float(count)
       if spec.kind in ("fn", "judge"):  # answers the term could not score: None, counted
-        metrics[f"{PREFIX}{spec.label}_failed"] = float(self.scorers[k].failed)
+        metrics[f"{PREFIX}{spec.label}_failed"] = float(count)
     weights = [s.weight for s in self.specs]
     rewards_R, applies_R = combine_terms(
-      np.stack(values), weights, np.asarray(group_ids_R), num_groups, self.rule
+      values_KxR, weights, np.asarray(group_ids_R), num_groups, self.rule
     )
-    kept_R = kept_R & applies_R
+    kept_R = scored_R.astype(bool) & applies_R
     return TermsResult(np.where(kept_R, rewards_R, 0.0).astype(np.float32), kept_R, metrics)
 
   def close(self) -> None:
@@ -302,7 +328,7 @@ def _scorer(cfg: Config, spec: TermSpec, mesh, judge: Endpoint | None):
   r = cfg.reward
   try:
     if spec.kind == "fn":
-      return CallableTerm(spec.source, r.fn_time_limit)
+      return CallableTerm(spec.source, r.fn_time_limit, active=distributed.is_main())
     if spec.kind == "model":
       return ModelTerm(spec.source, mesh, cfg.model.dtype, r.model_max_tokens, r.model_rows)
     return _judge_term(cfg, spec, judge)
