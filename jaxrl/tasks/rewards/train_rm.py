@@ -11,7 +11,8 @@ tokenizer, which ``model:PATH`` loads like any other.
 
 ``reward.terms = "model:tiny-rm"`` names it for a run's own task config: the directory
 ``$JAXRL_CACHE/tiny-rm-<key>`` (default ``~/.cache/jaxrl``), ``<key>`` a hash of the task fields
-and settings it is trained from, is trained on first use (about 30 s on 2 CPU cores) and reused afterwards.
+and settings it is trained from, is trained on first use (about 30 s on 2 CPU cores) and
+reused afterwards.
 """
 
 from __future__ import annotations
