@@ -19,7 +19,9 @@ levels, RL has to learn when to call on the hard ones), e.g. ``tiny:e3,tools``; 
 the same in a ChatML chat template, as an instruct model reads it (``chat`` alone says the same);
 ``countdown`` is
 the countdown task (reach a target with the given numbers: a search where exploration matters),
-e.g. ``tiny:e3,countdown``. Every field
+e.g. ``tiny:e3,countdown``. ``rm`` joins the verifier with a reward model trained in code on the
+task's correct and wrong answers (``model:tiny-rm``: trained on first use into ``~/.cache/jaxrl``,
+about 30 s on a CPU; docs/rewards.md), e.g. ``tiny:rm``. Every field
 stays overridable: ``--config.allocation.method=dynamo``.
 """
 
@@ -34,7 +36,8 @@ TASKS = ("tools", "countdown", "chat")  # chat: the tools task in a chat templat
 TOOLS_SHOWN_LEVELS = "2x1+,2x2+,2x1*,2x2*,5x1+,3x2+,3x3+,5x5-"
 TOOLS_HARD_LEVELS = "3x2*,3x3*,5x5+"
 TOOLS_HARD_SFT_WEIGHT = 0.1  # relative to 1 for each of the other levels
-VARIANTS = PRESETS + SIZES + PHASES + TASKS  # listed by --help
+REWARDS = ("rm",)  # the verifier and a reward model trained in code
+VARIANTS = PRESETS + SIZES + PHASES + TASKS + REWARDS  # listed by --help
 
 
 def _apply_preset(c, name: str) -> None:
@@ -146,6 +149,17 @@ def _apply_countdown(c) -> None:
   c.sft.target_loss = 0.0
 
 
+def _apply_rm(c) -> None:
+  """The verifier and ``model:tiny-rm`` (jaxrl/tasks/rewards/train_rm.py), a reward model trained on
+  this task's training questions to score the reference answer above one with a digit changed.
+  Each term becomes its own group advantage before the weighted sum (normalise-then-sum): the
+  model's scores are logits on a scale of their own, and the weight alone says how much it counts.
+  Held-out evaluation reads the verifier alone: what the policy learned."""
+  c.reward.terms = "verifier, model:tiny-rm*0.5"
+  c.reward.combine = "normalise-then-sum"
+  c.reward.model_max_tokens = 64  # a question and its answer: under 20 tokens
+
+
 def _apply_anneal_phase(c) -> None:
   """The annealing-phase curriculum (Entropy Scheduling §5): where the entropy schedule anneals
   (E3: 60% of the steps), switch to the harder half of the levels with twice the rollouts per
@@ -180,10 +194,11 @@ def get_config(arg: str = ""):
       _apply_preset(c, name)
     elif name in SIZES:
       _apply_size(c, name)
-    elif name not in PHASES + TASKS:
+    elif name not in PHASES + TASKS + REWARDS:
       raise ValueError(
         f"unknown variant {name!r} of configs/tiny.py (presets: {', '.join(PRESETS)}; "
-        f"sizes: {', '.join(SIZES)}; phases: {', '.join(PHASES)}; tasks: {', '.join(TASKS)})"
+        f"sizes: {', '.join(SIZES)}; phases: {', '.join(PHASES)}; tasks: {', '.join(TASKS)}; "
+        f"rewards: {', '.join(REWARDS)})"
       )
   if "tools" in names:  # after the sizes: its levels and lengths are the task's own
     _apply_tools(c)
@@ -194,6 +209,10 @@ def get_config(arg: str = ""):
     _apply_chat(c)
   if "countdown" in names:
     _apply_countdown(c)
+  if "rm" in names:
+    if set(names) & set(TASKS):
+      raise ValueError("rm's reward model is trained on the arithmetic task without tools")
+    _apply_rm(c)
   if "anneal" in names:  # last: it derives from the levels and sizes chosen above
     _apply_anneal_phase(c)
   return c

@@ -514,13 +514,17 @@ def save_hf_checkpoint(
   tokenizer=None,
   max_shard_bytes: int = 5 * 2**30,
   untie: bool = False,
+  *,
+  extra: dict | None = None,
+  config_fields: dict | None = None,
 ) -> pathlib.Path:
   """Write config.json + safetensors in HF layout (sharded with an index above ``max_shard_bytes``).
 
   Overwrites any earlier weights in ``out_dir``. Host memory peaks at about one shard. Params keep
   their dtype, so ``load_hf_checkpoint`` with that dtype gives them back bitwise. ``untie`` writes
   a tied model as an untied one (an explicit ``lm_head.weight``): vLLM's CPU build keeps a stale
-  packed copy of a tied head after ``reload_weights``.
+  packed copy of a tied head after ``reload_weights``. ``extra`` (HF name -> array) are written
+  beside the decoder's tensors and ``config_fields`` over config.json's (``save_hf_score_model``).
   """
   out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
@@ -530,13 +534,15 @@ def save_hf_checkpoint(
   if untie and cfg.tie_embeddings:
     cfg = dataclasses.replace(cfg, tie_embeddings=False)
     entries.append(("lm_head.weight", params["embed_tokens"][...], None))  # [V, D] both
+  entries.extend((name, value, None) for name, value in (extra or {}).items())
   dtype = entries[0][1].dtype
   if np.dtype(dtype) not in _SAFETENSORS_NAMES:
     raise ValueError(
       f"params of dtype {dtype} cannot be saved (supported: "
       f"{sorted(str(d) for d in _SAFETENSORS_NAMES)})"
     )
-  (out / "config.json").write_text(json.dumps(hf_config_from_model(cfg, dtype), indent=2))
+  config = {**hf_config_from_model(cfg, dtype), **(config_fields or {})}
+  (out / "config.json").write_text(json.dumps(config, indent=2))
 
   # Plan shards from sizes alone so tensors are materialised on host one shard at a time.
   sizes = [
@@ -550,3 +556,24 @@ def save_hf_checkpoint(
   if tokenizer is not None:
     tokenizer.save_pretrained(out)
   return out
+
+
+def save_hf_score_model(
+  cfg: ModelConfig, params, score_LxD, out_dir, tokenizer=None, pad_id: int | None = None
+) -> pathlib.Path:
+  """An HF ``*ForSequenceClassification`` directory, as ``load_hf_score_model`` and transformers
+  read it: the decoder as ``save_hf_checkpoint`` writes it (no LM head), the head [labels, D] as
+  ``score.weight``, and config.json naming the architecture, one label per row of the head and
+  the pad id (transformers reads a row's score at its rightmost token that is not the pad)."""
+  causal = hf_config_from_model(cfg)["architectures"][0]
+  labels = int(score_LxD.shape[0])
+  fields = {
+    "architectures": [causal.replace("ForCausalLM", "ForSequenceClassification")],
+    "id2label": {str(i): f"LABEL_{i}" for i in range(labels)},
+    "label2id": {f"LABEL_{i}": i for i in range(labels)},
+    "pad_token_id": pad_id,
+    "tie_word_embeddings": False,  # no LM head to tie
+  }
+  return save_hf_checkpoint(
+    cfg, params, out_dir, tokenizer, extra={SCORE_HEAD: score_LxD}, config_fields=fields
+  )

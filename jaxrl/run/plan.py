@@ -36,7 +36,7 @@ from jaxrl.rl.programs import ForgetConfig, Programs, reference_copy
 from jaxrl.rollout import multiturn, sampler
 from jaxrl.rollout.sampler import segment_ends
 from jaxrl.tasks import task
-from jaxrl.tasks.rewards.terms import model_dir, rows_per_forward
+from jaxrl.tasks.rewards.terms import rows_per_forward, term_model_dir
 from jaxrl.types import Rollouts
 
 GiB = 1024**3
@@ -609,7 +609,7 @@ def reward_model_plan(cfg: Config, mesh) -> tuple[int, object]:
     return 0, None
   try:
     rm_cfg = reward_model.reward_model_config(
-      model_dir(paths[0], ("config.json",)), cfg.model.dtype
+      term_model_dir(cfg, paths[0], ("config.json",)), cfg.model.dtype
     )
   except (OSError, ValueError) as e:  # before check_inputs reads it: name the field here too
     raise ConfigError("reward.terms", f"term model:{paths[0]}: {e}") from None

@@ -10,7 +10,8 @@ answer: anything else is an error naming it. The call runs on a thread of its ow
 ``reward_term_<label>_failed``, and the call is abandoned (a thread cannot be stopped); while it
 still runs, later batches fail that term at once rather than pile up calls. A model term
 (``model:PATH``) re-tokenises prompt and response with the checkpoint's tokenizer and scores them
-with ``jaxrl.nn.reward_model`` on the trainer's mesh. A judge term (``judge:URL``,
+with ``jaxrl.nn.reward_model`` on the trainer's mesh; ``model:tiny-rm`` is the one
+``jaxrl.tasks.rewards.train_rm`` trains for the run's arithmetic task. A judge term (``judge:URL``,
 ``judge:sidecar``) asks a generative model for a score (``jaxrl.tasks.rewards.judge``); answers
 without a verdict are None, counted the same way.
 
@@ -51,6 +52,8 @@ from jaxrl.tasks.data import hub
 from jaxrl.tasks.rewards.combine import combine_terms
 from jaxrl.tasks.rewards.judge import Endpoint, JudgeSettings, JudgeTerm, shown
 from jaxrl.tasks.rewards.pool import RewardFnError, VerifyResult
+from jaxrl.tasks.rewards.train_rm import NAME as TINY_RM
+from jaxrl.tasks.rewards.train_rm import builtin_dir
 from jaxrl.tasks.workers import load_function
 
 log = logging.getLogger(__name__)
@@ -140,6 +143,13 @@ def model_dir(source: str, files=hub.MODEL_FILES) -> str:
   its cached snapshot of ``files`` (process 0 downloads first; offline and not cached: a
   ``HubError``)."""
   return hub.model_snapshot(source, files)
+
+
+def term_model_dir(cfg: Config, source: str, files=hub.MODEL_FILES) -> str:
+  """A ``model:`` term's checkpoint directory: ``model:tiny-rm`` the reward model trained for the
+  run's arithmetic task (``train_rm.builtin_dir``: in the cache, trained there on first use),
+  any other source its ``model_dir``."""
+  return builtin_dir(cfg) if source == TINY_RM else model_dir(source, files)
 
 
 class ModelTerm:
@@ -312,7 +322,7 @@ def check_terms(cfg: Config) -> None:
       if spec.kind == "fn":
         load_function(spec.source, "reward term", RewardFnError)
       elif spec.kind == "model":
-        path = model_dir(spec.source)
+        path = term_model_dir(cfg, spec.source)
         reward_model.reward_model_config(path, cfg.model.dtype)
         hf.check_tensor_files(path)
       elif spec.kind == "judge":
@@ -330,7 +340,8 @@ def _scorer(cfg: Config, spec: TermSpec, mesh, judge: Endpoint | None):
     if spec.kind == "fn":
       return CallableTerm(spec.source, r.fn_time_limit, active=distributed.is_main())
     if spec.kind == "model":
-      return ModelTerm(spec.source, mesh, cfg.model.dtype, r.model_max_tokens, r.model_rows)
+      path = term_model_dir(cfg, spec.source)
+      return ModelTerm(path, mesh, cfg.model.dtype, r.model_max_tokens, r.model_rows)
     return _judge_term(cfg, spec, judge)
   except ConfigError:
     raise
