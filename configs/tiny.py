@@ -20,7 +20,7 @@ the same in a ChatML chat template, as an instruct model reads it (``chat`` alon
 ``countdown`` is
 the countdown task (reach a target with the given numbers: a search where exploration matters),
 e.g. ``tiny:e3,countdown``. ``rm`` joins the verifier with a reward model trained in code on the
-task's correct and wrong answers (``model:tiny-rm``: trained on first use into ``~/.cache/jaxrl``,
+task's correct and wrong answers (``model:tiny-rm``: trained on first use into the run directory,
 about 30 s on a CPU; docs/rewards.md), e.g. ``tiny:rm``. Every field
 stays overridable: ``--config.allocation.method=dynamo``.
 """

@@ -99,13 +99,13 @@ def test_tiny_rm_is_for_the_arithmetic_task_without_tools():
 
 @pytest.mark.slow
 def test_tiny_rm_run_logs_both_terms(tmp_path, monkeypatch):
-  """tiny:rm at tiny:test's size: the run trains model:tiny-rm into the cache (fewer steps here),
-  and each step logs the verifier's and the reward model's means."""
+  """tiny:rm at tiny:test's size: the run trains model:tiny-rm into its run directory (fewer steps
+  here), nothing into the cache, and each step logs the verifier's and the reward model's means."""
   monkeypatch.setenv("JAXRL_CACHE", str(tmp_path / "cache"))
   monkeypatch.setattr(train_rm, "SETTINGS", dataclasses.replace(train_rm.SETTINGS, steps=100))
   Trainer.open(tiny_config("rm,test", steps=2), str(tmp_path / "run")).run()
-  (cached,) = (tmp_path / "cache").iterdir()
-  assert cached.name.startswith("tiny-rm-")
+  assert not (tmp_path / "cache").exists()
+  (cached,) = (tmp_path / "run").glob("tiny-rm-*")
   report = json.loads((cached / train_rm.REPORT).read_text())
   assert report["settings"]["steps"] == 100 and 0 <= report["heldout_pairwise_accuracy"] <= 1
   rows = [r for r in read_metrics(tmp_path / "run") if "reward_term_model" in r]

@@ -99,7 +99,7 @@ def open_terms(cfg: Config, mesh, workdir: str) -> RewardTerms | None:
   terms stops it, and a failed build stops it at once."""
   endpoint = start(cfg, workdir)
   try:
-    return build_terms(cfg, mesh, endpoint)
+    return build_terms(cfg, mesh, endpoint, workdir)
   except BaseException:
     if endpoint is not None:
       endpoint.close()

@@ -145,11 +145,13 @@ def model_dir(source: str, files=hub.MODEL_FILES) -> str:
   return hub.model_snapshot(source, files)
 
 
-def term_model_dir(cfg: Config, source: str, files=hub.MODEL_FILES) -> str:
+def term_model_dir(
+  cfg: Config, source: str, files=hub.MODEL_FILES, workdir: str | None = None
+) -> str:
   """A ``model:`` term's checkpoint directory: ``model:tiny-rm`` the reward model trained for the
   run's arithmetic task (``train_rm.builtin_dir``: in the cache, trained there on first use),
   any other source its ``model_dir``."""
-  return builtin_dir(cfg) if source == TINY_RM else model_dir(source, files)
+  return builtin_dir(cfg, workdir=workdir) if source == TINY_RM else model_dir(source, files)
 
 
 class ModelTerm:
@@ -333,14 +335,14 @@ def check_terms(cfg: Config) -> None:
       raise _term_error(spec, e) from None
 
 
-def _scorer(cfg: Config, spec: TermSpec, mesh, judge: Endpoint | None):
+def _scorer(cfg: Config, spec: TermSpec, mesh, judge: Endpoint | None, workdir: str | None):
   """The scorer of a term other than the verifier; a ConfigError naming reward.terms if unusable."""
   r = cfg.reward
   try:
     if spec.kind == "fn":
       return CallableTerm(spec.source, r.fn_time_limit, active=distributed.is_main())
     if spec.kind == "model":
-      path = term_model_dir(cfg, spec.source)
+      path = term_model_dir(cfg, spec.source, workdir=workdir)
       return ModelTerm(path, mesh, cfg.model.dtype, r.model_max_tokens, r.model_rows)
     return _judge_term(cfg, spec, judge)
   except ConfigError:
@@ -349,9 +351,12 @@ def _scorer(cfg: Config, spec: TermSpec, mesh, judge: Endpoint | None):
     raise _term_error(spec, e) from None
 
 
-def build_terms(cfg: Config, mesh=None, judge: Endpoint | None = None) -> RewardTerms | None:
+def build_terms(
+  cfg: Config, mesh=None, judge: Endpoint | None = None, workdir: str | None = None
+) -> RewardTerms | None:
   """The terms of ``reward.terms`` (a reward model loaded onto ``mesh`` in the policy's compute
-  dtype; a judge at its URL, or at ``judge``, the server the run started for ``judge:sidecar``);
+  dtype; a judge at its URL, or at ``judge``, the server the run started for ``judge:sidecar``;
+  ``model:tiny-rm`` trained into the run's ``workdir``);
   None when unset: the verifier alone, as the loop computes it without terms. A term that fails
   to build stops those built before it."""
   specs = parse_terms(cfg.reward.terms)
@@ -364,7 +369,7 @@ def build_terms(cfg: Config, mesh=None, judge: Endpoint | None = None) -> Reward
   try:
     for k, spec in enumerate(specs):
       if spec.kind != "verifier":
-        terms.scorers[k] = _scorer(cfg, spec, mesh, judge)
+        terms.scorers[k] = _scorer(cfg, spec, mesh, judge, workdir)
   except BaseException:
     terms.close()
     raise

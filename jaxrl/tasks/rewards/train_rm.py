@@ -10,9 +10,10 @@ trained on), and it is saved as an HF ``Qwen2ForSequenceClassification`` checkpo
 tokenizer, which ``model:PATH`` loads like any other.
 
 ``reward.terms = "model:tiny-rm"`` names it for a run's own task config: the directory
-``$JAXRL_CACHE/tiny-rm-<key>`` (default ``~/.cache/jaxrl``), ``<key>`` a hash of the task fields
-and settings it is trained from, is trained on first use (about 30 s on 2 CPU cores) and
-reused afterwards.
+``WORKDIR/tiny-rm-<key>`` of the run (like everything a run writes), ``<key>`` a hash of the task
+fields and settings it is trained from, is trained on first use (about 30 s on 2 CPU cores) and
+reused afterwards, a resumed run included. Without a run directory (``--plan``) it is
+``$JAXRL_CACHE/tiny-rm-<key>`` (default ``~/.cache/jaxrl``).
 """
 
 from __future__ import annotations
@@ -301,9 +302,10 @@ def train_into(path: pathlib.Path, tcfg: arithmetic.TaskConfig, settings: Settin
   return path
 
 
-def builtin_dir(cfg: Config, settings: Settings | None = None) -> str:
-  """``model:tiny-rm``'s checkpoint for ``cfg``'s task, trained into the cache on first use
-  (process 0 trains it, the others wait and read it); ``settings`` default ``SETTINGS``."""
+def builtin_dir(cfg: Config, settings: Settings | None = None, workdir: str | None = None) -> str:
+  """``model:tiny-rm``'s checkpoint for ``cfg``'s task, trained into the run's ``workdir`` (else
+  the cache) on first use (process 0 trains it, the others wait and read it); ``settings``
+  default ``SETTINGS``."""
   settings = settings or SETTINGS
   if cfg.task.name != arithmetic_task.NAME or cfg.task.environment:
     raise ConfigError(
@@ -312,6 +314,7 @@ def builtin_dir(cfg: Config, settings: Settings | None = None) -> str:
       f"(task.name = {cfg.task.name!r}, task.environment = {cfg.task.environment!r})",
     )
   tcfg = arithmetic_task.task_config(cfg)
-  path = cache_root() / f"{NAME}-{cache_key(tcfg, settings)}"
+  root = pathlib.Path(workdir) if workdir else cache_root()
+  path = root / f"{NAME}-{cache_key(tcfg, settings)}"
   path.parent.mkdir(parents=True, exist_ok=True)
   return str(distributed.main_first(lambda: train_into(path, tcfg, settings)))
