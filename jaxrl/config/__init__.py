@@ -3,12 +3,13 @@
 ``schema``: the sections, ``Config`` and ``ConfigError``; ``validate``: ConfigDict → validated
 ``Config`` (``from_configdict``); ``loss``: the update's static part (``LossConfig``);
 ``mixture``: ``NAME[:WEIGHT],...`` specs; ``reward_terms``: ``KIND[:SOURCE][*WEIGHT],...`` specs;
-``phases``: the config inside the annealing phase (the phases themselves: ``jaxrl.methods.phases``).
+``anneal_phase``: the config inside the annealing phase (the phases themselves:
+``jaxrl.methods.phases``).
 """
 
+from jaxrl.config.anneal_phase import annealing  # noqa: F401
 from jaxrl.config.loss import LossConfig, resolved_correction  # noqa: F401
 from jaxrl.config.mixture import parse_mixture  # noqa: F401
-from jaxrl.config.phases import annealing  # noqa: F401
 from jaxrl.config.reward_terms import TERM_KINDS, TermSpec, parse_terms  # noqa: F401
 from jaxrl.config.schema import (  # noqa: F401
   MIN_REWARD_MEMORY_MB,

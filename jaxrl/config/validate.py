@@ -8,9 +8,9 @@ import dataclasses
 import typing
 from typing import Any
 
+from jaxrl.config.anneal_phase import annealing, shortest_response
 from jaxrl.config.loss import LossConfig
 from jaxrl.config.mixture import parse_mixture
-from jaxrl.config.phases import annealing, shortest_response
 from jaxrl.config.reward_terms import parse_terms
 from jaxrl.config.schema import Config, ConfigError, _check_type, _need
 

@@ -459,6 +459,22 @@ def rl_update(
     ref_params = lora.without_adapters(state.params)
   per_row = _row_inputs(graphdef, cfg, batch, hp, ref_params, pack)
   grad_fn = _grad_of_part(_micro_loss(graphdef, cfg, hp), trainable)
+  one_update = _finite_update(graphdef, tx, cfg, hp, grad_fn, trainable)
+  state, out = _over_mini_batches(one_update, state, per_row, cfg.mini_batches)
+  out["informative_frac"] = jnp.mean(per_row.informative_R.astype(jnp.float32))
+  # docs/algorithms.md §9: how far the engine's policy μ is from the update's start, every mode,
+  # over the tokens μ sampled (an environment's have no ℓ_μ, §11)
+  out.update(
+    losses.behaviour_metrics(
+      batch.prox_logp_RxN, batch.behaviour_logp_RxN, batch.loss_mask_RxN, **_behaviour_args(cfg, hp)
+    )
+  )
+  return state, out
+
+
+def _finite_update(graphdef, tx, cfg: LossConfig, hp: LossHparams, grad_fn, trainable):
+  """``one_update(state, rows) → (state, metrics)``: one optimizer update on a mini-batch's rows,
+  skipped when its loss or gradient is not finite."""
 
   def one_update(state, rows: UpdateRows):
     (loss, metrics), grads = _minibatch_grads(graphdef, cfg, hp, grad_fn, state.params, rows)
@@ -478,21 +494,18 @@ def rl_update(
       nonfinite_updates=1 - finite.astype(jnp.int32),
     )
 
-  if cfg.mini_batches == 1:
-    state, out = one_update(state, per_row)
-  else:
-    state, outs = jax.lax.scan(one_update, state, _split_micro(per_row, cfg.mini_batches))
-    skipped = jnp.sum(outs.pop("nonfinite_updates"))
-    out = jax.tree.map(lambda x: jnp.mean(x, axis=0), outs)  # metrics averaged over the updates
-    out["nonfinite_updates"] = skipped
-  out["informative_frac"] = jnp.mean(per_row.informative_R.astype(jnp.float32))
-  # docs/algorithms.md §9: how far the engine's policy μ is from the update's start, every mode,
-  # over the tokens μ sampled (an environment's have no ℓ_μ, §11)
-  out.update(
-    losses.behaviour_metrics(
-      batch.prox_logp_RxN, batch.behaviour_logp_RxN, batch.loss_mask_RxN, **_behaviour_args(cfg, hp)
-    )
-  )
+  return one_update
+
+
+def _over_mini_batches(one_update, state: TrainState, per_row: UpdateRows, mini_batches: int):
+  """``one_update`` over the strided mini-batches of ``per_row`` in sequence (``lax.scan``): the
+  last state, and the metrics averaged over the updates, the skipped updates summed."""
+  if mini_batches == 1:
+    return one_update(state, per_row)
+  state, outs = jax.lax.scan(one_update, state, _split_micro(per_row, mini_batches))
+  skipped = jnp.sum(outs.pop("nonfinite_updates"))
+  out = jax.tree.map(lambda x: jnp.mean(x, axis=0), outs)  # metrics averaged over the updates
+  out["nonfinite_updates"] = skipped
   return state, out
 
 

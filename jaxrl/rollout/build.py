@@ -7,7 +7,7 @@ import os
 import jax
 
 from jaxrl.config import Config, ConfigError
-from jaxrl.config.phases import turn_tokens
+from jaxrl.config.anneal_phase import turn_tokens
 from jaxrl.methods.phases import run_phases
 from jaxrl.rollout import multiturn
 from jaxrl.rollout.engine import JaxEngine

@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
 from jaxrl.config import Config, ConfigError, LossConfig, parse_terms
-from jaxrl.config.phases import turn_tokens
+from jaxrl.config.anneal_phase import turn_tokens
 from jaxrl.methods import registry
 from jaxrl.methods.phases import run_phases
 from jaxrl.nn import arch, attention, lora, model, reward_model

@@ -78,18 +78,25 @@ def warm_start(
   state, done, ema = _train(
     programs, begun, corpus, chunk, steps, batch_size, warmup_steps, target_loss, progress, stop
   )
-  if stop is not None and stop.requested and done < steps:
-    _save_progress(workdir, _Progress(state, done, ema), key)
-    stop.check(
-      f"SFT warm start stopped at step {done}; its progress is saved in "
-      f"{os.path.join(workdir, PROGRESS)}: run the same command again to resume it"
-    )
+  _stop_if_requested(workdir, stop, _Progress(state, done, ema), steps, key)
   meta = {"steps": done, "final_loss_ema": ema, "seconds": time.time() - t0}
   if key is not None:
     meta[KEY] = key
   log.info("SFT warm start done: %d steps, loss (ema) %.4f, %.0fs", done, ema, meta["seconds"])
   _save_finished(workdir, state, done, meta)
   return state.params, meta
+
+
+def _stop_if_requested(workdir: str, stop, at: _Progress, steps: int, key: dict | None) -> None:
+  """A stop requested before the last step: the warm start's progress saved in
+  ``WORKDIR/sft_progress`` for the next run to resume, then ``stops.Stopped`` raised."""
+  if stop is None or not stop.requested or at.done >= steps:
+    return
+  _save_progress(workdir, at, key)
+  stop.check(
+    f"SFT warm start stopped at step {at.done}; its progress is saved in "
+    f"{os.path.join(workdir, PROGRESS)}: run the same command again to resume it"
+  )
 
 
 def _begin(workdir: str, programs, fresh, key: dict | None, steps: int) -> _Progress:

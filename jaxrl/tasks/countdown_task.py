@@ -9,7 +9,7 @@ Its levels are ``jaxrl.tasks.data.countdown`` specs ("4n19"); its vocabulary is 
 from __future__ import annotations
 
 from jaxrl.config import Config, ConfigError
-from jaxrl.config.phases import shortest_response
+from jaxrl.config.anneal_phase import shortest_response
 from jaxrl.tasks import builtin
 from jaxrl.tasks.data import countdown
 from jaxrl.tasks.data import tokenizer as vocab
