@@ -16,10 +16,10 @@ import hf_fixtures  # noqa: E402
 import math_fixtures  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from judge_fixtures import ChatServer, chat  # noqa: E402
 from multihost_helpers import free_port  # noqa: E402
 from multihost_terms_check import COMPLETIONS  # noqa: E402
 from run_helpers import ROOT  # noqa: E402
-from test_judge import ChatServer, chat  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
