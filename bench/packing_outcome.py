@@ -1,8 +1,12 @@
-"""The packed update against the padded one on the embedded default (``make run``), over seeds.
+"""The packed update against the padded one on the embedded default (``make run``) and its
+presets, over seeds.
 
   PYTHONPATH=. .venv/bin/python bench/packing_outcome.py --seeds 0 1 2 --jobs 2
+  PYTHONPATH=. .venv/bin/python bench/packing_outcome.py --config configs/tiny.py:e3
 
-Protocol (fixed before the runs): ``configs/tiny.py`` at its defaults (300 RL steps), once with
+Protocol (fixed before the runs): ``configs/tiny.py`` at its defaults (300 RL steps), or one of its
+presets (``--config configs/tiny.py:PRESET``: runs under ``--root``/PRESET, the table in
+``results/packing_outcome_PRESET.md``), once with
 ``loss.packing=true`` (the default) and once with ``loss.packing=false``, for each seed; a seed's
 two runs share its SFT warm start (the packed run computes it), so they start RL from the same
 policy and differ only in the update's layout, which changes float rounding and nothing else
@@ -35,11 +39,14 @@ METRICS = ("pass1", "pass8", "greedy")
 STEPS = 300  # configs/tiny.py's
 
 
-def run(arm: str, seed: int, steps: int, root: str) -> str:
+DEFAULT = "configs/tiny.py"
+
+
+def run(config: str, arm: str, seed: int, steps: int, root: str) -> str:
   workdir = os.path.join(root, f"{arm}_s{seed}")
   shared = os.path.join(root, f"packed_s{seed}")
   warm = None if workdir == shared else shared
-  return tiny_runs.ensure_run("configs/tiny.py", workdir, seed, steps, warm, ARMS[arm])
+  return tiny_runs.ensure_run(config, workdir, seed, steps, warm, ARMS[arm])
 
 
 def verdict(by_arm: dict[str, list[dict]]) -> dict[str, bool]:
@@ -52,21 +59,22 @@ def verdict(by_arm: dict[str, list[dict]]) -> dict[str, bool]:
   return out
 
 
-def summarize(by_arm: dict[str, list[dict]], seeds, steps: int) -> str:
+def summarize(by_arm: dict[str, list[dict]], seeds, steps: int, config: str = DEFAULT) -> str:
   def pct(values):
     v = 100 * np.asarray(values)
     return f"{v.mean():.1f} ({v.min():.1f}–{v.max():.1f})"
 
   ok = verdict(by_arm)
   lines = [
-    "# The packed update leaves `make run`'s outcome unchanged",
+    f"# The packed update and {'`make run`' if config == DEFAULT else f'`{config}`'}'s outcome",
     "",
-    f"`configs/tiny.py` ({steps} RL steps), `loss.packing` true and false, seeds "
+    f"`{config}` ({steps} RL steps), `loss.packing` true and false, seeds "
     f"{', '.join(map(str, seeds))}, each seed's two runs from one SFT warm start. Held-out accuracy "
     "(%) over all levels after RL: mean (min–max) over seeds. Rule (bench/packing_outcome.py): "
     "unchanged when the packed mean lies within the padded range, metric by metric. Machine: "
-    f"{machine()}. Command: `PYTHONPATH=. .venv/bin/python bench/packing_outcome.py --seeds "
-    f"{' '.join(map(str, seeds))}`.",
+    f"{machine()}. Command: `PYTHONPATH=. .venv/bin/python bench/packing_outcome.py "
+    + (f"--config {config} " if config != DEFAULT else "")
+    + f"--seeds {' '.join(map(str, seeds))}`.",
     "",
     "| arm | pass@1 | pass@8 | greedy | pass@1 per seed | update s/step (median, shared machine) |",
     "|---|---|---|---|---|---|",
@@ -90,12 +98,27 @@ def summarize(by_arm: dict[str, list[dict]], seeds, steps: int) -> str:
   return "\n".join(lines) + "\n"
 
 
+def parse_args():
+  parser = tiny_runs.evidence_parser(
+    STEPS, "runs/packing_outcome", "bench/results/packing_outcome.md"
+  )
+  parser.add_argument("--config", default=DEFAULT, help="configs/tiny.py or configs/tiny.py:PRESET")
+  args = parser.parse_args()
+  if args.config != DEFAULT:  # a preset's runs and table apart from make run's
+    preset = args.config.partition(":")[2]
+    args.root = os.path.join(args.root, preset)
+    args.out = args.out.replace(".md", f"_{preset}.md")
+  os.makedirs(args.root, exist_ok=True)
+  return args
+
+
 def main() -> None:
-  args = tiny_runs.evidence_args(STEPS, "runs/packing_outcome", "bench/results/packing_outcome.md")
+  args = parse_args()
   if not args.summarize_only:
     for arm in ARMS:  # the packed runs first: each makes its seed's warm start
       with cf.ThreadPoolExecutor(args.jobs) as pool:
-        for f in [pool.submit(run, arm, s, args.steps, args.root) for s in args.seeds]:
+        jobs = [pool.submit(run, args.config, arm, s, args.steps, args.root) for s in args.seeds]
+        for f in jobs:
           f.result()
   by_arm = {
     arm: [
@@ -104,7 +127,7 @@ def main() -> None:
     for arm in ARMS
   }
   with open(args.out, "w") as f:
-    f.write(summarize(by_arm, args.seeds, args.steps))
+    f.write(summarize(by_arm, args.seeds, args.steps, args.config))
   with open(os.path.splitext(args.out)[0] + ".jsonl", "w") as f:
     for arm, rows in by_arm.items():
       for seed, r in zip(args.seeds, rows):
