@@ -6,7 +6,8 @@ presets, over seeds.
 
 Protocol (fixed before the runs): ``configs/tiny.py`` at its defaults (300 RL steps), or one of its
 presets (``--config configs/tiny.py:PRESET``: runs under ``--root``/PRESET, the table in
-``results/packing_outcome_PRESET.md``), once with
+``results/packing_outcome_PRESET.md``; the presets change no SFT setting, so every run of a seed
+starts RL from ``make run``'s packed run's warm start), once with
 ``loss.packing=true`` (the default) and once with ``loss.packing=false``, for each seed; a seed's
 two runs share its SFT warm start (the packed run computes it), so they start RL from the same
 policy and differ only in the update's layout, which changes float rounding and nothing else
@@ -42,9 +43,9 @@ STEPS = 300  # configs/tiny.py's
 DEFAULT = "configs/tiny.py"
 
 
-def run(config: str, arm: str, seed: int, steps: int, root: str) -> str:
+def run(config: str, arm: str, seed: int, steps: int, root: str, warm_root: str) -> str:
   workdir = os.path.join(root, f"{arm}_s{seed}")
-  shared = os.path.join(root, f"packed_s{seed}")
+  shared = os.path.join(warm_root, f"packed_s{seed}")
   warm = None if workdir == shared else shared
   return tiny_runs.ensure_run(config, workdir, seed, steps, warm, ARMS[arm])
 
@@ -104,6 +105,7 @@ def parse_args():
   )
   parser.add_argument("--config", default=DEFAULT, help="configs/tiny.py or configs/tiny.py:PRESET")
   args = parser.parse_args()
+  args.warm_root = args.root  # make run's packed runs make each seed's warm start
   if args.config != DEFAULT:  # a preset's runs and table apart from make run's
     preset = args.config.partition(":")[2]
     args.root = os.path.join(args.root, preset)
@@ -115,9 +117,12 @@ def parse_args():
 def main() -> None:
   args = parse_args()
   if not args.summarize_only:
-    for arm in ARMS:  # the packed runs first: each makes its seed's warm start
+    for arm in ARMS:  # the packed runs first: make run's make each seed's warm start
       with cf.ThreadPoolExecutor(args.jobs) as pool:
-        jobs = [pool.submit(run, args.config, arm, s, args.steps, args.root) for s in args.seeds]
+        jobs = [
+          pool.submit(run, args.config, arm, s, args.steps, args.root, args.warm_root)
+          for s in args.seeds
+        ]
         for f in jobs:
           f.result()
   by_arm = {
