@@ -191,6 +191,21 @@ def test_export_writes_any_checkpoint_in_hf_layout(tmp_path, file_size_limit):
   assert sorted(os.listdir(tmp_path)) == sorted(["run", "step3", "latest", "bf16"])  # no leftovers
 
 
+def test_export_replaces_only_an_earlier_export(tmp_path):
+  """--out is replaced whole once the export is written: a file, or a directory holding something
+  other than an HF checkpoint (no config.json), is refused naming it, exit 2, and left as it was."""
+  (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+  notes = tmp_path / "notes.txt"
+  notes.write_text("mine")
+  project = tmp_path / "project"
+  project.mkdir()
+  (project / "main.py").write_text("print(1)")
+  for out, says in ((notes, "is a file"), (project, "holds no HF checkpoint")):
+    with pytest.raises(ValueError, match=f"--out={out}: {says}"):
+      weights.export(str(tmp_path / "run"), str(out))
+  assert notes.read_text() == "mine" and os.listdir(project) == ["main.py"]
+
+
 # The command modules define their absl flags at import, and two of them define --config: imported
 # into one process (pytest collects every test file in each worker) they collide with a
 # DuplicateFlagError. What tests use lives in the library modules (run_log, weights, cli).
