@@ -88,14 +88,21 @@ def test_a_json_config_with_a_non_finite_number_is_refused(tmp_path, constant):
   assert not os.path.exists(tmp_path / "run")
 
 
-def test_a_truncated_json_config_is_one_line_naming_the_file(tmp_path):
+@pytest.mark.parametrize(
+  "module,flag", [("jaxrl.main", "--workdir=RUN"), ("jaxrl.eval", "--checkpoint=RUN")]
+)
+def test_a_truncated_json_config_is_one_line_naming_the_file(tmp_path, module, flag):
+  """jaxrl-train reads its config lazily, jaxrl-eval as its flags are parsed: either way one line
+  (absl's flag parser would print the config's traceback and exit 1)."""
   path = tmp_path / "config.json"
   path.write_text('{"steps": 3, "rollout": {"max_new')
-  out = _command("jaxrl.main", f"--config={path}", f"--workdir={tmp_path}/run")
+  out = _command(
+    module, f"--config={path}", f"--workdir={tmp_path}/run", f"--checkpoint={tmp_path}"
+  )
   assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
   (line,) = out.stderr.strip().splitlines()
   assert f"{path}: not a JSON config: " in line and "line 1, column" in line, line
-  assert not os.path.exists(tmp_path / "run")
+  assert sorted(os.listdir(tmp_path)) == ["config.json"]
 
 
 def test_a_name_is_a_built_in_config_whatever_files_are_in_the_working_directory(tmp_path):
