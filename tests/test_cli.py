@@ -88,14 +88,21 @@ def test_a_json_config_with_a_non_finite_number_is_refused(tmp_path, constant):
   assert not os.path.exists(tmp_path / "run")
 
 
-def test_a_truncated_json_config_is_one_line_naming_the_file(tmp_path):
+@pytest.mark.parametrize(
+  "module,flag", [("jaxrl.main", "--workdir=RUN"), ("jaxrl.eval", "--checkpoint=RUN")]
+)
+def test_a_truncated_json_config_is_one_line_naming_the_file(tmp_path, module, flag):
+  """jaxrl-train reads its config lazily, jaxrl-eval as its flags are parsed: either way one line
+  (absl's flag parser would print the config's traceback and exit 1)."""
   path = tmp_path / "config.json"
   path.write_text('{"steps": 3, "rollout": {"max_new')
-  out = _command("jaxrl.main", f"--config={path}", f"--workdir={tmp_path}/run")
+  out = _command(
+    module, f"--config={path}", f"--workdir={tmp_path}/run", f"--checkpoint={tmp_path}"
+  )
   assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
   (line,) = out.stderr.strip().splitlines()
   assert f"{path}: not a JSON config: " in line and "line 1, column" in line, line
-  assert not os.path.exists(tmp_path / "run")
+  assert sorted(os.listdir(tmp_path)) == ["config.json"]
 
 
 def test_a_name_is_a_built_in_config_whatever_files_are_in_the_working_directory(tmp_path):
@@ -189,6 +196,21 @@ def test_export_writes_any_checkpoint_in_hf_layout(tmp_path, file_size_limit):
   file_size_limit(None)
   assert {f: (tmp_path / "latest" / f).read_bytes() for f in os.listdir(latest)} == before
   assert sorted(os.listdir(tmp_path)) == sorted(["run", "step3", "latest", "bf16"])  # no leftovers
+
+
+def test_export_replaces_only_an_earlier_export(tmp_path):
+  """--out is replaced whole once the export is written: a file, or a directory holding something
+  other than an HF checkpoint (no config.json), is refused naming it, exit 2, and left as it was."""
+  (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+  notes = tmp_path / "notes.txt"
+  notes.write_text("mine")
+  project = tmp_path / "project"
+  project.mkdir()
+  (project / "main.py").write_text("print(1)")
+  for out, says in ((notes, "is a file"), (project, "holds no HF checkpoint")):
+    with pytest.raises(ValueError, match=f"--out={out}: {says}"):
+      weights.export(str(tmp_path / "run"), str(out))
+  assert notes.read_text() == "mine" and os.listdir(project) == ["main.py"]
 
 
 # The command modules define their absl flags at import, and two of them define --config: imported

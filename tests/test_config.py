@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from jaxrl.config import Config, ConfigError, default_configdict, from_configdict
+from jaxrl.config.anneal_phase import shortest_response, turn_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -222,6 +223,21 @@ def test_every_builtin_config_and_variant_passes_the_checks():
       environments.check(cfg)
       checked += 1
   assert checked > 60, checked
+
+
+@pytest.mark.parametrize("arg", ["tools", "tools,chat", "tools,anneal", "chat,e3"])
+def test_a_builtin_tools_configs_last_turn_always_happens(arg):
+  """``rollout.max_turns`` of a built-in tools config is reachable by any rollout: where every turn
+  before the last takes its whole T tokens, each call is still answered (``multiturn.answers_fit``,
+  the sampler's own rule, in the shortest phase's response)."""
+  from jaxrl.rollout.multiturn import TurnConfig, answers_fit
+  from jaxrl.run import cli
+
+  cfg = from_configdict(cli.load_config(f"tiny:{arg}"))
+  r, n, t = cfg.rollout, shortest_response(cfg), turn_tokens(cfg)
+  turns = TurnConfig((0,), t, r.max_observation_tokens, r.max_turns)
+  for k in range(r.max_turns - 1):  # turn k ends, at the latest, after k + 1 turns and k answers
+    assert answers_fit(k, (k + 1) * t + k * turns.max_observation_tokens, turns, n), (k, t, n)
 
 
 @pytest.mark.parametrize(

@@ -176,3 +176,11 @@ def test_mixture_pools_follow_the_weights(tmp_path):
   (tmp_path / "empty.jsonl").write_text(json.dumps({"problem": "", "answer": "1"}) + "\n")
   with pytest.raises(ConfigError, match="empty.jsonl: no usable row"):
     load_mixture(f"{a},{tmp_path / 'empty.jsonl'}", Fields())
+
+
+def test_a_file_that_is_not_utf8_text_is_named(tmp_path):
+  path = tmp_path / "train.jsonl"
+  path.write_bytes(b'{"problem": "1+1", "answer": "2"}\n' + bytes(range(128, 256)))
+  with pytest.raises(ConfigError, match=f"{path}: not UTF-8 text") as e:
+    load_mixture(str(path), Fields())
+  assert e.value.field == "data.train"

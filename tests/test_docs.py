@@ -1,6 +1,7 @@
 """The docs a user has: every ``docs/algorithms.md §N`` cited in the code, tests, benchmarks and docs
-is a section of it, nothing points outside the repository, the README's performance figures are
-their results files' and the API example runs."""
+is a section of it, nothing points outside the repository, the README's performance figures and the
+tools evidence's figures (README, docs/environments.md) are their results files' and the API
+example runs."""
 
 from __future__ import annotations
 
@@ -67,6 +68,37 @@ def test_the_performance_table_quotes_its_results_files():
     for number in NUMBER.findall(figure):
       if not re.search(rf"(?<![\d.]){re.escape(number)}(?!\d)", text):
         missing.append((what, number, links))
+  assert not missing
+
+
+TOOLS_LINK = re.compile(r"\]\((?:\.\./)?(bench/results/tools[^)#]*)")
+DECIMAL = re.compile(r"(?<![\w.])\d+\.\d+(?![\w.]*\w)")  # 46.1, 0.48; not 0.8M
+PERCENT = re.compile(r"(?<![\w.])(\d+)(?:–(\d+))?%")  # 45%, 98–99%
+
+
+def test_the_tools_evidence_quotes_its_results_files():
+  """Each paragraph of README.md and docs/environments.md that links a tools results file quotes
+  it: every decimal figure appears there as written, every whole percent is one of its figures
+  rounded. A figure changes with its file or the test fails."""
+  missing, checked = [], 0
+  for doc in ("README.md", os.path.join("docs", "environments.md")):
+    with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
+      paragraphs = f.read().split("\n\n")
+    for para in paragraphs:
+      links = sorted(set(TOOLS_LINK.findall(para)))
+      if not links:
+        continue
+      text = "".join(open(os.path.join(ROOT, p), encoding="utf-8").read() for p in links)
+      for number in DECIMAL.findall(para):
+        checked += 1
+        if not re.search(rf"(?<![\d.]){re.escape(number)}(?!\d)", text):
+          missing.append((doc, number, links))
+      rounded = {round(float(x)) for x in NUMBER.findall(text.replace(",", ""))}
+      for whole in (int(n) for m in PERCENT.finditer(para) for n in m.groups() if n):
+        checked += 1
+        if whole not in rounded:
+          missing.append((doc, f"{whole}%", links))
+  assert checked > 30, checked
   assert not missing
 
 

@@ -473,6 +473,11 @@ def _config(hf_dirs, kind="qwen2"):
     ({"model_type": "gemma"}, "model_type 'gemma' is not supported"),
     ({"model_type": "llama", "mlp_bias": True}, "mlp_bias"),
     ({"hidden_size": None}, "'hidden_size' is missing"),
+    # A size that is no positive integer, named (it reached the model's shapes: a traceback)
+    ({"hidden_size": "sixty-four"}, "hidden_size must be a positive integer, got 'sixty-four'"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer, got 0"),
+    ({"num_key_value_heads": 1.5}, "num_key_value_heads must be a positive integer, got 1.5"),
+    ({"head_dim": True}, "head_dim must be a positive integer, got True"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"use_sliding_window": True}, "sliding"),
     (

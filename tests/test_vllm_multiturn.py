@@ -133,6 +133,24 @@ def test_an_observation_that_fits_is_answered_and_the_reply_gets_what_is_left():
   np.testing.assert_array_equal(counts.tool_calls_R, [1, 1])
 
 
+def test_an_empty_server_turn_is_no_turn():
+  """The server ends a turn before any token where its context is full: the row ends unfinished,
+  and that turn is not counted (the JAX sampler's turns always hold a token), in the first turn
+  and after an observation alike."""
+  script = [
+    [([5, STOP], "stop"), ([], "length")],  # calls, is answered, then the server has no room
+    [([], "length")],  # no room from the start
+    [([6, EOS], "stop")],
+  ]
+  tokens, mask, loss, logp, finished, counts, server, env = _run(
+    script, 2 * T + O, _stops(), [[3], [4], [5]]
+  )
+  np.testing.assert_array_equal(counts.turns_R, [1, 0, 1])
+  np.testing.assert_array_equal(counts.tool_calls_R, [1, 0, 0])
+  np.testing.assert_array_equal(finished, [False, False, True])
+  assert not mask[1].any() and not loss[1].any()
+
+
 def test_a_chat_turn_asks_only_with_a_call_and_finishes_without_one():
   """The end-of-turn id ends every turn (and is EOS too, as a chat model's): a turn holding the
   call id asks, one without finishes the row; an empty server turn is no turn."""

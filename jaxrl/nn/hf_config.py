@@ -81,6 +81,16 @@ def _rope_fields(config: dict) -> dict:
   )
 
 
+def _check_sizes(config: dict) -> None:
+  """Each size the model's shapes are built from, where set, is a positive integer (a ValueError
+  naming it): a string or a fraction would otherwise surface as a traceback deep in JAX."""
+  for field in (*_REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings"):
+    value = config.get(field)
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    if value is not None and not ok:
+      raise ValueError(f"config.json: {field} must be a positive integer, got {value!r}")
+
+
 def model_config_from_hf(config: dict, **execution) -> ModelConfig:
   """ModelConfig from a Qwen2/Qwen2.5/Qwen3/Llama ``config.json`` dict; ValueError names any bad
   field. ``execution``: any of ``EXECUTION_FIELDS`` (e.g. ``scan_layers=True``)."""
@@ -98,6 +108,7 @@ def model_config_from_hf(config: dict, **execution) -> ModelConfig:
   for field in _REQUIRED:
     if config.get(field) is None:
       raise ValueError(f"config.json: required field {field!r} is missing")
+  _check_sizes(config)
   act = config.get("hidden_act", "silu")
   if act != "silu":
     raise ValueError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")

@@ -162,6 +162,21 @@ def fail(command: str, message) -> None:
   sys.exit(USAGE_ERROR)
 
 
+def flags_parser(command: str):
+  """A ``flags_parser`` for ``app.run``: a bad flag, or a config file that does not load (absl
+  prints its traceback and exits 1), is one line naming the problem, exit 2."""
+
+  def parse(argv):
+    try:
+      return flags.FLAGS(argv)
+    except (flags.Error, OSError, ValueError, TypeError) as e:
+      # A config file's error arrives wrapped with its traceback: its last line names it.
+      lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+      fail(command, lines[-1] if lines else type(e).__name__)
+
+  return parse
+
+
 def with_local_checkpoint(cfg, config_only: bool = False):
   """``cfg`` with a Hub ``model.checkpoint`` (``ORG/NAME[@REVISION]``) replaced by its local
   snapshot (process 0 downloads, the others wait); ``config_only``: its config files, for

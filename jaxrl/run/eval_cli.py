@@ -95,4 +95,4 @@ def run():
     sys.argv = cli.resolve_argv(sys.argv)
   except FileNotFoundError as e:
     cli.fail("jaxrl.eval", e)
-  app.run(main)
+  app.run(main, flags_parser=cli.flags_parser("jaxrl.eval"))

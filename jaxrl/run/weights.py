@@ -271,7 +271,17 @@ def _is_run_dir(path: str) -> bool:
 
 def _check_out(out: str) -> None:
   """An export goes outside every run directory: there it would overwrite the run's own files
-  (its config.json) or be taken for part of it (the trainer writes its own export to RUN/hf)."""
+  (its config.json) or be taken for part of it (the trainer writes its own export to RUN/hf). An
+  existing ``out`` is replaced whole, so it must be an earlier export (an HF checkpoint: its
+  config.json) or an empty directory; a file or someone's other files are never deleted."""
+  if os.path.lexists(out):
+    if not os.path.isdir(out):
+      raise ValueError(f"--out={out}: is a file; export into a new directory or an earlier export")
+    if os.listdir(out) and not os.path.isfile(os.path.join(out, "config.json")):
+      raise ValueError(
+        f"--out={out}: holds no HF checkpoint (no config.json), and the export replaces it whole; "
+        "export into a new directory or an earlier export"
+      )
   path = os.path.abspath(out)
   while True:
     if _is_run_dir(path):
@@ -288,8 +298,8 @@ def _check_out(out: str) -> None:
 def export(checkpoint: str, out: str, dtype: str = "", config: str = "") -> str:
   """Write ``checkpoint`` (a run or one of its checkpoints) in HF layout into ``out``;
   ``config``: a ``--config`` value (default: the run's own)."""
-  run_dir = _run_dir(checkpoint)
   _check_out(out)
+  run_dir = _run_dir(checkpoint)
   cfg = _config(run_dir, config)
   tokenizer = _tokenizer(cfg, run_dir)
   model_cfg = arch.model_config(cfg, len(tokenizer))

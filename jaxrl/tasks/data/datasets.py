@@ -338,6 +338,15 @@ class _RowChecker:
     return RowReport(source=self.path, kept=kept, examples=tuple(self.examples), **self.counts)
 
 
+def _named_decoding(rows: Iterable, path: str) -> Iterator:
+  """``rows``, with a file that is not UTF-8 text named (a ValueError: the codec's own message
+  names neither the file nor the field)."""
+  try:
+    yield from rows
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+
+
 def load_questions(
   path: str, fields: Fields, *, split: str = "train", strict: bool = False, limit: int = 0
 ) -> tuple[Questions, RowReport]:
@@ -346,7 +355,7 @@ def load_questions(
   rows, unit = _rows(path, split)
   out = Questions([], [], [], [], [])
   check = _RowChecker(path, fields, strict)
-  for number, row in rows:
+  for number, row in _named_decoding(rows, path):
     if limit and len(out) >= limit:
       break
     valid = check(row, f"{unit} {number}")
