@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -73,6 +74,23 @@ def test_an_index_that_points_outside_the_checkpoint_exits_2(math_run):
   line = _one_line(_train(broken, train, val, base / "run_escape"))
   assert "model.checkpoint" in line and "outside.safetensors" in line, line
   assert not os.path.exists(base / "run_escape")
+
+
+def test_a_header_length_of_2_to_the_62_exits_2_naming_the_shard(math_run):
+  """The first 8 bytes of a safetensors file give its header's length: 2^62 is refused from the
+  file's size, before anything of that length is read or allocated."""
+  base, ckpt, train, val = math_run
+
+  def huge_header(d):
+    shard = sorted(d.glob("model-*.safetensors"))[0]
+    with open(shard, "r+b") as f:
+      f.write(struct.pack("<Q", 2**62))
+
+  broken = _copy(ckpt, base / "huge_header", huge_header)
+  line = _one_line(_train(broken, train, val, base / "run_huge_header"))
+  assert "model.checkpoint" in line and "model-00001-of-" in line, line
+  assert f"a header of {2**62} bytes" in line, line
+  assert not os.path.exists(base / "run_huge_header")
 
 
 @pytest.mark.parametrize("name", ["config.json", "generation_config.json"])

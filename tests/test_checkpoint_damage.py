@@ -99,3 +99,22 @@ def test_eval_of_the_run_falls_back_and_a_damaged_step_asked_for_exits_2(damaged
   (line,) = [x for x in out.stderr.splitlines() if ": error: " in x]
   assert "no checkpoint reads" in line and "step 6: " in line and "OUT_OF_RANGE" in line, line
   assert sorted(os.listdir(run / "eval")) == ["step3"]
+
+
+def test_a_checkpoint_whose_metadata_does_not_parse_exits_2_in_one_line(damaged_run, tmp_path):
+  """``checkpoints/N/meta/metadata`` cut short (orbax raises a JSONDecodeError from inside its
+  read): the step asked for by name exits 2 in one line naming it; the run, none of whose
+  checkpoints reads (step 6's data truncated too), exits 2 naming both; nothing is written."""
+  run, _ = damaged_run
+  copy = tmp_path / "run"
+  shutil.copytree(run, copy)
+  meta = copy / "checkpoints" / "3" / "meta" / "metadata"
+  meta.write_text(meta.read_text()[:40])
+  for checkpoint, steps in ((copy / "checkpoints" / "3", [3]), (copy, [6, 3])):
+    out = _main(f"--checkpoint={checkpoint}", f"--out={tmp_path}/out", module="jaxrl.export")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    (line,) = [x for x in out.stderr.splitlines() if ": error: " in x]
+    assert "no checkpoint reads" in line and all(f"step {s}: " in line for s in steps), line
+    assert "JSONDecodeError" in line, line
+    assert not os.path.exists(tmp_path / "out")
+  assert sorted(os.listdir(copy / "checkpoints")) == ["3", "6"]  # a reader moves nothing

@@ -188,12 +188,20 @@ def test_export_writes_any_checkpoint_in_hf_layout(tmp_path, file_size_limit):
     assert into.returncode == 2 and where in into.stderr.strip().splitlines()[-1], into.stderr
   assert (tmp_path / "run" / "config.json").read_bytes() == config
   assert not os.path.exists(f"{run}/export")
-  # A write that fails midway (EFBIG past 4 KiB) leaves the previous export whole.
+  # A write that fails midway (EFBIG past 4 KiB: the command inherits the limit) leaves the
+  # previous export whole: one line, exit 1. No compile cache: its entries would fail to write too.
   before = {f: (tmp_path / "latest" / f).read_bytes() for f in os.listdir(latest)}
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
   file_size_limit(4096)
-  with pytest.raises(weights.ExportError, match="File too large.*the previous export there is as"):
-    weights.export(os.path.join(run, "checkpoints", "3"), latest)
+  failed = subprocess.run(
+    [sys.executable, "-m", "jaxrl.export", f"--checkpoint={run}/checkpoints/3", f"--out={latest}"],
+    cwd=ROOT, env=dict(env, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300,
+  )  # fmt: skip
   file_size_limit(None)
+  assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+  line = failed.stderr.strip().splitlines()[-1]
+  assert line.startswith("jaxrl-export: error: ") and "File too large" in line, line
+  assert "the previous export there is as it was" in line, line
   assert {f: (tmp_path / "latest" / f).read_bytes() for f in os.listdir(latest)} == before
   assert sorted(os.listdir(tmp_path)) == sorted(["run", "step3", "latest", "bf16"])  # no leftovers
 

@@ -42,8 +42,15 @@ def run_main(*flags, workdir):
     (["--config=tiny:test", "--config.checkpoint.settle_timeout=inf"], "checkpoint.settle_timeout"),
     (["--config=tiny:test", "--config.model.hidden_size=0"], "model.hidden_size"),
     (["--config=tiny:test", "--config.optim.grad_clip=-1"], "optim.grad_clip"),
+    (["--config=tiny:test", "--config.sft.steps=-3"], "sft.steps"),
+    (["--config=tiny:test", "--config.loss.logprob_chunk=0"], "loss.logprob_chunk"),
+    (["--config=tiny:test", "--config.model.rms_norm_eps=-1"], "model.rms_norm_eps"),
+    (["--config=tiny:test", "--config.task.num_train_per_level=0"], "task.num_train_per_level"),
     # 56,000 GiB by the plan's arithmetic: refused before numpy tries to allocate it
-    (["--config=tiny:test", "--config.rollout.max_new_tokens=100000000"], "GiB per device"),
+    (
+      ["--config=tiny:test", "--config.rollout.max_new_tokens=100000000"],
+      "rollout.max_new_tokens: the run needs about",
+    ),
   ],
 )
 def test_bad_config_exits_2_naming_the_field(tmp_path, flags, field):

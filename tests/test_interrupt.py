@@ -170,3 +170,42 @@ def test_sigterm_during_sft_saves_its_progress_and_the_rerun_ends_as_an_uninterr
   )
   ra, rb = read_metrics(whole)[0], read_metrics(cut)[0]
   assert (ra["loss"], ra["grad_norm"]) == (rb["loss"], rb["grad_norm"])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_second_signal_stops_at_once(sig):
+  """The run's handler: the first signal asks for a stop at the phase's next stopping point and
+  returns; a second one raises KeyboardInterrupt wherever the run is (a step that hangs)."""
+  from jaxrl.run.stops import StopFlag, Stopped
+
+  flag = StopFlag()
+  try:
+    signal.raise_signal(sig)  # handled in this thread before raise_signal returns
+    assert flag.requested and flag.signal_name == sig.name
+    with pytest.raises(Stopped, match=f"{sig.name}: at the stopping point"):
+      flag.check("at the stopping point")
+    with pytest.raises(KeyboardInterrupt):
+      signal.raise_signal(sig)
+  finally:
+    flag.restore()
+  assert signal.getsignal(sig) != flag._handle  # the handlers before it are back
+
+
+def test_a_stop_during_an_evaluation_leaves_it_for_the_next_run(tmp_path):
+  """A signal during a held-out evaluation ends it at its next call with ``Stopped``, writing no
+  ``eval_*.json``: the evaluation is not taken as done, so the next run does it again."""
+  from run_helpers import tiny_config
+
+  from jaxrl.run.stops import Stopped
+  from jaxrl.run.train import Trainer
+
+  with Trainer.open(tiny_config("test"), str(tmp_path)) as trainer:
+    params = trainer.init_params()
+    with trainer._stop_flag() as trainer._stop:  # as Trainer.run holds it
+      signal.raise_signal(signal.SIGTERM)
+      with pytest.raises(Stopped, match="SIGTERM: evaluation sft stopped"):
+        trainer.evaluate(params, "sft", step=0)
+    trainer._stop = None
+    assert not os.path.exists(tmp_path / "eval_sft.json")
+    trainer.evaluate(params, "sft", step=0)  # the next run's: evaluated, then cached
+  assert os.path.isfile(tmp_path / "eval_sft.json")
