@@ -209,3 +209,37 @@ def test_a_stop_during_an_evaluation_leaves_it_for_the_next_run(tmp_path):
     assert not os.path.exists(tmp_path / "eval_sft.json")
     trainer.evaluate(params, "sft", step=0)  # the next run's: evaluated, then cached
   assert os.path.isfile(tmp_path / "eval_sft.json")
+
+
+_BUILD_STOPPED = """
+import signal, sys
+sys.path.insert(0, {tests!r})
+from run_helpers import tiny_config
+from jaxrl.run import launch, train
+
+def engine_then_sigterm(*args, **kwargs):  # the signal arrives while the run is being built
+  engine = built(*args, **kwargs)
+  signal.raise_signal(signal.SIGTERM)
+  return engine
+
+built, train.task_engine = train.task_engine, engine_then_sigterm
+sys.exit(launch._run(tiny_config("test"), {workdir!r}))
+"""
+
+
+def test_sigterm_while_the_run_is_built_ends_it_as_ctrl_c_does(tmp_path):
+  """SIGTERM before the run's own handlers are in place (its engine started, programs not yet
+  compiled): the parts already started are stopped and the run ends with Ctrl-C's one line and
+  exit 130, not killed by the signal; the workdir's lock is free for the next run."""
+  from jaxrl.workdir import lock
+
+  workdir = str(tmp_path / "w")
+  script = _BUILD_STOPPED.format(tests=os.path.join(ROOT, "tests"), workdir=workdir)
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  proc = subprocess.run(
+    [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+  )
+  assert proc.returncode == 130, (proc.returncode, proc.stderr[-3000:])
+  assert "interrupted; run the same command again" in proc.stderr
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  lock.release(lock.hold(workdir))  # taken: the stopped run released it

@@ -3,6 +3,7 @@ many non-finite steps), and never before its last checkpoint is on disk."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 
@@ -71,6 +72,26 @@ def stop_after_checkpoint(ckpt: Checkpointer, step_number: int, signal_name: str
   check_saved(ckpt, step_number)
   log.warning("%s: checkpoint saved at step %d; run again to resume", signal_name, step_number)
   raise Stopped(step_number)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+  """SIGTERM raises ``KeyboardInterrupt`` while the block runs, as SIGINT does by default: a stop
+  while a run is being built (the model loaded, a sidecar started, programs compiled) ends it as
+  Ctrl-C does, with what was started stopped, before ``StopFlag`` takes over for the run."""
+
+  def interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+  try:
+    previous = signal.signal(signal.SIGTERM, interrupt)
+  except ValueError:  # not the main thread: the signal stays the process's default
+    previous = None
+  try:
+    yield
+  finally:
+    if previous is not None:
+      signal.signal(signal.SIGTERM, previous)
 
 
 class StopFlag:

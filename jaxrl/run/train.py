@@ -55,6 +55,7 @@ from jaxrl.run.stops import (
   StopFlag,
   Stopped,
   check_saved,
+  sigterm_as_interrupt,
   stop_after_checkpoint,
 )
 from jaxrl.tasks.rewards.terms import RewardTerms
@@ -539,5 +540,5 @@ class _NoWriter:
 
 
 def train(cfg: Config, workdir: str) -> RunResult:
-  with Trainer.open(cfg, workdir) as trainer:
+  with sigterm_as_interrupt(), Trainer.open(cfg, workdir) as trainer:
     return trainer.run()
