@@ -1,4 +1,5 @@
-"""Custom reward functions for tests/test_math_verifier.py, loaded by workers as `reward_fns:NAME`.
+"""Custom reward functions for the tests, loaded by workers as `reward_fns:NAME` (the verifier's
+`reward.fn`) or by the trainer as `fn:reward_fns:NAME` (a reward term).
 
 `chaos` misbehaves on command, to drive every failure path of the pool with one function: the
 response names what to do, anything else is graded by exact match.
@@ -118,3 +119,31 @@ def trl_process_id(prompts, completions, **columns):
 
   base = 10 * jax.process_index() + (os.getpid() % 1000) / 1000
   return [None if i == len(completions) - 1 else base + i for i in range(len(completions))]
+
+
+# Scoring beside generation (tests/test_scoring_overlap.py): the test's engine sets
+# NEXT_BATCH_ASKED when it is asked for step 1's batch and NEXT_BATCH_DONE once it has generated it;
+# the first call of the two terms below (step 0's batch) sets SCORING_STARTED and appends to SEEN
+# what it found.
+NEXT_BATCH_ASKED, NEXT_BATCH_DONE = threading.Event(), threading.Event()
+SCORING_STARTED = threading.Event()
+SEEN = []
+MEET_SECONDS = 120  # a bound for a hang, never a measurement
+
+
+def trl_waits_for_next_batch(prompts, completions, **columns):
+  """1.0 per answer; the first call waits (bounded) for the engine to be asked for the next batch
+  and notes whether it was."""
+  if not SCORING_STARTED.is_set():
+    SCORING_STARTED.set()
+    SEEN.append(NEXT_BATCH_ASKED.wait(MEET_SECONDS))
+  return [1.0] * len(completions)
+
+
+def trl_notes_next_batch(prompts, completions, **columns):
+  """1.0 per answer; the first call notes, without waiting, whether the engine had been asked for
+  the next batch and whether it had generated it."""
+  if not SCORING_STARTED.is_set():
+    SCORING_STARTED.set()
+    SEEN.append((NEXT_BATCH_ASKED.is_set(), NEXT_BATCH_DONE.is_set()))
+  return [1.0] * len(completions)

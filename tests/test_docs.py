@@ -1,7 +1,7 @@
 """The docs a user has: every ``docs/algorithms.md §N`` cited in the code, tests, benchmarks and docs
-is a section of it, nothing points outside the repository, the README's performance figures and the
-tools evidence's figures (README, docs/environments.md) are their results files' and the API
-example runs."""
+is a section of it, nothing points outside the repository, the README's performance figures, the
+tools evidence's figures (README, docs/environments.md) and docs/rewards.md's tiny:rm outcome are
+their results files', and the API example runs."""
 
 from __future__ import annotations
 
@@ -100,6 +100,19 @@ def test_the_tools_evidence_quotes_its_results_files():
           missing.append((doc, f"{whole}%", links))
   assert checked > 30, checked
   assert not missing
+
+
+def test_the_rewards_doc_quotes_its_results_file():
+  """docs/rewards.md's paragraph on what tiny:rm's policy learned: each number in it appears, as
+  written, in the results file it links, so a figure changes with its file or the test fails."""
+  with open(os.path.join(ROOT, "docs", "rewards.md"), encoding="utf-8") as f:
+    (paragraph,) = [p for p in f.read().split("\n\n") if "bench/results/rm_outcome.md" in p]
+  quoted = re.sub(r"\]\([^)]*\)", "]", paragraph)  # a link's target holds no figure
+  with open(os.path.join(ROOT, "bench", "results", "rm_outcome.md"), encoding="utf-8") as f:
+    results = f.read()
+  numbers = NUMBER.findall(quoted)
+  assert len(numbers) >= 3
+  assert not [n for n in numbers if not re.search(rf"(?<![\d.]){re.escape(n)}(?!\d)", results)]
 
 
 def test_the_python_api_example_runs(tmp_path, capsys):

@@ -160,17 +160,42 @@ def test_hub_revisions_are_recorded_and_another_one_is_refused(tmp_path, hub_cac
   assert run_config.resume_changes(first, moved) == []
 
 
-def test_a_reward_models_hub_commit_is_recorded_and_another_one_is_refused(tmp_path, hub_cache):
+def _with_reward(cfg, **fields):
+  return dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, **fields))
+
+
+# A reward term's Hub model: (the reward fields naming it, those naming its commit C, the
+# revision's key, the hint's flag)
+HUB_TERMS = {
+  "reward model": (
+    {"terms": "verifier, model:acme/rm*0.5"},
+    {"terms": "verifier, model:acme/rm@C*0.5"},
+    "model:acme/rm",
+    "model:acme/rm@C in reward.terms",
+  ),
+  "served judge": (
+    {"terms": "verifier, judge:sidecar*0.5", "judge_model": "acme/rm"},
+    {"terms": "verifier, judge:sidecar*0.5", "judge_model": "acme/rm@C"},
+    "judge:acme/rm",
+    "--config.reward.judge_model=acme/rm@C",
+  ),
+}
+
+
+@pytest.mark.parametrize("term", HUB_TERMS)
+def test_a_reward_terms_hub_commit_is_recorded_and_another_one_is_refused(
+  tmp_path, hub_cache, term
+):
+  """A reward model's or a served judge's Hub id: its commit recorded, a resume on another
+  refused with the flag that pins the recorded one, and a resume pinned to it accepted."""
   from jaxrl.run import run_config
 
+  named, pinned, key, hint = HUB_TERMS[term]
   old, new = "c" * 40, "d" * 40
-  cfg = tiny_config()
-  cfg = dataclasses.replace(
-    cfg, reward=dataclasses.replace(cfg.reward, terms="verifier, model:acme/rm*0.5")
-  )
+  cfg = _with_reward(tiny_config(), **named)
   _lay_out(hub_cache, "model", "acme/rm", {"config.json": "{}"}, old)
   first = run_config.record(cfg)
-  assert first["revisions"] == {"model:acme/rm": old}
+  assert first["revisions"] == {key: old}
   directory = str(tmp_path / "checkpoints")
   ckpt = Checkpointer(directory, keep=1, async_save=False, record=first)
   ckpt.save(1, {"x": jnp.zeros(2)}, {"step": 1})
@@ -179,7 +204,21 @@ def test_a_reward_models_hub_commit_is_recorded_and_another_one_is_refused(tmp_p
   _lay_out(hub_cache, "model", "acme/rm", {"config.json": "{}"}, new)  # main moved on
   with pytest.raises(run_config.ChangedConfig) as refused:
     run_config.check_resume(run_config.record(cfg), directory)
-  assert refused.value.fields == ["revision of model:acme/rm"]
+  assert refused.value.fields == [f"revision of {key}"]
+  assert f"{hint.replace('@C', '@' + old)} resumes on the checkpoint's commit" in str(refused.value)
+  # Named at the recorded commit, the same model resumes.
+  at_old = _with_reward(cfg, **{k: v.replace("@C", f"@{old}") for k, v in pinned.items()})
+  assert run_config.record(at_old)["revisions"] == {key: old}
+  assert run_config.check_resume(run_config.record(at_old), directory) == 1
+
+
+def test_a_judge_at_a_url_names_a_served_model_not_a_hub_one(hub_cache):
+  from jaxrl.run import run_config
+
+  cfg = _with_reward(
+    tiny_config(), terms="verifier, judge:http://127.0.0.1:8001*0.5", judge_model="acme/judge"
+  )
+  assert run_config.record(cfg)["revisions"] == {}  # nothing looked up: the server names it
 
 
 def test_a_checkpoint_without_a_recorded_config_is_checked_against_config_json(tmp_path):

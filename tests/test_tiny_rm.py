@@ -31,6 +31,9 @@ from jaxrl.tasks.rewards.terms import ModelTerm, build_terms  # noqa: E402
 # (the zero padding above a short sum, the low digits) and misses many carries in the long sums;
 # the bar leaves room for another CPU's rounding to move the training trajectory.
 THRESHOLD = 0.65
+# A few steps on fewer pairs: a model whose scores differ between rows, which is all the checkpoint's
+# parity needs (the ranking's quality is the slow test's, above).
+BRIEF = dataclasses.replace(train_rm.SETTINGS, steps=60, warmup_steps=10, train_pairs=1024)
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +42,14 @@ def trained(tmp_path_factory):
   tcfg = arithmetic_task.task_config(tiny_config("rm"))
   tok = vocab.build_tokenizer(tmp_path_factory.mktemp("tok"))
   return tcfg, tok, train_rm.train_reward_model(tcfg, tok)
+
+
+@pytest.fixture(scope="module")
+def briefly_trained(tmp_path_factory):
+  """tiny:rm's task, its reward model trained for ``BRIEF``'s few steps."""
+  tcfg = arithmetic_task.task_config(tiny_config("rm"))
+  tok = vocab.build_tokenizer(tmp_path_factory.mktemp("tok"))
+  return tcfg, tok, train_rm.train_reward_model(tcfg, tok, BRIEF)
 
 
 def test_wrong_answers_differ_in_one_digit():
@@ -50,6 +61,7 @@ def test_wrong_answers_differ_in_one_digit():
       assert sum(a != b for a, b in zip(answer, wrong)) == 1
 
 
+@pytest.mark.slow  # 600 training steps: about 30 s on 2 CPU cores
 def test_trained_reward_model_ranks_heldout_answers_above_chance(trained):
   _, _, rm = trained
   print(f"held-out pairwise accuracy {rm.heldout_accuracy:.3f}, {rm.seconds:.1f} s")
@@ -57,7 +69,7 @@ def test_trained_reward_model_ranks_heldout_answers_above_chance(trained):
   assert rm.heldout_accuracy >= THRESHOLD, rm.heldout_accuracy
 
 
-def test_saved_checkpoint_scores_as_trained(trained, tmp_path):
+def test_saved_checkpoint_scores_as_trained(briefly_trained, tmp_path):
   """Read back by jaxrl.nn.reward_model: the same weights through the same forward (float32,
   saved losslessly), so the same scores up to XLA's choice of summation order; transformers'
   Qwen2ForSequenceClassification within two float32 forwards' rounding (rounding.logits_atol);
@@ -65,9 +77,9 @@ def test_saved_checkpoint_scores_as_trained(trained, tmp_path):
   import torch
   import transformers
 
-  tcfg, tok, rm = trained
+  tcfg, tok, rm = briefly_trained
   path = train_rm.save(rm, tmp_path / "rm", tok)
-  _, heldout = train_rm.task_pairs(tcfg, tok, train_rm.SETTINGS)
+  _, heldout = train_rm.task_pairs(tcfg, tok, BRIEF)
   # references and wrong answers: rows the model scores apart
   tokens = np.concatenate([heldout.chosen_NxT[:16], heldout.rejected_NxT[:16]])
   mask = np.concatenate([heldout.chosen_mask_NxT[:16], heldout.rejected_mask_NxT[:16]])

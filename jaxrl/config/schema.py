@@ -271,7 +271,9 @@ class RewardSection:
   workers: int = 0  # 0 = min(8, CPUs)
   time_limit: float = 5.0  # seconds per answer; over it the answer scores 0 (counted)
   memory_limit_mb: int = 4096  # address space per worker (RLIMIT_AS); >= MIN_REWARD_MEMORY_MB
-  # "KIND[:SOURCE][*WEIGHT],..." (``jaxrl.config.reward_terms``); "" = the verifier alone, weight 1
+  # "KIND[:SOURCE][*WEIGHT],..." (``jaxrl.config.reward_terms``); "" = the verifier alone, weight 1.
+  # They score beside the next batch's generation when rollout.max_staleness >= 1 with the vllm
+  # engine, not beside it otherwise (docs/rewards.md, "When the terms score")
   terms: str = ""
   combine: RewardCombine = "sum-then-normalise"
   # A reward model reads at most this many tokens of prompt + response (the last ones: its score
@@ -399,7 +401,8 @@ class RolloutSection:
   temperature: float = 1.0
   top_p: float = 1.0
   # k: a step trains on rollouts sampled by params at most k updates older than its own; k >= 1
-  # generates the next steps' rollouts while the current update runs (docs/algorithms.md §9)
+  # with an engine that runs beside the trainer (vllm) generates the next steps' rollouts while
+  # the current step's reward terms and update run (docs/algorithms.md §9, docs/rewards.md)
   max_staleness: int = 0
   # DAPO's dynamic sampling (docs/algorithms.md §10): draw rounds of batch_questions until that
   # many groups have a learning signal (rewards not all equal), at most max_rounds rounds per step

@@ -2,7 +2,8 @@
 may change, and the keys of the run's caches.
 
 Every checkpoint records the resolved config (``record``): every field, a Hub model as
-``ORG/NAME@COMMIT`` and each Hub dataset's commit. A resume whose config differs from its
+``ORG/NAME@COMMIT``, and the commit of each Hub dataset and of each Hub model a reward term loads
+(a reward model, the judge the run serves). A resume whose config differs from its
 checkpoint's in any field outside ``SAFE`` (another seed, learning rate, loss, staleness, dataset,
 or a Hub id that now resolves to another commit) is refused by name (``check_resume``,
 ``ChangedConfig``: exit 2), never continued as a mix of two runs.
@@ -22,6 +23,7 @@ import os
 import re
 
 from jaxrl.config import Config, ConfigError, parse_mixture, parse_terms, to_dict
+from jaxrl.config.reward_terms import SIDECAR
 from jaxrl.methods.phases import run_phases
 from jaxrl.run import json_config
 from jaxrl.tasks.data import hub
@@ -144,6 +146,11 @@ def _pin_hint(changed: list[tuple[str, object, object]]) -> str:
     parsed = hub.model_id(old) if name == "model.checkpoint" and isinstance(old, str) else None
     if parsed is not None and parsed[1]:
       return f" (--config.model.checkpoint={old} resumes on the checkpoint's commit)"
+    kind, _, repo = name.removeprefix(REVISION).partition(":")
+    if name.startswith(REVISION) and kind == "judge" and old:
+      return f" (--config.reward.judge_model={repo}@{old} resumes on the checkpoint's commit)"
+    if name.startswith(REVISION) and kind == "model" and old:
+      return f" (model:{repo}@{old} in reward.terms resumes on the checkpoint's commit)"
   return ""
 
 
@@ -161,11 +168,50 @@ def _hub_datasets(cfg: Config) -> list[str]:
   return sorted({s for s in specs if s.startswith("hf:")})
 
 
+def _term_hub_models(terms: str, judge_model: str) -> list[tuple[str, str]]:
+  """(revision key, Hub id) of each Hub model the reward terms load: a reward model
+  (``model:ORG/NAME[@REVISION]``, key ``model:ORG/NAME``) and the judge the run serves
+  (``judge:sidecar``'s ``reward.judge_model``, key ``judge:ORG/NAME``). A ``judge:URL``'s
+  ``reward.judge_model`` is the name its server serves, which the run does not load."""
+  out = []
+  for term in parse_terms(terms):
+    if term.kind == "model":
+      source = term.source
+    elif term.kind == "judge" and term.source == SIDECAR:
+      source = judge_model
+    else:
+      continue
+    if (parsed := hub.model_id(source)) is not None:
+      out.append((f"{term.kind}:{parsed[0]}", source))
+  return out
+
+
+def _unpinned(fields: dict) -> dict:
+  """``reward.terms`` and a served judge's ``reward.judge_model`` with each Hub model's
+  ``@REVISION`` left out: the commit it resolves to is compared instead (``revision of
+  model:ORG/NAME``, ``revision of judge:ORG/NAME``), so naming the recorded commit is no change."""
+  terms, judge = fields["reward.terms"], fields["reward.judge_model"]
+  try:
+    models = _term_hub_models(terms, judge)
+  except ConfigError:  # not a config this jaxrl reads: compared as written
+    return fields
+  parts = terms.split(",")
+  for key, source in models:
+    repo, revision = hub.model_id(source)
+    if revision is None:
+      continue
+    if key.startswith("judge:"):
+      fields = dict(fields, **{"reward.judge_model": repo})
+    else:  # the term's own text, spacing and weight kept
+      parts = [p.replace(source, repo) if p.strip().startswith("model") else p for p in parts]
+  return dict(fields, **{"reward.terms": ",".join(parts)})
+
+
 def record(cfg: Config) -> dict:
   """What a checkpoint records of its run's config: every field, and the commit each Hub id
   resolves to (a Hub model's ``model.checkpoint`` is already its local snapshot, whose directory is
-  the commit; a Hub dataset and a reward model term's Hub id are resolved here, from the cache, as
-  the task and the terms load them)."""
+  the commit; a Hub dataset and the Hub models of the reward terms, a reward model's and the
+  served judge's, are resolved here, from the cache, as the task and the terms load them)."""
   revisions = {}
   if model := snapshot_revision(cfg.model.checkpoint):
     revisions["model.checkpoint"] = model
@@ -173,11 +219,10 @@ def record(cfg: Config) -> dict:
     found = snapshot_revision(hub.dataset_snapshot(hub.dataset_id(spec)))
     if found is not None:
       revisions[spec] = found.rpartition("@")[2]
-  for term in parse_terms(cfg.reward.terms):  # a reward model from the Hub, as the terms load it
-    if term.kind == "model" and hub.model_id(term.source) is not None:
-      found = snapshot_revision(hub.model_snapshot(term.source))
-      if found is not None:
-        revisions[f"model:{term.source}"] = found.rpartition("@")[2]
+  for key, source in _term_hub_models(cfg.reward.terms, cfg.reward.judge_model):
+    found = snapshot_revision(hub.model_snapshot(source))  # as the terms load it
+    if found is not None:
+      revisions[key] = found.rpartition("@")[2]
   # Where the phases start follows from other fields (`steps`, which a resume may change, among
   # them): recorded as resolved, so that a resume cannot move a boundary the run has crossed.
   starts = [p.start for p in run_phases(cfg)]
@@ -188,11 +233,13 @@ def comparable(rec: dict) -> dict:
   """A record as one flat dict of this jaxrl's dotted fields: a field it lacks (written before the
   field existed) at its default, one this jaxrl no longer has left out, a Hub model as
   ``ORG/NAME@COMMIT`` whatever the cache's path, each Hub dataset's commit as
-  ``revision of hf:ORG/NAME``."""
+  ``revision of hf:ORG/NAME``, a reward term's Hub model's as ``revision of model:ORG/NAME`` (or
+  ``judge:ORG/NAME``) with the term's own ``@REVISION`` left out (``_unpinned``)."""
   fields = json_config.flatten(to_dict(Config()))
   fields.update(
     {k: v for k, v in json_config.flatten(rec.get("config", {})).items() if k in fields}
   )
+  fields = _unpinned(fields)
   revisions = dict(rec.get("revisions", {}))
   model = revisions.pop("model.checkpoint", None) or snapshot_revision(fields["model.checkpoint"])
   if model:
