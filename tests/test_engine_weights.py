@@ -51,7 +51,7 @@ def run(tmp_path_factory):
 
 
 def _engine(ctx, cls=JaxEngine):
-  mcfg = arch.model_config(ctx.cfg, ctx.task.vocab_size)
+  mcfg = arch.model_config(ctx.cfg.model, ctx.task.vocab_size)
   return cls(
     ctx.programs.graphdef,
     mcfg,

@@ -117,7 +117,7 @@ def golden_update(tokenizer_dir) -> Golden:
   )
   return Golden(
     cfg,
-    arch.model_config(cfg, ctx.vocab_size),
+    arch.model_config(cfg.model, ctx.vocab_size),
     batch,
     hp,
     {k: float(v) for k, v in metrics.items()},

@@ -210,7 +210,7 @@ def _task_engine_and_params(cfg, checkpoint: str, task, out_dir: str):
   """The rollout engine for the task (with its environment, if any) and the checkpoint's params
   on the mesh."""
 
-  model_cfg = arch.model_config(cfg, task.vocab_size)
+  model_cfg = arch.model_config(cfg.model, task.vocab_size)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   graphdef, abstract_params = model.abstract(model_cfg)
   shardings = sharding.tree_shardings(abstract_params, mesh)
@@ -223,7 +223,7 @@ def _engine_and_params(cfg, checkpoint: str, out_dir: str):
   """The rollout engine for the checkpoint's architecture, its tokenizer, its params on the mesh,
   and the task's environment (None: single-turn), which the engine's multi-turn rollouts ask."""
 
-  model_cfg = arch.model_config(cfg)
+  model_cfg = arch.model_config(cfg.model)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   graphdef, abstract_params = model.abstract(model_cfg)
   shardings = sharding.tree_shardings(abstract_params, mesh)

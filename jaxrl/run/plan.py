@@ -172,8 +172,8 @@ def grad_copies(pc: Config) -> int:
 def architecture(cfg: Config) -> tuple[model.ModelConfig, str]:
   """The checkpoint's config.json when it is there, else the model section; and which one."""
   m = cfg.model
-  if m.checkpoint and arch.missing_checkpoint(cfg) is None:
-    return arch.model_config(cfg), f"config.json of {m.checkpoint}"
+  if m.checkpoint and arch.missing_checkpoint(m) is None:
+    return arch.model_config(m), f"config.json of {m.checkpoint}"
   vocab = m.vocab_size
   if not vocab and cfg.task.name in task.BUILTIN_TASKS:
     from jaxrl.tasks.data.tokenizer import vocab_size  # lazy: it imports transformers (heavy)
@@ -185,7 +185,7 @@ def architecture(cfg: Config) -> tuple[model.ModelConfig, str]:
       "is 0 (= the tokenizer's) and there is no checkpoint to read it from: set it to plan the run",
     )
   missing = f" ({m.checkpoint} is not downloaded)" if m.checkpoint else ""
-  return arch.from_section(cfg, vocab), f"the config's model section{missing}"
+  return arch.from_section(m, vocab), f"the config's model section{missing}"
 
 
 def prompt_len(cfg: Config) -> int:

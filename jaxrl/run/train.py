@@ -141,7 +141,7 @@ class Trainer:
       started.callback(task.close)
       for phase in run_phases(cfg):  # a bad mixture fails here, before anything compiles
         task.mixture(phase.mixture, "anneal_phase.mixture")
-      model_cfg = arch.model_config(cfg, task.vocab_size)
+      model_cfg = arch.model_config(cfg.model, task.vocab_size)
       mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
       graphdef, abstract_params = model.abstract(model_cfg)
       programs = Programs.for_run(cfg, graphdef, abstract_params, mesh)
