@@ -147,7 +147,7 @@ def evaluate_checkpoint(
     _write_results(cfg, checkpoint, out_dir, results, table, num_samples, ks)
     return {"results": results, "table": table}
   engine, tokenizer, params, environment = _engine_and_params(cfg, checkpoint, out_dir)
-  scorer = math_task.MathScorer(cfg)
+  scorer = math_task.MathScorer(cfg.reward)
   results = {}
   try:
     for name, path in benchmarks:
@@ -257,9 +257,9 @@ def _evaluate_benchmark(
     return response_texts(tokenizer, out, multi_turn=environment is not None, eos_id=stops)
 
   questions, report = datasets.load_questions(
-    path, math_task.fields(cfg), split=cfg.data.split, strict=cfg.data.strict
+    path, math_task.fields(cfg.data), split=cfg.data.split, strict=cfg.data.strict
   )
-  enc = math_task.encode(cfg, tokenizer, questions.questions, name)
+  enc = math_task.encode(cfg.data, cfg.task.max_prompt_len, tokenizer, questions.questions, name)
   answers = np.asarray(questions.answers, dtype=object)[enc.kept_Q]
   result = evaluate(
     # The one set of params this engine ever holds: any evaluation version names it.

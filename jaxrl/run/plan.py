@@ -178,7 +178,7 @@ def architecture(cfg: Config) -> tuple[model.ModelConfig, str]:
   if not vocab and cfg.task.name in task.BUILTIN_TASKS:
     from jaxrl.tasks.data.tokenizer import vocab_size  # lazy: it imports transformers (heavy)
 
-    vocab = vocab_size(task.tokenizer_variant(cfg))
+    vocab = vocab_size(task.tokenizer_variant(cfg.task))
   if not vocab:
     raise ConfigError(
       "model.vocab_size",
@@ -194,7 +194,7 @@ def prompt_len(cfg: Config) -> int:
     return cfg.task.max_prompt_len
   if cfg.task.name not in task.BUILTIN_TASKS:
     raise ConfigError("task.max_prompt_len", "the plan needs a fixed prompt length: set it")
-  return task.prompt_len(cfg)
+  return task.prompt_len(cfg.task)
 
 
 def plan_mesh(cfg: Config):

@@ -260,7 +260,7 @@ def _tokenizer(cfg, run_dir: str):
   if os.path.isfile(os.path.join(cached, "tokenizer.json")):
     return transformers.AutoTokenizer.from_pretrained(cached)
   with tempfile.TemporaryDirectory() as tmp:
-    return build_tokenizer(tmp, tokenizer_variant(cfg))
+    return build_tokenizer(tmp, tokenizer_variant(cfg.task))
 
 
 def _is_run_dir(path: str) -> bool:
