@@ -82,9 +82,9 @@ def update_times(repeats: int, workdir: str) -> dict[int, list[float]]:
     cfg = _config(rank)
     mcfg = arch.model_config(cfg.model, task.vocab_size)
     graphdef, params = model.create(mcfg, 0)
-    progs = programs.Programs.for_run(cfg, graphdef, params, mesh)
+    progs = programs.Programs.for_run(cfg.optim, graphdef, params, mesh)
     update = progs.update(LossConfig.from_config(cfg))
-    hp = LossHparams.from_config(cfg, 1.0, cfg.loss.eps_high)
+    hp = LossHparams.from_config(cfg.loss, cfg.modulation, 1.0, cfg.loss.eps_high)
     state = progs.init_state(params)
     state, _ = update(state, batch, hp, None)  # compile
     jax.block_until_ready(state)

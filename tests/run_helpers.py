@@ -147,7 +147,7 @@ def step_context(cfg, tokenizer_dir) -> tuple[StepContext, object]:
   task = load_task(cfg, str(tokenizer_dir))  # the arithmetic tokenizer, built in code
   mcfg = arch.model_config(cfg.model, task.vocab_size)
   graphdef, params = model.create(mcfg, 0)
-  programs = Programs.for_run(cfg, graphdef, params, sharding.make_mesh(1, 1, 1))
+  programs = Programs.for_run(cfg.optim, graphdef, params, sharding.make_mesh(1, 1, 1))
   engine = JaxEngine(
     graphdef,
     mcfg,

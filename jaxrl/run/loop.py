@@ -418,7 +418,8 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
   # controller's measured entropy, known before this step's update (over the model's tokens, §11).
   h_t = token_mean_entropy(rollouts)
   clip_state = rt.methods.update_clip(loop.controllers.clip, h_t)
-  hp = LossHparams.from_config(ctx.cfg, tau, rt.methods.clip.current(clip_state))
+  eps_high = rt.methods.clip.current(clip_state)
+  hp = LossHparams.from_config(ctx.cfg.loss, ctx.cfg.modulation, tau, eps_high)
   measured = _diagnose(ctx, loop, batch, hp, i)  # before the update, which donates θ_i
   t2 = time.time()
   train, update, packed = _update(ctx, rt, loop.train, rollouts, hp)
@@ -463,7 +464,7 @@ def _update(ctx: StepContext, rt: PhaseRuntime, train: TrainState, rollouts, hp)
   """The train step on the rollouts, packed when ``loss.packing`` is on (the lengths, read on the
   host, decide the layout): the new train state, its metrics, and the throughputs and what packing
   did, over the positions the update processed."""
-  pack = packing.for_update(rt.phase.cfg, rollouts)
+  pack = packing.for_update(rt.phase.cfg.loss, rollouts)
   mesh, positions, pack_metrics = ctx.programs.mesh, None, {}
   if pack is not None:
     loss = rt.phase.cfg.loss

@@ -51,7 +51,7 @@ def update_flops(pc, vocab_size: int, mesh) -> float:
   share (see ``--plan`` for the shapes)."""
   flat = dataclasses.replace(pc, model=dataclasses.replace(pc.model, scan_layers=False))
   graphdef, params = model.abstract(arch.model_config(flat.model, vocab_size))
-  programs = Programs.for_run(flat, graphdef, params, mesh)
+  programs = Programs.for_run(flat.optim, graphdef, params, mesh)
   cost = plan.lower_train_step(flat, programs, params).cost_analysis()
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else {}

@@ -460,8 +460,12 @@ def lower_train_step(pc: Config, programs: Programs, params):
     ),
     state_sh,
   )
-  hp = jax.eval_shape(lambda: LossHparams.from_config(pc, pc.rollout.temperature, pc.loss.eps_high))
-  ref = _shaped(params, state_sh.params) if reference_copy(pc) else None
+  hp = jax.eval_shape(
+    lambda: LossHparams.from_config(
+      pc.loss, pc.modulation, pc.rollout.temperature, pc.loss.eps_high
+    )
+  )
+  ref = _shaped(params, state_sh.params) if reference_copy(pc.loss, pc.model) else None
   rows_sh = sharding.batch_sharding(programs.mesh)
   batch = abstract_batch(pc, rows_sh)
   loss = pc.loss
@@ -582,7 +586,7 @@ def compile_forget(pc: Config, programs: Programs, params) -> Compiled:
   def rows(x):
     return jax.ShapeDtypeStruct((half, *x.shape[1:]), x.dtype, sharding=x.sharding)
 
-  forget = programs.forget(ForgetConfig.from_config(pc))
+  forget = programs.forget(ForgetConfig.from_config(pc.eepo, pc.loss))
   tau = jax.ShapeDtypeStruct((), jnp.float32)
   stage1 = (
     batch.prompt_ids_RxP,
@@ -645,7 +649,7 @@ def build(cfg: Config, *, compile_steps: bool = True, rollout_side: bool = True)
   if not compile_steps and not skipped:
     skipped = "compilation was not asked for"
   graphdef, params = model.abstract(mcfg)
-  programs = Programs.for_run(cfg, graphdef, params, mesh)
+  programs = Programs.for_run(cfg.optim, graphdef, params, mesh)
   param_sh, opt_sh = programs.param_shardings, programs.state_shardings.opt_state
   trained = lora.partition(params, programs.trainable)[0]
   opt = jax.eval_shape(programs.tx.init, trained)
@@ -688,7 +692,7 @@ def build(cfg: Config, *, compile_steps: bool = True, rollout_side: bool = True)
     weights=weight_rows(params, param_sh),
     params=p_bytes,
     opt_state=bytes_per_device(opt, opt_sh),
-    ref_params=p_bytes if reference_copy(cfg) else 0,
+    ref_params=p_bytes if reference_copy(cfg.loss, cfg.model) else 0,
     adapters=bytes_per_device(*(lora.partition(t, "adapters")[0] for t in (params, param_sh)))
     if lora.has_adapters(params)
     else 0,
