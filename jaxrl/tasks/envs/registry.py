@@ -45,6 +45,7 @@ def run_chat_frame(
     raise ConfigError(field, f"the tokenizer's chat template cannot frame a tool's answer: {e}")
 
 
+# Config: the factories' argument (the module docstring).
 def calculator_environment(cfg: Config, tokenizer) -> ToolEnvironment:
   """``<calc>EXPR</calc>`` answered ``<result>VALUE</result>`` (``calculator.calculate``), framed
   by the chat template where the run uses one."""
