@@ -38,11 +38,12 @@ def build_engine(
   common = dict(
     max_new_tokens=cfg.rollout.max_new_tokens, eos_id=eos_id, pad_id=pad_id, top_p=cfg.rollout.top_p
   )
+  turns = {}
   if environment is not None:
     common["respond_factory"] = lambda group_ids_R: multiturn.EnvironmentRespond(
       environment, group_ids_R
     )
-  turns = dict(name=cfg.task.environment, rollout=cfg.rollout, turn_tokens=turn_tokens(cfg))
+    turns = dict(name=cfg.task.environment, rollout=cfg.rollout, turn_tokens=turn_tokens(cfg))
   if cfg.rollout.engine == "jax":
     if environment is not None:
       common["turns"] = turn_config(environment, **turns)
