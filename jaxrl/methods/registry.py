@@ -1,9 +1,10 @@
 """Name → factory for every allocator, temperature controller, clip controller and entropy
 schedule a config can choose.
 
-A factory takes its section of the (phase's) config and returns the policy object. Adding an allocator is its
-factory in its own module plus one line in ``ALLOCATORS``; the config's ``allocation.method``
-accepts every registered name (``check`` raises the one-line ``ConfigError`` for the others).
+A factory takes its section of the (phase's) config and the few run-wide values it reads, and
+returns the policy object. Adding an allocator is its factory in its own module plus one line in
+``ALLOCATORS``; the config's ``allocation.method`` accepts every registered name (``check`` raises
+the one-line ``ConfigError`` for the others).
 """
 
 from __future__ import annotations
