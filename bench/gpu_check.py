@@ -878,14 +878,14 @@ def stage_lora_vs_plan(ctx: Stage) -> None:
   mcfg = the_plan.model_cfg
   mesh, _ = plan.plan_mesh(cfg)
   graphdef, abstract = model.abstract(mcfg)
-  programs = Programs.for_run(cfg, graphdef, abstract, mesh)
+  programs = Programs.for_run(cfg.optim, graphdef, abstract, mesh)
   params = _random_params(abstract, programs.param_shardings)
   # Not the jitted ``Programs.init_state``: its outputs are copies, so the process would peak at
   # twice the base before the update; eagerly, the state holds these very arrays.
   state = jax.device_put(
     step.init_state(params, programs.tx, programs.trainable), programs.state_shardings
   )
-  ref = params if reference_copy(pc) else None
+  ref = params if reference_copy(pc.loss, pc.model) else None
   del params
   rng = np.random.default_rng(0)
   mask = np.ones((R, N), bool)
@@ -904,7 +904,7 @@ def stage_lora_vs_plan(ctx: Stage) -> None:
     rewards_R=np.array([1, 0, 0, 1] * (R // 4) + [0] * (R % 4), np.float32),
   )
   batch = sharding.shard_batch(batch, mesh)
-  hp = LossHparams.from_config(pc, pc.rollout.temperature, pc.loss.eps_high)
+  hp = LossHparams.from_config(pc.loss, pc.modulation, pc.rollout.temperature, pc.loss.eps_high)
   update = programs.update(LossConfig.from_config(pc))
   jax.block_until_ready(state)
   before = _peak_memory()

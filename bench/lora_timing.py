@@ -80,11 +80,11 @@ def update_times(repeats: int, workdir: str) -> dict[int, list[float]]:
   runs = {}
   for rank in RANKS:
     cfg = _config(rank)
-    mcfg = arch.model_config(cfg, task.vocab_size)
+    mcfg = arch.model_config(cfg.model, task.vocab_size)
     graphdef, params = model.create(mcfg, 0)
-    progs = programs.Programs.for_run(cfg, graphdef, params, mesh)
+    progs = programs.Programs.for_run(cfg.optim, graphdef, params, mesh)
     update = progs.update(LossConfig.from_config(cfg))
-    hp = LossHparams.from_config(cfg, 1.0, cfg.loss.eps_high)
+    hp = LossHparams.from_config(cfg.loss, cfg.modulation, 1.0, cfg.loss.eps_high)
     state = progs.init_state(params)
     state, _ = update(state, batch, hp, None)  # compile
     jax.block_until_ready(state)
@@ -108,7 +108,7 @@ def push_times(repeats: int, workdir: str, rank: int) -> dict[str, tuple[list[fl
     cfg = _config(rank, **{"rollout.engine": "vllm", "vllm.lora_sync": sync})
     sub = os.path.join(workdir, sync)
     task = load_task(cfg, os.path.join(sub, "tokenizer"))
-    mcfg = arch.model_config(cfg, task.vocab_size)
+    mcfg = arch.model_config(cfg.model, task.vocab_size)
     graphdef, params = model.create(mcfg, 0)
     engines[sync] = build_engine(
       cfg, graphdef, mcfg, tokenizer=task.tokenizer, eos_id=task.eos_id, pad_id=task.pad_id,

@@ -76,7 +76,7 @@ def checkpoint_params(workdir, step=None, sft=False, variant="test", **overrides
   run as one flat vector (a LoRA run's: its adapters on the base it rebuilds, as ``jaxrl-export``
   loads them)."""
   cfg = tiny_config(variant, **overrides)
-  model_cfg = arch.model_config(cfg, tokenizer.vocab_size(task.tokenizer_variant(cfg)))
+  model_cfg = arch.model_config(cfg.model, tokenizer.vocab_size(task.tokenizer_variant(cfg.task)))
   _, abstract = model.abstract(model_cfg)
   shardings = sharding.tree_shardings(abstract, sharding.make_mesh(1, 1, 1))
   if sft:  # the warm start, and a LoRA model's fresh adapters (of the config's seed)

@@ -145,9 +145,9 @@ def step_context(cfg, tokenizer_dir) -> tuple[StepContext, object]:
   directory: the task (its tokenizer written to ``tokenizer_dir``), the programs on one device, a
   ``JaxEngine``; and fresh params of the config's model (seed 0)."""
   task = load_task(cfg, str(tokenizer_dir))  # the arithmetic tokenizer, built in code
-  mcfg = arch.model_config(cfg, task.vocab_size)
+  mcfg = arch.model_config(cfg.model, task.vocab_size)
   graphdef, params = model.create(mcfg, 0)
-  programs = Programs.for_run(cfg, graphdef, params, sharding.make_mesh(1, 1, 1))
+  programs = Programs.for_run(cfg.optim, graphdef, params, sharding.make_mesh(1, 1, 1))
   engine = JaxEngine(
     graphdef,
     mcfg,

@@ -56,7 +56,7 @@ def test_the_counter_counts_the_update_and_the_sampler_the_trainer_runs():
   try:
     update = programs.update(LossConfig.from_config(cfg))  # as the loop builds it
     for eps_high in (0.28, 0.3):  # a traced value: the second step compiles nothing
-      hp = LossHparams.from_config(cfg, 1.0, eps_high)
+      hp = LossHparams.from_config(cfg.loss, cfg.modulation, 1.0, eps_high)
       update(programs.init_state(params), _batch(cfg, n), hp)
     b = cfg.batch_questions
     for temperature in (1.0, 0.7):

@@ -227,7 +227,7 @@ def test_every_builtin_config_and_variant_passes_the_checks():
     for arg in _variant_args(cli._load(path)):
       cfg = from_configdict(cli.load_config(f"{name}:{arg}"))
       registry.check(cfg)
-      environments.check(cfg)
+      environments.check(cfg.task)
       checked += 1
   assert checked > 60, checked
 

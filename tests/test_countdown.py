@@ -171,7 +171,7 @@ def test_the_task_loads_with_its_tokenizer_scorer_and_plan(tmp_path):
   data = task_lib.load_task(cfg, str(tmp_path))
   assert data.level_names == tuple(s.name for s in countdown.DEFAULT_LEVELS)
   assert data.vocab_size == vocab.vocab_size("countdown")
-  p = task_lib.prompt_len(cfg)
+  p = task_lib.prompt_len(cfg.task)
   assert (
     data.train_prompt_ids.shape[1] == p == countdown.max_lengths(countdown.DEFAULT_LEVELS)[0] + 1
   )

@@ -513,5 +513,9 @@ def test_the_config_chooses_the_forgetting_steps_clip():
 
   from jaxrl.rl.programs import ForgetConfig
 
-  paper = ForgetConfig.from_config(tiny_config("eepo,test", **{"eepo.unlearn_clip": "paper"}))
-  assert paper.paper_clip and not ForgetConfig.from_config(tiny_config("eepo,test")).paper_clip
+  paper_cfg, ours_cfg = (
+    tiny_config("eepo,test", **{"eepo.unlearn_clip": "paper"}),
+    tiny_config("eepo,test"),
+  )
+  paper = ForgetConfig.from_config(paper_cfg.eepo, paper_cfg.loss)
+  assert paper.paper_clip and not ForgetConfig.from_config(ours_cfg.eepo, ours_cfg.loss).paper_clip

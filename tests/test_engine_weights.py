@@ -51,7 +51,7 @@ def run(tmp_path_factory):
 
 
 def _engine(ctx, cls=JaxEngine):
-  mcfg = arch.model_config(ctx.cfg, ctx.task.vocab_size)
+  mcfg = arch.model_config(ctx.cfg.model, ctx.task.vocab_size)
   return cls(
     ctx.programs.graphdef,
     mcfg,
@@ -140,7 +140,7 @@ def test_eepo_samples_stage_2_under_the_forget_version(run, fire):
     jax.random.PRNGKey(0),
     version=4,
     max_new_tokens=ctx.cfg.rollout.max_new_tokens,
-    forget=ForgetConfig.from_config(ctx.cfg),
+    forget=ForgetConfig.from_config(ctx.cfg.eepo, ctx.cfg.loss),
     old_logp_from="rollout",
   )
   assert two.metrics["eepo_gate"] == float(fire)

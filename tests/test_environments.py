@@ -159,7 +159,7 @@ def test_registry(tok, monkeypatch):
   assert registry.build_environment(tiny_config("test"), tok) is None  # "" = single-turn
   cfg = tiny_config("tools", **{"task.environment": "nope"})
   with pytest.raises(ConfigError, match=r"^config\.task\.environment: 'nope' is not one of \(''"):
-    registry.check(cfg)
+    registry.check(cfg.task)
   # A new environment is its factory and one registry line.
   made = []
 
@@ -171,7 +171,7 @@ def test_registry(tok, monkeypatch):
     )  # fmt: skip
 
   monkeypatch.setitem(registry.ENVIRONMENTS, "echo", echo_environment)
-  registry.check(cfg := tiny_config("tools", **{"task.environment": "echo"}))
+  registry.check((cfg := tiny_config("tools", **{"task.environment": "echo"})).task)
   env = registry.build_environment(cfg, tok)
   assert isinstance(env, Environment) and made == [cfg.rollout.max_turns]
   env.close()

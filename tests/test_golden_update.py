@@ -102,7 +102,9 @@ def run_golden_update():
   state = programs.init_state(params)
   update = programs.update(LossConfig.from_config(cfg))
   batch = sharding.shard_batch(_batch(mcfg.vocab_size), mesh)
-  state, metrics = update(state, batch, LossHparams.from_config(cfg, 0.9, cfg.loss.eps_high), ref)
+  state, metrics = update(
+    state, batch, LossHparams.from_config(cfg.loss, cfg.modulation, 0.9, cfg.loss.eps_high), ref
+  )
   return {k: float(v) for k, v in metrics.items()}
 
 

@@ -77,7 +77,7 @@ def test_a_hub_model_resolves_to_its_cached_snapshot(cache, tmp_path):
     with_id = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, checkpoint=spec))
     resolved = cli.with_local_checkpoint(with_id)
     assert resolved.model.checkpoint == str(snapshot)
-    assert arch.model_config(resolved).vocab_size > 0  # the snapshot's config.json, read
+    assert arch.model_config(resolved.model).vocab_size > 0  # the snapshot's config.json, read
   with pytest.raises(hub.HubError, match="huggingface-cli download acme/nothing"):
     hub.model_snapshot("acme/nothing")
 

@@ -29,7 +29,7 @@ def _judge_checkpoint(tmp_path) -> str:
   """A tiny random chat model in HF layout, with its tokenizer and chat template."""
   cfg = tiny_config("tools,chat,test", **JUDGE_MODEL)
   task = load_task(cfg, str(tmp_path / "tokenizer"))
-  mcfg = model_config(cfg, task.vocab_size)
+  mcfg = model_config(cfg.model, task.vocab_size)
   _, params = model.create(mcfg, 0)
   return weights.write_hf(cfg, mcfg, params, str(tmp_path / "judge"), task.tokenizer)
 

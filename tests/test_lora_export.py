@@ -38,7 +38,7 @@ def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path, layout):
       "model.scan_layers": layout == "scan",
     },
   )
-  model_cfg = arch.model_config(cfg)
+  model_cfg = arch.model_config(cfg.model)
   assert (model_cfg.lora_rank, model_cfg.lora_alpha) == (RANK, ALPHA)
   graphdef, abstract = model.abstract(model_cfg)
   shardings = sharding.tree_shardings(abstract, sharding.make_mesh(1, 1, 1))

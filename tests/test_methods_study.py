@@ -186,7 +186,7 @@ def test_the_ablations_change_one_setting_of_their_preset_and_run_only_when_aske
     cfg = tiny_config(
       "es", **{"clip.method": "fixed", "loss.eps_high": float(overrides[1].split("=")[1])}
     )
-    clip = CLIPS[cfg.clip.method](cfg)
+    clip = CLIPS[cfg.clip.method](cfg.clip, eps_high=cfg.loss.eps_high, steps=cfg.steps)
     assert float(clip.current(clip.init())) == pytest.approx(bound)  # a fixed clip is eps_high
     assert cfg.loss.mini_batches == tiny_config("es").loss.mini_batches  # the rest is es's
   eepo = tiny_config("eepo").eepo

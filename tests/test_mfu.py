@@ -35,7 +35,7 @@ def test_update_flops_count_every_layer_and_match_six_n_tokens():
   loop_flops = mfu.update_flops(cfg, 64, mesh)
   scan_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=True))
   assert mfu.update_flops(scan_cfg, 64, mesh) == loop_flops  # a scanned body would count once
-  _, params = model.abstract(arch.model_config(cfg, 64))
+  _, params = model.abstract(arch.model_config(cfg.model, 64))
   n = model.num_params(params)
   prompt_len = 13  # the tiny task's longest prompt (12 tokens) + BOS
   tokens = cfg.num_rollouts * (prompt_len + cfg.rollout.max_new_tokens)

@@ -359,7 +359,7 @@ def test_alpha_changes_between_steps_without_a_recompile():
       step_cfg = dataclasses.replace(
         cfg, modulation=dataclasses.replace(cfg.modulation, alpha=alpha)
       )
-      hp = LossHparams.from_config(step_cfg, 1.0, cfg.loss.eps_high)
+      hp = LossHparams.from_config(step_cfg.loss, step_cfg.modulation, 1.0, cfg.loss.eps_high)
       _, metrics = update(programs.init_state(params), batch, hp)  # the state is donated
       pg_losses.append(float(metrics["pg_loss"]))
   finally:

@@ -120,7 +120,7 @@ def test_eepo_forgetting_in_micro_batches_gives_the_same_step(tmp_path):
   # in 4 chunks or in one: two forwards of the model and sums over its R·(P + N) tokens in other
   # orders, each within (chain_terms + V + tokens)·u of its value (tests/rounding.py).
   cfg = tiny_config("eepo,test")
-  model_cfg = arch.model_config(cfg, len(VOCAB))
+  model_cfg = arch.model_config(cfg.model, len(VOCAB))
   tcfg = task_config(cfg)
   slots = arithmetic.max_lengths(tcfg.levels, tcfg.digit_width)[0] + 1 + cfg.rollout.max_new_tokens
   tokens = cfg.num_rollouts * slots

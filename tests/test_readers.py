@@ -69,9 +69,9 @@ def _live_run(run, cfg, held_commit):
   with open(os.path.join(run, "config.json"), "w") as f:
     json.dump(to_dict(cfg), f)
   if cfg.model.checkpoint:
-    model_cfg = arch.model_config(cfg)
+    model_cfg = arch.model_config(cfg.model)
   else:  # the task's own tokenizer, cached in the run directory
-    model_cfg = arch.model_config(cfg, len(build_tokenizer(os.path.join(run, "tokenizer"))))
+    model_cfg = arch.model_config(cfg.model, len(build_tokenizer(os.path.join(run, "tokenizer"))))
   params = _params(cfg, model_cfg)
   meta = {}
   if lora.has_adapters(params):  # a LoRA checkpoint holds the adapters and the base's fingerprint

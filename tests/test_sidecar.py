@@ -81,7 +81,7 @@ def inductor_dir(tmp_path_factory):
 def _launch(cfg, workdir):
   """A sidecar engine (its server not yet started) and random params of the sidecar model."""
   task = load_task(cfg, os.path.join(workdir, "tokenizer"))
-  mcfg = model_config(cfg, task.vocab_size)
+  mcfg = model_config(cfg.model, task.vocab_size)
   graphdef, params = model.create(mcfg, 0)
   engine = build_engine(
     cfg,

@@ -55,7 +55,7 @@ def served(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("sidecar"))
   cfg = _config()
   task = load_task(cfg, os.path.join(workdir, "tokenizer"))
-  mcfg = model_config(cfg, task.vocab_size)
+  mcfg = model_config(cfg.model, task.vocab_size)
   graphdef, params = model.create(mcfg, 0)
   params = _calling_params(params, task.tokenizer)
   engine = task_engine(cfg, graphdef, mcfg, task, workdir)

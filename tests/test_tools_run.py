@@ -90,7 +90,7 @@ def test_multi_turn_runs_on_either_engine(tmp_path):
   assert cfg.task.environment == "calculator"
   task = load_task(cfg, str(tmp_path / "tokenizer"))
   try:
-    mcfg = model_config(cfg, task.vocab_size)
+    mcfg = model_config(cfg.model, task.vocab_size)
     graphdef, _ = model.abstract(mcfg)
     kw = dict(tokenizer=task.tokenizer, eos_id=task.eos_id, pad_id=task.pad_id)
     kw.update(prompt_len=task.train_prompt_ids.shape[1], environment=task.environment)

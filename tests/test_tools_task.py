@@ -143,7 +143,7 @@ def tool_answer(prompt: str) -> str:
 
 def sft_weights(levels, text: str):
   cfg = tiny_config("tools,test", **{"task.sft_levels": text})
-  return builtin.sft_level_weights(cfg, levels, arithmetic.parse_levels)
+  return builtin.sft_level_weights(cfg.task, levels, arithmetic.parse_levels)
 
 
 def test_the_sft_corpus_shows_the_sft_levels_of_the_train_split_only():

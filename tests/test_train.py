@@ -104,7 +104,7 @@ def golden_update(tokenizer_dir) -> Golden:
   rt = ctx.runtime(0)
   clip = rt.methods.update_clip(loop.controllers.clip, token_mean_entropy(batch))
   tau = float(loop.controllers.temperature.tau)
-  hp = LossHparams.from_config(cfg, tau, rt.methods.clip.current(clip))
+  hp = LossHparams.from_config(cfg.loss, cfg.modulation, tau, rt.methods.clip.current(clip))
   state, metrics = rt.update(loop.train, sharding.shard_batch(batch, mesh), hp, ctx.ref_params)
 
   sgd = optax.sgd(1.0)
@@ -117,7 +117,7 @@ def golden_update(tokenizer_dir) -> Golden:
   )
   return Golden(
     cfg,
-    arch.model_config(cfg, ctx.vocab_size),
+    arch.model_config(cfg.model, ctx.vocab_size),
     batch,
     hp,
     {k: float(v) for k, v in metrics.items()},

@@ -40,7 +40,7 @@ def test_unscored_answers_are_set_aside_from_the_update_and_the_statistics(tmp_p
     trained["batch"] = jax.tree.map(np.asarray, batch)
     return update(state, batch, hp, ref, pack)
 
-  ctx._runtimes[0] = dataclasses.replace(ctx.runtime(0), update=spy)
+  ctx.runtimes = (dataclasses.replace(ctx.runtime(0), update=spy),)
   try:
     loop = initial_loop(ctx, ctx.programs.init_state(params))
     loop, row = rl_step(ctx, loop, 0)

@@ -41,15 +41,23 @@ class ControllerStates:
 class Methods:
   """The run's controllers (allocator, temperature, clip, EEPO gate) and their jitted decisions."""
 
+  # The phase's whole config: the controllers read the allocation, temperature, clip, eepo and
+  # modulation sections and the rollout's group size and temperature, the loss's clip, the steps.
   cfg: Config
   vocab_size: int
 
   def __post_init__(self):
     cfg = self.cfg
     registry.check(cfg)
-    self.allocator = registry.ALLOCATORS[cfg.allocation.method](cfg)
-    self.temperature = registry.TEMPERATURES[cfg.temperature.method](cfg, self.vocab_size)
-    self.clip = registry.CLIPS[cfg.clip.method](cfg)
+    self.allocator = registry.ALLOCATORS[cfg.allocation.method](
+      cfg.allocation, cfg.rollout.group_size
+    )
+    self.temperature = registry.TEMPERATURES[cfg.temperature.method](
+      cfg.temperature, tau0=cfg.rollout.temperature, steps=cfg.steps, vocab_size=self.vocab_size
+    )
+    self.clip = registry.CLIPS[cfg.clip.method](
+      cfg.clip, eps_high=cfg.loss.eps_high, steps=cfg.steps
+    )
     self.gate_ctl = schedules.eepo_gate_controller(cfg.eepo.m, cfg.eepo.alpha)
     if cfg.temperature.method == "e3" and cfg.clip.method == "adaptive":
       log.warning(

@@ -18,11 +18,12 @@ from jaxrl.methods import schedules
 class Phase:
   index: int
   start: int  # first RL step (0-based) of the phase
-  cfg: Config  # the run's config inside the phase
+  cfg: Config  # the run's config inside the phase, whole: a step's parts take their sections of it
   mixture: str  # data mixture spec ("" = every training question)
   name: str
 
 
+# Config: the start is the annealing phase's, or the clip's or the temperature's schedule's.
 def anneal_start(cfg: Config) -> int:
   """First step of the annealing phase: configured, or where the entropy schedule starts to anneal
   (the adaptive clip's stable-then-anneal schedule first, else E3's t_anneal, whose default
@@ -34,6 +35,7 @@ def anneal_start(cfg: Config) -> int:
   return cfg.temperature.anneal_start or schedules.e3_anneal_start(cfg.steps)
 
 
+# Config: a phase's config is the run's whole config inside it (``config.annealing``).
 def run_phases(cfg: Config) -> tuple[Phase, ...]:
   main = Phase(0, 0, cfg, "", "main")
   if not cfg.anneal_phase.enabled:

@@ -1,27 +1,34 @@
 """Name → factory for every allocator, temperature controller, clip controller and entropy
 schedule a config can choose.
 
-A factory takes the (phase's) ``Config`` and returns the policy object. Adding an allocator is its
-factory in its own module plus one line in ``ALLOCATORS``; the config's ``allocation.method``
-accepts every registered name (``check`` raises the one-line ``ConfigError`` for the others).
+A factory takes its section of the (phase's) config and the few run-wide values it reads, and
+returns the policy object. Adding an allocator is its factory in its own module plus one line in
+``ALLOCATORS``; the config's ``allocation.method`` accepts every registered name (``check`` raises
+the one-line ``ConfigError`` for the others).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from jaxrl.config import Config, ConfigError
+from jaxrl.config import (
+  AllocationSection,
+  ClipSection,
+  Config,
+  ConfigError,
+  TemperatureSection,
+)
 from jaxrl.methods import allocation, schedules
 
 
-def uniform_allocator(cfg: Config) -> allocation.Allocator:
-  return allocation.uniform_allocator(cfg.rollout.group_size)
+def uniform_allocator(a: AllocationSection, group_size: int) -> allocation.Allocator:
+  del a
+  return allocation.uniform_allocator(group_size)
 
 
-def e3_allocator(cfg: Config) -> allocation.Allocator:
-  a = cfg.allocation
+def e3_allocator(a: AllocationSection, group_size: int) -> allocation.Allocator:
   return allocation.e3_allocator(
-    cfg.rollout.group_size,
+    group_size,
     step=a.e3.step,
     g_min_floor=a.e3.g_min_floor,
     g_max_cap=a.e3.g_max_cap,
@@ -29,10 +36,9 @@ def e3_allocator(cfg: Config) -> allocation.Allocator:
   )
 
 
-def dynamo_allocator(cfg: Config) -> allocation.Allocator:
-  a = cfg.allocation
+def dynamo_allocator(a: AllocationSection, group_size: int) -> allocation.Allocator:
   return allocation.dynamo_allocator(
-    cfg.rollout.group_size,
+    group_size,
     a.g_min,
     a.g_max,
     min_history=a.dynamo.min_history,
@@ -41,17 +47,20 @@ def dynamo_allocator(cfg: Config) -> allocation.Allocator:
   )
 
 
-def fixed_temperature(cfg: Config, vocab_size: int) -> schedules.TemperatureController:
-  del vocab_size
-  return schedules.fixed_temperature(cfg.rollout.temperature)
+def fixed_temperature(
+  t: TemperatureSection, *, tau0: float, steps: int, vocab_size: int
+) -> schedules.TemperatureController:
+  del t, steps, vocab_size
+  return schedules.fixed_temperature(tau0)
 
 
-def e3_temperature(cfg: Config, vocab_size: int) -> schedules.TemperatureController:
-  t = cfg.temperature
+def e3_temperature(
+  t: TemperatureSection, *, tau0: float, steps: int, vocab_size: int
+) -> schedules.TemperatureController:
   return schedules.e3_temperature_controller(
     vocab_size,
-    t_max=cfg.steps,
-    tau0=cfg.rollout.temperature,
+    t_max=steps,
+    tau0=tau0,
     eta=t.eta,
     anneal=t.anneal,
     anneal_start=t.anneal_start or None,
@@ -60,14 +69,15 @@ def e3_temperature(cfg: Config, vocab_size: int) -> schedules.TemperatureControl
   )
 
 
-def fixed_clip(cfg: Config) -> schedules.ClipController:
-  return schedules.fixed_clip(cfg.loss.eps_high)
+def fixed_clip(c: ClipSection, *, eps_high: float, steps: int) -> schedules.ClipController:
+  del c, steps
+  return schedules.fixed_clip(eps_high)
 
 
-def adaptive_clip(cfg: Config) -> schedules.ClipController:
-  c = cfg.clip
+def adaptive_clip(c: ClipSection, *, eps_high: float, steps: int) -> schedules.ClipController:
+  del eps_high
   return schedules.adaptive_clip_controller(
-    SCHEDULES[c.schedule](cfg),
+    SCHEDULES[c.schedule](c, steps),
     c0=c.c0,
     c_min=c.c_min,
     c_max=c.c_max,
@@ -77,24 +87,27 @@ def adaptive_clip(cfg: Config) -> schedules.ClipController:
   )
 
 
-ALLOCATORS: dict[str, Callable[[Config], allocation.Allocator]] = {
+# A factory takes its own section and the few run-wide values it reads: the group size G; the
+# sampling temperature τ0 (``rollout.temperature``), the RL steps and the vocabulary size; the
+# clip ``loss.eps_high`` and the RL steps.
+ALLOCATORS: dict[str, Callable[[AllocationSection, int], allocation.Allocator]] = {
   "uniform": uniform_allocator,
   "e3": e3_allocator,
   "dynamo": dynamo_allocator,
 }
-TEMPERATURES: dict[str, Callable[[Config, int], schedules.TemperatureController]] = {
+TEMPERATURES: dict[str, Callable[..., schedules.TemperatureController]] = {
   "fixed": fixed_temperature,
   "e3": e3_temperature,
 }
-CLIPS: dict[str, Callable[[Config], schedules.ClipController]] = {
+CLIPS: dict[str, Callable[..., schedules.ClipController]] = {
   "fixed": fixed_clip,
   "adaptive": adaptive_clip,
 }
-SCHEDULES: dict[str, Callable[[Config], schedules.Schedule]] = {
-  "constant": lambda cfg: schedules.constant_schedule(cfg.clip.h_target),
-  "cosine": lambda cfg: schedules.cosine_schedule(cfg.clip.h_target, cfg.clip.h_end, cfg.steps),
-  "stable_then_anneal": lambda cfg: schedules.stable_then_anneal_schedule(
-    cfg.clip.h_target, cfg.clip.h_end, cfg.steps, cfg.clip.rho
+SCHEDULES: dict[str, Callable[[ClipSection, int], schedules.Schedule]] = {
+  "constant": lambda c, steps: schedules.constant_schedule(c.h_target),
+  "cosine": lambda c, steps: schedules.cosine_schedule(c.h_target, c.h_end, steps),
+  "stable_then_anneal": lambda c, steps: schedules.stable_then_anneal_schedule(
+    c.h_target, c.h_end, steps, c.rho
   ),
 }
 
@@ -107,7 +120,8 @@ _FIELDS = (
 
 
 def check(cfg: Config) -> None:
-  """Every method name of the config is registered (one-line ``ConfigError`` naming the field)."""
+  """Every method name of the config is registered (one-line ``ConfigError`` naming the field).
+  The whole config: ``_FIELDS`` names the fields by their paths across three sections."""
   for field, registry in _FIELDS:
     section, name = field.split(".")
     value = getattr(getattr(cfg, section), name)

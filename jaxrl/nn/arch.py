@@ -12,20 +12,19 @@ import dataclasses
 import json
 import os
 
-from jaxrl.config import Config, ConfigError
+from jaxrl.config import ConfigError, ModelSection
 from jaxrl.nn import hf, hf_config
 from jaxrl.nn.model import ModelConfig
 
 
-def lora_fields(cfg: Config) -> dict:
+def lora_fields(m: ModelSection) -> dict:
   """The LoRA adapters the run trains (``model.lora``; rank 0: none)."""
-  lo = cfg.model.lora
+  lo = m.lora
   return dict(lora_rank=lo.rank, lora_alpha=lo.alpha, lora_targets=lo.target_names())
 
 
-def execution_fields(cfg: Config) -> dict:
+def execution_fields(m: ModelSection) -> dict:
   """How to run the model (never what it is): compute / param dtype, layer scan, remat."""
-  m = cfg.model
   return dict(
     dtype=m.dtype,
     param_dtype=m.param_dtype,
@@ -35,9 +34,8 @@ def execution_fields(cfg: Config) -> dict:
   )
 
 
-def from_section(cfg: Config, vocab_size: int = 0) -> ModelConfig:
+def from_section(m: ModelSection, vocab_size: int = 0) -> ModelConfig:
   """The model section's architecture (``vocab_size`` = 0 there: take the tokenizer's)."""
-  m = cfg.model
   return ModelConfig(
     vocab_size=m.vocab_size or vocab_size,
     hidden_size=m.hidden_size,
@@ -51,22 +49,21 @@ def from_section(cfg: Config, vocab_size: int = 0) -> ModelConfig:
     qkv_bias=m.qkv_bias,
     qk_norm=m.qk_norm,
     tie_embeddings=m.tie_embeddings,
-    **execution_fields(cfg),
-    **lora_fields(cfg),
+    **execution_fields(m),
+    **lora_fields(m),
   )
 
 
-def missing_checkpoint(cfg: Config) -> ConfigError | None:
+def missing_checkpoint(m: ModelSection) -> ConfigError | None:
   """A ``model.checkpoint`` that is not there (no directory, no config.json in it) as one line
   saying what to download and where (None: there, or none set)."""
-  path = cfg.model.checkpoint
+  path = m.checkpoint
   if not path or os.path.isfile(os.path.join(path, "config.json")):
     return None
   where = "directory not found" if not os.path.isdir(path) else "no config.json in it"
   fetch = (
-    f"download {cfg.model.hub_id} there (huggingface-cli download {cfg.model.hub_id} "
-    f"--local-dir {path}) or "
-    if cfg.model.hub_id
+    f"download {m.hub_id} there (huggingface-cli download {m.hub_id} --local-dir {path}) or "
+    if m.hub_id
     else ""
   )
   return ConfigError(
@@ -74,15 +71,15 @@ def missing_checkpoint(cfg: Config) -> ConfigError | None:
   )
 
 
-def checkpoint_error(cfg: Config) -> ConfigError | None:
+def checkpoint_error(m: ModelSection) -> ConfigError | None:
   """A missing ``model.checkpoint`` (``missing_checkpoint``), or a damaged one naming the file: a
   JSON file that does not parse (its config, generation config, tokenizer's), a truncated shard, a
   header or index that points outside it (None: fine). Headers only: no weight is read."""
-  if (error := missing_checkpoint(cfg)) is not None or not cfg.model.checkpoint:
+  if (error := missing_checkpoint(m)) is not None or not m.checkpoint:
     return error
   try:
-    _check_json_files(cfg.model.checkpoint)
-    hf.check_tensor_files(cfg.model.checkpoint)
+    _check_json_files(m.checkpoint)
+    hf.check_tensor_files(m.checkpoint)
   except (ValueError, OSError) as e:
     return ConfigError("model.checkpoint", str(e))
   return None
@@ -101,16 +98,16 @@ def _check_json_files(path: str) -> None:
         raise ValueError(f"{file}: not valid JSON ({e})") from None
 
 
-def model_config(cfg: Config, vocab_size: int = 0) -> ModelConfig:
+def model_config(m: ModelSection, vocab_size: int = 0) -> ModelConfig:
   """The run's ModelConfig: the checkpoint's architecture when there is one, else the section's."""
-  if not cfg.model.checkpoint:
-    return from_section(cfg, vocab_size)
+  if not m.checkpoint:
+    return from_section(m, vocab_size)
   # config.json alone: --plan reads the architecture before the weights are downloaded.
-  error = missing_checkpoint(cfg)
+  error = missing_checkpoint(m)
   if error is not None:
     raise error
   try:
-    base = hf_config.load_model_config(cfg.model.checkpoint, **execution_fields(cfg))
+    base = hf_config.load_model_config(m.checkpoint, **execution_fields(m))
   except ValueError as e:
     raise ConfigError("model.checkpoint", str(e)) from None
-  return dataclasses.replace(base, **lora_fields(cfg))
+  return dataclasses.replace(base, **lora_fields(m))

@@ -25,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrl.config import Config, LossConfig, LossSection, ModulationSection, RolloutSection
+from jaxrl.config import LossConfig, LossSection, ModulationSection, RolloutSection
 from jaxrl.nn.logprobs import logp_log1m_p_from_logits
 
 
@@ -111,9 +111,9 @@ class LossHparams:
     return cls(**{k: jnp.asarray(v, jnp.float32) for k, v in given.items()})
 
   @classmethod
-  def from_config(cls, cfg: Config, tau, eps_high) -> LossHparams:
-    """A step's values: the config's, with the temperature τ and ε_high the controllers chose."""
-    loss, mod = cfg.loss, cfg.modulation
+  def from_config(cls, loss: LossSection, mod: ModulationSection, tau, eps_high) -> LossHparams:
+    """A step's values: the loss and modulation sections', with the temperature τ and ε_high the
+    controllers chose."""
     return cls.create(
       eps_low=loss.eps_low,
       eps_high=eps_high,

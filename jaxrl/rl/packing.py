@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.config import Config
+from jaxrl.config import LossSection
 from jaxrl.types import Array, Rollouts, pytree_dataclass, static_field
 
 
@@ -108,12 +108,11 @@ def plan(prompt_mask_RxP, mask_RxN, mini_batches: int, micro_batches: int, bucke
   return Packing(slot_R, offset_R, rows=bucket(needed, per_micro, buckets))
 
 
-def for_update(cfg: Config, batch: Rollouts) -> Packing | None:
+def for_update(loss: LossSection, batch: Rollouts) -> Packing | None:
   """The packed layout of a (phase's) update of ``batch`` when ``loss.packing`` is on, else None
   (the padded update)."""
-  if not cfg.loss.packing:
+  if not loss.packing:
     return None
-  loss = cfg.loss
   return plan(
     batch.prompt_mask_RxP, batch.mask_RxN, loss.mini_batches, loss.micro_batches, loss.pack_buckets
   )

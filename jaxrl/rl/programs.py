@@ -17,17 +17,17 @@ import functools
 import jax
 import optax
 
-from jaxrl.config import Config, LossConfig
+from jaxrl.config import EEPOSection, LossConfig, LossSection, ModelSection, OptimSection
 from jaxrl.nn import lora
 from jaxrl.parallel import sharding
 from jaxrl.rl import optim, step
 from jaxrl.types import TrainState
 
 
-def reference_copy(cfg: Config) -> bool:
+def reference_copy(loss: LossSection, model: ModelSection) -> bool:
   """Whether the update gets a frozen copy of the warm-start params as its KL reference: with KL,
   unless the model has LoRA adapters (then the reference is the policy with them switched off)."""
-  return cfg.loss.kl_coef > 0 and not cfg.model.lora.rank
+  return loss.kl_coef > 0 and not model.lora.rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +42,7 @@ class ForgetConfig:
   pack_buckets: int = 0  # loss.pack_buckets with loss.packing on: a packed forward; 0: padded
 
   @classmethod
-  def from_config(cls, cfg: Config) -> ForgetConfig:
-    e, loss = cfg.eepo, cfg.loss
+  def from_config(cls, e: EEPOSection, loss: LossSection) -> ForgetConfig:
     return cls(
       loss.logprob_chunk,
       e.lr,
@@ -107,10 +106,10 @@ class Programs:
     self._built: dict[tuple, object] = {}
 
   @classmethod
-  def for_run(cls, cfg: Config, graphdef, abstract_params, mesh) -> Programs:
-    """The RL run's programs: its optimizer is ``optim`` of the config."""
+  def for_run(cls, o: OptimSection, graphdef, abstract_params, mesh) -> Programs:
+    """The RL run's programs: its optimizer is the config's ``optim`` section's."""
     trainable = lora.policy_trainable(abstract_params)
-    return cls(graphdef, abstract_params, mesh, optim.from_config(cfg.optim), trainable)
+    return cls(graphdef, abstract_params, mesh, optim.from_config(o), trainable)
 
   def _once(self, key: tuple, build):
     if key not in self._built:

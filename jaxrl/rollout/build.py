@@ -6,7 +6,7 @@ import os
 
 import jax
 
-from jaxrl.config import Config, ConfigError
+from jaxrl.config import Config, ConfigError, ModelSection, RolloutSection, VllmSection
 from jaxrl.config.anneal_phase import turn_tokens
 from jaxrl.methods.phases import run_phases
 from jaxrl.rollout import multiturn
@@ -14,10 +14,8 @@ from jaxrl.rollout.engine import JaxEngine
 from jaxrl.rollout.hosts import PerHostEngine
 
 
-def _max_response(cfg: Config) -> int:
-  return max(p.cfg.rollout.max_new_tokens for p in run_phases(cfg))
-
-
+# Config: a builder assembling the engine from the rollout, vllm, model and task sections and every
+# phase's response length (``run_phases``).
 def build_engine(
   cfg: Config,
   graphdef,
@@ -40,24 +38,34 @@ def build_engine(
   common = dict(
     max_new_tokens=cfg.rollout.max_new_tokens, eos_id=eos_id, pad_id=pad_id, top_p=cfg.rollout.top_p
   )
+  turns = {}
   if environment is not None:
     common["respond_factory"] = lambda group_ids_R: multiturn.EnvironmentRespond(
       environment, group_ids_R
     )
+    turns = dict(name=cfg.task.environment, rollout=cfg.rollout, turn_tokens=turn_tokens(cfg))
   if cfg.rollout.engine == "jax":
     if environment is not None:
-      common["turns"] = turn_config(cfg, environment)
+      common["turns"] = turn_config(environment, **turns)
     return JaxEngine(graphdef, model_cfg, compact_every=cfg.rollout.compact_every, **common)
   if environment is not None:
-    common["turns"] = sidecar_turns(cfg, environment)
+    common["turns"] = sidecar_turns(environment, **turns)
   return _vllm_engine(
-    cfg, model_cfg, tokenizer=tokenizer, prompt_len=prompt_len, workdir=workdir, common=common
+    cfg.vllm,
+    cfg.model,
+    model_cfg,
+    tokenizer=tokenizer,
+    prompt_len=prompt_len,
+    max_response=max(p.cfg.rollout.max_new_tokens for p in run_phases(cfg)),
+    workdir=workdir,
+    common=common,
   )
 
 
 def task_engine(cfg: Config, graphdef, model_cfg, task, workdir: str):
   """``build_engine`` for a loaded task: its tokenizer, special ids, prompt width and environment
-  (the trainer's engine and ``jaxrl-eval``'s are built alike)."""
+  (the trainer's engine and ``jaxrl-eval``'s are built alike); the whole config is
+  ``build_engine``'s."""
   return build_engine(
     cfg,
     graphdef,
@@ -71,32 +79,36 @@ def task_engine(cfg: Config, graphdef, model_cfg, task, workdir: str):
   )
 
 
-def _turn_shape(cfg: Config, stop_ids: tuple[int, ...], environment) -> multiturn.TurnConfig:
-  """The turn limits of every phase: a turn fits the shortest phase's response."""
-  r = cfg.rollout
+def _turn_shape(
+  r: RolloutSection, turn_tokens: int, stop_ids: tuple[int, ...], environment
+) -> multiturn.TurnConfig:
+  """The turn limits of every phase: a turn fits the shortest phase's response (``turn_tokens``:
+  ``anneal_phase.turn_tokens``)."""
   return multiturn.TurnConfig(
     stop_ids=stop_ids,
     call_ids=tuple(environment.call_ids),
-    max_turn_tokens=turn_tokens(cfg),
+    max_turn_tokens=turn_tokens,
     max_observation_tokens=r.max_observation_tokens,
     max_turns=r.max_turns,
   )
 
 
-def turn_config(cfg: Config, environment) -> multiturn.TurnConfig:
+def turn_config(
+  environment, *, name: str, rollout: RolloutSection, turn_tokens: int
+) -> multiturn.TurnConfig:
   """The multi-turn sampler's shapes: it ends a turn at one token id, so each of the
-  environment's stop sequences must be a single token."""
+  environment's stop sequences (of ``name``, ``task.environment``) must be a single token."""
   stops = tuple(environment.stop_sequences)
   if not stops or any(len(seq) != 1 for seq in stops):
     raise ConfigError(
       "task.environment",
-      f"{cfg.task.environment!r}: the JAX multi-turn sampler ends a turn at a single token, but "
+      f"{name!r}: the JAX multi-turn sampler ends a turn at a single token, but "
       f"the stop sequences are {stops} (make each stop string one token of the vocabulary)",
     )
-  return _turn_shape(cfg, tuple(seq[0] for seq in stops), environment)
+  return _turn_shape(rollout, turn_tokens, tuple(seq[0] for seq in stops), environment)
 
 
-def sidecar_turns(cfg: Config, environment):
+def sidecar_turns(environment, *, name: str, rollout: RolloutSection, turn_tokens: int):
   """How the sidecar ends a turn: the single-token stop sequences as stop token ids (the JAX
   sampler's exact rule), the longer ones as their stop strings (the server matches text)."""
   from jaxrl.rollout.vllm_multiturn import TurnStops  # lazy, as in _vllm_engine
@@ -105,12 +117,11 @@ def sidecar_turns(cfg: Config, environment):
   if not seqs or len(seqs) != len(strings):
     raise ConfigError(
       "task.environment",
-      f"{cfg.task.environment!r}: needs one stop string per stop sequence, got {strings} and "
-      f"{seqs}",
+      f"{name!r}: needs one stop string per stop sequence, got {strings} and {seqs}",
     )
   single = tuple(seq[0] for seq in seqs if len(seq) == 1)
   longer = tuple(text for text, seq in zip(strings, seqs) if len(seq) != 1)
-  return TurnStops(_turn_shape(cfg, single, environment), longer)
+  return TurnStops(_turn_shape(rollout, turn_tokens, single, environment), longer)
 
 
 def _check_vllm(v, m) -> None:
@@ -134,18 +145,29 @@ def _check_vllm(v, m) -> None:
     raise ConfigError("model.head_dim", f"{m.head_dim}: vLLM's CPU attention needs head_dim >= 32")
 
 
-def _vllm_engine(cfg: Config, model_cfg, *, tokenizer, prompt_len: int, workdir: str, common: dict):
-  """The vLLM engine of this process: attached to ``vllm.urls``, or launching its own sidecar."""
+def _vllm_engine(
+  v: VllmSection,
+  model: ModelSection,
+  model_cfg,
+  *,
+  tokenizer,
+  prompt_len: int,
+  max_response: int,
+  workdir: str,
+  common: dict,
+):
+  """The vLLM engine of this process: attached to ``vllm.urls``, or launching its own sidecar
+  (its context: ``prompt_len`` + ``max_response``, the longest phase's response)."""
   # Kept lazy: a run on the JAX engine does not import the vLLM engine, its HTTP client and sidecar.
   from jaxrl.rollout import vllm_engine
 
-  v = cfg.vllm
   _check_vllm(v, model_cfg)
   p = jax.process_index()
   suffix = f".process{p}" if p else ""  # processes sharing a host keep their files apart
   urls = process_urls(v.urls, p, jax.process_count())
   # No URLs to attach to: this process launches (and restarts) a server of its own.
-  launch = None if urls else _launch_config(cfg, prompt_len, workdir, f"vllm{suffix}.log")
+  lengths = (prompt_len, max_response)
+  launch = None if urls else _launch_config(v, model, lengths, workdir, f"vllm{suffix}.log")
   engine_cfg = vllm_engine.EngineConfig(
     launch=launch,
     urls=urls,
@@ -154,7 +176,7 @@ def _vllm_engine(cfg: Config, model_cfg, *, tokenizer, prompt_len: int, workdir:
     max_restarts=v.max_restarts,
     sync_every=v.sync_every,
     fallback_dir=f"sidecar{suffix}",
-    lora_adapters=_lora_adapters(cfg),
+    lora_adapters=_lora_adapters(model, v),
     weights_root=v.weights_dir,  # each engine writes to a fresh directory of its own under it
   )
   engine = vllm_engine.VllmEngine(model_cfg, tokenizer, engine_cfg, workdir=workdir, **common)
@@ -175,37 +197,40 @@ def vllm_python(configured: str) -> str:
   return next((p for p in candidates if os.path.exists(p)), candidates[0])
 
 
-def _launch_config(cfg: Config, prompt_len: int, workdir: str, log_name: str):
-  """How to start this process's own sidecar; its context must hold prompt + longest response."""
+def _launch_config(
+  v: VllmSection, model: ModelSection, lengths: tuple[int, int], workdir, log_name
+):
+  """How to start this process's own sidecar; its context must hold the prompt + the longest
+  response (``lengths``)."""
   from jaxrl.rollout.sidecar import LaunchConfig  # lazy for the same reason as in _vllm_engine
 
-  v = cfg.vllm
+  prompt_len, max_response = lengths
   python = vllm_python(v.python)
-  need = prompt_len + _max_response(cfg)
+  need = prompt_len + max_response
   # Unset: the prompt plus the longest response, rounded up to a multiple of 16.
   max_len = v.max_model_len or -(-need // 16) * 16
   if max_len < need:
     raise ConfigError(
       "vllm.max_model_len",
-      f"{max_len} < prompt length {prompt_len} + longest response {_max_response(cfg)}",
+      f"{max_len} < prompt length {prompt_len} + longest response {max_response}",
     )
   return LaunchConfig(
     python=python,
     log_dir=workdir,
     log_name=log_name,
-    dtype=v.dtype or cfg.model.dtype,
+    dtype=v.dtype or model.dtype,
     max_model_len=max_len,
     max_num_seqs=v.max_num_seqs,
     startup_timeout=v.startup_timeout,
     extra_args=tuple(v.extra_args.split()),
     cpus=v.cpus,
-    lora_rank=cfg.model.lora.rank if _lora_adapters(cfg) else 0,
+    lora_rank=model.lora.rank if _lora_adapters(model, v) else 0,
   )
 
 
-def _lora_adapters(cfg: Config) -> bool:
+def _lora_adapters(model: ModelSection, v: VllmSection) -> bool:
   """Whether the sidecar receives LoRA adapters (else merged weights, or a model without any)."""
-  return cfg.model.lora.rank > 0 and cfg.vllm.lora_sync == "adapter"
+  return model.lora.rank > 0 and v.lora_sync == "adapter"
 
 
 def process_urls(spec: str, process: int, processes: int) -> tuple[str, ...]:

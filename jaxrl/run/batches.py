@@ -172,7 +172,7 @@ def generate(ctx, issue: Issue, params, gate_state, *, round_index: int = 0, fir
     key,
     version=issue.version,
     max_new_tokens=n,
-    forget=ForgetConfig.from_config(c),
+    forget=ForgetConfig.from_config(c.eepo, c.loss),
     old_logp_from=c.eepo.old_logp_from,
     score=issue.fresh,
     qids_B=issue.qids_B,

@@ -147,7 +147,7 @@ def evaluate_checkpoint(
     _write_results(cfg, checkpoint, out_dir, results, table, num_samples, ks)
     return {"results": results, "table": table}
   engine, tokenizer, params, environment = _engine_and_params(cfg, checkpoint, out_dir)
-  scorer = math_task.MathScorer(cfg)
+  scorer = math_task.MathScorer(cfg.reward)
   results = {}
   try:
     for name, path in benchmarks:
@@ -210,7 +210,7 @@ def _task_engine_and_params(cfg, checkpoint: str, task, out_dir: str):
   """The rollout engine for the task (with its environment, if any) and the checkpoint's params
   on the mesh."""
 
-  model_cfg = arch.model_config(cfg, task.vocab_size)
+  model_cfg = arch.model_config(cfg.model, task.vocab_size)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   graphdef, abstract_params = model.abstract(model_cfg)
   shardings = sharding.tree_shardings(abstract_params, mesh)
@@ -223,7 +223,7 @@ def _engine_and_params(cfg, checkpoint: str, out_dir: str):
   """The rollout engine for the checkpoint's architecture, its tokenizer, its params on the mesh,
   and the task's environment (None: single-turn), which the engine's multi-turn rollouts ask."""
 
-  model_cfg = arch.model_config(cfg)
+  model_cfg = arch.model_config(cfg.model)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   graphdef, abstract_params = model.abstract(model_cfg)
   shardings = sharding.tree_shardings(abstract_params, mesh)
@@ -257,9 +257,9 @@ def _evaluate_benchmark(
     return response_texts(tokenizer, out, multi_turn=environment is not None, eos_id=stops)
 
   questions, report = datasets.load_questions(
-    path, math_task.fields(cfg), split=cfg.data.split, strict=cfg.data.strict
+    path, math_task.fields(cfg.data), split=cfg.data.split, strict=cfg.data.strict
   )
-  enc = math_task.encode(cfg, tokenizer, questions.questions, name)
+  enc = math_task.encode(cfg.data, cfg.task.max_prompt_len, tokenizer, questions.questions, name)
   answers = np.asarray(questions.answers, dtype=object)[enc.kept_Q]
   result = evaluate(
     # The one set of params this engine ever holds: any evaluation version names it.

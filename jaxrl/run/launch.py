@@ -78,7 +78,7 @@ def _check_inputs(cfg, workdir: str) -> None:
   """What comes from outside the run, checked before its directory is written: the checkpoint's
   files, whether the run's buffers can fit, the task's inputs, the compile cache's directory. The
   first that fails is one line, exit 2."""
-  if (error := checkpoint_error(cfg)) is not None:
+  if (error := checkpoint_error(cfg.model)) is not None:
     _fail(error)
   try:
     if (error := plan.memory_error(cfg)) is not None:  # before anything is allocated

@@ -97,7 +97,9 @@ def compile_counter(*, multiturn: bool = False, **more) -> CompileCounter:
 
 @dataclasses.dataclass
 class StepContext:
-  """What the steps read and never change (the phase runtimes are built once, on first use)."""
+  """What the steps read and never change. Every phase's runtime (its controllers, its train
+  step, its mixture) and, when the device's peak is known, its update's FLOP count are built with
+  the context, before step 0: no step builds or lowers a program."""
 
   cfg: Config
   task: TaskData
@@ -112,34 +114,29 @@ class StepContext:
   rollout_pool: concurrent.futures.ThreadPoolExecutor | None = None
   peak_flops: float | None = None  # per device (run/mfu.py): the step logs train_mfu when known
   reward_terms: RewardTerms | None = None  # reward.terms (docs/algorithms.md §13); None: verifier
-  _runtimes: dict = dataclasses.field(default_factory=dict)
-  _update_flops: dict = dataclasses.field(default_factory=dict)
+  runtimes: tuple[PhaseRuntime, ...] = dataclasses.field(init=False)
+  _update_flops: tuple[float, ...] = dataclasses.field(init=False, default=())
+
+  def __post_init__(self):
+    self.runtimes = tuple(self._build_runtime(phase) for phase in self.phases)
+    if self.peak_flops is not None:  # XLA's count lowers each phase's update (scan unrolled)
+      mesh = self.programs.mesh
+      self._update_flops = tuple(
+        mfu.update_flops(p.cfg, self.vocab_size, mesh) for p in self.phases
+      )
+
+  def _build_runtime(self, phase: Phase) -> PhaseRuntime:
+    pc = phase.cfg
+    mixture = self.task.mixture(phase.mixture, "anneal_phase.mixture", stream=phase.index)
+    update = self.programs.update(LossConfig.from_config(pc))
+    return PhaseRuntime(phase, Methods(pc, self.vocab_size), update, mixture)
 
   def update_flops(self, index: int) -> float:
-    """XLA's FLOPs of phase ``index``'s update (counted once per phase)."""
-    if index not in self._update_flops:
-      pc = self.phases[index].cfg
-      self._update_flops[index] = mfu.update_flops(pc, self.vocab_size, self.programs.mesh)
+    """XLA's FLOPs of phase ``index``'s update (with ``peak_flops`` known)."""
     return self._update_flops[index]
 
   def runtime(self, index: int) -> PhaseRuntime:
-    if index not in self._runtimes:
-      phase = self.phases[index]
-      pc = phase.cfg
-      mixture = self.task.mixture(phase.mixture, "anneal_phase.mixture", stream=index)
-      if index:
-        log.info(
-          "%s phase from step %d: %d questions (%s), G=%d, max_new_tokens=%d",
-          phase.name,
-          phase.start + 1,
-          mixture.size,
-          phase.mixture or "all",
-          pc.rollout.group_size,
-          pc.rollout.max_new_tokens,
-        )
-      update = self.programs.update(LossConfig.from_config(pc))
-      self._runtimes[index] = PhaseRuntime(phase, Methods(pc, self.vocab_size), update, mixture)
-    return self._runtimes[index]
+    return self.runtimes[index]
 
 
 def initial_loop(ctx: StepContext, train: TrainState) -> LoopState:
@@ -158,7 +155,16 @@ def _enter_due_phase(ctx: StepContext, loop: LoopState, i: int) -> LoopState:
   if phase.index == loop.phase:
     return loop
   epoch = loop.cursor.epoch(ctx.runtime(loop.phase).mixture)
-  rt = ctx.runtime(phase.index)
+  rt, pc = ctx.runtime(phase.index), phase.cfg
+  log.info(
+    "%s phase from step %d: %d questions (%s), G=%d, max_new_tokens=%d",
+    phase.name,
+    phase.start + 1,
+    rt.mixture.size,
+    phase.mixture or "all",
+    pc.rollout.group_size,
+    pc.rollout.max_new_tokens,
+  )
   num_q = len(ctx.task.train_answers)
   alloc = rt.methods.start_phase(loop.controllers.alloc, loop.stats, epoch, num_q)
   return dataclasses.replace(
@@ -418,7 +424,8 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
   # controller's measured entropy, known before this step's update (over the model's tokens, §11).
   h_t = token_mean_entropy(rollouts)
   clip_state = rt.methods.update_clip(loop.controllers.clip, h_t)
-  hp = LossHparams.from_config(ctx.cfg, tau, rt.methods.clip.current(clip_state))
+  eps_high = rt.methods.clip.current(clip_state)
+  hp = LossHparams.from_config(ctx.cfg.loss, ctx.cfg.modulation, tau, eps_high)
   measured = _diagnose(ctx, loop, batch, hp, i)  # before the update, which donates θ_i
   t2 = time.time()
   train, update, packed = _update(ctx, rt, loop.train, rollouts, hp)
@@ -463,7 +470,7 @@ def _update(ctx: StepContext, rt: PhaseRuntime, train: TrainState, rollouts, hp)
   """The train step on the rollouts, packed when ``loss.packing`` is on (the lengths, read on the
   host, decide the layout): the new train state, its metrics, and the throughputs and what packing
   did, over the positions the update processed."""
-  pack = packing.for_update(rt.phase.cfg, rollouts)
+  pack = packing.for_update(rt.phase.cfg.loss, rollouts)
   mesh, positions, pack_metrics = ctx.programs.mesh, None, {}
   if pack is not None:
     loss = rt.phase.cfg.loss

@@ -50,8 +50,8 @@ def update_flops(pc, vocab_size: int, mesh) -> float:
   and attention blocks stay loops, counted once: at long sequences the count is low by their
   share (see ``--plan`` for the shapes)."""
   flat = dataclasses.replace(pc, model=dataclasses.replace(pc.model, scan_layers=False))
-  graphdef, params = model.abstract(arch.model_config(flat, vocab_size))
-  programs = Programs.for_run(flat, graphdef, params, mesh)
+  graphdef, params = model.abstract(arch.model_config(flat.model, vocab_size))
+  programs = Programs.for_run(flat.optim, graphdef, params, mesh)
   cost = plan.lower_train_step(flat, programs, params).cost_analysis()
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else {}

@@ -172,20 +172,20 @@ def grad_copies(pc: Config) -> int:
 def architecture(cfg: Config) -> tuple[model.ModelConfig, str]:
   """The checkpoint's config.json when it is there, else the model section; and which one."""
   m = cfg.model
-  if m.checkpoint and arch.missing_checkpoint(cfg) is None:
-    return arch.model_config(cfg), f"config.json of {m.checkpoint}"
+  if m.checkpoint and arch.missing_checkpoint(m) is None:
+    return arch.model_config(m), f"config.json of {m.checkpoint}"
   vocab = m.vocab_size
   if not vocab and cfg.task.name in task.BUILTIN_TASKS:
     from jaxrl.tasks.data.tokenizer import vocab_size  # lazy: it imports transformers (heavy)
 
-    vocab = vocab_size(task.tokenizer_variant(cfg))
+    vocab = vocab_size(task.tokenizer_variant(cfg.task))
   if not vocab:
     raise ConfigError(
       "model.vocab_size",
       "is 0 (= the tokenizer's) and there is no checkpoint to read it from: set it to plan the run",
     )
   missing = f" ({m.checkpoint} is not downloaded)" if m.checkpoint else ""
-  return arch.from_section(cfg, vocab), f"the config's model section{missing}"
+  return arch.from_section(m, vocab), f"the config's model section{missing}"
 
 
 def prompt_len(cfg: Config) -> int:
@@ -194,7 +194,7 @@ def prompt_len(cfg: Config) -> int:
     return cfg.task.max_prompt_len
   if cfg.task.name not in task.BUILTIN_TASKS:
     raise ConfigError("task.max_prompt_len", "the plan needs a fixed prompt length: set it")
-  return task.prompt_len(cfg)
+  return task.prompt_len(cfg.task)
 
 
 def plan_mesh(cfg: Config):
@@ -460,8 +460,12 @@ def lower_train_step(pc: Config, programs: Programs, params):
     ),
     state_sh,
   )
-  hp = jax.eval_shape(lambda: LossHparams.from_config(pc, pc.rollout.temperature, pc.loss.eps_high))
-  ref = _shaped(params, state_sh.params) if reference_copy(pc) else None
+  hp = jax.eval_shape(
+    lambda: LossHparams.from_config(
+      pc.loss, pc.modulation, pc.rollout.temperature, pc.loss.eps_high
+    )
+  )
+  ref = _shaped(params, state_sh.params) if reference_copy(pc.loss, pc.model) else None
   rows_sh = sharding.batch_sharding(programs.mesh)
   batch = abstract_batch(pc, rows_sh)
   loss = pc.loss
@@ -582,7 +586,7 @@ def compile_forget(pc: Config, programs: Programs, params) -> Compiled:
   def rows(x):
     return jax.ShapeDtypeStruct((half, *x.shape[1:]), x.dtype, sharding=x.sharding)
 
-  forget = programs.forget(ForgetConfig.from_config(pc))
+  forget = programs.forget(ForgetConfig.from_config(pc.eepo, pc.loss))
   tau = jax.ShapeDtypeStruct((), jnp.float32)
   stage1 = (
     batch.prompt_ids_RxP,
@@ -645,7 +649,7 @@ def build(cfg: Config, *, compile_steps: bool = True, rollout_side: bool = True)
   if not compile_steps and not skipped:
     skipped = "compilation was not asked for"
   graphdef, params = model.abstract(mcfg)
-  programs = Programs.for_run(cfg, graphdef, params, mesh)
+  programs = Programs.for_run(cfg.optim, graphdef, params, mesh)
   param_sh, opt_sh = programs.param_shardings, programs.state_shardings.opt_state
   trained = lora.partition(params, programs.trainable)[0]
   opt = jax.eval_shape(programs.tx.init, trained)
@@ -688,7 +692,7 @@ def build(cfg: Config, *, compile_steps: bool = True, rollout_side: bool = True)
     weights=weight_rows(params, param_sh),
     params=p_bytes,
     opt_state=bytes_per_device(opt, opt_sh),
-    ref_params=p_bytes if reference_copy(cfg) else 0,
+    ref_params=p_bytes if reference_copy(cfg.loss, cfg.model) else 0,
     adapters=bytes_per_device(*(lora.partition(t, "adapters")[0] for t in (params, param_sh)))
     if lora.has_adapters(params)
     else 0,

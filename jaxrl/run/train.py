@@ -142,10 +142,10 @@ class Trainer:
       started.callback(task.close)
       for phase in run_phases(cfg):  # a bad mixture fails here, before anything compiles
         task.mixture(phase.mixture, "anneal_phase.mixture")
-      model_cfg = arch.model_config(cfg, task.vocab_size)
+      model_cfg = arch.model_config(cfg.model, task.vocab_size)
       mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
       graphdef, abstract_params = model.abstract(model_cfg)
-      programs = Programs.for_run(cfg, graphdef, abstract_params, mesh)
+      programs = Programs.for_run(cfg.optim, graphdef, abstract_params, mesh)
       # a reward model loads onto the trainer's mesh; judge:sidecar starts the judge's server
       terms = judge_server.open_terms(cfg, mesh, workdir)
       if terms is not None:
@@ -357,7 +357,7 @@ class Trainer:
       collector=self.collector,
       phases=run_phases(c),
       vocab_size=self.model_cfg.vocab_size,
-      ref_params=jax.tree.map(jnp.copy, sft_params) if reference_copy(c) else None,
+      ref_params=jax.tree.map(jnp.copy, sft_params) if reference_copy(c.loss, c.model) else None,
       compiles=self.compiles,
       rollout_pool=self._rollout_pool(),
       peak_flops=mfu.peak_flops(c.log.peak_tflops, jax.devices()[0].device_kind),

@@ -103,7 +103,7 @@ def _config():
   try:
     cfg = from_configdict(_CONFIG.value)  # the config file is loaded lazily, here
     registry.check(cfg)  # method names: whatever the registry holds
-    environments.check(cfg)
+    environments.check(cfg.task)
   except ConfigError as e:
     _fail(e)
   except _BAD_FLAG_ERRORS as e:

@@ -107,7 +107,7 @@ def load_params(cfg, path: str, graphdef_and_shardings, model_cfg=None):
   """Params of an HF directory or a jaxrl run checkpoint, on the given shardings (a LoRA run's:
   its adapters on its rebuilt base, ``run_base``)."""
   abstract_params, shardings = graphdef_and_shardings
-  model_cfg = model_cfg or arch.model_config(cfg)
+  model_cfg = model_cfg or arch.model_config(cfg.model)
   run = run_checkpoint(path)
   if run is None:
     return _hf_params(cfg, model_cfg, path, shardings)
@@ -260,7 +260,7 @@ def _tokenizer(cfg, run_dir: str):
   if os.path.isfile(os.path.join(cached, "tokenizer.json")):
     return transformers.AutoTokenizer.from_pretrained(cached)
   with tempfile.TemporaryDirectory() as tmp:
-    return build_tokenizer(tmp, tokenizer_variant(cfg))
+    return build_tokenizer(tmp, tokenizer_variant(cfg.task))
 
 
 def _is_run_dir(path: str) -> bool:
@@ -302,7 +302,7 @@ def export(checkpoint: str, out: str, dtype: str = "", config: str = "") -> str:
   run_dir = _run_dir(checkpoint)
   cfg = _config(run_dir, config)
   tokenizer = _tokenizer(cfg, run_dir)
-  model_cfg = arch.model_config(cfg, len(tokenizer))
+  model_cfg = arch.model_config(cfg.model, len(tokenizer))
   mesh = sharding.make_mesh(1, 1, 1)  # one device: the export gathers the params anyway
   _, abstract_params = model.abstract(model_cfg)
   shardings = sharding.tree_shardings(abstract_params, mesh)

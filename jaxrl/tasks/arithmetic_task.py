@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxrl.config import Config
+from jaxrl.config import Config, TaskSection
 from jaxrl.tasks import builtin, tools_task
 from jaxrl.tasks.data import arithmetic, tool_calls
 from jaxrl.tasks.data import tokenizer as vocab
@@ -24,11 +24,12 @@ from jaxrl.tasks.rewards.arithmetic import FinalAnswerScorer
 NAME = "arithmetic"
 
 
+# Config: the task section and the run's seed; tasks/rewards/train_rm.py calls it with the run's.
 def task_config(cfg: Config) -> arithmetic.TaskConfig:
-  levels = builtin.task_levels(cfg, arithmetic.parse_levels)
+  levels = builtin.task_levels(cfg.task, arithmetic.parse_levels)
   return arithmetic.TaskConfig(
     levels=levels,
-    sft_level_weights=builtin.sft_level_weights(cfg, levels, arithmetic.parse_levels),
+    sft_level_weights=builtin.sft_level_weights(cfg.task, levels, arithmetic.parse_levels),
     num_train_per_level=cfg.task.num_train_per_level,
     num_heldout_per_level=cfg.task.num_heldout_per_level,
     seed=cfg.seed,
@@ -37,21 +38,21 @@ def task_config(cfg: Config) -> arithmetic.TaskConfig:
   )
 
 
-def tokenizer_variant(cfg: Config) -> str:
+def tokenizer_variant(task: TaskSection) -> str:
   """``jaxrl.tasks.data.tokenizer``'s variant: the tools vocabulary with the calculator (in its
   chat form with ``task.chat_template``)."""
-  if cfg.task.environment != calculator.NAME:
+  if task.environment != calculator.NAME:
     return ""
-  return "tools_chat" if cfg.task.chat_template else "tools"
+  return "tools_chat" if task.chat_template else "tools"
 
 
-def prompt_len(cfg: Config, tcfg: arithmetic.TaskConfig | None = None) -> int:
+def prompt_len(task: TaskSection, levels: tuple | None = None) -> int:
   """P: task.max_prompt_len, or the longest prompt of the levels + BOS (+ the chat template's
-  frame) (``tcfg``: the task's config when it is at hand)."""
-  tcfg = tcfg or task_config(cfg)
-  frame = vocab.CHAT_PROMPT_TOKENS if cfg.task.chat_template else 0
-  longest = arithmetic.max_lengths(tcfg.levels, tcfg.digit_width)[0]
-  return cfg.task.max_prompt_len or longest + 1 + frame
+  frame) (``levels``: the task's when they are at hand)."""
+  levels = levels or builtin.task_levels(task, arithmetic.parse_levels)
+  frame = vocab.CHAT_PROMPT_TOKENS if task.chat_template else 0
+  longest = arithmetic.max_lengths(levels, task.digit_width)[0]
+  return task.max_prompt_len or longest + 1 + frame
 
 
 def _in_chat(tok, chat, problems: list) -> list:
@@ -61,16 +62,17 @@ def _in_chat(tok, chat, problems: list) -> list:
   return [dataclasses.replace(q, prompt=user_prompt(tok, q.prompt)) for q in problems]
 
 
+# Config: a task's loader reads the task, data, sft, rollout and tool sections and the run's seed.
 def load(cfg: Config, tokenizer_dir: str) -> dict:
   tools = cfg.task.environment == calculator.NAME
   if tools:
-    tools_task.check(cfg)
+    tools_task.check(cfg.task)
   tcfg = task_config(cfg)
-  tok = vocab.build_tokenizer(tokenizer_dir, tokenizer_variant(cfg))
-  p, n = prompt_len(cfg, tcfg), cfg.rollout.max_new_tokens
-  num_sft, sft_seed = builtin.sft_draws(cfg)
+  tok = vocab.build_tokenizer(tokenizer_dir, tokenizer_variant(cfg.task))
+  p, n = prompt_len(cfg.task, tcfg.levels), cfg.rollout.max_new_tokens
+  num_sft, sft_seed = builtin.sft_draws(cfg.sft, cfg.seed)
   environment = build_environment(cfg, tok)
-  chat = run_chat_frame(cfg, tok) if tools else None
+  chat = run_chat_frame(tok, task=cfg.task, data=cfg.data, tool=cfg.tool) if tools else None
   train, heldout = (_in_chat(tok, chat, split) for split in arithmetic.build_task(tcfg))
   if tools:
     examples = _in_chat(tok, chat, tool_calls.sft_examples(tcfg, num_sft, sft_seed))

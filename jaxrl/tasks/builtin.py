@@ -11,21 +11,21 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxrl import rng
-from jaxrl.config import Config, ConfigError, parse_mixture
+from jaxrl.config import ConfigError, SFTSection, TaskSection, parse_mixture
 from jaxrl.tasks.data.prompts import encode_completions, encode_prompts
 
 
-def sft_draws(cfg: Config) -> tuple[int, int]:
-  """(examples, seed) of the SFT corpus: fresh examples for every step (drawing is cheap), so the
-  warm start never repeats one."""
-  return max(cfg.sft.steps, 1) * cfg.sft.batch_size, rng.numpy_seed(cfg.seed, rng.SFT)
+def sft_draws(sft: SFTSection, seed: int) -> tuple[int, int]:
+  """(examples, seed) of the SFT corpus (``seed``: the run's): fresh examples for every step
+  (drawing is cheap), so the warm start never repeats one."""
+  return max(sft.steps, 1) * sft.batch_size, rng.numpy_seed(seed, rng.SFT)
 
 
-def task_levels(cfg: Config, parse: Callable[[str], tuple]) -> tuple:
+def task_levels(task: TaskSection, parse: Callable[[str], tuple]) -> tuple:
   """The task's levels from ``task.levels`` (``parse``: the task's reader), a ConfigError naming
   the field for a bad or repeated one."""
   try:
-    levels = parse(cfg.task.levels)
+    levels = parse(task.levels)
   except ValueError as e:
     raise ConfigError("task.levels", str(e)) from None
   repeated = sorted({s.name for s in levels if levels.count(s) > 1})
@@ -35,16 +35,16 @@ def task_levels(cfg: Config, parse: Callable[[str], tuple]) -> tuple:
 
 
 def sft_level_weights(
-  cfg: Config, levels: Sequence, parse: Callable[[str], tuple]
+  task: TaskSection, levels: Sequence, parse: Callable[[str], tuple]
 ) -> tuple[float, ...] | None:
   """Per level of the task, its relative weight in the SFT corpus from ``task.sft_levels``, a
   mixture of level names ("2x2+,5x1+,5x3*:0.1"; ``parse`` reads one name to its level): the named
   levels at their weights (default 1), the others 0; None (every level alike) for ''."""
   field = "task.sft_levels"
-  if not cfg.task.sft_levels.strip():
+  if not task.sft_levels.strip():
     return None
   weight_of: dict = {}
-  for name, weight in parse_mixture(cfg.task.sft_levels, field):
+  for name, weight in parse_mixture(task.sft_levels, field):
     try:
       (level,) = parse(name)
     except ValueError as e:

@@ -8,7 +8,7 @@ Its levels are ``jaxrl.tasks.data.countdown`` specs ("4n19"); its vocabulary is 
 
 from __future__ import annotations
 
-from jaxrl.config import Config, ConfigError
+from jaxrl.config import Config, ConfigError, TaskSection
 from jaxrl.config.anneal_phase import shortest_response
 from jaxrl.tasks import builtin
 from jaxrl.tasks.data import countdown
@@ -18,47 +18,49 @@ from jaxrl.tasks.rewards.countdown import CountdownScorer
 NAME = "countdown"
 
 
-def task_config(cfg: Config) -> countdown.CountdownConfig:
-  levels = builtin.task_levels(cfg, countdown.parse_levels)
+def task_config(task: TaskSection, seed: int) -> countdown.CountdownConfig:
+  """The problems' config (``seed``: the run's)."""
+  levels = builtin.task_levels(task, countdown.parse_levels)
   return countdown.CountdownConfig(
     levels=levels,
-    num_train_per_level=cfg.task.num_train_per_level,
-    num_heldout_per_level=cfg.task.num_heldout_per_level,
-    seed=cfg.seed,
-    sft_level_weights=builtin.sft_level_weights(cfg, levels, countdown.parse_levels),
+    num_train_per_level=task.num_train_per_level,
+    num_heldout_per_level=task.num_heldout_per_level,
+    seed=seed,
+    sft_level_weights=builtin.sft_level_weights(task, levels, countdown.parse_levels),
   )
 
 
-def check(cfg: Config, tcfg: countdown.CountdownConfig | None = None) -> None:
-  """Every phase's response holds the longest expression a level can need, and EOS (``tcfg``:
-  the task's config when it is at hand)."""
-  need = countdown.max_lengths((tcfg or task_config(cfg)).levels)[1] + 1
-  n = shortest_response(cfg)
-  if n < need:
+def check(task: TaskSection, levels: tuple, shortest: int) -> None:
+  """Every phase's response (the shortest: ``shortest`` tokens) holds the longest expression a
+  level can need, and EOS."""
+  need = countdown.max_lengths(levels)[1] + 1
+  if shortest < need:
     raise ConfigError(
       "rollout.max_new_tokens",
-      f"the countdown levels {cfg.task.levels or '(default)'} need up to {need} tokens for an "
-      f"expression and EOS; the shortest phase's response is {n}",
+      f"the countdown levels {task.levels or '(default)'} need up to {need} tokens for an "
+      f"expression and EOS; the shortest phase's response is {shortest}",
     )
 
 
-def tokenizer_variant(cfg: Config) -> str:
+def tokenizer_variant(task: TaskSection) -> str:
   """``jaxrl.tasks.data.tokenizer``'s variant: the default ids and ``, : ( )``."""
   return "countdown"
 
 
-def prompt_len(cfg: Config, tcfg: countdown.CountdownConfig | None = None) -> int:
-  """P: task.max_prompt_len, or the longest prompt of the levels + BOS (``tcfg``: the task's
-  config when it is at hand)."""
-  return cfg.task.max_prompt_len or countdown.max_lengths((tcfg or task_config(cfg)).levels)[0] + 1
+def prompt_len(task: TaskSection, levels: tuple | None = None) -> int:
+  """P: task.max_prompt_len, or the longest prompt of the levels + BOS (``levels``: the task's
+  when they are at hand)."""
+  levels = levels or builtin.task_levels(task, countdown.parse_levels)
+  return task.max_prompt_len or countdown.max_lengths(levels)[0] + 1
 
 
+# Config: a task's loader reads the task, sft and rollout sections (every phase's) and the seed.
 def load(cfg: Config, tokenizer_dir: str) -> dict:
-  tcfg = task_config(cfg)
-  check(cfg, tcfg)
-  tok = vocab.build_tokenizer(tokenizer_dir, tokenizer_variant(cfg))
-  p, n = prompt_len(cfg, tcfg), cfg.rollout.max_new_tokens
-  num_sft, sft_seed = builtin.sft_draws(cfg)
+  tcfg = task_config(cfg.task, cfg.seed)
+  check(cfg.task, tcfg.levels, shortest_response(cfg))
+  tok = vocab.build_tokenizer(tokenizer_dir, tokenizer_variant(cfg.task))
+  p, n = prompt_len(cfg.task, tcfg.levels), cfg.rollout.max_new_tokens
+  num_sft, sft_seed = builtin.sft_draws(cfg.sft, cfg.seed)
   train, heldout = countdown.build_task(tcfg)
   pairs = countdown.sft_corpus(tcfg, num_sft, sft_seed)
   return dict(

@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from jaxrl.config import Config, ConfigError
+from jaxrl.config import Config, ConfigError, DataSection, ModelSection, RewardSection
 from jaxrl.tasks.data import datasets, math_prompts
 from jaxrl.tasks.data.cursor import Mixture
 from jaxrl.tasks.envs.registry import build_environment
@@ -24,8 +24,7 @@ from jaxrl.tasks.rewards.pool import VerifierPool
 log = logging.getLogger(__name__)
 
 
-def fields(cfg: Config) -> datasets.Fields:
-  d = cfg.data
+def fields(d: DataSection) -> datasets.Fields:
   return datasets.Fields(
     question=d.question_field, answer=d.answer_field, id=d.id_field, level=d.level_field
   )
@@ -39,12 +38,14 @@ def level_labels(questions: datasets.Questions) -> list[str]:
   ]
 
 
-def encode(cfg: Config, tokenizer, questions: list[str], what: str) -> math_prompts.EncodedPrompts:
-  d = cfg.data
+def encode(
+  d: DataSection, max_prompt_len: int, tokenizer, questions: list[str], what: str
+) -> math_prompts.EncodedPrompts:
+  """The questions as prompts of ``max_prompt_len`` (task.max_prompt_len) tokens."""
   enc = math_prompts.encode_math_prompts(
     tokenizer,
     questions,
-    cfg.task.max_prompt_len,
+    max_prompt_len,
     overlength=d.overlength,
     template=d.template,
     system_prompt=d.system_prompt,
@@ -56,14 +57,14 @@ def encode(cfg: Config, tokenizer, questions: list[str], what: str) -> math_prom
       what,
       enc.truncated + enc.dropped,
       len(questions),
-      cfg.task.max_prompt_len,
+      max_prompt_len,
       d.overlength,
       enc.truncated,
       enc.dropped,
     )
   if len(enc.kept_Q) == 0:
     raise ConfigError(
-      "task.max_prompt_len", f"{what}: every prompt is longer than {cfg.task.max_prompt_len} tokens"
+      "task.max_prompt_len", f"{what}: every prompt is longer than {max_prompt_len} tokens"
     )
   return enc
 
@@ -86,8 +87,7 @@ def keep_pools(mixture: Mixture, kept_Q: np.ndarray, num_questions: int) -> Mixt
 class MathScorer:
   """Rewards of decoded responses against gold answers, from the worker pool (``reward.*``)."""
 
-  def __init__(self, cfg: Config):
-    r = cfg.reward
+  def __init__(self, r: RewardSection):
     spec = r.fn or MATH_REWARD
     if spec == MATH_REWARD:
       # Only the answer window is parsed (cuts counted), and math-verify warms up before ready.
@@ -117,43 +117,45 @@ class MathScorer:
     self.pool.close()
 
 
-def _inputs(cfg: Config):
+def _inputs(model: ModelSection, d: DataSection):
   """(tokenizer, stop ids, training questions, their mixture, held-out questions), each read from
   outside the run; a ConfigError naming the field of one that is unusable."""
-  d = cfg.data
   try:
-    tokenizer = math_prompts.load_tokenizer(cfg.model.checkpoint)
-    stops = math_prompts.stop_token_ids(cfg.model.checkpoint, tokenizer)
+    tokenizer = math_prompts.load_tokenizer(model.checkpoint)
+    stops = math_prompts.stop_token_ids(model.checkpoint, tokenizer)
   except ValueError as e:  # a TokenizerError, or no EOS token anywhere
     raise ConfigError("model.checkpoint", str(e)) from None
   train, mixture, _ = datasets.load_mixture(
-    d.train, fields(cfg), split=d.split, strict=d.strict, field="data.train"
+    d.train, fields(d), split=d.split, strict=d.strict, field="data.train"
   )
   if not d.heldout:  # no validation set: evaluate on (up to max_heldout of) the training questions
     return tokenizer, stops, train, mixture, train
   try:
     heldout, _ = datasets.load_questions(
-      d.heldout, fields(cfg), split=d.split, strict=d.strict, limit=d.max_heldout
+      d.heldout, fields(d), split=d.split, strict=d.strict, limit=d.max_heldout
     )
   except (ValueError, FileNotFoundError) as e:  # an empty file, no usable row, a bad row
     raise ConfigError("data.heldout", str(e)) from None
   return tokenizer, stops, train, mixture, heldout
 
 
+# Config: ``task.check_inputs`` calls every task's with the run's config.
 def check_inputs(cfg: Config) -> None:
   """Read what ``load`` reads from outside the run (``task.check_inputs``): the command calls it
   before the run's directory is written, at the cost of reading the datasets twice."""
-  _inputs(cfg)
+  _inputs(cfg.model, cfg.data)
 
 
+# Config: a task's loader reads the model, data, task, reward, rollout and tool sections.
 def load(cfg: Config, tokenizer_dir: str) -> dict:
   """The fields of a ``TaskData`` for the math task (``jaxrl.tasks.task.load_task`` builds it);
   the tokenizer is the checkpoint's (``tokenizer_dir`` is for the built-in tasks)."""
   d = cfg.data
-  tokenizer, stops, train, mixture, heldout = _inputs(cfg)
-  train_enc = encode(cfg, tokenizer, train.questions, "data.train")
+  tokenizer, stops, train, mixture, heldout = _inputs(cfg.model, d)
+  p = cfg.task.max_prompt_len
+  train_enc = encode(d, p, tokenizer, train.questions, "data.train")
   mixture = keep_pools(mixture, train_enc.kept_Q, len(train.questions))
-  held_enc = encode(cfg, tokenizer, heldout.questions, "data.heldout")
+  held_enc = encode(d, p, tokenizer, heldout.questions, "data.heldout")
   held_kept = held_enc.kept_Q[: d.max_heldout] if d.max_heldout else held_enc.kept_Q
   train_labels = np.asarray(level_labels(train), dtype=object)[train_enc.kept_Q]
   held_labels = np.asarray(level_labels(heldout), dtype=object)[held_kept]
@@ -189,7 +191,7 @@ def load(cfg: Config, tokenizer_dir: str) -> dict:
     sft_prompt_mask=empty_ids.astype(bool),
     sft_target_ids=empty_tgt,
     sft_target_mask=empty_tgt.astype(bool),
-    scorer=MathScorer(cfg),
+    scorer=MathScorer(cfg.reward),
     base_mixture=mixture,
     environment=build_environment(cfg, tokenizer),
   )

@@ -16,7 +16,7 @@ import importlib
 
 import numpy as np
 
-from jaxrl.config import Config, ConfigError, parse_mixture
+from jaxrl.config import Config, ConfigError, TaskSection, parse_mixture
 from jaxrl.tasks.data import arithmetic
 from jaxrl.tasks.data.cursor import Mixture
 from jaxrl.tasks.envs.trajectory import response_texts
@@ -115,8 +115,10 @@ class TaskData:
 
 
 # task.name -> the module that builds it: ``load(cfg, tokenizer_dir)`` gives the ``TaskData``
-# fields; a built-in task (its vocabulary built in code) also gives ``tokenizer_variant(cfg)`` and
-# ``prompt_len(cfg)``. Imported on use: the math task pulls math-verify and datasets.
+# fields (the whole config: a task reads what it needs of the task, data, model, sft, rollout,
+# reward and tool sections); a built-in task (its vocabulary built in code) also gives
+# ``tokenizer_variant(task)`` and ``prompt_len(task)`` of the task section. Imported on use: the
+# math task pulls math-verify and datasets.
 TASKS = {
   "arithmetic": "jaxrl.tasks.arithmetic_task",
   "countdown": "jaxrl.tasks.countdown_task",
@@ -125,40 +127,42 @@ TASKS = {
 BUILTIN_TASKS = ("arithmetic", "countdown")
 
 
-def task_module(cfg: Config):
-  name = cfg.task.name
+def task_module(task: TaskSection):
+  name = task.name
   if name not in TASKS:
     raise ConfigError("task.name", f"{name!r} is not one of {tuple(TASKS)}")
   return importlib.import_module(TASKS[name])
 
 
-def _builtin(cfg: Config):
-  if cfg.task.name not in BUILTIN_TASKS:
-    raise ValueError(f"task {cfg.task.name!r} has no vocabulary built in code")
-  return task_module(cfg)
+def _builtin(task: TaskSection):
+  if task.name not in BUILTIN_TASKS:
+    raise ValueError(f"task {task.name!r} has no vocabulary built in code")
+  return task_module(task)
 
 
-def tokenizer_variant(cfg: Config) -> str:
+def tokenizer_variant(task: TaskSection) -> str:
   """A built-in task's tokenizer variant (``jaxrl.tasks.data.tokenizer.VARIANTS``)."""
-  return _builtin(cfg).tokenizer_variant(cfg)
+  return _builtin(task).tokenizer_variant(task)
 
 
-def prompt_len(cfg: Config) -> int:
+def prompt_len(task: TaskSection) -> int:
   """P of a built-in task: task.max_prompt_len, or its longest prompt + BOS (prompts are padded
   to the task's longest so that no step computes on dead columns)."""
-  return _builtin(cfg).prompt_len(cfg)
+  return _builtin(task).prompt_len(task)
 
 
 def load_task(cfg: Config, tokenizer_dir: str) -> TaskData:
-  """The task ``task.name`` names; a built-in one writes its tokenizer to ``tokenizer_dir``."""
-  return TaskData(**task_module(cfg).load(cfg, tokenizer_dir))
+  """The task ``task.name`` names; a built-in one writes its tokenizer to ``tokenizer_dir``. The
+  whole config: the task module's ``load`` takes it (``TASKS``)."""
+  return TaskData(**task_module(cfg.task).load(cfg, tokenizer_dir))
 
 
 def check_inputs(cfg: Config) -> None:
   """Read the run's inputs from outside it (the math task: the checkpoint's tokenizer, the
   datasets; what reward.terms names) without building anything: a ConfigError naming the field
-  when one is unusable. The command calls it before it writes the run's directory."""
-  module = task_module(cfg)
+  when one is unusable. The command calls it before it writes the run's directory. The whole
+  config: what a task and the reward terms read (the model, data and reward sections)."""
+  module = task_module(cfg.task)
   if hasattr(module, "check_inputs"):
     module.check_inputs(cfg)
   check_terms(cfg)

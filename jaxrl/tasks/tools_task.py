@@ -13,20 +13,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxrl.config import Config, ConfigError
+from jaxrl.config import ConfigError, TaskSection
 from jaxrl.tasks.data.prompts import encode_prompts
 from jaxrl.tasks.data.tool_calls import ToolExample
 from jaxrl.tasks.envs.calculator import CALL_CLOSE, CALL_OPEN, calculate
 from jaxrl.tasks.envs.tool import ToolEnvironment
 
 
-def check(cfg: Config) -> None:
+def check(task: TaskSection) -> None:
   """The numbers are written as usual, so that a result is copied as it is."""
-  if cfg.task.digit_width:
+  if task.digit_width:
     raise ConfigError(
       "task.digit_width", "the calculator task writes numbers as usual: set task.digit_width=0"
     )
-  if cfg.task.reverse_answer:
+  if task.reverse_answer:
     raise ConfigError(
       "task.reverse_answer",
       "the calculator answers most-significant digit first: set task.reverse_answer=False",

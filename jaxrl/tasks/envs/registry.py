@@ -1,6 +1,7 @@
 """Name → factory for every environment ``task.environment`` can choose.
 
-A factory takes the ``Config`` and the task's tokenizer and returns an ``Environment``
+A factory takes the whole ``Config`` (an environment reads what it needs of the task, data,
+tool and rollout sections; one signature for every environment) and the task's tokenizer and returns an ``Environment``
 (``jaxrl.tasks.envs.environment``). Adding one is its factory plus one line in ``ENVIRONMENTS``;
 ``check`` raises the one-line ``ConfigError`` for a name that is not registered.
 """
@@ -9,40 +10,42 @@ from __future__ import annotations
 
 from typing import Callable
 
-from jaxrl.config import Config, ConfigError
+from jaxrl.config import Config, ConfigError, DataSection, TaskSection, ToolSection
 from jaxrl.tasks.envs import calculator
 from jaxrl.tasks.envs.chat import ChatFrame, ChatTemplateError, chat_frame
 from jaxrl.tasks.envs.environment import Environment
 from jaxrl.tasks.envs.tool import FrameTooLong, ToolEnvironment, ToolLimits
 
 
-def tool_limits(cfg: Config) -> ToolLimits:
+def tool_limits(t: ToolSection) -> ToolLimits:
   """The bounds of tool calls (``config.tool``)."""
-  t = cfg.tool
   return ToolLimits(workers=t.workers, time_limit_s=t.time_limit, memory_limit_mb=t.memory_limit_mb)
 
 
-def uses_chat_template(cfg: Config) -> bool:
+def uses_chat_template(task: TaskSection, data: DataSection) -> bool:
   """Are the run's prompts, and so its observations, in the tokenizer's chat template? The built-in
   task's ``task.chat_template``; the math task's ``data.chat_template`` (where its tokenizer has
   one: ``run_chat_frame``)."""
-  return cfg.task.chat_template if cfg.task.name != "math" else cfg.data.chat_template
+  return task.chat_template if task.name != "math" else data.chat_template
 
 
-def run_chat_frame(cfg: Config, tokenizer) -> ChatFrame | None:
+def run_chat_frame(
+  tokenizer, *, task: TaskSection, data: DataSection, tool: ToolSection
+) -> ChatFrame | None:
   """The ``ChatFrame`` a tool environment of this run frames its answers with (None: raw ids after
   the model's turn); a ConfigError naming the field for a template that cannot frame them."""
-  if not uses_chat_template(cfg) or not getattr(tokenizer, "chat_template", None):
-    if cfg.task.chat_template:
+  if not uses_chat_template(task, data) or not getattr(tokenizer, "chat_template", None):
+    if task.chat_template:
       raise ConfigError("task.chat_template", "the task's tokenizer has no chat template")
     return None
   try:
-    return chat_frame(tokenizer, cfg.tool.chat_role)
+    return chat_frame(tokenizer, tool.chat_role)
   except ChatTemplateError as e:
-    field = "task.chat_template" if cfg.task.name != "math" else "data.chat_template"
+    field = "task.chat_template" if task.name != "math" else "data.chat_template"
     raise ConfigError(field, f"the tokenizer's chat template cannot frame a tool's answer: {e}")
 
 
+# Config: the factories' argument (the module docstring).
 def calculator_environment(cfg: Config, tokenizer) -> ToolEnvironment:
   """``<calc>EXPR</calc>`` answered ``<result>VALUE</result>`` (``calculator.calculate``), framed
   by the chat template where the run uses one."""
@@ -56,8 +59,8 @@ def calculator_environment(cfg: Config, tokenizer) -> ToolEnvironment:
       result_close=calculator.RESULT_CLOSE,
       max_turns=cfg.rollout.max_turns,
       max_observation_tokens=cfg.rollout.max_observation_tokens,
-      limits=tool_limits(cfg),
-      chat=run_chat_frame(cfg, tokenizer),
+      limits=tool_limits(cfg.tool),
+      chat=run_chat_frame(tokenizer, task=cfg.task, data=cfg.data, tool=cfg.tool),
     )
   except FrameTooLong as e:
     raise ConfigError("rollout.max_observation_tokens", str(e)) from None
@@ -68,15 +71,16 @@ ENVIRONMENTS: dict[str, Callable[[Config, object], Environment]] = {
 }
 
 
-def check(cfg: Config) -> None:
+def check(task: TaskSection) -> None:
   """``task.environment`` is "" or registered (one-line ``ConfigError`` naming the field)."""
-  name = cfg.task.environment
+  name = task.environment
   if name and name not in ENVIRONMENTS:
     raise ConfigError("task.environment", f"{name!r} is not one of {('', *ENVIRONMENTS)}")
 
 
 def build_environment(cfg: Config, tokenizer) -> Environment | None:
-  """The run's environment (None: single-turn); close it when the run ends."""
-  check(cfg)
+  """The run's environment (None: single-turn); close it when the run ends. The whole config: it
+  is the factories' argument (the module docstring)."""
+  check(cfg.task)
   name = cfg.task.environment
   return ENVIRONMENTS[name](cfg, tokenizer) if name else None
