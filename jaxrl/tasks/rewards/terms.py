@@ -46,6 +46,7 @@ import numpy as np
 
 from jaxrl.config import Config, ConfigError, TermSpec, parse_terms
 from jaxrl.config.reward_terms import SIDECAR
+from jaxrl.config.schema import RewardSection
 from jaxrl.nn import hf, reward_model
 from jaxrl.parallel import distributed, sharding
 from jaxrl.tasks.data import hub
@@ -145,6 +146,7 @@ def model_dir(source: str, files=hub.MODEL_FILES) -> str:
   return hub.model_snapshot(source, files)
 
 
+# Config: model:tiny-rm is trained for the run's task (the task section and the run's seed).
 def term_model_dir(
   cfg: Config, source: str, files=hub.MODEL_FILES, workdir: str | None = None
 ) -> str:
@@ -291,31 +293,32 @@ def _term_error(spec: TermSpec, e: Exception) -> ConfigError:
   return ConfigError("reward.terms", f"term {spec.kind}:{source}: {e}")
 
 
-def _check_judge(cfg: Config, spec: TermSpec) -> None:
+def _check_judge(reward: RewardSection, spec: TermSpec) -> None:
   """The judge's template and key (and for the sidecar its checkpoint), without a request."""
-  JudgeSettings.from_config(cfg.reward)
+  JudgeSettings.from_config(reward)
   if spec.source == SIDECAR:
-    if not cfg.reward.judge_model:
+    if not reward.judge_model:
       raise ConfigError("reward.judge_model", "judge:sidecar serves this checkpoint: set it")
     try:
-      hf.check_tensor_files(model_dir(cfg.reward.judge_model))
+      hf.check_tensor_files(model_dir(reward.judge_model))
     except (OSError, ValueError) as e:
       raise ConfigError("reward.judge_model", str(e)) from None
 
 
-def _judge_term(cfg: Config, spec: TermSpec, endpoint: Endpoint | None) -> JudgeTerm:
+def _judge_term(reward: RewardSection, spec: TermSpec, endpoint: Endpoint | None) -> JudgeTerm:
   """The judge at ``spec``'s URL, or at ``endpoint`` (the server the run started for
   ``judge:sidecar``); on processes other than the first, one that sends nothing."""
-  settings = JudgeSettings.from_config(cfg.reward)
+  settings = JudgeSettings.from_config(reward)
   if not distributed.is_main():
     return JudgeTerm(Endpoint(spec.source), settings, active=False)
   if spec.source != SIDECAR:
-    return JudgeTerm(Endpoint(spec.source, cfg.reward.judge_model), settings)
+    return JudgeTerm(Endpoint(spec.source, reward.judge_model), settings)
   if endpoint is None:
     raise ValueError("judge:sidecar has no server: the trainer starts it (jaxrl.run.judge_server)")
   return JudgeTerm(endpoint, settings)
 
 
+# Config: the terms read the reward section, the model's compute dtype and, for tiny-rm, the task.
 def check_terms(cfg: Config) -> None:
   """Read what the terms name without building them (a callable imports, a reward model's
   config.json and tensor headers): a ConfigError naming reward.terms when one is unusable."""
@@ -328,13 +331,14 @@ def check_terms(cfg: Config) -> None:
         reward_model.reward_model_config(path, cfg.model.dtype)
         hf.check_tensor_files(path)
       elif spec.kind == "judge":
-        _check_judge(cfg, spec)
+        _check_judge(cfg.reward, spec)
     except ConfigError:
       raise
     except (OSError, ValueError) as e:
       raise _term_error(spec, e) from None
 
 
+# Config: as check_terms.
 def _scorer(cfg: Config, spec: TermSpec, mesh, judge: Endpoint | None, workdir: str | None):
   """The scorer of a term other than the verifier; a ConfigError naming reward.terms if unusable."""
   r = cfg.reward
@@ -344,13 +348,14 @@ def _scorer(cfg: Config, spec: TermSpec, mesh, judge: Endpoint | None, workdir: 
     if spec.kind == "model":
       path = term_model_dir(cfg, spec.source, workdir=workdir)
       return ModelTerm(path, mesh, cfg.model.dtype, r.model_max_tokens, r.model_rows)
-    return _judge_term(cfg, spec, judge)
+    return _judge_term(cfg.reward, spec, judge)
   except ConfigError:
     raise
   except (OSError, ValueError) as e:
     raise _term_error(spec, e) from None
 
 
+# Config: as check_terms.
 def build_terms(
   cfg: Config, mesh=None, judge: Endpoint | None = None, workdir: str | None = None
 ) -> RewardTerms | None:

@@ -302,6 +302,7 @@ def train_into(path: pathlib.Path, tcfg: arithmetic.TaskConfig, settings: Settin
   return path
 
 
+# Config: the task section and the run's seed make the task the model is trained on.
 def builtin_dir(cfg: Config, settings: Settings | None = None, workdir: str | None = None) -> str:
   """``model:tiny-rm``'s checkpoint for ``cfg``'s task, trained into the run's ``workdir`` (else
   the cache) on first use (process 0 trains it, the others wait and read it); ``settings``
