@@ -266,6 +266,21 @@ def arm_table(recs: list[dict], arms: dict) -> list[str]:
   return lines
 
 
+PRIMARY_SEEDS = 8  # bench/study_protocol.md: the decision rule reads seeds 0-7 of the primary task
+
+
+def _verdict(c: dict, ok: bool, why: str) -> str:
+  """The decision rule's verdict on a primary comparison, drawn only once all its seeds ran."""
+  n = len(c["seeds"])
+  if n < 2:
+    return f"{n} seed(s) so far: no interval yet"
+  if n < PRIMARY_SEEDS:
+    return f"{n} of {PRIMARY_SEEDS} seeds so far: no verdict yet"
+  if not ok:
+    return f"not testable here ({why})"
+  return "reproduced" if c["rejects"] else "not reproduced"
+
+
 def verdicts(recs: list[dict], cal: dict) -> list[str]:
   prim = primaries(recs, cal)
   acted = mechanisms(recs, cal)
@@ -280,14 +295,8 @@ def verdicts(recs: list[dict], cal: dict) -> list[str]:
     "P4": acted["es"],
   }
   for name, c in prim.items():
-    ok, why = testable[name]
+    verdict = _verdict(c, *testable[name])
     scale, digits = (1.0, 4) if name == "P4" else (100.0, 1)
-    if len(c["seeds"]) < 2:
-      verdict = f"{len(c['seeds'])} seed(s) so far: no interval yet"
-    elif not ok:
-      verdict = f"not testable here ({why})"
-    else:
-      verdict = "reproduced" if c["rejects"] else "not reproduced"
     sign = ">" if c["direction"] > 0 else "<"
     lines.append(
       f"| {name} | `{c['arm']}` | {c['metric']} Δ {sign} 0 | {_interval(c, scale, digits)} | "
@@ -362,12 +371,7 @@ def quoted(records: list[dict], cal_by_task: dict) -> str:
     if len(c["seeds"]) < 2:
       lines.append(f"{head}: {len(c['seeds'])} seed(s) so far.")
       continue
-    ok, why = testable.get(name, (True, ""))
-    verdict = (
-      f"not testable here ({why})"
-      if not ok
-      else ("reproduced" if c["rejects"] else "not reproduced")
-    )
+    verdict = _verdict(c, *testable.get(name, (True, "")))
     lines.append(f"{head}: Δ {_interval(c, scale, digits)}, Holm p {c['p_holm']:.3g}: {verdict}.")
   return "\n".join(lines)
 

@@ -152,6 +152,7 @@ def test_the_quoted_verdicts_follow_the_records():
   text = study2_report.quoted(recs, cal)
   assert "ES's target 0.500 (reachable: 0.400–0.600), EEPO's α 1.200" in text
   assert "- **E3** (`e3`, pass@1): Δ +14.1 [" in text  # (8 + s) / 64 over seeds 0–2: 9/64
+  assert "3 of 8 seeds so far: no verdict yet." in text  # the rule reads all 8 seeds
   assert "- **DynaMO** (`dynamo`, pass@1): 0 seed(s) so far." in text
   assert study2_report.quoted(recs, {}).startswith("Phase A (calibration) is under way")
 
