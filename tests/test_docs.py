@@ -126,3 +126,17 @@ def test_the_python_api_example_runs(tmp_path, capsys):
   lines = capsys.readouterr().out.splitlines()
   assert [line.split()[0] for line in lines] == ["1", "2", "3"]  # a row per step
   assert all("'reward':" in line and "'tau':" in line for line in lines)
+
+
+def test_the_make_run_table_and_time_are_its_results_file():
+  """README's first table and the time it quotes for `make run` are bench/results/make_run.md's
+  (bench/make_run.py writes it from a run): a new run's figures change both or the test fails."""
+  with open(os.path.join(ROOT, "bench", "results", "make_run.md"), encoding="utf-8") as f:
+    results = f.read()
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    readme = f.read()
+  rows = [line for line in results.splitlines() if line.startswith("|") and "---" not in line]
+  block = readme.split("```\n| level", 1)[1].split("```", 1)[0]
+  assert ("| level" + block).strip().splitlines() == rows
+  (minutes,) = re.findall(r"\*\*(\d+\.\d) minutes\*\*", results)
+  assert f"It takes about {minutes} minutes on 2 cores" in readme
