@@ -4,9 +4,9 @@
 
 Builds a tokenizer and the task in code (no downloads), warm-starts the model by SFT, evaluates
 held-out pass@1 / pass@8 / greedy accuracy per difficulty level, runs GRPO, evaluates again and
-prints the before/after table. About 3-4 minutes on 2 CPU cores; held-out pass@1 goes from 25-40%
-(SFT) to 80-90% (the warm start's trajectory depends on the CPU's rounding: README.md gives the
-figures and the machines they come from), greedy accuracy from 40-70% to 87-98%.
+prints the before/after table, in minutes on 2 CPU cores. README.md quotes a run's table, its time
+and its machine (bench/results/make_run.md); the warm start's trajectory, and so the figures,
+depend on the CPU's rounding.
 
 Variants (``configs/tiny.py:ARG``, comma-separated): method presets ``grpo`` (the default), ``e3``,
 ``dynamo``, ``eepo``, ``es`` (entropy scheduling), ``all``; sizes ``quick`` (a one-minute smoke run)
