@@ -109,7 +109,8 @@ def parse_args():
   if args.config != DEFAULT:  # a preset's runs and table apart from make run's
     preset = args.config.partition(":")[2]
     args.root = os.path.join(args.root, preset)
-    args.out = args.out.replace(".md", f"_{preset}.md")
+    stem, ext = os.path.splitext(args.out)
+    args.out = f"{stem}_{preset}{ext}"
   os.makedirs(args.root, exist_ok=True)
   return args
 
