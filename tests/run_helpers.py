@@ -25,7 +25,8 @@ from jaxrl.rl.programs import Programs
 from jaxrl.rollout.collect import Collector
 from jaxrl.rollout.engine import JaxEngine
 from jaxrl.run import cli
-from jaxrl.run.loop import StepContext, rl_step
+from jaxrl.run.context import StepContext
+from jaxrl.run.loop import rl_step
 from jaxrl.tasks.task import load_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from run_helpers import loop_leaves, run_steps, step_context, tiny_config
 
-from jaxrl.run.loop import initial_loop, restore_loop, save_loop
+from jaxrl.run.loop import initial_loop
+from jaxrl.run.loop_state import restore_loop, save_loop
 from jaxrl.workdir.checkpoint import Checkpointer
 
 

@@ -20,7 +20,7 @@ from jaxrl.rl import optim
 from jaxrl.rl.losses import LossHparams
 from jaxrl.rl.programs import Programs
 from jaxrl.rollout.engine import JaxEngine, SampleRequest
-from jaxrl.run.loop import COUNTED_PROGRAMS, compile_counter
+from jaxrl.run.context import COUNTED_PROGRAMS, compile_counter
 
 # A vocabulary no other test's model has: the sampler (one jitted function for the process, its
 # model config a static argument) traces afresh here whatever ran before.

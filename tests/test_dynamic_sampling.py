@@ -12,7 +12,8 @@ from run_helpers import TIMING, rollouts, step_context, tiny_config
 from jaxrl import losses
 from jaxrl.rl.step import logp_responses_chunked
 from jaxrl.rollout import dynamic
-from jaxrl.run.loop import compile_counter, initial_loop, rl_step
+from jaxrl.run.context import compile_counter
+from jaxrl.run.loop import initial_loop, rl_step
 
 
 def test_select_groups_takes_the_first_informative_then_fills_in_draw_order():

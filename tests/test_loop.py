@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from run_helpers import TIMING, step_context, tiny_config
 
-from jaxrl.run.loop import LoopState, initial_loop, rl_step
+from jaxrl.run.loop import initial_loop, rl_step
+from jaxrl.run.loop_state import LoopState
 
 
 def test_one_step_is_a_pure_function_of_the_loop_state(tmp_path):

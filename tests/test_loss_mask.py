@@ -30,7 +30,7 @@ from jaxrl.rl import step
 from jaxrl.rl.losses import LossConfig, LossHparams, grpo_loss, loss_denominator
 from jaxrl.rollout.collect import token_mean_entropy
 from jaxrl.run import loop as loop_module
-from jaxrl.run import records
+from jaxrl.run import loop_state, records
 from jaxrl.workdir.checkpoint import Checkpointer
 
 # ------------------------------------------------------------------ §11's worked example
@@ -414,20 +414,20 @@ def test_a_checkpoint_without_the_loss_mask_restores_it_as_the_response_mask(tmp
   loop = loop_module.initial_loop(ctx, ctx.programs.init_state(params))
   loop, _ = loop_module.rl_step(ctx, loop, 0)
   saved = loop.pending[0].result().rollouts
-  write = loop_module._pending_tree
+  write = loop_state._pending_tree
 
   def without_loss_mask(batch):
     tree = write(batch)
     del tree["rollouts"]["loss_mask_RxN"]
     return tree
 
-  monkeypatch.setattr(loop_module, "_pending_tree", without_loss_mask)
+  monkeypatch.setattr(loop_state, "_pending_tree", without_loss_mask)
   ckpt = Checkpointer(str(tmp_path / "checkpoints"), keep=1, async_save=False)
   try:
-    assert loop_module.save_loop(ckpt, 1, loop, ctx.programs.mesh)
+    assert loop_state.save_loop(ckpt, 1, loop, ctx.programs.mesh)
     assert "loss_mask_RxN" not in ckpt.restore_meta(1)["pending"][0]["fields"]
     like = loop_module.initial_loop(ctx, ctx.programs.init_state(params))
-    resumed = loop_module.restore_loop(
+    resumed = loop_state.restore_loop(
       ckpt, 1, like, ctx.programs.state_shardings, ctx.programs.mesh
     )
   finally:

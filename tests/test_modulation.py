@@ -28,7 +28,7 @@ from jaxrl.rl.losses import (
   loss_denominator,
 )
 from jaxrl.rl.programs import Programs
-from jaxrl.run.loop import compile_counter
+from jaxrl.run.context import compile_counter
 
 R, T = 6, 7
 

@@ -26,6 +26,7 @@ from jaxrl.rollout import multiturn, sampler  # noqa: E402
 from jaxrl.rollout.engine import JaxEngine, SampleRequest, eval_version  # noqa: E402
 from jaxrl.run.compiles import CompileCounter  # noqa: E402
 from jaxrl.run.heldout import engine_sampler  # noqa: E402
+from jaxrl.run.loop_state import _restored_rollouts  # noqa: E402
 
 PAD, EOS, CALL_END = 0, 1, 2  # CALL_END plays the id of ``</calc>``: the model's turn-stop
 # The tiny model of tests/test_sampler.py: a vocabulary of 16, so EOS and the turn-stop are sampled
@@ -479,8 +480,6 @@ def test_jax_engine_multiturn_mode(tiny):
 def test_pending_batch_saved_without_loss_mask_restores_as_single_turn():
   """A checkpoint's batch in flight from before ``loss_mask_RxN`` existed: its loss mask is its
   response mask (single-turn rollouts)."""
-  from jaxrl.run import loop
-
   r, n = 2, 3
   mask = np.array([[True, True, False], [True, False, False]])
   fields = dict(
@@ -494,8 +493,6 @@ def test_pending_batch_saved_without_loss_mask_restores_as_single_turn():
     group_ids_R=np.zeros(r, np.int32),
     finished_R=np.zeros(r, bool),
   )
-  np.testing.assert_array_equal(loop._restored_rollouts(fields).loss_mask_RxN, mask)
+  np.testing.assert_array_equal(_restored_rollouts(fields).loss_mask_RxN, mask)
   saved = dict(fields, loss_mask_RxN=np.array([[True, False, False], [True, False, False]]))
-  np.testing.assert_array_equal(
-    loop._restored_rollouts(saved).loss_mask_RxN, saved["loss_mask_RxN"]
-  )
+  np.testing.assert_array_equal(_restored_rollouts(saved).loss_mask_RxN, saved["loss_mask_RxN"])

@@ -25,7 +25,8 @@ from run_helpers import (
 from jaxrl.nn import attention, model
 from jaxrl.nn.logprobs import logits_f32
 from jaxrl.rl import losses, packing, step
-from jaxrl.run.loop import compile_counter, initial_loop, rl_step
+from jaxrl.run.context import compile_counter
+from jaxrl.run.loop import initial_loop, rl_step
 
 # ---- the packer: a pure function over lengths
 

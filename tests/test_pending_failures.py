@@ -13,7 +13,8 @@ import pytest
 from run_helpers import loop_leaves, read_metrics, run_steps, step_context, tiny_config
 
 from jaxrl.run import batches
-from jaxrl.run.loop import initial_loop, restore_loop, save_loop
+from jaxrl.run.loop import initial_loop
+from jaxrl.run.loop_state import restore_loop, save_loop
 from jaxrl.run.train import Trainer
 from jaxrl.workdir.checkpoint import Checkpointer
 

@@ -23,7 +23,8 @@ from jaxrl.parallel import sharding
 from jaxrl.rl import losses, step
 from jaxrl.rl.losses import LossHparams
 from jaxrl.rollout.collect import token_mean_entropy
-from jaxrl.run.loop import COUNTED_PROGRAMS, initial_loop
+from jaxrl.run.context import COUNTED_PROGRAMS
+from jaxrl.run.loop import initial_loop
 from jaxrl.run.train import Trainer
 
 # -- the golden update ---------------------------------------------------------------------------

@@ -39,16 +39,10 @@ from jaxrl.rollout.collect import Collector
 from jaxrl.rollout.engine import RolloutEngine, eval_version
 from jaxrl.run import judge_server, mfu, run_config, sft, weights
 from jaxrl.run.compiles import CompileCounter
+from jaxrl.run.context import StepContext, compile_counter
 from jaxrl.run.heldout import EvalResult, comparison_table, evaluate_task, questions_per_call
-from jaxrl.run.loop import (
-  LoopState,
-  StepContext,
-  compile_counter,
-  initial_loop,
-  restore_loop,
-  rl_step,
-  save_loop,
-)
+from jaxrl.run.loop import initial_loop, rl_step
+from jaxrl.run.loop_state import LoopState, restore_loop, save_loop
 from jaxrl.run.progress import Progress
 from jaxrl.run.stops import (
   NonFiniteGuard,
