@@ -23,7 +23,7 @@ import pytest
 from run_helpers import ROOT, read_metrics, tiny_config
 
 from jaxrl.config import ConfigError, to_dict
-from jaxrl.run import cli
+from jaxrl.run import cli, eval_cache, run_config
 from jaxrl.run.train import Trainer
 from jaxrl.workdir.checkpoint import Checkpointer
 
@@ -132,8 +132,6 @@ def _hub_config(cache, sha: str):
 
 
 def test_hub_revisions_are_recorded_and_another_one_is_refused(tmp_path, hub_cache):
-  from jaxrl.run import run_config
-
   old, new = "a" * 40, "b" * 40
   first = run_config.record(_hub_config(hub_cache, old))
   assert first["revisions"] == {"model.checkpoint": f"acme/tiny@{old}", "hf:acme/math": old}
@@ -188,8 +186,6 @@ def test_a_reward_terms_hub_commit_is_recorded_and_another_one_is_refused(
 ):
   """A reward model's or a served judge's Hub id: its commit recorded, a resume on another
   refused with the flag that pins the recorded one, and a resume pinned to it accepted."""
-  from jaxrl.run import run_config
-
   named, pinned, key, hint = HUB_TERMS[term]
   old, new = "c" * 40, "d" * 40
   cfg = _with_reward(tiny_config(), **named)
@@ -213,8 +209,6 @@ def test_a_reward_terms_hub_commit_is_recorded_and_another_one_is_refused(
 
 
 def test_a_judge_at_a_url_names_a_served_model_not_a_hub_one(hub_cache):
-  from jaxrl.run import run_config
-
   cfg = _with_reward(
     tiny_config(), terms="verifier, judge:http://127.0.0.1:8001*0.5", judge_model="acme/judge"
   )
@@ -222,8 +216,6 @@ def test_a_judge_at_a_url_names_a_served_model_not_a_hub_one(hub_cache):
 
 
 def test_a_checkpoint_without_a_recorded_config_is_checked_against_config_json(tmp_path):
-  from jaxrl.run import run_config
-
   cfg = tiny_config()
   with open(tmp_path / "config.json", "w") as f:
     json.dump(to_dict(cfg), f)
@@ -260,12 +252,10 @@ def _mtime(path) -> int:
 def test_a_damaged_evaluation_cache_is_evaluated_again(tmp_path, caplog, text):
   """A cache cut short (a kill mid-write of an older jaxrl, a full disk) or not an object: a
   cache miss saying why, not a JSONDecodeError ending the run."""
-  from jaxrl.run import train
-
   path = tmp_path / "eval_sft.json"
   path.write_text(text)
   with caplog.at_level(logging.WARNING):
-    assert train._cached_eval(str(path), {"steps": 2}) is None
+    assert eval_cache.cached_eval(str(path), {"steps": 2}) is None
   assert f"{path}: not a cached evaluation" in caplog.text and "evaluating again" in caplog.text
 
 
@@ -296,8 +286,6 @@ def test_caches_are_keyed_by_the_config_they_were_computed_from(tmp_path, caplog
 def test_a_longer_resume_may_not_move_the_annealing_phase():
   """`steps` may change on resume, but not where it puts a phase boundary (the annealing phase
   starts at a fraction of the steps unless set): that would switch a run back and forth."""
-  from jaxrl.run import run_config
-
   cfg = tiny_config("e3,test,anneal", steps=10)
   pinned = tiny_config("e3,test,anneal", steps=10, **{"anneal_phase.start": 6})
   saved = run_config.record(cfg)

@@ -20,8 +20,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 
@@ -31,13 +29,13 @@ import jax.numpy as jnp
 from jaxrl.config import Config, to_dict
 from jaxrl.methods import registry
 from jaxrl.methods.phases import run_phases
-from jaxrl.nn import arch, lora, model
+from jaxrl.nn import arch, model
 from jaxrl.parallel import distributed, sharding
 from jaxrl.rl.programs import Programs, reference_copy
 from jaxrl.rollout.build import task_engine
 from jaxrl.rollout.collect import Collector
 from jaxrl.rollout.engine import RolloutEngine, eval_version
-from jaxrl.run import judge_server, mfu, run_config, sft, weights
+from jaxrl.run import eval_cache, judge_server, mfu, recovery, run_config, sft, weights
 from jaxrl.run.compiles import CompileCounter
 from jaxrl.run.context import StepContext, compile_counter
 from jaxrl.run.heldout import EvalResult, comparison_table, evaluate_task, questions_per_call
@@ -47,7 +45,6 @@ from jaxrl.run.progress import Progress
 from jaxrl.run.stops import (
   NonFiniteGuard,
   StopFlag,
-  Stopped,
   check_saved,
   sigterm_as_interrupt,
   stop_after_checkpoint,
@@ -152,7 +149,7 @@ class Trainer:
       ).start()  # counted from here
       started.callback(compiles.stop)
       if distributed.is_main():
-        _write_json(os.path.join(workdir, "config.json"), to_dict(cfg))
+        eval_cache.write_json(os.path.join(workdir, "config.json"), to_dict(cfg))
       started.pop_all()
     trainer = cls(
       cfg,
@@ -238,9 +235,9 @@ class Trainer:
     not redo it, a run of another config, or of other params under the same name, does."""
     path = os.path.join(self.workdir, f"eval_{name}.json")
     key = run_config.eval_key(
-      self.record, after_rl=name != "sft", params=params_fingerprint(params)
+      self.record, after_rl=name != "sft", params=eval_cache.params_fingerprint(params)
     )
-    cached = _cached_eval(path, key)
+    cached = eval_cache.cached_eval(path, key)
     if cached is not None:
       return cached
     c, t = self.cfg, self.task
@@ -260,7 +257,7 @@ class Trainer:
       # jaxrl-eval runs the same evaluation of a checkpoint (run/heldout.py: evaluate_task).
       result = evaluate_task(self.engine, params, t, c, version=eval_version(step), on_call=on_call)
     if distributed.is_main():
-      _write_json(path, {**result.to_json(), EVAL_KEY: key}, indent=None)
+      eval_cache.write_json(path, {**result.to_json(), eval_cache.EVAL_KEY: key}, indent=None)
     return result
 
   def rl(self, sft_params) -> RLResult:
@@ -284,17 +281,16 @@ class Trainer:
           try:
             loop, row = rl_step(ctx, loop, i)
           except Exception:
-            _after_failed_step(ckpt, start, i, loop, stop, self.mesh)
+            recovery.after_failed_step(ckpt, start, i, loop, stop, self.mesh)
             raise
           profiler.after_step(i + 1)
           nonfinite.check(row, i + 1)
           if c.eval.every and (i + 1) % c.eval.every == 0 and i + 1 < c.steps:
-            for batch in loop.pending:  # the engine serves one caller: let the thread finish
-              batch.generated(wait=True)  # a failed one is generated again when due
+            ctx.source.settle(loop)  # a failed batch is generated again when due
             try:
               row.update(self._validate(loop.train.params, i + 1))
             except Exception:
-              _save_trained(ckpt, i + 1, loop, self.mesh)  # the step trained: keep it
+              recovery.save_trained(ckpt, i + 1, loop, self.mesh)  # the step trained: keep it
               raise
           writer.write(i + 1, row, row.pop("samples", ()))
           log.info("step %d/%d: %s", i + 1, c.steps, _step_line(row))
@@ -432,83 +428,6 @@ class Trainer:
       )
     if self.cfg.log.plot and os.path.exists(os.path.join(self.workdir, "metrics.jsonl")):
       plot_run(os.path.join(self.workdir, "metrics.jsonl"), os.path.join(self.workdir, "run.png"))
-
-
-def _after_failed_step(ckpt: Checkpointer, start: int, i: int, loop: LoopState, stop, mesh) -> None:
-  """Step ``i + 1`` failed: checkpoint the steps trained before it. When a stop was requested
-  (a job-wide signal that took the step's sidecar along) and they are safe, end as stopped;
-  otherwise the caller re-raises the error (in a multi-process run: every process ends)."""
-  saved = i == start or _save_trained(ckpt, i, loop, mesh)
-  if not (stop.requested and saved and jax.process_count() == 1):
-    return
-  log.warning("step %d abandoned: %s arrived during it", i + 1, stop.signal_name, exc_info=True)
-  if i == start:  # nothing trained since the last checkpoint (or the start)
-    raise Stopped(i)
-  stop_after_checkpoint(ckpt, i, stop.signal_name)
-
-
-def _save_trained(ckpt: Checkpointer, step: int, loop: LoopState, mesh) -> bool:
-  """After a failure past step ``step``: checkpoint the ``step`` steps trained since the last
-  save, when the train state is intact (no update under way donated it): a failed rollout,
-  verifier, rescoring or evaluation loses no trained step. One process only: a multi-process
-  save is a collective the other processes are not in. Whether step ``step`` is checkpointed."""
-  ckpt.wait()  # a save of this step may still be settling
-  if ckpt.latest_step() == step and step not in ckpt.failed:
-    return True
-  if step == 0 or jax.process_count() > 1:
-    return False
-  if any(x.is_deleted() for x in jax.tree.leaves(loop.train) if isinstance(x, jax.Array)):
-    log.error(
-      "the train state after step %d was consumed: the steps since the last checkpoint are lost",
-      step,
-    )
-    return False
-  log.warning("checkpointing the %d steps trained before the failure", step)
-  return save_loop(ckpt, step, loop, mesh, wait=False)
-
-
-def params_fingerprint(params) -> str:
-  """The identity of ``params`` in an evaluation's key: a hash of every leaf's bit sums
-  (``lora.bit_sums``: exact, the same on any mesh). It tells apart params the config does not pin,
-  such as steps trained again after a resume that changed a field of ``run_config.SAFE``."""
-  sums = [[int(v) for v in leaf] for leaf in distributed.to_host(lora.bit_sums(params))]
-  return hashlib.sha256(json.dumps(sums).encode()).hexdigest()[:16]
-
-
-def _write_json(path: str, value, indent: int | None = 1) -> None:
-  """``value`` as the JSON file ``path``, whole or not at all: written aside, then renamed."""
-  tmp = f"{path}.tmp"
-  try:
-    with open(tmp, "w") as f:
-      json.dump(value, f, indent=indent)
-    os.replace(tmp, path)
-  except BaseException:
-    with contextlib.suppress(FileNotFoundError):
-      os.remove(tmp)
-    raise
-
-
-EVAL_KEY = "config"  # an evaluation cache's key (``run_config.eval_key``), beside its result
-
-
-def _cached_eval(path: str, key: dict) -> EvalResult | None:
-  """The evaluation cached in ``path`` when it was computed for ``key``; else None (why: logged)."""
-  if not os.path.exists(path):
-    return None
-  try:
-    with open(path, "rb") as f:
-      saved = json.load(f)
-    problem = None if isinstance(saved, dict) else "not a JSON object"
-  except ValueError as e:  # JSON or UTF-8: a write cut short (a kill, a full disk)
-    problem = str(e)
-  if problem is not None:
-    log.warning("%s: not a cached evaluation (%s): evaluating again", path, problem)
-    return None
-  why = run_config.cache_changes(saved.get(EVAL_KEY), key)
-  if why is not None:
-    log.warning("%s does not match this run (%s): evaluating again", path, why)
-    return None
-  return EvalResult.from_json(saved)
 
 
 def _progress_line(row: dict) -> str:
