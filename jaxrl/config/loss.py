@@ -5,18 +5,16 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from jaxrl.config.schema import (
+from jaxrl.config.fields import check_type, need
+from jaxrl.config.methods_sections import ModulationSection
+from jaxrl.config.rollout_sections import Engine, RolloutSection
+from jaxrl.config.schema import Config
+from jaxrl.config.update_sections import (
   Aggregation,
   BehaviourCorrection,
-  Config,
   Correction,
-  Engine,
   KLEstimator,
   LossSection,
-  ModulationSection,
-  RolloutSection,
-  _check_type,
-  _need,
 )
 
 
@@ -62,11 +60,11 @@ class LossConfig:
   def __post_init__(self):
     hints = typing.get_type_hints(LossConfig)
     for f in dataclasses.fields(self):  # allowed values (Literal) and types
-      _check_type(f"loss.{f.name}", getattr(self, f.name), hints[f.name])
-    _need(self.dual_clip == 0 or self.dual_clip > 1, "loss.dual_clip", "must be 0 (off) or > 1")
-    _need(self.mini_batches >= 1, "loss.mini_batches", "must be >= 1")
-    _need(self.micro_batches >= 1, "loss.micro_batches", "must be >= 1")
-    _need(
+      check_type(f"loss.{f.name}", getattr(self, f.name), hints[f.name])
+    need(self.dual_clip == 0 or self.dual_clip > 1, "loss.dual_clip", "must be 0 (off) or > 1")
+    need(self.mini_batches >= 1, "loss.mini_batches", "must be >= 1")
+    need(self.micro_batches >= 1, "loss.micro_batches", "must be >= 1")
+    need(
       self.aggregation != "seq-mean-token-sum-norm" or self.max_response_len > 0,
       "loss.aggregation",
       "seq-mean-token-sum-norm divides by the longest response: needs max_response_len > 0",

@@ -15,7 +15,7 @@ import dataclasses
 import math
 import urllib.parse
 
-from jaxrl.config.schema import ConfigError
+from jaxrl.config.fields import ConfigError
 
 TERM_KINDS = ("verifier", "fn", "model", "judge")
 SIDECAR = "sidecar"  # judge:sidecar: the run serves reward.judge_model itself

@@ -9,10 +9,11 @@ import typing
 from typing import Any
 
 from jaxrl.config.anneal_phase import annealing, shortest_response
+from jaxrl.config.fields import ConfigError, check_type, need
 from jaxrl.config.loss import LossConfig
 from jaxrl.config.mixture import parse_mixture
 from jaxrl.config.reward_terms import parse_terms
-from jaxrl.config.schema import Config, ConfigError, _check_type, _need
+from jaxrl.config.schema import Config
 
 
 def _build(cls, data: Any, prefix: str):
@@ -32,16 +33,16 @@ def _build(cls, data: Any, prefix: str):
     if dataclasses.is_dataclass(hint):
       kwargs[f.name] = _build(hint, data[f.name], path + ".")
     else:
-      kwargs[f.name] = _check_type(path, data[f.name], hint)
+      kwargs[f.name] = check_type(path, data[f.name], hint)
   return cls(**kwargs)
 
 
 def _validate(cfg: Config) -> None:
   """Each section's own checks (``Section.check``), then the checks that span sections."""
-  _need(cfg.steps >= 0, "steps", f"must be >= 0, got {cfg.steps}")
-  _need(cfg.seed >= 0, "seed", f"must be >= 0, got {cfg.seed}")
-  _need(cfg.batch_questions > 0, "batch_questions", "must be > 0")
-  _need(
+  need(cfg.steps >= 0, "steps", f"must be >= 0, got {cfg.steps}")
+  need(cfg.seed >= 0, "seed", f"must be >= 0, got {cfg.seed}")
+  need(cfg.batch_questions > 0, "batch_questions", "must be > 0")
+  need(
     cfg.rollout.max_staleness <= cfg.steps,
     "rollout.max_staleness",
     f"must be <= steps={cfg.steps} (no rollout can be older than the run), "
@@ -67,30 +68,30 @@ def _validate(cfg: Config) -> None:
 def _check_batch_shapes(cfg: Config) -> None:
   """R rollouts split into mini- and micro-batches, each split over the data axes."""
   chunks = cfg.loss.mini_batches * cfg.loss.micro_batches
-  _need(
+  need(
     cfg.num_rollouts % chunks == 0,
     "loss.micro_batches",
     f"R = batch_questions*group_size = {cfg.num_rollouts} is not divisible by "
     f"mini_batches*micro_batches = {chunks}",
   )
   rows = cfg.mesh.data * cfg.mesh.fsdp
-  _need(
+  need(
     (cfg.num_rollouts // chunks) % rows == 0,
     "batch_questions",
     f"a micro-batch of {cfg.num_rollouts // chunks} rollouts is not divisible "
     f"over the data axes (data*fsdp = {rows})",
   )
-  _need(
+  need(
     cfg.sft.batch_size % rows == 0,
     "sft.batch_size",
     f"{cfg.sft.batch_size} is not divisible over the data axes (data*fsdp = {rows})",
   )
-  _need(
+  need(
     not cfg.eepo.enabled or cfg.num_rollouts % 2 == 0,
     "eepo.enabled",
     f"EEPO splits the step's R = {cfg.num_rollouts} rollouts into two equal stages: R must be even",
   )
-  _need(
+  need(
     not cfg.eepo.enabled or (cfg.num_rollouts // 2) % rows == 0,
     "eepo.enabled",
     f"an EEPO stage of R/2 = {cfg.num_rollouts // 2} rollouts is not divisible over the data "
@@ -101,17 +102,17 @@ def _check_batch_shapes(cfg: Config) -> None:
 def _check_math_task(cfg: Config) -> None:
   if cfg.task.name != "math":
     return
-  _need(
+  need(
     bool(cfg.model.checkpoint),
     "model.checkpoint",
     "the math task starts from a pretrained HF checkpoint: set model.checkpoint",
   )
-  _need(
+  need(
     bool(cfg.data.train),
     "data.train",
     "the math task needs a training set: data.train = PATH[:WEIGHT],...",
   )
-  _need(
+  need(
     cfg.sft.steps == 0,
     "sft.steps",
     "the math task has no SFT corpus (it starts from a pretrained checkpoint): set sft.steps=0",
@@ -121,12 +122,12 @@ def _check_math_task(cfg: Config) -> None:
 def _check_countdown_task(cfg: Config) -> None:
   if cfg.task.name != "countdown":
     return
-  _need(
+  need(
     cfg.task.digit_width == 0,
     "task.digit_width",
     "the countdown task writes numbers as usual: set task.digit_width=0",
   )
-  _need(
+  need(
     not cfg.task.environment,
     "task.environment",
     "the countdown task is single-turn: its verifier reads the whole response as the expression",
@@ -134,7 +135,7 @@ def _check_countdown_task(cfg: Config) -> None:
 
 
 def _check_chat_template(cfg: Config) -> None:
-  _need(
+  need(
     not cfg.task.chat_template or (cfg.task.name == "arithmetic" and bool(cfg.task.environment)),
     "task.chat_template",
     "is the built-in calculator task's chat variant (task.environment=calculator); the math task "
@@ -147,7 +148,7 @@ def _check_environment(cfg: Config) -> None:
   if not cfg.task.environment:
     return
   r = cfg.rollout
-  _need(
+  need(
     r.max_turns >= 2,
     "rollout.max_turns",
     f"task.environment={cfg.task.environment!r} answers a turn only when another follows: "
@@ -158,7 +159,7 @@ def _check_environment(cfg: Config) -> None:
   # N the shortest phase's response (docs/algorithms.md §11).
   o, n = r.max_observation_tokens, shortest_response(cfg)
   n_from = " (the shortest phase's)" if n < r.max_new_tokens else ""
-  _need(
+  need(
     o + 2 <= n,
     "rollout.max_observation_tokens",
     f"a call, an observation of O={o} tokens and one token of the reply need O + 2 = {o + 2} > "
@@ -173,7 +174,7 @@ def _check_eval(cfg: Config) -> None:
     raise ConfigError(
       "eval.ks", f"expected comma-separated integers or 'pow2', got {cfg.eval.ks!r}"
     ) from None
-  _need(
+  need(
     all(1 <= k <= cfg.eval.num_samples for k in ks),
     "eval.ks",
     f"every k must be in [1, eval.num_samples={cfg.eval.num_samples}], got {ks}",
@@ -183,19 +184,19 @@ def _check_eval(cfg: Config) -> None:
 def _check_methods(cfg: Config) -> None:
   """The methods' bounds must contain the rollout section's group size and temperature."""
   a, g = cfg.allocation, cfg.rollout.group_size
-  _need(
+  need(
     a.g_min <= g <= a.g_max,
     "allocation.g_max",
     f"the mean group size rollout.group_size={g} must lie in "
     f"[g_min, g_max] = [{a.g_min}, {a.g_max}]",
   )
-  _need(
+  need(
     a.e3.g_min_floor <= g <= a.e3.g_max_cap,
     "allocation.e3.g_min_floor",
     "need e3.g_min_floor <= rollout.group_size <= e3.g_max_cap",
   )
   t = cfg.temperature
-  _need(
+  need(
     t.tau_min <= cfg.rollout.temperature <= t.tau_max,
     "rollout.temperature",
     f"must lie in [temperature.tau_min, temperature.tau_max] = [{t.tau_min}, {t.tau_max}]",

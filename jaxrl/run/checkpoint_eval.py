@@ -20,7 +20,7 @@ import tempfile
 import numpy as np
 
 from jaxrl import rng
-from jaxrl.config.schema import resolve_ks
+from jaxrl.config.run_sections import resolve_ks
 from jaxrl.nn import arch, model
 from jaxrl.parallel import sharding
 from jaxrl.rollout.build import build_engine, task_engine

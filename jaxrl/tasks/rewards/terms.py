@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxrl.config import Config, ConfigError, TermSpec, parse_terms
 from jaxrl.config.reward_terms import SIDECAR
-from jaxrl.config.schema import RewardSection
+from jaxrl.config.task_sections import RewardSection
 from jaxrl.nn import hf, reward_model
 from jaxrl.parallel import distributed, sharding
 from jaxrl.tasks.data import hub
