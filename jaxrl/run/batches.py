@@ -6,7 +6,7 @@ the start of the step, before its update), so it is sampled by the params of tha
 updates older than those it is trained from. Its questions, their rollout counts and τ are fixed
 at issue from the statistics and controllers known then (``Issue``); the generation (one stage or
 EEPO's two) runs inline, or on the one rollout thread while the trainer updates; its rewards are
-verified and its statistics counted when step j takes it (``run/scoring.py``), in step order.
+verified and its statistics counted when step j takes it (``run/arrival.py``), in step order.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
     take     the step's batch from the rollout source (issued k steps ahead or now; one sampling
              stage or EEPO's two; run/source.py)
-    score    rewards, answers nobody scored set aside, dynamic sampling's further rounds, the
-             questions' statistics (run/scoring.py)
+    arrive   rewards, answers nobody scored set aside, dynamic sampling's further rounds, the
+             questions' statistics (run/arrival.py)
     measure  the batch on the policy the update starts from (ℓ_prox when it is stale), H_t, the
              clip controller, the loss's traced values; diagnostics when due, timed apart
     update   the jitted GRPO update (packed when ``loss.packing``), its time ended on its results
@@ -28,7 +28,7 @@ from jaxrl.rl import packing
 from jaxrl.rl.losses import LossHparams
 from jaxrl.rl.stats import init_stats
 from jaxrl.rollout.collect import token_mean_entropy
-from jaxrl.run import batches, clock, diagnostics, mfu, records, scoring
+from jaxrl.run import arrival, batches, clock, diagnostics, mfu, records
 from jaxrl.run.context import PhaseRuntime, StepContext
 from jaxrl.run.loop_state import LoopState
 from jaxrl.tasks.data.cursor import MixtureCursor
@@ -61,8 +61,8 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
   # take: step i's batch, generated (ahead or now, one stage or EEPO's two)
   loop, batch = ctx.source.take(loop, i)
   t1 = time.time()
-  # score: rewards, dynamic sampling's rounds, the questions' statistics
-  loop, got = scoring.score(ctx, loop, batch, i)
+  # arrive: rewards, dynamic sampling's rounds, the questions' statistics
+  loop, got = arrival.arrive(ctx, loop, batch, i)
   # measure: on the policy θ_i, H_t, ε_high, the loss's values; diagnostics before θ_i is donated
   seen = _measure(ctx, loop, batch, got)
   diagnosed = _diagnose(ctx, loop, batch, seen.hp, i)
@@ -80,7 +80,7 @@ def rl_step(ctx: StepContext, loop: LoopState, i: int) -> tuple[LoopState, dict]
 
 
 def _measure(
-  ctx: StepContext, loop: LoopState, batch: batches.Batch, got: scoring.Arrival
+  ctx: StepContext, loop: LoopState, batch: batches.Batch, got: arrival.Arrival
 ) -> Measured:
   """The rollouts on the policy the update starts from, and the entropy of them at τ under those
   params: E3's H_t and the clip controller's measured entropy, known before this step's update
@@ -98,7 +98,7 @@ def _advance(
   rt: PhaseRuntime,
   ctl: ControllerStates,
   batch: batches.Batch,
-  got: scoring.Arrival,
+  got: arrival.Arrival,
   seen: Measured,
 ) -> ControllerStates:
   """The controllers after the step: τ from H_t, the clip's state, the gate's after the batch,
@@ -122,7 +122,7 @@ def _diagnose(ctx: StepContext, loop: LoopState, batch: batches.Batch, hp, i: in
   started = time.time()
   ctx.source.settle(loop)
   ratio = diagnostics.grad_variance_ratio(
-    ctx, batch.issue, loop.train.params, hp, i, lambda q, r: scoring.verify(ctx, q, r)
+    ctx, batch.issue, loop.train.params, hp, i, lambda q, r: arrival.verify(ctx, q, r)
   )
   return {"dynamo_grad_var_ratio": ratio, "diagnostics_seconds": time.time() - started}
 

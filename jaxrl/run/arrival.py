@@ -1,6 +1,6 @@
-"""The score stage of an RL step: a generated batch's rewards (verifier, reward terms, the
-environment's), the answers nobody scored set aside, dynamic sampling's further rounds until B
-groups carry a signal (docs/algorithms.md §10), and the questions' statistics counted — an
+"""The arrive stage of an RL step, after the take: a generated batch's rewards (verifier, reward
+terms, the environment's), the answers nobody scored set aside, dynamic sampling's further rounds
+until B groups carry a signal (docs/algorithms.md §10), and the questions' statistics counted — an
 ``Arrival``, the rows the update trains on."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def verify(ctx, qids_B, rollouts: Rollouts) -> tuple[Rollouts, dict]:
   return dynamic.set_aside(scored, scored_R.astype(bool) & kept_R, len(qids_B)), counters
 
 
-def score(ctx, loop: LoopState, batch: batches.Batch, i: int) -> tuple[LoopState, Arrival]:
+def arrive(ctx, loop: LoopState, batch: batches.Batch, i: int) -> tuple[LoopState, Arrival]:
   """Rewards and statistics of step ``i``'s batch (dynamic sampling: its further rounds, which
   advance the cursor); returns the loop with that cursor and the ``Arrival``."""
   issue = batch.issue
