@@ -20,7 +20,7 @@ from run_helpers import read_metrics, rollouts, step_context, tiny_config
 from jaxrl.config import LossConfig
 from jaxrl.nn import arch
 from jaxrl.parallel import sharding
-from jaxrl.rl import losses, step
+from jaxrl.rl import losses, scoring, step
 from jaxrl.rl.losses import LossHparams
 from jaxrl.rollout.collect import token_mean_entropy
 from jaxrl.run.loop import COUNTED_PROGRAMS, initial_loop
@@ -131,8 +131,8 @@ def golden_update(tokenizer_dir) -> Golden:
 def _logp_and_scale(graphdef, params, batch, chunk, tau):
   """The response tokens' log-probs at τ, and the largest |logit/τ| that predicts one."""
   args = (batch.prompt_ids_RxP, batch.prompt_mask_RxP, batch.tokens_RxN, batch.mask_RxN)
-  logp_RxN, _ = step.logp_responses(graphdef, params, *args, tau, chunk)
-  hidden_RxNxD, lm_head_VxD = step.response_hidden(graphdef, params, *args)
+  logp_RxN, _ = scoring.logp_responses(graphdef, params, *args, tau, chunk)
+  hidden_RxNxD, lm_head_VxD = scoring.response_hidden(graphdef, params, *args)
   z_RxNxV = jnp.einsum("rnd,vd->rnv", hidden_RxNxD, lm_head_VxD) / tau
   return logp_RxN, jnp.max(jnp.where(batch.mask_RxN[..., None], jnp.abs(z_RxNxV), 0.0))
 

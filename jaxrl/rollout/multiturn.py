@@ -27,7 +27,7 @@ the environment calls done finishes after its observation.
 
 Gaps are invisible to the model: the cache slot of a gap is not valid (``kv_valid_RxS``) and
 RoPE positions count real tokens only, so the log-probs are those of a forward without a cache
-over ``prompt ++ response`` with ``positions_from_mask`` (the update's, ``rl/step.py:
+over ``prompt ++ response`` with ``positions_from_mask`` (the update's, ``rl/scoring.py:
 response_hidden``). Response token n sits in cache slot P + n, as in the single-turn sampler,
 whose token draw (``sampler._draw``: the draw of token n keyed by ``fold_in(key, n)``), request
 checks (``sampler.request_arrays``) and prefilled rows (``sampler.prefill_rows``) this module
