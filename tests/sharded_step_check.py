@@ -29,6 +29,7 @@ from run_helpers import moved_adapters, rollouts  # noqa: E402
 from jaxrl.nn import lora, model
 from jaxrl.parallel import sharding
 from jaxrl.rl import (  # noqa: E402
+  advantages,
   losses,
   packing,
   scoring,
@@ -78,7 +79,7 @@ def _metric_scales(graphdef, params, batch, hp, groups, trainable_ref):
   ref_logp, _ = scoring.logp_responses(
     graphdef, ref if ref is not None else lora.without_adapters(params), *args, hp.tau, 4
   )
-  adv = f32(losses.group_advantages(batch.rewards_R, batch.group_ids_R, groups))[:, None]
+  adv = f32(advantages.group_advantages(batch.rewards_R, batch.group_ids_R, groups))[:, None]
   mask = f32(batch.mask_RxN)
   lp, d, h = f32(logp), f32(ref_logp) - f32(logp), f32(ent)
   rho = np.exp(np.where(mask > 0, lp - f32(batch.behaviour_logp_RxN), 0.0))

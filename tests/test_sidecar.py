@@ -36,7 +36,7 @@ from sidecar_helpers import (
 from jaxrl.config import ConfigError
 from jaxrl.nn import lora, model
 from jaxrl.nn.arch import model_config
-from jaxrl.rl import losses, scoring
+from jaxrl.rl import behaviour, scoring
 from jaxrl.rollout.build import build_engine
 from jaxrl.rollout.collect import Collector
 from jaxrl.rollout.engine import JaxEngine, SampleRequest, eval_version, forget_version
@@ -581,7 +581,7 @@ def test_a_bfloat16_server_samples_measurably_off_policy(served, tmp_path):
     for name, engine in (("float32", engine32), ("bfloat16", engine16)):
       out = _sample(engine, sharp, 1, ids, mask, np.full(4, 8), 1.0, jax.random.PRNGKey(5))
       prox = _score(graphdef, sharp, out, 1.0)
-      kl[name] = float(losses.mismatch_kl(prox, out.behaviour_logp_RxN, out.mask_RxN))
+      kl[name] = float(behaviour.mismatch_kl(prox, out.behaviour_logp_RxN, out.mask_RxN))
       diff[name] = np.abs(prox - out.behaviour_logp_RxN)[out.mask_RxN]
   finally:
     engine16.close()

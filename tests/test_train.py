@@ -20,7 +20,7 @@ from run_helpers import read_metrics, rollouts, step_context, tiny_config
 from jaxrl.config import LossConfig
 from jaxrl.nn import arch
 from jaxrl.parallel import sharding
-from jaxrl.rl import losses, scoring, step
+from jaxrl.rl import advantages, scoring, step
 from jaxrl.rl.losses import LossHparams
 from jaxrl.rollout.collect import token_mean_entropy
 from jaxrl.run.loop import COUNTED_PROGRAMS, initial_loop
@@ -173,9 +173,9 @@ def golden_bounds(golden: Golden) -> dict:
   loss_cfg = LossConfig.from_config(cfg)
   on = np.asarray(batch.mask_RxN, bool)
   adv_R = np.asarray(
-    losses.group_advantages(batch.rewards_R, batch.group_ids_R, loss_cfg.num_groups)
+    advantages.group_advantages(batch.rewards_R, batch.group_ids_R, loss_cfg.num_groups)
   )
-  informative_R = losses.informative_rollouts(
+  informative_R = advantages.informative_rollouts(
     batch.rewards_R, batch.group_ids_R, loss_cfg.num_groups
   )
   w = on & np.asarray(informative_R)[:, None]  # the tokens in the loss and its metrics

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxrl.nn import lora
-from jaxrl.rl import losses
+from jaxrl.rl import advantages, behaviour, losses
 from jaxrl.rl.losses import LossConfig, LossHparams
 from jaxrl.rl.micro_batches import accumulate, packed_by_micro_batches, split_micro
 from jaxrl.rl.packing import Packing
@@ -91,7 +91,7 @@ def _row_inputs(
   """Per-row inputs of the GRPO loss: advantages and informative flags over the whole batch
   (groups may straddle mini- and micro-batches), the KL reference's log-probs and §9's weights
   (over the model's tokens: the loss mask, docs/algorithms.md §11), the packed layout if any."""
-  adv_R = losses.group_advantages(
+  adv_R = advantages.group_advantages(
     batch.rewards_R, batch.group_ids_R, cfg.num_groups, scale_by_std=cfg.scale_by_std
   )
   ref_logp_RxN = None
@@ -110,7 +110,7 @@ def _row_inputs(
     ref_logp_RxN = jax.lax.stop_gradient(ref_logp_RxN)
   behaviour_w_RxN = None
   if cfg.behaviour_correction != "none":  # "none" leaves the objective exactly as it was
-    behaviour_w_RxN = losses.behaviour_weights(
+    behaviour_w_RxN = behaviour.behaviour_weights(
       batch.prox_logp_RxN, batch.behaviour_logp_RxN, batch.loss_mask_RxN, **_behaviour_args(cfg, hp)
     )
   return UpdateRows(
@@ -121,7 +121,9 @@ def _row_inputs(
     loss_mask_RxN=batch.loss_mask_RxN,
     old_logp_RxN=batch.prox_logp_RxN,
     adv_R=adv_R,
-    informative_R=losses.informative_rollouts(batch.rewards_R, batch.group_ids_R, cfg.num_groups),
+    informative_R=advantages.informative_rollouts(
+      batch.rewards_R, batch.group_ids_R, cfg.num_groups
+    ),
     ref_logp_RxN=ref_logp_RxN,
     behaviour_w_RxN=behaviour_w_RxN,
     pack_slot_R=None if pack is None else pack.slot_R,
@@ -145,7 +147,7 @@ def _micro_loss(graphdef, cfg: LossConfig, hp: LossHparams):
     logp_RxN, ent_RxN = _forward(graphdef, cfg, hp, params, mb)
     adv_RxN = None
     if cfg.modulation:  # DynaMO (§4.3), normalised by the mini-batch's max Ξ and H range
-      adv_RxN = losses.dynamo_modulate(
+      adv_RxN = advantages.dynamo_modulate(
         adv=mb.adv_R,
         logp=logp_RxN,
         old_logp=mb.old_logp_RxN,
@@ -201,11 +203,13 @@ def _modulation_stats(graphdef, cfg: LossConfig, hp: LossHparams, params, rows: 
 
   def chunk_stats(mb: UpdateRows):
     logp_RxN, ent_RxN = _forward(graphdef, cfg, hp, params, mb)
-    return losses.dynamo_statistics(
+    return advantages.dynamo_statistics(
       mb.adv_R, logp_RxN, mb.old_logp_RxN, ent_RxN, mb.loss_mask_RxN, hp.eps_low, hp.eps_high
     )
 
-  return losses.DynamoStats.reduce(jax.lax.map(chunk_stats, split_micro(rows, cfg.micro_batches)))
+  return advantages.DynamoStats.reduce(
+    jax.lax.map(chunk_stats, split_micro(rows, cfg.micro_batches))
+  )
 
 
 def _minibatch_grads(graphdef, cfg: LossConfig, hp: LossHparams, grad_fn, params, rows: UpdateRows):
@@ -279,7 +283,7 @@ def rl_update(
   # docs/algorithms.md §9: how far the engine's policy μ is from the update's start, every mode,
   # over the tokens μ sampled (an environment's have no ℓ_μ, §11)
   out.update(
-    losses.behaviour_metrics(
+    behaviour.behaviour_metrics(
       batch.prox_logp_RxN, batch.behaviour_logp_RxN, batch.loss_mask_RxN, **_behaviour_args(cfg, hp)
     )
   )
