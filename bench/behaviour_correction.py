@@ -54,7 +54,7 @@ def _measure_mismatch(server: str, trainer: str, workdir: str, sft_dir: str | No
   import jax
   import numpy as np
 
-  from jaxrl.rl import losses
+  from jaxrl.rl.behaviour import behaviour_metrics
   from jaxrl.run.train import Trainer
 
   cfg = _config(**{"rollout.engine": "vllm", "vllm.dtype": server, "model.dtype": trainer})
@@ -78,7 +78,7 @@ def _measure_mismatch(server: str, trainer: str, workdir: str, sft_dir: str | No
   mask = np.asarray(out.mask_RxN)
   prox, behaviour = np.asarray(out.prox_logp_RxN), np.asarray(out.behaviour_logp_RxN)
   diff = np.abs(prox - behaviour)[mask]
-  m = losses.behaviour_metrics(prox, behaviour, mask, "tis")
+  m = behaviour_metrics(prox, behaviour, mask, "tis")
   return dict(
     tokens=int(mask.sum()),
     mismatch_kl=float(m["mismatch_kl"]),

@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from jaxrl.nn import model
-from jaxrl.rl import step  # noqa: E402
+from jaxrl.rl import scoring  # noqa: E402
 from jaxrl.rollout.engine import JaxEngine, SampleRequest  # noqa: E402
 from jaxrl.rollout.sidecar import LaunchConfig  # noqa: E402
 from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine  # noqa: E402
@@ -43,7 +43,7 @@ def timed(engine, params, ids, mask, counts, tau, seed):
 
 def logp_gap(graphdef, params, out, tau) -> float:
   """Largest |log p| difference between the engine's sampled-token log-probs and jaxrl's."""
-  logp, _ = step.logp_responses(
+  logp, _ = scoring.logp_responses(
     graphdef,
     params,
     jnp.asarray(out.prompt_ids_RxP),

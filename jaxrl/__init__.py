@@ -19,8 +19,9 @@ Layers, lowest first (a module imports only from its own layer and the ones belo
 The reference functions of docs/algorithms.md §0 are the public API under the names that section
 uses: ``jaxrl.allocation``, ``jaxrl.schedules``, ``jaxrl.losses`` and ``jaxrl.metrics``. Each only
 re-exports from the module that implements them (``methods/allocation.py``,
-``methods/schedules.py``, ``rl/losses.py``; ``rl/passk.py``, ``rl/paper_metrics.py``,
-``rl/grad_variance.py``): a stable name for users, not a second implementation.
+``methods/schedules.py``, ``rl/losses.py``, ``rl/advantages.py``, ``rl/behaviour.py``;
+``rl/passk.py``, ``rl/paper_metrics.py``, ``rl/grad_variance.py``): a stable name for users, not a
+second implementation.
 
 Commands (``run/cli.py`` holds what they share): ``jaxrl-train`` (``python -m jaxrl.main``)
 trains, ``jaxrl-eval`` (``python -m jaxrl.eval``) evaluates a checkpoint, ``jaxrl-export``

@@ -29,8 +29,10 @@ from run_helpers import moved_adapters, rollouts  # noqa: E402
 from jaxrl.nn import lora, model
 from jaxrl.parallel import sharding
 from jaxrl.rl import (  # noqa: E402
+  advantages,
   losses,
   packing,
+  scoring,
   step,
 )
 
@@ -72,12 +74,12 @@ def _metric_scales(graphdef, params, batch, hp, groups, trainable_ref):
   (d = ℓ_ref − ℓ), the entropy bonus's H; and their sum for the loss."""
   f32 = lambda x: np.asarray(x, np.float64)  # noqa: E731
   args = (batch.prompt_ids_RxP, batch.prompt_mask_RxP, batch.tokens_RxN, batch.mask_RxN)
-  logp, ent = step.logp_responses(graphdef, params, *args, hp.tau, 4)
+  logp, ent = scoring.logp_responses(graphdef, params, *args, hp.tau, 4)
   ref = jax.tree.map(lambda x: x * 0.98, params) if not trainable_ref else None
-  ref_logp, _ = step.logp_responses(
+  ref_logp, _ = scoring.logp_responses(
     graphdef, ref if ref is not None else lora.without_adapters(params), *args, hp.tau, 4
   )
-  adv = f32(losses.group_advantages(batch.rewards_R, batch.group_ids_R, groups))[:, None]
+  adv = f32(advantages.group_advantages(batch.rewards_R, batch.group_ids_R, groups))[:, None]
   mask = f32(batch.mask_RxN)
   lp, d, h = f32(logp), f32(ref_logp) - f32(logp), f32(ent)
   rho = np.exp(np.where(mask > 0, lp - f32(batch.behaviour_logp_RxN), 0.0))

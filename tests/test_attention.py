@@ -19,7 +19,7 @@ from jaxpr_helpers import output_shapes
 from rounding import U, attention_atol, chain_terms, entropy_atol, grad_rtol, logp_atol
 
 from jaxrl.nn import attention, model
-from jaxrl.rl import losses, step
+from jaxrl.rl import losses, scoring
 from jaxrl.rollout import sampler
 
 B, K, REP, E = 3, 2, 3, 8  # GQA: 2 kv heads, 3 query heads each
@@ -152,7 +152,7 @@ def test_model_loss_and_grads_equal_with_blocks(scan):
   adv = jnp.asarray([1.0, -1.0, 0.5, -0.5], jnp.float32)
 
   def loss(params, gd):
-    logp, ent = step.logp_responses(
+    logp, ent = scoring.logp_responses(
       gd, params, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, jnp.float32(0.9), 4
     )
     value, _ = losses.grpo_loss(

@@ -10,7 +10,7 @@ import numpy as np
 from run_helpers import TIMING, rollouts, step_context, tiny_config
 
 from jaxrl import losses
-from jaxrl.rl.step import logp_responses_chunked
+from jaxrl.rl.scoring import logp_responses_chunked
 from jaxrl.rollout import dynamic
 from jaxrl.run.context import compile_counter
 from jaxrl.run.loop import initial_loop, rl_step

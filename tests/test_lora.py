@@ -16,7 +16,8 @@ from rounding import U, chain_terms
 from run_helpers import SMALL_MODEL, moved_adapters, random_batch, update_hparams
 
 from jaxrl.nn import lora, model
-from jaxrl.rl import losses, optim, step
+from jaxrl.rl import losses, optim, scoring, step
+from jaxrl.rl.forget import eepo_forget
 
 LORA = dataclasses.replace(SMALL_MODEL, lora_rank=4, lora_alpha=8.0)
 
@@ -133,14 +134,14 @@ def test_gradients_exist_for_the_trained_part_only():
   batch = random_batch(np.random.default_rng(0))
 
   def nll(p):
-    logp, _ = step.logp_responses(
+    logp, _ = scoring.logp_responses(
       graphdef, p, batch.prompt_ids_RxP, batch.prompt_mask_RxP, batch.tokens_RxN,
       batch.mask_RxN, jnp.float32(1), 128,
     )  # fmt: skip
     return -jnp.sum(logp), None
 
   for trainable in ("adapters", "base", "all"):
-    (_, _), grads = step._grad_of_part(nll, trainable)(params)
+    (_, _), grads = step.grad_of_part(nll, trainable)(params)
     assert _paths(grads) == _paths(lora.partition(params, trainable)[0]), trainable
     assert all(float(jnp.max(jnp.abs(g))) > 0 for g in jax.tree.leaves(grads)), trainable
 
@@ -184,7 +185,7 @@ def test_eepo_forgetting_moves_the_adapters_only():
   batch = random_batch(np.random.default_rng(2))
   forget = jax.jit(
     functools.partial(
-      step.eepo_forget, graphdef, 128, lr=0.5, eps_l=0.02, eps_r=0.02, trainable="adapters"
+      eepo_forget, graphdef, 128, lr=0.5, eps_l=0.02, eps_r=0.02, trainable="adapters"
     )
   )
   theta2, value = forget(

@@ -27,6 +27,7 @@ from run_helpers import rollouts, tiny_config
 from jaxrl import losses
 from jaxrl.nn import model
 from jaxrl.rl import step
+from jaxrl.rl.forget import eepo_forget
 from jaxrl.rl.losses import LossConfig, LossHparams, grpo_loss, loss_denominator
 from jaxrl.rollout.collect import token_mean_entropy
 from jaxrl.run import loop as loop_module
@@ -390,7 +391,7 @@ def test_eepo_forgetting_treats_trailing_environment_tokens_as_padding():
   loss_mask = np.asarray(batch.loss_mask_RxN)
   kept = np.asarray(batch.mask_RxN) & (np.cumsum(loss_mask[:, ::-1], 1)[:, ::-1] > 0)
   forget = jax.jit(
-    functools.partial(step.eepo_forget, graphdef, 4, lr=1.0, eps_l=1e-3, eps_r=1e-2),
+    functools.partial(eepo_forget, graphdef, 4, lr=1.0, eps_l=1e-3, eps_r=1e-2),
     static_argnames="micro",
   )
   rows = (batch.prompt_ids_RxP, batch.prompt_mask_RxP, batch.tokens_RxN)

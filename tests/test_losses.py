@@ -15,14 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rounding import U, sum_tol
 
+from jaxrl.rl.advantages import group_advantages, informative_rollouts
 from jaxrl.rl.losses import (
   LossConfig,
   LossHparams,
   LossMetrics,
   finalize_metrics,
-  group_advantages,
   grpo_loss,
-  informative_rollouts,
   loss_denominator,
 )
 

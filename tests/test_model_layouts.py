@@ -26,7 +26,8 @@ from run_helpers import rollouts
 
 from jaxrl.nn import model
 from jaxrl.parallel import sharding
-from jaxrl.rl import losses, step
+from jaxrl.rl import losses, scoring, step
+from jaxrl.rl.forget import eepo_forget
 from jaxrl.rl.programs import Programs
 from jaxrl.rollout import sampler
 from jaxrl.run import plan
@@ -139,7 +140,7 @@ def test_scan_forward_and_logprobs_equal_loop(models):
   z_scale = float(np.max(np.abs(loop)))
   np.testing.assert_allclose(scan, loop, rtol=0, atol=2 * chain_terms(LOOP, P + N) * U * z_scale)
 
-  score = jax.jit(step.logp_responses, static_argnums=(0, 7))
+  score = jax.jit(scoring.logp_responses, static_argnums=(0, 7))
   outs = [
     score(
       models[k][0],
@@ -353,7 +354,7 @@ def test_eepo_forget_micro_batches_equal_one_pass(models, micro):
   mask[1] = False
   # A large η, so θ' - θ (~1e-3·η) is far above the rounding of θ + η∇L at |θ| ~ 1.
   forget = jax.jit(
-    functools.partial(step.eepo_forget, graphdef, 4, lr=1000.0, eps_l=0.01, eps_r=1e-4),
+    functools.partial(eepo_forget, graphdef, 4, lr=1000.0, eps_l=0.01, eps_r=1e-4),
     static_argnames="micro",
   )
   args = (params, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, mask, mask, jnp.float32(0.9))

@@ -18,15 +18,8 @@ from run_helpers import rollouts, tiny_config
 from jaxrl.nn import model
 from jaxrl.parallel import sharding
 from jaxrl.rl import optim
-from jaxrl.rl.losses import (
-  DynamoStats,
-  LossConfig,
-  LossHparams,
-  dynamo_modulate,
-  dynamo_statistics,
-  grpo_loss,
-  loss_denominator,
-)
+from jaxrl.rl.advantages import DynamoStats, dynamo_modulate, dynamo_statistics
+from jaxrl.rl.losses import LossConfig, LossHparams, grpo_loss, loss_denominator
 from jaxrl.rl.programs import Programs
 from jaxrl.run.context import compile_counter
 

@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 from rounding import U, chain_terms, entropy_atol, logp_atol  # noqa: E402
 
 from jaxrl.nn import model  # noqa: E402
-from jaxrl.rl import step  # noqa: E402
+from jaxrl.rl import scoring  # noqa: E402
 from jaxrl.rollout import multiturn, sampler  # noqa: E402
 from jaxrl.rollout.engine import JaxEngine, SampleRequest, eval_version  # noqa: E402
 from jaxrl.run.compiles import CompileCounter  # noqa: E402
@@ -163,8 +163,8 @@ def _check_layout(out, echo: Echo, turns=TURNS):
 
 @functools.partial(jax.jit, static_argnames="chunk")
 def _training_logp(graphdef, params, ids, mask, tokens, token_mask, tau, chunk=16):
-  """The update's log-probs (``rl/step.py``): one no-cache forward over prompt ++ response."""
-  return step.logp_responses(graphdef, params, ids, mask, tokens, token_mask, tau, chunk)
+  """The update's log-probs (``rl/scoring.py``): one no-cache forward over prompt ++ response."""
+  return scoring.logp_responses(graphdef, params, ids, mask, tokens, token_mask, tau, chunk)
 
 
 @jax.jit
@@ -272,7 +272,7 @@ def test_predictors_without_gaps_are_the_slice(tiny):
 
   @jax.jit
   def both(params):
-    got, _ = step.response_hidden(graphdef, params, ids, pmask, resp, rmask)
+    got, _ = scoring.response_hidden(graphdef, params, ids, pmask, resp, rmask)
     valid = jnp.concatenate([pmask, rmask], 1)
     tokens = jnp.concatenate([ids, resp], 1)
     hidden, _, _ = model.forward(graphdef, params, tokens, model.positions_from_mask(valid), valid)

@@ -24,7 +24,8 @@ from run_helpers import (
 
 from jaxrl.nn import attention, model
 from jaxrl.nn.logprobs import logits_f32
-from jaxrl.rl import losses, packing, step
+from jaxrl.rl import losses, micro_batches, packing, scoring, step
+from jaxrl.rl.forget import eepo_forget
 from jaxrl.run.context import compile_counter
 from jaxrl.run.loop import initial_loop, rl_step
 
@@ -82,10 +83,10 @@ def test_buckets_are_few_and_hold_what_is_needed():
 def test_micro_batch_ids_follow_the_updates_split(mini, micro):
   """Oracle: the update's own strided splits of the row indices."""
   rows = 16
-  minis = step._split_micro(jnp.arange(rows), mini)
+  minis = micro_batches.split_micro(jnp.arange(rows), mini)
   expected = np.zeros(rows, int)
   for m in range(mini):
-    for u, chunk in enumerate(np.asarray(step._split_micro(minis[m], micro))):
+    for u, chunk in enumerate(np.asarray(micro_batches.split_micro(minis[m], micro))):
       expected[chunk] = m * micro + u
   np.testing.assert_array_equal(packing.micro_batch_ids(rows, mini, micro), expected)
 
@@ -165,14 +166,14 @@ def test_packed_logprobs_equal_padded(block):
   pack = packing.plan(batch.prompt_mask_RxP, batch.mask_RxN, 1, 1, buckets=4)
   tau = jnp.float32(0.9)
   rows = (batch.prompt_ids_RxP, batch.prompt_mask_RxP, batch.tokens_RxN, batch.mask_RxN)
-  logp, ent = step.logp_responses(graphdef, params, *rows, tau, 16)
+  logp, ent = scoring.logp_responses(graphdef, params, *rows, tau, 16)
 
   def packed(params, tau, *rows_and_layout):
-    fused = step.logprobs_entropies(tau, 16)
-    return step.packed_token_values(graphdef, params, *rows_and_layout, pack.rows, fused)
+    fused = scoring.logprobs_entropies(tau, 16)
+    return scoring.packed_token_values(graphdef, params, *rows_and_layout, pack.rows, fused)
 
   logp_p, ent_p = jax.jit(packed)(params, tau, *rows, pack.slot_R, pack.offset_R)
-  hidden, head = step.response_hidden(graphdef, params, *rows)
+  hidden, head = scoring.response_hidden(graphdef, params, *rows)
   z_scale = float(jnp.max(jnp.abs(logits_f32(hidden.reshape(-1, cfg.hidden_size), head)))) / 0.9
   mask = np.asarray(batch.mask_RxN)
   np.testing.assert_array_equal(np.asarray(logp_p)[~mask], 0)
@@ -284,7 +285,7 @@ def test_packed_forgetting_step_equals_padded(micro):
   pack = packing.plan(batch.prompt_mask_RxP, batch.mask_RxN, 1, micro, buckets=4)
   rows = (batch.prompt_ids_RxP, batch.prompt_mask_RxP, batch.tokens_RxN, batch.mask_RxN)
   forget = jax.jit(
-    functools.partial(step.eepo_forget, graphdef, 16, lr=0.1, eps_l=1e-3, eps_r=1e-2),
+    functools.partial(eepo_forget, graphdef, 16, lr=0.1, eps_l=1e-3, eps_r=1e-2),
     static_argnames=("micro",),
   )
   out = [
@@ -343,7 +344,9 @@ def test_a_pass_over_the_micro_batches_keeps_the_row_order(mini, micro):
   """The KL reference's packed pass maps over the update's micro-batches and puts each row's
   values back in its place: the identity comes back unchanged."""
   rows_RxN = jnp.arange(16 * 3).reshape(16, 3)
-  got = step._packed_by_micro_batches(lambda chunk: chunk[0] * 1, (rows_RxN, rows_RxN), mini, micro)
+  got = micro_batches.packed_by_micro_batches(
+    lambda chunk: chunk[0] * 1, (rows_RxN, rows_RxN), mini, micro
+  )
   np.testing.assert_array_equal(got, rows_RxN)
 
 
@@ -356,11 +359,11 @@ def test_packed_rescoring_equals_padded():
   rows = (batch.prompt_ids_RxP, batch.prompt_mask_RxP, batch.tokens_RxN, batch.mask_RxN)
   tau = jnp.float32(0.9)
   score = jax.jit(
-    functools.partial(step.logp_responses_chunked, graphdef, chunk_size=16),
+    functools.partial(scoring.logp_responses_chunked, graphdef, chunk_size=16),
     static_argnames=("micro",),
   )
   (logp, ent), (logp_p, ent_p) = (score(params, *rows, tau, micro=2, pack=p) for p in (None, pack))
-  hidden, head = step.response_hidden(graphdef, params, *rows)
+  hidden, head = scoring.response_hidden(graphdef, params, *rows)
   z_scale = float(jnp.max(jnp.abs(logits_f32(hidden.reshape(-1, SMALL_MODEL.hidden_size), head))))
   z_scale /= 0.9
   np.testing.assert_allclose(logp_p, logp, rtol=0, atol=logp_atol(SMALL_MODEL, T, z_scale))

@@ -217,7 +217,7 @@ def test_plan_compiles_the_very_programs_the_trainer_runs(tmp_path, monkeypatch)
   same functions with the same static arguments, donations and output shardings."""
   import optax
 
-  from jaxrl.rl import programs, step
+  from jaxrl.rl import forget, programs, step
   from jaxrl.run.train import Trainer
 
   made = []
@@ -243,7 +243,7 @@ def test_plan_compiles_the_very_programs_the_trainer_runs(tmp_path, monkeypatch)
   for key in (update_key, forget_key):
     a, b = planned.built()[key], ran.built()[key]
     fa, fb = a.__wrapped__, b.__wrapped__  # the partials jit wraps: function + static arguments
-    assert fa.func is fb.func and fa.func in (step.rl_update, step.eepo_forget)
+    assert fa.func is fb.func and fa.func in (step.rl_update, forget.eepo_forget)
     # Everything but the optimizer (each side builds its own from the same ``cfg.optim``).
     static_a, static_b = (
       [x for x in f.args if not isinstance(x, optax.GradientTransformation)] for f in (fa, fb)

@@ -121,7 +121,7 @@ def test_eepo_forgetting_in_micro_batches_gives_the_same_step(tmp_path):
   # orders, each within (chain_terms + V + tokens)·u of its value (tests/rounding.py).
   cfg = tiny_config("eepo,test")
   model_cfg = arch.model_config(cfg.model, len(VOCAB))
-  tcfg = task_config(cfg)
+  tcfg = task_config(cfg.task, cfg.seed)
   slots = arithmetic.max_lengths(tcfg.levels, tcfg.digit_width)[0] + 1 + cfg.rollout.max_new_tokens
   tokens = cfg.num_rollouts * slots
   rtol = 2 * (chain_terms(model_cfg, slots) + model_cfg.vocab_size + tokens) * U

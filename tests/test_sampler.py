@@ -28,7 +28,8 @@ from sampler_fixtures import (  # noqa: E402
 )
 
 from jaxrl.nn import model  # noqa: E402
-from jaxrl.rollout import sampler  # noqa: E402
+from jaxrl.rollout import draws, sampler  # noqa: E402
+from jaxrl.rollout.prefill import _prefill  # noqa: E402
 from jaxrl.run.compiles import CompileCounter  # noqa: E402
 
 # Three prompts of different lengths (7, 3, 5), left-padded to P = 7.
@@ -225,7 +226,7 @@ def test_each_prompt_is_prefilled_once(scan):
   R = len(rows)
 
   def prefill(params):
-    cache, logits = sampler._prefill(graphdef, params, ids, mask, counts, rows=R, model_cfg=cfg)
+    cache, logits = _prefill(graphdef, params, ids, mask, counts, rows=R, model_cfg=cfg)
     return cache.pad_slots(P + N), logits  # as the decode grows it
 
   dots = output_shapes(jax.make_jaxpr(prefill)(params).jaxpr, "dot_general")
@@ -406,7 +407,7 @@ def test_inverse_cdf_draws_follow_softmax_across_blocks():
   rows, v = 40_000, 300
   z_V = np.random.default_rng(3).normal(0.0, 1.5, v)
   z_V[[5, 130, 299]] = -np.inf
-  hist = _draws(sampler.inverse_cdf_sample, z_V, rows, seed=0)
+  hist = _draws(draws.inverse_cdf_sample, z_V, rows, seed=0)
   assert hist[[5, 130, 299]].sum() == 0
   probs = np.exp(_np_log_softmax(z_V))
   stat, df = _chi2(hist, probs, rows)
@@ -441,19 +442,17 @@ def test_nucleus_draws_stay_inside_the_nucleus(v, scale, top_p, path):
   # The sampler's masses: z rounded to float32 (probabilities off by ≤ 2u·max|z| relative), a
   # log-sum-exp over V terms, an exp, a cumulative sum of at most V terms less one: (2V + 6)·u.
   _assert_nucleus_is_decided(mass_before, top_p, (2 * v + 6 + 2 * np.max(np.abs(z_V))) * U)
-  tiers = [t for t in sampler._NUCLEUS_CANDIDATES if t < v]
+  tiers = [t for t in draws._NUCLEUS_CANDIDATES if t < v]
   holds = [f"top-{t}" for t in tiers if len(inside) <= t]
   assert path == (holds[0] if holds else "sort"), (len(inside), tiers)
-  hist = _draws(
-    lambda u, z: sampler._nucleus_sample(u, z, jnp.float32(top_p))[0], z_V, rows, seed=1
-  )
+  hist = _draws(lambda u, z: draws._nucleus_sample(u, z, jnp.float32(top_p))[0], z_V, rows, seed=1)
   assert hist[np.setdiff1d(np.arange(v), inside)].sum() == 0
   stat, df = _chi2(hist[inside], probs[inside] / probs[inside].sum(), rows)
   assert stat < _chi2_upper(df), (stat, df)
   # The log of the nucleus's mass (ℓ_μ = ℓ − log mass), whichever path found it: a difference of
   # two float32 log-sum-exps of z, each within (V + 4)·u·max|z| (tests/rounding.py's terms).
   z_1xV = jnp.asarray(z_V[None], jnp.float32)
-  _, log_mass = sampler._nucleus_sample(jnp.zeros(1), z_1xV, jnp.float32(top_p))
+  _, log_mass = draws._nucleus_sample(jnp.zeros(1), z_1xV, jnp.float32(top_p))
   want = np.log(probs[inside].sum())
   bound = 2 * (v + 4 + 2) * U * float(np.max(np.abs(z_V)))
   np.testing.assert_allclose(float(log_mass[0]), want, rtol=0, atol=bound)

@@ -36,7 +36,7 @@ from sidecar_helpers import (
 from jaxrl.config import ConfigError
 from jaxrl.nn import lora, model
 from jaxrl.nn.arch import model_config
-from jaxrl.rl import losses, step
+from jaxrl.rl import behaviour, scoring
 from jaxrl.rollout.build import build_engine
 from jaxrl.rollout.collect import Collector
 from jaxrl.rollout.engine import JaxEngine, SampleRequest, eval_version, forget_version
@@ -128,7 +128,7 @@ def _served_config(**overrides):
 
 
 def _score(graphdef, params, out, tau):
-  logp, _ = step.logp_responses(
+  logp, _ = scoring.logp_responses(
     graphdef,
     params,
     jnp.asarray(out.prompt_ids_RxP),
@@ -213,7 +213,7 @@ def test_server_logprobs_under_top_p_are_the_nucleus_renormalised(served, monkey
   ids, mask = _prompts(task)
   out = _sample(engine, params, 0, ids, mask, np.array([4, 1, 3]), tau, jax.random.PRNGKey(11))
   rows = (out.prompt_ids_RxP, out.prompt_mask_RxP, out.tokens_RxN, out.mask_RxN)
-  hidden_RxNxD, lm_head_VxD = step.response_hidden(graphdef, params, *map(jnp.asarray, rows))
+  hidden_RxNxD, lm_head_VxD = scoring.response_hidden(graphdef, params, *map(jnp.asarray, rows))
   z_RxNxV = np.asarray(hidden_RxNxD @ lm_head_VxD.T, np.float64) / tau
   tokens, on = np.asarray(out.tokens_RxN), np.asarray(out.mask_RxN)
   want, got, full = [], [], []
@@ -581,7 +581,7 @@ def test_a_bfloat16_server_samples_measurably_off_policy(served, tmp_path):
     for name, engine in (("float32", engine32), ("bfloat16", engine16)):
       out = _sample(engine, sharp, 1, ids, mask, np.full(4, 8), 1.0, jax.random.PRNGKey(5))
       prox = _score(graphdef, sharp, out, 1.0)
-      kl[name] = float(losses.mismatch_kl(prox, out.behaviour_logp_RxN, out.mask_RxN))
+      kl[name] = float(behaviour.mismatch_kl(prox, out.behaviour_logp_RxN, out.mask_RxN))
       diff[name] = np.abs(prox - out.behaviour_logp_RxN)[out.mask_RxN]
   finally:
     engine16.close()

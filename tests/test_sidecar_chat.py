@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from run_helpers import ROOT, tiny_config
 
-from jaxrl.rl import step
+from jaxrl.rl import scoring
 from jaxrl.rollout.build import task_engine
 from jaxrl.rollout.engine import SampleRequest
 from jaxrl.rollout.vllm_engine import VllmEngine
@@ -44,7 +44,7 @@ def test_a_chat_rollouts_log_probs_are_the_trainers_at_every_model_token(warm):
   ids, mask = task.train_prompt_ids[:16], task.train_prompt_mask[:16]
   counts = np.full(16, 4)
   out = engine.generate(params, 0, SampleRequest(ids, mask, counts, jax.random.PRNGKey(5), 1.0))
-  logp, _ = step.logp_responses(
+  logp, _ = scoring.logp_responses(
     trainer.graphdef,
     params,
     jnp.asarray(out.prompt_ids_RxP),

@@ -20,7 +20,7 @@ from run_helpers import ROOT, read_metrics, tiny_config
 
 from jaxrl.nn import model
 from jaxrl.nn.arch import model_config
-from jaxrl.rl import step
+from jaxrl.rl import scoring
 from jaxrl.rollout import multiturn
 from jaxrl.rollout.build import build_engine, task_engine
 from jaxrl.rollout.engine import SampleRequest
@@ -105,7 +105,7 @@ def _request(ids, mask, counts, key, task, qids_R, **more) -> SampleRequest:
 
 
 def _score(graphdef, params, out, tau):
-  logp, _ = step.logp_responses(
+  logp, _ = scoring.logp_responses(
     graphdef,
     params,
     jnp.asarray(out.prompt_ids_RxP),

@@ -39,7 +39,8 @@ BRIEF = dataclasses.replace(train_rm.SETTINGS, steps=60, warmup_steps=10, train_
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
   """tiny:rm's task (the default tiny levels, aligned layout), its reward model trained once."""
-  tcfg = arithmetic_task.task_config(tiny_config("rm"))
+  cfg = tiny_config("rm")
+  tcfg = arithmetic_task.task_config(cfg.task, cfg.seed)
   tok = vocab.build_tokenizer(tmp_path_factory.mktemp("tok"))
   return tcfg, tok, train_rm.train_reward_model(tcfg, tok)
 
@@ -47,7 +48,8 @@ def trained(tmp_path_factory):
 @pytest.fixture(scope="module")
 def briefly_trained(tmp_path_factory):
   """tiny:rm's task, its reward model trained for ``BRIEF``'s few steps."""
-  tcfg = arithmetic_task.task_config(tiny_config("rm"))
+  cfg = tiny_config("rm")
+  tcfg = arithmetic_task.task_config(cfg.task, cfg.seed)
   tok = vocab.build_tokenizer(tmp_path_factory.mktemp("tok"))
   return tcfg, tok, train_rm.train_reward_model(tcfg, tok, BRIEF)
 

@@ -19,7 +19,7 @@ from run_helpers import tiny_config
 
 from jaxrl.config import ConfigError
 from jaxrl.nn import model
-from jaxrl.rl import step
+from jaxrl.rl import scoring, step
 from jaxrl.tasks import builtin
 from jaxrl.tasks.data import arithmetic, tool_calls
 from jaxrl.tasks.data import tokenizer as vocab
@@ -266,7 +266,7 @@ def test_sft_learns_only_the_model_tokens():
   tx = optax.sgd(0.0)
   state = step.init_state(params, tx)
   one = np.float32(1.0)
-  logp_fn = jax.jit(lambda *a: step.logp_responses(graphdef, params, *a, one, 8)[0])
+  logp_fn = jax.jit(lambda *a: scoring.logp_responses(graphdef, params, *a, one, 8)[0])
   logp = logp_fn(prompt_ids, prompt_mask, target_ids, target_mask)
   logp = np.asarray(logp, np.float64)
   update = jax.jit(lambda s, *a: step.sft_update(graphdef, tx, 8, s, *a))

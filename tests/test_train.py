@@ -20,7 +20,7 @@ from run_helpers import read_metrics, rollouts, step_context, tiny_config
 from jaxrl.config import LossConfig
 from jaxrl.nn import arch
 from jaxrl.parallel import sharding
-from jaxrl.rl import losses, step
+from jaxrl.rl import advantages, scoring, step
 from jaxrl.rl.losses import LossHparams
 from jaxrl.rollout.collect import token_mean_entropy
 from jaxrl.run.context import COUNTED_PROGRAMS
@@ -132,8 +132,8 @@ def golden_update(tokenizer_dir) -> Golden:
 def _logp_and_scale(graphdef, params, batch, chunk, tau):
   """The response tokens' log-probs at τ, and the largest |logit/τ| that predicts one."""
   args = (batch.prompt_ids_RxP, batch.prompt_mask_RxP, batch.tokens_RxN, batch.mask_RxN)
-  logp_RxN, _ = step.logp_responses(graphdef, params, *args, tau, chunk)
-  hidden_RxNxD, lm_head_VxD = step.response_hidden(graphdef, params, *args)
+  logp_RxN, _ = scoring.logp_responses(graphdef, params, *args, tau, chunk)
+  hidden_RxNxD, lm_head_VxD = scoring.response_hidden(graphdef, params, *args)
   z_RxNxV = jnp.einsum("rnd,vd->rnv", hidden_RxNxD, lm_head_VxD) / tau
   return logp_RxN, jnp.max(jnp.where(batch.mask_RxN[..., None], jnp.abs(z_RxNxV), 0.0))
 
@@ -174,9 +174,9 @@ def golden_bounds(golden: Golden) -> dict:
   loss_cfg = LossConfig.from_config(cfg)
   on = np.asarray(batch.mask_RxN, bool)
   adv_R = np.asarray(
-    losses.group_advantages(batch.rewards_R, batch.group_ids_R, loss_cfg.num_groups)
+    advantages.group_advantages(batch.rewards_R, batch.group_ids_R, loss_cfg.num_groups)
   )
-  informative_R = losses.informative_rollouts(
+  informative_R = advantages.informative_rollouts(
     batch.rewards_R, batch.group_ids_R, loss_cfg.num_groups
   )
   w = on & np.asarray(informative_R)[:, None]  # the tokens in the loss and its metrics

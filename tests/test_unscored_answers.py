@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from run_helpers import rollouts, step_context, tiny_config
 
-from jaxrl.rl import losses
+from jaxrl.rl import advantages
 from jaxrl.rollout import dynamic
 from jaxrl.run.loop import initial_loop, rl_step
 from jaxrl.tasks.rewards.pool import VerifierPool
@@ -64,8 +64,10 @@ def test_unscored_answers_are_set_aside_from_the_update_and_the_statistics(tmp_p
   assert int(np.asarray(loop.stats.seen_Q).sum()) == int(kept_R.sum())
   assert int(np.asarray(loop.stats.correct_Q).sum()) == int((batch.rewards_R[kept_R] > 0).sum())
   # Advantages: those of the scored rows, each group normalised over its scored rows.
-  adv = np.asarray(losses.group_advantages(batch.rewards_R, batch.group_ids_R, b + 1))
-  alone = np.asarray(losses.group_advantages(batch.rewards_R[kept_R], batch.group_ids_R[kept_R], b))
+  adv = np.asarray(advantages.group_advantages(batch.rewards_R, batch.group_ids_R, b + 1))
+  alone = np.asarray(
+    advantages.group_advantages(batch.rewards_R[kept_R], batch.group_ids_R[kept_R], b)
+  )
   np.testing.assert_array_equal(adv[kept_R], alone)
   assert not adv[aside_R].any()
 

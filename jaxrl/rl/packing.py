@@ -13,7 +13,7 @@ of a few buckets (``bucket``), so the update compiles once per bucket at most. I
 update two numbers per row (its buffer and its offset there, ``Packing``); the rows are split
 into mini- and micro-batches with everything else, so the split acts on sequences and the step's
 semantics do not depend on packing. On the device, ``destinations`` places each row's tokens and
-``rl.step`` reads each response token's log-prob back into the padded [R, N] layout, where the
+``rl.scoring`` reads each response token's log-prob back into the padded [R, N] layout, where the
 loss (every formula of docs/algorithms.md §1-§11, unchanged) reads it.
 """
 
@@ -71,9 +71,9 @@ def bucket(needed: int, rows: int, buckets: int) -> int:
 
 
 def micro_batch_ids(rows: int, mini_batches: int, micro_batches: int) -> np.ndarray:
-  """The micro-batch each of ``rows`` rows lands in (mini-batch-major), as ``rl.step`` splits
-  them: row r goes to mini-batch r % m at index r // m, and index i of a mini-batch to its
-  micro-batch i % μ (strided splits, ``step._split_micro``)."""
+  """The micro-batch each of ``rows`` rows lands in (mini-batch-major), as ``rl.micro_batches``
+  splits them: row r goes to mini-batch r % m at index r // m, and index i of a mini-batch to its
+  micro-batch i % μ (strided splits, ``split_micro``)."""
   r_R = np.arange(rows)
   return (r_R % mini_batches) * micro_batches + (r_R // mini_batches) % micro_batches
 

@@ -20,7 +20,7 @@ import optax
 from jaxrl.config import EEPOSection, LossConfig, LossSection, ModelSection, OptimSection
 from jaxrl.nn import lora
 from jaxrl.parallel import sharding
-from jaxrl.rl import optim, step
+from jaxrl.rl import forget, optim, scoring, step
 from jaxrl.types import TrainState
 
 
@@ -173,7 +173,7 @@ class Programs:
     return self._once(
       ("logp", chunk),
       lambda: jax.jit(
-        functools.partial(step.logp_responses_chunked, self.graphdef, chunk_size=chunk),
+        functools.partial(scoring.logp_responses_chunked, self.graphdef, chunk_size=chunk),
         static_argnames=("micro",),
       ),
     )
@@ -185,7 +185,7 @@ class Programs:
       ("forget", fc),
       lambda: jax.jit(
         functools.partial(
-          step.eepo_forget,
+          forget.eepo_forget,
           self.graphdef,
           fc.logprob_chunk,
           lr=fc.lr,

@@ -8,7 +8,7 @@ smaller batch bucket (``row_buckets``: R, then powers of two down to ``MIN_BUCKE
 batch's responses into the R-row result and gathers the live rows (their KV cache, logits and
 buffers) into that bucket; the bucket's spare slots hold finished copies, written nowhere.
 
-A row draws its own uniforms whichever rows share its batch (``sampler._draw`` with ``row_R``), so
+A row draws its own uniforms whichever rows share its batch (``draws.draw`` with ``row_R``), so
 for the same key the tokens are ``sampler.generate``'s and the log-probs and entropies equal theirs
 within float32 rounding: XLA's CPU products sum a batch of another size in another order (about
 1e-6 at the test's model). A token could differ only where its uniform falls within that rounding

@@ -7,7 +7,7 @@ of ``</calc>``); the host's ``respond`` callback answers with observation tokens
 continues. Turns run in lockstep over the R rows, as host-driven jitted programs that each
 compile once per run (their shapes are fixed by R, P, N, T and O; the turn's start is traced):
 
-  ``prefill_program``   expand B prompts to R rows, prefill once per prompt (``sampler.prefill_rows``)
+  ``prefill_program``   expand B prompts to R rows, prefill once per prompt (``prefill.prefill_rows``)
   ``turn_program``      one model turn: a ``while_loop`` of at most T = ``max_turn_tokens`` steps
                         that stops when every row's turn ended
   ``observe_program``   O = ``max_observation_tokens`` observation positions for every row, filled
@@ -27,10 +27,10 @@ the environment calls done finishes after its observation.
 
 Gaps are invisible to the model: the cache slot of a gap is not valid (``kv_valid_RxS``) and
 RoPE positions count real tokens only, so the log-probs are those of a forward without a cache
-over ``prompt ++ response`` with ``positions_from_mask`` (the update's, ``rl/step.py:
+over ``prompt ++ response`` with ``positions_from_mask`` (the update's, ``rl/scoring.py:
 response_hidden``). Response token n sits in cache slot P + n, as in the single-turn sampler,
-whose token draw (``sampler._draw``: the draw of token n keyed by ``fold_in(key, n)``), request
-checks (``sampler.request_arrays``) and prefilled rows (``sampler.prefill_rows``) this module
+whose token draw (``draws.draw``: the draw of token n keyed by ``fold_in(key, n)``), request
+checks (``sampler.request_arrays``) and prefilled rows (``prefill.prefill_rows``) this module
 shares.
 """
 
@@ -47,8 +47,9 @@ import numpy as np
 from jaxrl.nn import kv_cache, model
 from jaxrl.nn.logprobs import logits_f32
 from jaxrl.parallel import distributed
-from jaxrl.rollout import sampler
-from jaxrl.rollout.sampler import _draw, _put, stop_ids
+from jaxrl.rollout import prefill, sampler
+from jaxrl.rollout.draws import draw
+from jaxrl.rollout.sampler import _put, stop_ids
 from jaxrl.types import Array, Rollouts, pytree_dataclass
 
 # respond(asked_R, turn_tokens) -> (observation_ids, done_R). ``asked_R`` [R] marks the rows whose
@@ -150,7 +151,7 @@ class _TurnState:
   mask_RxN: Array  # bool, every real token (model and environment)
   loss_mask_RxN: Array  # bool, the model's tokens
   logp_RxN: Array  # ℓ, full softmax(z/τ)
-  behaviour_logp_RxN: Array  # ℓ_μ, the distribution sampled (``sampler._draw``)
+  behaviour_logp_RxN: Array  # ℓ_μ, the distribution sampled (``draws.draw``)
   entropy_RxN: Array
   next_pos_R: Array  # i32, real tokens so far: the RoPE position of the row's next token
   in_turn_R: Array  # bool, still decoding this turn
@@ -179,7 +180,7 @@ def prefill_program(
 ):
   """The R prompt rows, their masks and group ids, and the state before the first turn."""
   (R, N), P = (num_rollouts, max_new_tokens), prompt_ids_BxP.shape[1]
-  rows = sampler.prefill_rows(
+  rows = prefill.prefill_rows(
     graphdef,
     params,
     prompt_ids_BxP,
@@ -231,7 +232,7 @@ class _Turn:
   def emit(self, st: _TurnState) -> _TurnState:
     """Choose position n's token for the rows in their turn; the others get a gap there."""
     live_R, P = st.in_turn_R, _prompt_width(st)
-    tok_R, logp_R, behaviour_R, entropy_R = _draw(
+    tok_R, logp_R, behaviour_R, entropy_R = draw(
       self.key, st.n, st.logits_RxV, self.tau, self.top_p, self.greedy, live_R, self.pad_id
     )
     called_R = st.called_R

@@ -17,7 +17,8 @@ slot P+n, and ``kv_valid_RxS`` marks the real slots, so RoPE positions and atten
 no-cache forward over ``prompt ++ response`` with ``positions_from_mask``.
 
 The loop decodes every row until the last one finishes; ``jaxrl.rollout.compaction`` runs the same
-decode with the finished rows dropped between chunks of steps (``rollout.compact_every``).
+decode with the finished rows dropped between chunks of steps (``rollout.compact_every``). The rows
+start from ``rollout.prefill``'s set-up; each token is drawn by ``rollout.draws``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.nn import kv_cache, model
-from jaxrl.nn.logprobs import logits_f32, logprobs_entropy_from_logits
+from jaxrl.nn.logprobs import logits_f32
+from jaxrl.rollout.draws import draw
+from jaxrl.rollout.prefill import prefill_rows
 from jaxrl.types import Array, Rollouts, pytree_dataclass, static_field
 
 
@@ -50,188 +53,9 @@ class _DecodeState:
   finished_R: Array
 
 
-# Sampling inverts the CDF of softmax(z) with one uniform per row (``inverse_cdf_sample``), where
-# ``jax.random.categorical`` adds V Gumbel noises (a threefry pass and two logs per vocabulary entry):
-# measured at 64 rows on 2 AVX2 cores, 1.9 ms of a ~13 ms decode step at vocab 2048 and 235 ms per
-# step at 151,936, against 0.2 and 21 ms. The same key therefore draws other tokens than
-# categorical would; the distribution is the same (chi-square tests in tests/test_sampler.py).
-_CDF_BLOCK = 128  # vocabulary entries per block of the two-level search
-_NUCLEUS_CANDIDATES = (64, 1024)  # top-k tiers the nucleus is looked for in before a sort
-
-
-def _invert(cdf_RxI: Array, u_R: Array, weight_RxI: Array) -> Array:
-  """Index of the first entry whose cumulative weight exceeds u, per row: the entry whose CDF
-  interval holds u. Rounding can leave u at or past the last cumulative value; then the last entry
-  with weight is taken, so an entry of weight 0 (a -inf logit, padding) is never returned."""
-  i = cdf_RxI.shape[-1]
-  below_R = jnp.sum(cdf_RxI <= u_R[:, None], axis=-1, dtype=jnp.int32)
-  last_with_weight_R = i - 1 - jnp.argmax(weight_RxI[:, ::-1] > 0, axis=-1).astype(jnp.int32)
-  return jnp.minimum(below_R, last_with_weight_R)
-
-
-def inverse_cdf_sample(u_R: Array, z_RxV: Array) -> Array:
-  """One token per row from softmax(z), exactly in distribution, from one uniform on [0, 1) per
-  row (``u_R``).
-
-  Two levels keep it one pass over the vocabulary: the block of ``_CDF_BLOCK`` entries holding u
-  (a cumsum over V / 128 block masses), then the entry inside that block (a cumsum over 128).
-  Weights are exp(z - max z), unnormalised: u is scaled to [0, total weight).
-  """
-  r, v = z_RxV.shape
-  blocks = -(-v // _CDF_BLOCK)
-  w_RxV = jnp.exp(z_RxV - jnp.max(z_RxV, axis=-1, keepdims=True))  # 0 where z = -inf
-  w_RxOxI = jnp.pad(w_RxV, ((0, 0), (0, blocks * _CDF_BLOCK - v))).reshape(r, blocks, -1)
-  mass_RxO = jnp.sum(w_RxOxI, axis=-1)
-  cdf_RxO = jnp.cumsum(mass_RxO, axis=-1)
-  u_R = u_R * cdf_RxO[:, -1]
-  block_R = _invert(cdf_RxO, u_R, mass_RxO)
-  before_R = jnp.where(
-    block_R > 0, jnp.take_along_axis(cdf_RxO, jnp.maximum(block_R - 1, 0)[:, None], -1)[:, 0], 0.0
-  )
-  w_RxI = jnp.take_along_axis(w_RxOxI, block_R[:, None, None], axis=1)[:, 0]
-  within_R = _invert(jnp.cumsum(w_RxI, axis=-1), u_R - before_R, w_RxI)
-  return block_R * _CDF_BLOCK + within_R
-
-
-def _sample_sorted_nucleus(
-  u_R, z_sorted_RxI, ids_sorted_RxI, p_sorted_RxI, top_p, log_norm_Rx1
-) -> tuple[Array, Array]:
-  """Sample among the most likely tokens (sorted by probability, ``p_sorted`` normalised over the
-  full vocabulary, whose log-normaliser is ``log_norm``) the smallest top set whose mass reaches
-  top_p. Returns the tokens and the log of that set's mass: ℓ_μ = ℓ − log mass."""
-  mass_before_RxI = jnp.cumsum(p_sorted_RxI, axis=-1) - p_sorted_RxI
-  # The most likely token is always kept, so top_p -> 0 degrades to greedy, never to nothing.
-  keep_RxI = (mass_before_RxI < top_p) | (jnp.arange(z_sorted_RxI.shape[-1]) == 0)
-  z_kept_RxI = jnp.where(keep_RxI, z_sorted_RxI, -jnp.inf)
-  rank_R = inverse_cdf_sample(u_R, z_kept_RxI)
-  log_mass_R = jax.nn.logsumexp(z_kept_RxI, axis=-1) - log_norm_Rx1[:, 0]
-  return jnp.take_along_axis(ids_sorted_RxI, rank_R[:, None], axis=-1)[:, 0], log_mass_R
-
-
-def _nucleus_sample(u_R: Array, z_RxV: Array, top_p: Array) -> tuple[Array, Array]:
-  """Sample from softmax(z) restricted to the smallest top set whose mass reaches top_p: the
-  tokens and the log of the set's mass (``_sample_sorted_nucleus``).
-
-  The nucleus is looked for among the top ``_NUCLEUS_CANDIDATES[0]`` tokens (``lax.top_k``: 1.2 ms
-  at 64 rows x 2048, 18 ms at 151,936, where sorting the whole vocabulary takes 25 ms and 2.8 s);
-  when their mass falls short of top_p in some row (a flatter distribution) among the next tier's,
-  and only past the last tier is the vocabulary sorted. Whichever path, the kept set is the same.
-  """
-  v = z_RxV.shape[-1]
-  log_norm_Rx1 = jax.nn.logsumexp(z_RxV, axis=-1, keepdims=True)
-
-  def full_sort():
-    ids_RxV = jax.lax.broadcasted_iota(jnp.int32, z_RxV.shape, 1)
-    neg_z_sorted_RxV, ids_sorted_RxV = jax.lax.sort_key_val(-z_RxV, ids_RxV, dimension=-1)
-    z_sorted_RxV = -neg_z_sorted_RxV
-    p_sorted_RxV = jnp.exp(z_sorted_RxV - log_norm_Rx1)
-    return _sample_sorted_nucleus(
-      u_R, z_sorted_RxV, ids_sorted_RxV, p_sorted_RxV, top_p, log_norm_Rx1
-    )
-
-  def among_top(tiers):
-    if not tiers or tiers[0] >= v:
-      return full_sort()
-    z_top_RxI, ids_top_RxI = jax.lax.top_k(z_RxV, tiers[0])
-    p_top_RxI = jnp.exp(z_top_RxI - log_norm_Rx1)
-    return jax.lax.cond(
-      jnp.all(jnp.sum(p_top_RxI, axis=-1) >= top_p),
-      lambda: _sample_sorted_nucleus(u_R, z_top_RxI, ids_top_RxI, p_top_RxI, top_p, log_norm_Rx1),
-      lambda: among_top(tiers[1:]),
-    )
-
-  return among_top(_NUCLEUS_CANDIDATES)
-
-
-def _choose(
-  u_R: Array, logits_RxV: Array, tau: Array, top_p: Array, greedy: bool
-) -> tuple[Array, Array]:
-  """Next token per row: argmax, or a sample from the top-p nucleus of softmax(z/τ); and the log
-  of the sampled set's mass under softmax(z/τ), 0 when it is the whole vocabulary (top_p = 1, and
-  greedy decoding, whose ℓ_μ is reported as the full softmax's: evaluation never trains on it)."""
-  if greedy:
-    tok_R = jnp.argmax(logits_RxV, axis=-1).astype(jnp.int32)
-    return tok_R, jnp.zeros(tok_R.shape, jnp.float32)
-  z_RxV = logits_RxV / tau
-
-  def whole_vocabulary():
-    tok_R = inverse_cdf_sample(u_R, z_RxV)
-    return tok_R, jnp.zeros(tok_R.shape, jnp.float32)
-
-  # top_p = 1 skips the nucleus search; its cumsum can also round just past 1 and drop tail tokens.
-  return jax.lax.cond(top_p < 1.0, lambda: _nucleus_sample(u_R, z_RxV, top_p), whole_vocabulary)
-
-
-def _draw(
-  key, n, logits_RxV, tau, top_p, greedy: bool, live_R, pad_id: int, row_R=None, num_rows=None
-):
-  """Token n of each row from its logits, with ℓ (the full softmax at τ), ℓ_μ (the distribution
-  drawn from: the nucleus renormalised) and the entropy at τ; ``pad_id`` and 0, 0, 0 in the rows
-  not ``live_R``.
-
-  Token n's draws are the ``num_rows`` uniforms keyed by ``fold_in(key, n)``, one per rollout row;
-  a compacted batch (``row_R``: the rollout row each of its rows holds, ``num_rows`` or more in a
-  slot that holds none) takes its rows' own, so a row draws the same tokens whichever rows share
-  its batch. Without ``row_R`` batch row r is rollout row r."""
-  rows = logits_RxV.shape[0] if row_R is None else num_rows
-  u_R = jax.random.uniform(jax.random.fold_in(key, n), (rows,), jnp.float32)
-  if row_R is not None:
-    u_R = jnp.take(u_R, row_R, mode="clip")
-  tok_R, log_mass_R = _choose(u_R, logits_RxV, tau, top_p, greedy)
-  logp_R, entropy_R = logprobs_entropy_from_logits(logits_RxV, tok_R, tau)
-  return (
-    jnp.where(live_R, tok_R, pad_id),
-    jnp.where(live_R, logp_R, 0.0),
-    jnp.where(live_R, logp_R - log_mass_R, 0.0),
-    jnp.where(live_R, entropy_R, 0.0),
-  )
-
-
 def _put(x_RxN: Array, col_R: Array, n: Array) -> Array:
   """``x_RxN`` with column ``n`` replaced by ``col_R`` (cast to the buffer's dtype)."""
   return jax.lax.dynamic_update_slice_in_dim(x_RxN, col_R[:, None].astype(x_RxN.dtype), n, 1)
-
-
-def _expand(prompt_ids_BxP: Array, prompt_mask_BxP: Array, counts_B: Array, num_rollouts: int):
-  """Repeat question i's prompt counts_B[i] times: the R prompt rows, their masks and group ids.
-
-  The static ``total_repeat_length`` keeps R fixed, so new counts (same R) reuse the compilation.
-  """
-
-  def expand(x_B):
-    return kv_cache.repeat_by_counts(x_B, counts_B, num_rollouts)
-
-  prompt_ids_RxP = expand(prompt_ids_BxP).astype(jnp.int32)
-  prompt_mask_RxP = expand(prompt_mask_BxP).astype(bool)
-  group_ids_R = expand(jnp.arange(prompt_ids_BxP.shape[0], dtype=jnp.int32))
-  return prompt_ids_RxP, prompt_mask_RxP, group_ids_R
-
-
-def _prefill(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, *, rows, model_cfg):
-  """Run each distinct prompt through the model once, then give each of its counts_B[i] rollouts
-  a copy of its cache (``rows`` rows in all, P slots: the decode grows it, ``sample_program``).
-
-  A GRPO batch repeats every prompt G times: prefilling the B prompts rather than the R = Σ G_i
-  rows does 1/G of the work (vLLM's prefix cache does the same for a request's n samples; HF
-  ``generate`` prefills every row). The rows are independent, so the values are those of a
-  prefill over the R rows. Returns the R-row cache and the logits that predict token 0.
-  """
-  cache = model.init_cache(
-    model_cfg, prompt_ids_BxP.shape[0], prompt_ids_BxP.shape[1], jnp.dtype(model_cfg.dtype)
-  )
-  hidden_BxPxD, lm_head_VxD, cache = model.forward(
-    graphdef,
-    params,
-    prompt_ids_BxP,
-    model.positions_from_mask(prompt_mask_BxP),
-    prompt_mask_BxP,
-    cache,
-    0,
-  )
-  # Token 0 comes from the prefill's last slot (P-1 holds every row's last prompt token).
-  logits_BxV = logits_f32(hidden_BxPxD[:, -1], lm_head_VxD)
-  logits_RxV = kv_cache.repeat_by_counts(logits_BxV, counts_B, rows)
-  return cache.repeat_rows(counts_B, rows), logits_RxV
 
 
 def _initial_state(cache, kv_valid_RxS, logits_RxV, *, max_new_tokens, pad_id) -> _DecodeState:
@@ -269,13 +93,13 @@ class _Decoder:
   eos_id: tuple[int, ...] = static_field()
   pad_id: int = static_field()
   greedy: bool = static_field()
-  row_R: Array | None = None  # a compacted batch's rollout rows (``_draw``); None: row r is row r
+  row_R: Array | None = None  # a compacted batch's rollout rows (``draw``); None: row r is row r
   num_rows: int | None = static_field(default=None)  # the rollout rows, with ``row_R``
 
   def emit(self, st: _DecodeState) -> _DecodeState:
     """Choose token n from ``st.logits_RxV`` and record it (pad and masked once a row finished)."""
     live_R = ~st.finished_R
-    tok_R, logp_R, behaviour_R, entropy_R = _draw(
+    tok_R, logp_R, behaviour_R, entropy_R = draw(
       self.key,
       st.n,
       st.logits_RxV,
@@ -429,44 +253,6 @@ def begin(
     )
   )
   return decoder, st, (rows.prompt_ids_RxP, rows.prompt_mask_RxP, rows.group_ids_R)
-
-
-@pytree_dataclass
-class Prefilled:
-  """R rollout rows before their token 0: where every decode starts, single- or multi-turn."""
-
-  prompt_ids_RxP: Array  # i32
-  prompt_mask_RxP: Array  # bool
-  group_ids_R: Array  # i32, the row's prompt
-  prompt_len_R: Array  # i32, real prompt tokens: the RoPE position of response token 0
-  cache: kv_cache.KVCache  # the prompts' keys and values, P slots
-  kv_valid_RxS: Array  # bool over P + N slots: the real prompt slots, none of the response's yet
-  logits_RxV: Array  # f32, predict token 0
-
-
-def prefill_rows(
-  graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, *, rows, max_new_tokens, model_cfg
-) -> Prefilled:
-  """Expand the B prompts to ``rows`` = R rows (``_expand``) and prefill them (``_prefill``: once
-  per distinct prompt), for responses of at most ``max_new_tokens`` tokens."""
-  prompt_ids_RxP, prompt_mask_RxP, group_ids_R = _expand(
-    prompt_ids_BxP, prompt_mask_BxP, counts_B, rows
-  )
-  cache, logits_RxV = _prefill(
-    graphdef, params, prompt_ids_BxP, prompt_mask_BxP, counts_B, rows=rows, model_cfg=model_cfg
-  )
-  return Prefilled(
-    prompt_ids_RxP=prompt_ids_RxP,
-    prompt_mask_RxP=prompt_mask_RxP,
-    group_ids_R=group_ids_R,
-    # Response token n sits at RoPE position prompt_len + n (no gap after a left-padded prompt).
-    prompt_len_R=jnp.sum(prompt_mask_RxP, axis=-1, dtype=jnp.int32),
-    cache=cache,
-    kv_valid_RxS=jnp.concatenate(
-      [prompt_mask_RxP, jnp.zeros((rows, max_new_tokens), bool)], axis=1
-    ),
-    logits_RxV=logits_RxV,
-  )
 
 
 def generate(

@@ -24,17 +24,17 @@ from jaxrl.tasks.rewards.arithmetic import FinalAnswerScorer
 NAME = "arithmetic"
 
 
-# Config: the task section and the run's seed; tasks/rewards/train_rm.py calls it with the run's.
-def task_config(cfg: Config) -> arithmetic.TaskConfig:
-  levels = builtin.task_levels(cfg.task, arithmetic.parse_levels)
+def task_config(task: TaskSection, seed: int) -> arithmetic.TaskConfig:
+  """The problems' config (``seed``: the run's); tasks/rewards/train_rm.py builds the same one."""
+  levels = builtin.task_levels(task, arithmetic.parse_levels)
   return arithmetic.TaskConfig(
     levels=levels,
-    sft_level_weights=builtin.sft_level_weights(cfg.task, levels, arithmetic.parse_levels),
-    num_train_per_level=cfg.task.num_train_per_level,
-    num_heldout_per_level=cfg.task.num_heldout_per_level,
-    seed=cfg.seed,
-    reverse_answer=cfg.task.reverse_answer,
-    digit_width=cfg.task.digit_width,
+    sft_level_weights=builtin.sft_level_weights(task, levels, arithmetic.parse_levels),
+    num_train_per_level=task.num_train_per_level,
+    num_heldout_per_level=task.num_heldout_per_level,
+    seed=seed,
+    reverse_answer=task.reverse_answer,
+    digit_width=task.digit_width,
   )
 
 
@@ -67,7 +67,7 @@ def load(cfg: Config, tokenizer_dir: str) -> dict:
   tools = cfg.task.environment == calculator.NAME
   if tools:
     tools_task.check(cfg.task)
-  tcfg = task_config(cfg)
+  tcfg = task_config(cfg.task, cfg.seed)
   tok = vocab.build_tokenizer(tokenizer_dir, tokenizer_variant(cfg.task))
   p, n = prompt_len(cfg.task, tcfg.levels), cfg.rollout.max_new_tokens
   num_sft, sft_seed = builtin.sft_draws(cfg.sft, cfg.seed)

@@ -15,7 +15,7 @@ import typing
 import numpy as np
 
 from jaxrl.config import RewardCombine
-from jaxrl.rl.losses import group_advantages
+from jaxrl.rl.advantages import group_advantages
 
 COMBINE_RULES = typing.get_args(RewardCombine)
 

@@ -314,7 +314,7 @@ def builtin_dir(cfg: Config, settings: Settings | None = None, workdir: str | No
       f"model:{NAME} is trained on the arithmetic task without tools "
       f"(task.name = {cfg.task.name!r}, task.environment = {cfg.task.environment!r})",
     )
-  tcfg = arithmetic_task.task_config(cfg)
+  tcfg = arithmetic_task.task_config(cfg.task, cfg.seed)
   root = pathlib.Path(workdir) if workdir else cache_root()
   path = root / f"{NAME}-{cache_key(tcfg, settings)}"
   path.parent.mkdir(parents=True, exist_ok=True)
