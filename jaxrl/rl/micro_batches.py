@@ -18,8 +18,8 @@ def split_micro(tree, micro: int):
 
   Rows are sharded over the data axes in contiguous blocks, one per device; a strided split gives
   every chunk an equal share of every device's block, so each chunk stays data-parallel. (A
-  contiguous split put a whole chunk on 1/micro of the devices: measured with --plan on the 7B
-  config, 745 → 165 GiB of XLA temp per device.)
+  contiguous split would put a whole chunk on 1/micro of the devices, which then hold its
+  activations alone: up to micro times the memory per device, as ``--plan`` shows.)
   """
   return jax.tree.map(
     lambda x: jnp.swapaxes(x.reshape(x.shape[0] // micro, micro, *x.shape[1:]), 0, 1), tree

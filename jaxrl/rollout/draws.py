@@ -17,9 +17,9 @@ from jaxrl.nn.logprobs import logprobs_entropy_from_logits
 from jaxrl.types import Array
 
 # Sampling inverts the CDF of softmax(z) with one uniform per row (``inverse_cdf_sample``), where
-# ``jax.random.categorical`` adds V Gumbel noises (a threefry pass and two logs per vocabulary entry):
-# measured at 64 rows on 2 AVX2 cores, 1.9 ms of a ~13 ms decode step at vocab 2048 and 235 ms per
-# step at 151,936, against 0.2 and 21 ms. The same key therefore draws other tokens than
+# ``jax.random.categorical`` adds V Gumbel noises (a threefry pass and two logs per vocabulary entry),
+# a cost per token that grows with the vocabulary and rivals the decode step's own work at
+# 151,936 entries. The same key therefore draws other tokens than
 # categorical would; the distribution is the same (chi-square tests in tests/test_sampler.py).
 _CDF_BLOCK = 128  # vocabulary entries per block of the two-level search
 _NUCLEUS_CANDIDATES = (64, 1024)  # top-k tiers the nucleus is looked for in before a sort
@@ -78,8 +78,9 @@ def _nucleus_sample(u_R: Array, z_RxV: Array, top_p: Array) -> tuple[Array, Arra
   """Sample from softmax(z) restricted to the smallest top set whose mass reaches top_p: the
   tokens and the log of the set's mass (``_sample_sorted_nucleus``).
 
-  The nucleus is looked for among the top ``_NUCLEUS_CANDIDATES[0]`` tokens (``lax.top_k``: 1.2 ms
-  at 64 rows x 2048, 18 ms at 151,936, where sorting the whole vocabulary takes 25 ms and 2.8 s);
+  The nucleus is looked for among the top ``_NUCLEUS_CANDIDATES[0]`` tokens (``lax.top_k``, a
+  partial selection, where a sort of the whole vocabulary costs two orders of magnitude more at
+  151,936 entries);
   when their mass falls short of top_p in some row (a flatter distribution) among the next tier's,
   and only past the last tier is the vocabulary sorted. Whichever path, the kept set is the same.
   """
