@@ -859,12 +859,12 @@ def stage_lora_vs_plan(ctx: Stage) -> None:
   from jaxrl.rl import step
   from jaxrl.rl.losses import LossHparams
   from jaxrl.rl.programs import Programs, reference_copy
-  from jaxrl.run import plan
+  from jaxrl.run import plan, plan_estimate
   from jaxrl.types import Rollouts
 
   cfg = _lora_config(ctx)
   pc = run_phases(cfg)[0].cfg
-  R, P, N = pc.num_rollouts, plan.prompt_len(pc), pc.rollout.max_new_tokens
+  R, P, N = pc.num_rollouts, plan_estimate.prompt_len(pc), pc.rollout.max_new_tokens
   ctx.report(device=_device(), config="configs/qwen7b.py:lora", rows=R, prompt=P, response=N)
   the_plan = plan.build(cfg, rollout_side=False)
   ph = the_plan.phases[0]
