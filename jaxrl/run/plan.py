@@ -147,9 +147,6 @@ def grad_copies(pc: Config) -> int:
   return 2 if pc.loss.micro_batches > 1 else 1
 
 
-# -- shapes and shardings ---------------------------------------------------------------------------
-
-
 def architecture(cfg: Config) -> tuple[model.ModelConfig, str]:
   """The checkpoint's config.json when it is there, else the model section; and which one."""
   m = cfg.model
