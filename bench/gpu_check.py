@@ -366,7 +366,7 @@ def _hf_parity(tmp: str) -> dict:
   from hf_fixtures import our_logits
   from rounding import logits_atol
 
-  from jaxrl.nn import attention, hf
+  from jaxrl.nn import attention, hf_load
 
   path = hf_fixtures.make_tiny_hf("qwen2", False, os.path.join(tmp, "qwen2"))
   dev = _torch_device()
@@ -384,12 +384,12 @@ def _hf_parity(tmp: str) -> dict:
     return net(input_ids=ids, attention_mask=m, position_ids=positions).logits.float().cpu().numpy()
 
   ref = hf_logits(torch.float32)
-  cfg, graphdef, params = hf.load_hf_checkpoint(path)
+  cfg, graphdef, params = hf_load.load_hf_checkpoint(path)
   diff = float(np.max(np.abs(our_logits(graphdef, params, tokens, mask) - ref)[mask]))
   atol = logits_atol(cfg, ref[mask], t)
   # bfloat16: not a rounding bound but HF's own bf16 error, as test_hf_parity's bf16 test (1.5x)
   hf_err = np.abs(hf_logits(torch.bfloat16) - ref)[mask]
-  cfg16, graphdef16, params16 = hf.load_hf_checkpoint(
+  cfg16, graphdef16, params16 = hf_load.load_hf_checkpoint(
     path, dtype=jnp.bfloat16, compute_dtype="bfloat16"
   )
   err = np.abs(our_logits(graphdef16, params16, tokens, mask) - ref)[mask]
@@ -446,11 +446,11 @@ def _greedy_vs_hf(tmp: str) -> dict:
   import transformers
   from rounding import U, chain_terms
 
-  from jaxrl.nn import hf
+  from jaxrl.nn import hf_load
   from jaxrl.rollout import sampler
 
   path = hf_fixtures.make_tiny_hf("qwen2", False, os.path.join(tmp, "qwen2-greedy"))
-  cfg, graphdef, params = hf.load_hf_checkpoint(path)
+  cfg, graphdef, params = hf_load.load_hf_checkpoint(path)
   ids, mask = ts.left_pad([[15, 99, 3, 42, 7, 120], [61, 8, 150]], 6)
   new, eos = 12, cfg.vocab_size - 1
   out = sampler.generate(
@@ -859,12 +859,12 @@ def stage_lora_vs_plan(ctx: Stage) -> None:
   from jaxrl.rl import step
   from jaxrl.rl.losses import LossHparams
   from jaxrl.rl.programs import Programs, reference_copy
-  from jaxrl.run import plan
+  from jaxrl.run import plan, plan_estimate
   from jaxrl.types import Rollouts
 
   cfg = _lora_config(ctx)
   pc = run_phases(cfg)[0].cfg
-  R, P, N = pc.num_rollouts, plan.prompt_len(pc), pc.rollout.max_new_tokens
+  R, P, N = pc.num_rollouts, plan_estimate.prompt_len(pc), pc.rollout.max_new_tokens
   ctx.report(device=_device(), config="configs/qwen7b.py:lora", rows=R, prompt=P, response=N)
   the_plan = plan.build(cfg, rollout_side=False)
   ph = the_plan.phases[0]

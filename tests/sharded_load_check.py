@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
-from jaxrl.nn import hf, hf_config, model
+from jaxrl.nn import hf, hf_config, hf_load, model
 from jaxrl.parallel import sharding  # noqa: E402
 
 # 66.6 M params (266 MB in float32): the embedding and LM head are 13% of it each, an MLP kernel 5%.
@@ -96,7 +96,7 @@ def measure_load(path, mesh, scan: bool) -> dict:
   rss_before = _status("VmRSS")
   tracemalloc.start()
   start = time.perf_counter()
-  _, _, params = hf.load_hf_checkpoint(path, shardings=planned, scan_layers=scan)
+  _, _, params = hf_load.load_hf_checkpoint(path, shardings=planned, scan_layers=scan)
   jax.block_until_ready(params)
   seconds = time.perf_counter() - start
   numpy_peak = tracemalloc.get_traced_memory()[1]

@@ -27,7 +27,7 @@ import tensorstore as ts
 from run_helpers import ROOT, read_metrics
 from stalled_log import stall_absl_errors
 
-from jaxrl.workdir import checkpoint
+from jaxrl.workdir import checkpoint_failures
 from jaxrl.workdir.checkpoint import Checkpointer
 
 LIMIT = 100_000  # bytes: below the tree's data file in the unit test
@@ -134,7 +134,7 @@ def stalled_orbax_log():
   finally:
     os.set_blocking(read_fd, False)
     deadline = time.monotonic() + 60
-    while checkpoint.unsettled() and time.monotonic() < deadline:
+    while checkpoint_failures.unsettled() and time.monotonic() < deadline:
       with contextlib.suppress(BlockingIOError):
         os.read(read_fd, 1 << 20)
       time.sleep(0.01)
@@ -159,11 +159,11 @@ def test_a_write_that_never_settles_fails_within_the_timeout(tmp_path, file_size
     assert ckpt.save(3, tree, {"step": 3}) is False
     ckpt.close()
     elapsed = time.monotonic() - start
-    assert checkpoint.unsettled()  # orbax's threads are still blocked
+    assert checkpoint_failures.unsettled()  # orbax's threads are still blocked
     assert ckpt.failed == [2, 3] and ckpt.latest_step() == 1
     assert ckpt.last_error == "not started: the write of step 2 did not finish within 1 s"
     assert elapsed < 30, elapsed  # it gave up (a blocked wait never returns)
-  assert not checkpoint.unsettled()
+  assert not checkpoint_failures.unsettled()
   file_size_limit(None)
   assert ckpt.save(4, tree, {"step": 4})  # the blocked write ended: orbax takes writes again
   ckpt.close()

@@ -13,7 +13,7 @@ from run_helpers import ROOT, tiny_config
 from safetensors import safe_open
 
 from jaxrl.config import from_configdict
-from jaxrl.nn import hf
+from jaxrl.nn import hf_load
 from jaxrl.run import cli, weights
 from jaxrl.run.train import Trainer
 from jaxrl.workdir.checkpoint import Checkpointer
@@ -160,7 +160,7 @@ def test_export_writes_any_checkpoint_in_hf_layout(tmp_path, file_size_limit):
     shardings,
   )
   for out, step in ((middle, 3), (latest, 6)):
-    ours = hf.load_hf_checkpoint(out, shardings=shardings)[2]
+    ours = hf_load.load_hf_checkpoint(out, shardings=shardings)[2]
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(_restored(run, step, abstract))):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)

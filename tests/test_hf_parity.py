@@ -1,4 +1,4 @@
-"""HF checkpoint import/export (jaxrl.nn.hf) against transformers' own Qwen2/Qwen3/Llama as the oracle.
+"""HF checkpoint import/export (jaxrl.nn.hf_load, jaxrl.nn.hf) against transformers' own Qwen2/Qwen3/Llama as the oracle.
 
 Tiny random models (GQA, float32, non-trivial norms and biases; Llama with llama3 RoPE scaling) are
 saved with ``save_pretrained`` as several shards; our forward on the loaded params, in the loop and
@@ -29,7 +29,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
-from jaxrl.nn import hf, hf_config, model
+from jaxrl.nn import hf, hf_config, hf_load, hf_safetensors, model
 from jaxrl.parallel import sharding  # noqa: E402
 
 KINDS = [(k, t) for k in hf_fixtures.KINDS for t in (False, True)]
@@ -48,7 +48,7 @@ def hf_dirs(tmp_path_factory):
 
 
 def _load(path, layout="loop", **kwargs):
-  return hf.load_hf_checkpoint(path, scan_layers=layout == "scan", **kwargs)
+  return hf_load.load_hf_checkpoint(path, scan_layers=layout == "scan", **kwargs)
 
 
 def _assert_logits_match(ours_BxTxV, ref_BxTxV, mask_BxT, cfg):
@@ -233,7 +233,9 @@ def test_reading_in_small_chunks_gives_the_same_params(hf_dirs, monkeypatch, lay
   """Rows read a few at a time (transposed, cast) land where one big read puts them."""
   path = hf_dirs["qwen2", True]
   reference = [_load(path, layout, dtype=d)[2] for d in (jnp.float32, jnp.bfloat16)]
-  monkeypatch.setattr(hf, "_READ_CHUNK_BYTES", 1000)  # 3 rows of 64 float32, 1 row of 96
+  monkeypatch.setattr(
+    hf_safetensors, "_READ_CHUNK_BYTES", 1000
+  )  # 3 rows of 64 float32, 1 row of 96
   for d, ref in zip((jnp.float32, jnp.bfloat16), reference):
     _assert_params_equal(_load(path, layout, dtype=d)[2], ref)
 
@@ -397,15 +399,15 @@ def test_missing_tensor_is_named(hf_dirs, tmp_path):
   name = "model.layers.1.mlp.up_proj.weight"
   path = _edited_copy(hf_dirs["qwen2", False], tmp_path / "c", lambda t: t.pop(name))
   with pytest.raises(ValueError, match=rf"'{name}'.*missing"):
-    hf.load_hf_checkpoint(path)
+    hf_load.load_hf_checkpoint(path)
   with pytest.raises(ValueError, match=rf"'{name}'.*missing"):
-    hf.load_hf_checkpoint(path, scan_layers=True)
+    hf_load.load_hf_checkpoint(path, scan_layers=True)
 
 
 def test_missing_untied_lm_head_is_named(hf_dirs, tmp_path):
   path = _edited_copy(hf_dirs["qwen3", False], tmp_path / "c", lambda t: t.pop("lm_head.weight"))
   with pytest.raises(ValueError, match=r"'lm_head.weight'.*missing"):
-    hf.load_hf_checkpoint(path)
+    hf_load.load_hf_checkpoint(path)
 
 
 def test_shape_mismatch_is_named(hf_dirs, tmp_path):
@@ -416,7 +418,7 @@ def test_shape_mismatch_is_named(hf_dirs, tmp_path):
     lambda t: t.update({name: np.zeros((16, 64), np.float32)}),
   )
   with pytest.raises(ValueError, match=rf"'{name}' has shape \(16, 64\).*\(64, 64\)"):
-    hf.load_hf_checkpoint(path)
+    hf_load.load_hf_checkpoint(path)
 
 
 def test_unexpected_tensors(hf_dirs, tmp_path):
@@ -427,7 +429,7 @@ def test_unexpected_tensors(hf_dirs, tmp_path):
     lambda t: t.update({extra: np.zeros((2, 2), np.float32)}),
   )
   with pytest.raises(ValueError, match=rf"unexpected tensors \['{extra}'\]"):
-    hf.load_hf_checkpoint(path)
+    hf_load.load_hf_checkpoint(path)
   # Rotary caches are derived, so they are ignored.
   inv_freq = "model.layers.0.self_attn.rotary_emb.inv_freq"
   path = _edited_copy(
@@ -435,7 +437,7 @@ def test_unexpected_tensors(hf_dirs, tmp_path):
     tmp_path / "ok",
     lambda t: t.update({inv_freq: np.ones((8,), np.float32)}),
   )
-  hf.load_hf_checkpoint(path)
+  hf_load.load_hf_checkpoint(path)
 
 
 def test_tied_checkpoint_with_lm_head(hf_dirs, tmp_path):
@@ -443,16 +445,16 @@ def test_tied_checkpoint_with_lm_head(hf_dirs, tmp_path):
     return lambda t: t.update({"lm_head.weight": scale * t["model.embed_tokens.weight"]})
 
   src = hf_dirs["qwen2", True]
-  _, _, reference = hf.load_hf_checkpoint(src)
-  _, _, params = hf.load_hf_checkpoint(_edited_copy(src, tmp_path / "same", add_head(1.0)))
+  _, _, reference = hf_load.load_hf_checkpoint(src)
+  _, _, params = hf_load.load_hf_checkpoint(_edited_copy(src, tmp_path / "same", add_head(1.0)))
   _assert_params_equal(params, reference)
   with pytest.raises(ValueError, match="tie_word_embeddings.*differs"):
-    hf.load_hf_checkpoint(_edited_copy(src, tmp_path / "diff", add_head(2.0)))
+    hf_load.load_hf_checkpoint(_edited_copy(src, tmp_path / "diff", add_head(2.0)))
 
 
 def test_tied_head_compared_chunk_by_chunk(hf_dirs, tmp_path, monkeypatch):
   """The tied-head check reads both tensors in pieces; a difference in the last row is found."""
-  monkeypatch.setattr(hf, "_READ_CHUNK_BYTES", 1000)  # 3 rows of 64 float32 per piece
+  monkeypatch.setattr(hf_safetensors, "_READ_CHUNK_BYTES", 1000)  # 3 rows of 64 float32 per piece
 
   def last_row_differs(t):
     head = t["model.embed_tokens.weight"].copy()
@@ -460,7 +462,9 @@ def test_tied_head_compared_chunk_by_chunk(hf_dirs, tmp_path, monkeypatch):
     t["lm_head.weight"] = head
 
   with pytest.raises(ValueError, match="tie_word_embeddings.*differs"):
-    hf.load_hf_checkpoint(_edited_copy(hf_dirs["llama", True], tmp_path / "c", last_row_differs))
+    hf_load.load_hf_checkpoint(
+      _edited_copy(hf_dirs["llama", True], tmp_path / "c", last_row_differs)
+    )
 
 
 def _config(hf_dirs, kind="qwen2"):
@@ -503,7 +507,7 @@ def test_unsupported_model_type_dir(hf_dirs, tmp_path):
   config = {**_config(hf_dirs), "model_type": "gemma"}
   (path / "config.json").write_text(json.dumps(config))
   with pytest.raises(ValueError, match="model_type 'gemma'"):
-    hf.load_hf_checkpoint(path)
+    hf_load.load_hf_checkpoint(path)
 
 
 def test_config_defaults_follow_transformers(hf_dirs):

@@ -17,7 +17,7 @@ from rounding import logits_atol
 from run_helpers import moved_adapters, tiny_config
 from safetensors import safe_open
 
-from jaxrl.nn import arch, hf, lora, model
+from jaxrl.nn import arch, hf_load, lora, model
 from jaxrl.nn import peft as jaxrl_peft
 from jaxrl.parallel import sharding
 from jaxrl.run import weights
@@ -62,7 +62,7 @@ def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path, layout):
 
   out = weights.write_hf(cfg, model_cfg, params, str(tmp_path / "export"), None, "float32")
   # Merged: a plain HF model, read back by our loader and by transformers.
-  _, g_merged, merged = hf.load_hf_checkpoint(out, scan_layers=layout == "scan")
+  _, g_merged, merged = hf_load.load_hf_checkpoint(out, scan_layers=layout == "scan")
   assert not lora.has_adapters(merged)
   np.testing.assert_allclose(our_logits(g_merged, merged, tokens, mask), ours, atol=atol, rtol=0)
   hf_merged = hf_logits(load_hf_model(out), tokens, mask)

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from run_helpers import read_metrics, tiny_config
 
-from jaxrl.nn import hf, lora
+from jaxrl.nn import hf_load, lora
 from jaxrl.run import weights
 from jaxrl.run.train import Trainer
 
@@ -84,7 +84,7 @@ def test_export_of_the_run_is_the_trained_model(lora_run, tmp_path):
 
   cfg, workdir, trainer, result = lora_run
   out = weights.export(str(workdir), str(tmp_path / "hf"), dtype="float32")
-  _, graphdef, merged = hf.load_hf_checkpoint(out)
+  _, graphdef, merged = hf_load.load_hf_checkpoint(out)
   tokens, mask = left_padded_batch(trainer.model_cfg.vocab_size)
   ours = our_logits(trainer.graphdef, result.rl.params, tokens, mask)
   np.testing.assert_allclose(our_logits(graphdef, merged, tokens, mask), ours, atol=1e-5, rtol=0)

@@ -79,9 +79,9 @@ def test_qwen7b_config_trains_two_steps_on_a_tiny_checkpoint(tiny):
   assert (work / "checkpoints" / "2").is_dir()
   assert (work / "eval_step2.json").exists() and (work / "eval_sft.json").exists()
   # The trained policy exported in HF layout loads back (with the checkpoint's stop ids).
-  from jaxrl.nn import hf
+  from jaxrl.nn import hf_load
 
-  _, _, exported = hf.load_hf_checkpoint(work / "hf")
+  _, _, exported = hf_load.load_hf_checkpoint(work / "hf")
   assert json.loads((work / "hf" / "generation_config.json").read_text())["eos_token_id"]
   assert (work / "hf" / "tokenizer.json").exists() and len(jax.tree.leaves(exported)) > 0
 

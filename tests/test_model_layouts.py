@@ -30,7 +30,7 @@ from jaxrl.rl import losses, scoring, step
 from jaxrl.rl.forget import eepo_forget
 from jaxrl.rl.programs import Programs
 from jaxrl.rollout import sampler
-from jaxrl.run import plan
+from jaxrl.run import plan_compile
 
 # Qwen2-like (q/k/v biases), GQA, 3 layers so a wrong layer order or index shows.
 LOOP = model.ModelConfig(
@@ -286,7 +286,7 @@ def _update_temp_bytes(cfg) -> int:
   graphdef, params = model.abstract(cfg)
   programs = Programs(graphdef, params, sharding.make_mesh(1, 1, 1), optax.adamw(1e-3))
   n = 256
-  batch = plan.abstract_rollouts(8, 32, n)
+  batch = plan_compile.abstract_rollouts(8, 32, n)
   step_cfg = losses.LossConfig(informative_only=False, max_response_len=n, num_groups=1)
   hp = losses.LossHparams.create(tau=1.0)
   state = jax.eval_shape(programs.init_state, params)

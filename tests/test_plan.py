@@ -15,7 +15,7 @@ from run_helpers import ROOT, tiny_config
 
 from jaxrl.config import LossConfig, from_configdict
 from jaxrl.nn import hf_config, model
-from jaxrl.run import cli, plan, plan_report
+from jaxrl.run import cli, plan, plan_compile, plan_estimate, plan_report
 from jaxrl.tasks.data import tokenizer
 
 GiB = 1024**3
@@ -263,7 +263,7 @@ def test_tools_plan_counts_the_multi_turn_buffers():
   single_cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, environment=""))
   multi = plan.build(cfg, compile_steps=False).phases[0].rollout
   single = plan.build(single_cfg, compile_steps=False).phases[0].rollout
-  r, p, n, o = cfg.num_rollouts, plan.prompt_len(cfg), 80, 32
+  r, p, n, o = cfg.num_rollouts, plan_estimate.prompt_len(cfg), 80, 32
   assert (r, multi.rows, multi.tokens) == (128, 128, p + n) and single.tokens == p + n
   m_items, s_items = dict(multi.items), dict(single.items)
   only_multi = {k: v for k, v in m_items.items() if k not in s_items}
@@ -289,7 +289,7 @@ def test_tools_plan_counts_the_multi_turn_buffers():
 def test_tools_plan_compiles_the_multi_turn_programs(monkeypatch):
   """The rollout side compiles the multi-turn programs, not the single-turn sampler (the train
   step, which the other tests compile, is stubbed: the test stays fast)."""
-  stub = plan.Compiled("train step (rl_update)", 0.0, 0, 0, 0, 0, 0)
+  stub = plan_compile.Compiled("train step (rl_update)", 0.0, 0, 0, 0, 0, 0)
   monkeypatch.setattr(plan, "compile_train_step", lambda *args: stub)
   compiled = plan.build(tiny_config("test,tools")).phases[0].compiled
   assert all(c.peak > 0 for c in compiled[1:])
@@ -332,11 +332,11 @@ def test_where_cudnn_fused_attention_runs_the_plan_counts_no_attention_scores(mo
   for dtype, fused in (("bfloat16", True), ("float32", False)):
     cfg = tiny_config("test", **{"rollout.max_new_tokens": 506, "model.dtype": dtype})
     m, mesh_shape = plan.architecture(cfg)[0], {"data": 1, "fsdp": 1, "tensor": 1}
-    assert plan.prompt_len(cfg) + 506 == 512  # even: the fused call takes it
+    assert plan_estimate.prompt_len(cfg) + 506 == 512  # even: the fused call takes it
     vllm = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="vllm"))
     for est in (
-      plan.activation_estimate(cfg, m, mesh_shape),
-      plan.rollout_estimate(vllm, m, mesh_shape),
+      plan_estimate.activation_estimate(cfg, m, mesh_shape),
+      plan_estimate.rollout_estimate(vllm, m, mesh_shape),
     ):
       names = [name for name, _ in est.items]
       assert any("attention block" in n for n in names) != fused, (dtype, names)

@@ -463,10 +463,10 @@ def test_greedy_equals_hf_generate(tmp_path):
   import hf_fixtures
   import transformers
 
-  from jaxrl.nn import hf
+  from jaxrl.nn import hf_load
 
   path = hf_fixtures.make_tiny_hf("qwen2", False, tmp_path / "qwen2")
-  cfg, graphdef, params = hf.load_hf_checkpoint(path)
+  cfg, graphdef, params = hf_load.load_hf_checkpoint(path)
   prompts = [[15, 99, 3, 42, 7, 120], [61, 8, 150]]
   ids, mask = left_pad(prompts, 6)
   new, eos = 12, cfg.vocab_size - 1

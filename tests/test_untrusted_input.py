@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jaxrl.nn import hf
+from jaxrl.nn import hf_load
 from jaxrl.tasks.data import hub
 from jaxrl.tasks.data.datasets import Fields, load_questions
 
@@ -46,7 +46,7 @@ def _single_file(sharded, tmp_path, tensors: bytes):
 def test_a_header_length_past_the_file_is_refused(sharded, tmp_path, length):
   path = _single_file(sharded, tmp_path, struct.pack("<Q", length) + b"{}")
   with pytest.raises(ValueError, match="model.safetensors.*header of .* bytes.*file has 10"):
-    hf.load_hf_checkpoint(path)
+    hf_load.load_hf_checkpoint(path)
 
 
 def test_tensor_offsets_past_the_data_are_refused(sharded, tmp_path):
@@ -55,7 +55,7 @@ def test_tensor_offsets_past_the_data_are_refused(sharded, tmp_path):
   ).encode()
   path = _single_file(sharded, tmp_path, struct.pack("<Q", len(header)) + header + bytes(16))
   with pytest.raises(ValueError, match="'model.norm.weight'.*data_offsets.*16 bytes of data"):
-    hf.load_hf_checkpoint(path)
+    hf_load.load_hf_checkpoint(path)
 
 
 def _point_first_entry_at(ckpt, name: str) -> str:
@@ -75,7 +75,7 @@ def test_index_file_names_outside_the_checkpoint_are_refused(sharded, tmp_path, 
   shard = _point_first_entry_at(ckpt, name)
   shutil.copy(ckpt / shard, outside)  # a loadable file: only the check can stop the read
   with pytest.raises(ValueError, match=f"{INDEX}: .*{name!s}.* outside the checkpoint directory"):
-    hf.load_hf_checkpoint(ckpt)
+    hf_load.load_hf_checkpoint(ckpt)
 
 
 def test_shards_linked_from_outside_as_in_the_hub_cache_still_load(sharded, tmp_path):
@@ -87,7 +87,7 @@ def test_shards_linked_from_outside_as_in_the_hub_cache_still_load(sharded, tmp_
   for i, f in enumerate(sorted(sharded.iterdir())):
     shutil.copy(f, blobs / str(i))
     (snapshot / f.name).symlink_to(f"../../blobs/{i}")
-  cfg, _, params = hf.load_hf_checkpoint(snapshot)
+  cfg, _, params = hf_load.load_hf_checkpoint(snapshot)
   assert cfg.num_layers == 2 and params["embed_tokens"].shape == (160, 64)
 
 
@@ -95,7 +95,7 @@ def test_a_malformed_index_names_the_file(sharded, tmp_path):
   ckpt = _copy(sharded, tmp_path)
   (ckpt / INDEX).write_text(json.dumps({"weight_map": ["model-00001-of-00002.safetensors"]}))
   with pytest.raises(ValueError, match=f"{INDEX}: .*weight_map"):
-    hf.load_hf_checkpoint(ckpt)
+    hf_load.load_hf_checkpoint(ckpt)
 
 
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", "\udcff"])
@@ -103,7 +103,7 @@ def test_a_broken_config_json_names_the_file(sharded, tmp_path, text):
   ckpt = _copy(sharded, tmp_path)
   (ckpt / "config.json").write_bytes(text.encode("utf-8", "surrogateescape"))
   with pytest.raises(ValueError, match=f"{ckpt / 'config.json'}: (not valid JSON|expected a JSON)"):
-    hf.load_hf_checkpoint(ckpt)
+    hf_load.load_hf_checkpoint(ckpt)
 
 
 # Hub datasets: a cache laid out as huggingface_hub leaves it.

@@ -13,7 +13,7 @@ import json
 import os
 
 from jaxrl.config import ConfigError, ModelSection
-from jaxrl.nn import hf, hf_config
+from jaxrl.nn import hf_config, hf_safetensors
 from jaxrl.nn.model import ModelConfig
 
 
@@ -79,7 +79,7 @@ def checkpoint_error(m: ModelSection) -> ConfigError | None:
     return error
   try:
     _check_json_files(m.checkpoint)
-    hf.check_tensor_files(m.checkpoint)
+    hf_safetensors.check_tensor_files(m.checkpoint)
   except (ValueError, OSError) as e:
     return ConfigError("model.checkpoint", str(e))
   return None

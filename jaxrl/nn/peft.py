@@ -27,7 +27,7 @@ _PEFT_PREFIX = "base_model.model."
 
 def _per_layer(kernel: tuple, leaf) -> Iterator[tuple[tuple, object, int | None]]:
   """(per-layer kernel path, leaf, layer index into a stacked leaf or None)."""
-  if hf._is_stacked(kernel):
+  if hf.is_stacked(kernel):
     for i in range(leaf.shape[0]):
       yield ("layers", i, *kernel[1:]), leaf, i
   else:

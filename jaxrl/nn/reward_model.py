@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.nn import hf, hf_config
+from jaxrl.nn import hf, hf_config, hf_load
 from jaxrl.nn import model as jaxrl_model
 from jaxrl.nn.model import ModelConfig, dense
 from jaxrl.parallel import sharding
@@ -69,7 +69,7 @@ def load_reward_model(
   if mesh is not None:
     shardings = sharding.tree_shardings(jaxrl_model.abstract(cfg)[1], mesh)
     score_sharding = sharding.replicated(mesh)
-  graphdef, params, score = hf.load_hf_score_model(path, cfg, dtype, shardings, score_sharding)
+  graphdef, params, score = hf_load.load_hf_score_model(path, cfg, dtype, shardings, score_sharding)
   if score.shape[0] != 1:
     raise ValueError(f"{path}: {hf.SCORE_HEAD} has {score.shape[0]} labels, a reward model one")
   pad_id = hf_config.read_config_json(path).get("pad_token_id")

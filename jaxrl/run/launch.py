@@ -20,7 +20,7 @@ from jaxrl.run import cli, plan, plan_report
 from jaxrl.run.stops import NonFiniteError, Stopped
 from jaxrl.run.train import train
 from jaxrl.tasks import task
-from jaxrl.workdir import checkpoint, compile_cache, lock, run_log
+from jaxrl.workdir import checkpoint_failures, compile_cache, lock, run_log
 from jaxrl.workdir.checkpoint import CheckpointError, UnreadableCheckpoint
 from jaxrl.workdir.metric_writers import MetricsError
 
@@ -157,7 +157,7 @@ def _leave_if_unsettled(code: int, print_traceback: bool = False) -> None:
   daemons, blocked (e.g. on a dead disk), and a normal exit would wait for them forever. Exit
   handlers are skipped: the trainer has already closed its engine, writers and pools, and every
   log handler flushes each record."""
-  if not checkpoint.unsettled():
+  if not checkpoint_failures.unsettled():
     return
   if print_traceback:
     traceback.print_exc()

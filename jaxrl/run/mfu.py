@@ -12,7 +12,7 @@ import dataclasses
 
 from jaxrl.nn import arch, model
 from jaxrl.rl.programs import Programs
-from jaxrl.run import plan
+from jaxrl.run import plan_compile
 
 PEAK_TFLOPS = {  # dense bfloat16, per device; matched as a substring of jax's device_kind
   "H100": 989.0,  # SXM
@@ -52,7 +52,7 @@ def update_flops(pc, vocab_size: int, mesh) -> float:
   flat = dataclasses.replace(pc, model=dataclasses.replace(pc.model, scan_layers=False))
   graphdef, params = model.abstract(arch.model_config(flat.model, vocab_size))
   programs = Programs.for_run(flat.optim, graphdef, params, mesh)
-  cost = plan.lower_train_step(flat, programs, params).cost_analysis()
+  cost = plan_compile.lower_train_step(flat, programs, params).cost_analysis()
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else {}
   return float((cost or {}).get("flops", 0.0))

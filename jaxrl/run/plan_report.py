@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 
 from jaxrl.config import Config
-from jaxrl.run.plan import Estimate, GiB, PhasePlan, Plan, grad_copies, prompt_len
+from jaxrl.run.plan import GiB, PhasePlan, Plan, grad_copies
+from jaxrl.run.plan_estimate import Estimate, prompt_len
 
 _WARN_BYTES = 256 * 1024**2  # below this a compiled program's excess over the estimate is noise
 

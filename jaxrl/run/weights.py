@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxrl import rng
 from jaxrl.config import from_configdict
-from jaxrl.nn import arch, hf, lora, model, peft
+from jaxrl.nn import arch, hf, hf_load, lora, model, peft
 from jaxrl.parallel import distributed, sharding
 from jaxrl.run import cli, sft
 from jaxrl.tasks.data import math_prompts
@@ -69,7 +69,7 @@ def eval_dir(directory: str, step: int) -> str:
 def _hf_params(cfg, model_cfg, path: str, shardings):
   """An HF directory's weights on ``shardings``; a LoRA model's adapters start fresh (B = 0)."""
   m = cfg.model
-  params = hf.load_hf_checkpoint(
+  params = hf_load.load_hf_checkpoint(
     path,
     dtype=np.dtype(m.param_dtype),
     shardings=shardings,

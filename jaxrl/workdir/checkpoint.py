@@ -16,49 +16,42 @@ directories or old steps) and no emptying of ``deleted/``. A trainer may be writ
 into that directory at the same time: its temporary directory is left as it is, and the write
 completes.
 
-A failed write's tmp directory is replaced by an empty file of the same name (``_bury``): orbax
-reports a write's first error while tensorstore still flushes the write's other files, each of
-which would recreate the directory it goes into; through the file they fail instead. The file
-holds nothing and goes when the step is written again or a writer next opens the directory.
-
-Every call into orbax that may wait for a write (save, wait, close) runs on one helper thread and
-is waited for at most ``settle_timeout`` seconds: on a dead disk or a stalled log sink orbax's
-threads can block forever, and a trainer that hangs is worse than one that says so. A write that
-does not settle in time counts as failed; its threads are abandoned (``unsettled()``), and since
-they are not daemons the process must leave with ``os._exit`` (``jaxrl.main`` does).
+A write that fails or hangs counts as failed and never stops the run: each call into orbax that may
+wait runs on one helper thread with a bounded wait, and a failed write's tmp directory becomes an
+empty file of its name (``_bury``); both are ``checkpoint_failures``'s. ``orbax_noise`` quiets what
+orbax prints that a user need not see.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import glob
 import logging
 import os
-import queue
-import re
 import shutil
-import sys
-import threading
-import uuid
-import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
 from jaxrl.nn import lora, model
+from jaxrl.workdir.checkpoint_failures import (
+  TMP,
+  OrbaxThread,
+  brief,
+  remove_markers,
+  replace_by_marker,
+  root_cause,
+  tmp_paths,
+)
+from jaxrl.workdir.orbax_noise import quiet_dropped_reads
 
 log = logging.getLogger(__name__)
 
 # Seconds any one wait on an orbax write may take (the train state of a 7B model writes in a few
 # minutes on a slow disk); past it the write counts as failed.
 SETTLE_TIMEOUT_S = 600.0
-
-_abandoned: list[Future] = []  # calls into orbax given up on
 
 # Old checkpoints beyond ``keep`` leave by one atomic rename into this subdirectory, which is then
 # emptied: orbax's own deletion removes a step directory file by file in place, so a kill during it
@@ -67,156 +60,6 @@ _abandoned: list[Future] = []  # calls into orbax given up on
 TRASH = "deleted"
 LAYOUT = "param_layout"  # the metadata key of ``model.PARAM_LAYOUT`` (the Checkpointer's own)
 RECORD = "run_config"  # the metadata key of the run's recorded config (the Checkpointer's own)
-TMP = ".orbax-checkpoint-tmp"  # what orbax appends to a step's name while writing it
-# Times a failed write's tmp directory may come back between moving it aside and putting the
-# marker in its place (each time, one of its late flushes created it again) before giving up.
-_BURY_ATTEMPTS = 100
-
-
-class _ReadOnlyNotices(logging.Filter):
-  """Drops orbax's warnings that a manager is read-only (and which of its options that turned
-  off): every reader says so, and it is what a reader asks for."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    message = record.getMessage()
-    return not message.startswith(
-      ("Given directory is read only", "CheckpointManagerOptions.read_only=True")
-    )
-
-
-logging.getLogger("absl").addFilter(_ReadOnlyNotices())
-
-
-def unsettled() -> bool:
-  """True while a checkpoint write given up on is still running: its (non-daemon) orbax threads
-  would keep the interpreter from exiting."""
-  return any(not f.done() for f in _abandoned)
-
-
-class _OrbaxThread:
-  """The one thread that calls into orbax, so that the caller can stop waiting. One thread, not one
-  per call: orbax keeps per-thread state (a failed write's error is raised once to each thread
-  that waits for it), which must see the calls as the trainer's thread would have made them."""
-
-  def __init__(self):
-    self._calls: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=self._serve, name="jaxrl-checkpoint", daemon=True).start()
-
-  def _serve(self):
-    while (item := self._calls.get()) is not None:
-      fn, result = item
-      try:
-        result.set_result(fn())
-      except BaseException as e:  # noqa: BLE001 - handed to the caller
-        result.set_exception(e)
-
-  def stop(self) -> None:
-    self._calls.put(None)
-
-  def call(self, fn, timeout: float) -> tuple[Future | None, BaseException | None]:
-    """Run ``fn()``, waiting at most ``timeout`` s: (its future if still running, else None; its
-    error or None)."""
-    result: Future = Future()
-    self._calls.put((fn, result))
-    try:
-      error = result.exception(timeout)  # a Ctrl-C while waiting is raised here, as it should
-    except FutureTimeout:
-      _abandoned.append(result)
-      return result, None
-    return None, error
-
-
-def _brief(error: Exception) -> str:
-  """The cause of a failed write in a line: the OS error when tensorstore reports one (its messages
-  embed whole JSON specs), else the start of the message."""
-  text = " ".join(str(error).split())
-  code = re.search(r"\[os_error_code='?\d+'?\]", text)
-  if code:
-    start = text.rfind("Failed", 0, code.start())
-    return text[max(start, 0) : code.end()]
-  return f"{type(error).__name__}: {text[:300]}"
-
-
-def _root_cause(error: BaseException) -> str:
-  """A read's failure in a line: its innermost cause (tensorstore's own error, e.g. a byte range
-  past a truncated file's end), not orbax's wrapper and the JSON spec it embeds."""
-  while error.__cause__ is not None:
-    error = error.__cause__
-  return _brief(error)  # type: ignore[arg-type]
-
-
-# Orbax reads a checkpoint's arrays in coroutines; when one read fails, the others are dropped
-# unfinished and each prints its own traceback as it is collected, or as tensorstore's callback
-# finds the read's event loop closed (hundreds of lines, more under load). A damaged checkpoint is
-# reported once, by ``newest_readable``: those are silenced (only once a read has failed).
-_READ_COROUTINE = "_read_array_index_and_device_put"
-
-
-def _dropped_read(unraisable) -> bool:
-  """A dropped read's own report: its coroutine collected, or its tensorstore callback finding
-  the read's event loop already closed."""
-  if getattr(unraisable.object, "__name__", None) == _READ_COROUTINE:
-    return True
-  return _dropped_read_error(unraisable.exc_value)
-
-
-def _dropped_read_error(error) -> bool:
-  """An error raised in a dropped read (its coroutine in the traceback) or by its callback."""
-  if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
-    return True
-  tb = getattr(error, "__traceback__", None)
-  while tb is not None:
-    if tb.tb_frame.f_code.co_name == _READ_COROUTINE:
-      return True
-    tb = tb.tb_next
-  cause = getattr(error, "__cause__", None)
-  return cause is not None and _dropped_read_error(cause)
-
-
-class _DroppedReadFilter(logging.Filter):
-  """asyncio logs a dropped read's task as "exception was never retrieved" when it is collected."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    error = record.exc_info[1] if record.exc_info else None
-    context = getattr(record, "msg", "")
-    return not (error is not None and _dropped_read_error(error)) and _READ_COROUTINE not in str(
-      context
-    )
-
-
-def _quiet_excepthook(previous):
-  """tensorstore's threads print what its Python callbacks raise through ``sys.excepthook``."""
-
-  def hook(kind, error, tb):
-    if not _dropped_read_error(error):
-      previous(kind, error, tb)
-
-  hook.quiets_orbax_reads = True
-  return hook
-
-
-def _quiet_unraisable(previous):
-  def hook(unraisable):
-    if not _dropped_read(unraisable):
-      previous(unraisable)
-
-  hook.quiets_orbax_reads = True
-  return hook
-
-
-def _quiet_dropped_reads() -> None:
-  """Install the filters (before a read: a failing read's callbacks report at once, from
-  tensorstore's threads) and collect what a failed read dropped."""
-  if not getattr(sys.unraisablehook, "quiets_orbax_reads", False):
-    sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
-  if not getattr(sys.excepthook, "quiets_orbax_reads", False):
-    sys.excepthook = _quiet_excepthook(sys.excepthook)
-  # ... and Python's "coroutine ... was never awaited" for the reads never started
-  warnings.filterwarnings("ignore", message=f"coroutine '{_READ_COROUTINE}' was never awaited")
-  asyncio_log = logging.getLogger("asyncio")  # "Task exception was never retrieved"
-  if not any(isinstance(f, _DroppedReadFilter) for f in asyncio_log.filters):
-    asyncio_log.addFilter(_DroppedReadFilter())
-  gc.collect()  # collect the dropped reads now, under the hook
 
 
 class StaleLayout(ValueError):
@@ -271,7 +114,7 @@ class Checkpointer:
       # removes it. The markers go first: no write of their run is left to stop now, and orbax's
       # cleanup expects directories.
       if jax.process_index() == 0:
-        _remove_markers(self.directory)
+        remove_markers(self.directory)
       options = ocp.CheckpointManagerOptions(
         max_to_keep=keep,
         create=True,
@@ -287,7 +130,7 @@ class Checkpointer:
       self._remove_tmp_directories()
     self._mgr = ocp.CheckpointManager(self.directory, options=options)
     self._empty_trash()  # what a killed run moved there
-    self._orbax = _OrbaxThread()
+    self._orbax = OrbaxThread()
     self._pending: int | None = None  # step of the write in flight
     self._stuck: tuple[int, Future] | None = None  # (step, wait) past the timeout
     self.failed: list[int] = []  # steps whose write failed
@@ -324,7 +167,7 @@ class Checkpointer:
       return False
     if step in self._buried:  # written again: orbax needs the directory back
       self._buried.discard(step)
-      _remove_markers(self.directory, step)
+      remove_markers(self.directory, step)
     meta = {**meta, LAYOUT: model.PARAM_LAYOUT}
     if self._record_meta is not None:
       meta[RECORD] = self._record_meta
@@ -386,7 +229,7 @@ class Checkpointer:
 
   def _failed(self, step, error: BaseException) -> None:
     self._bury(step)
-    self._record(step, _brief(error))
+    self._record(step, brief(error))
 
   def _remove_tmp_directories(self) -> None:
     if jax.process_index() == 0:
@@ -402,10 +245,10 @@ class Checkpointer:
     through a file they fail (ENOTDIR), whenever they come. The canonical name is claimed even
     when absent, as a flush may still create it."""
     trash = os.path.join(self.directory, TRASH)
-    paths = {os.path.join(self.directory, f"{step}{TMP}"), *_tmp_paths(self.directory, step)}
+    paths = {os.path.join(self.directory, f"{step}{TMP}"), *tmp_paths(self.directory, step)}
     for path in sorted(paths):
       try:
-        _replace_by_marker(path, trash)
+        replace_by_marker(path, trash)
       except OSError as e:
         log.warning("the failed checkpoint %d's %s stays: %s", step, path, e)
     self._buried.add(step)
@@ -435,18 +278,18 @@ class Checkpointer:
     only another setup reads it, and it is never set aside."""
     steps = [step] if step >= 0 else sorted(self.all_steps(), reverse=True)
     causes = []
-    _quiet_dropped_reads()  # before the first read: a failing one reports from other threads
+    quiet_dropped_reads()  # before the first read: a failing one reports from other threads
     for s in steps:
       try:
         return s, read(s)
       except (StaleLayout, lora.BaseMismatch):  # whole checkpoints another setup cannot read
         raise
       except Exception as e:  # noqa: BLE001 - anything a damaged checkpoint raises in orbax
-        _quiet_dropped_reads()
-        causes.append((s, _root_cause(e)))
+        quiet_dropped_reads()
+        causes.append((s, root_cause(e)))
         if step >= 0:
           break
-        log_unreadable(self.directory, s, _root_cause(e))
+        log_unreadable(self.directory, s, root_cause(e))
         self._set_aside(s)
     raise UnreadableCheckpoint(self.directory, causes)
 
@@ -528,53 +371,9 @@ class Checkpointer:
     _, error = self._orbax.call(self._mgr.close, self.settle_timeout)
     self._orbax.stop()
     if error is not None:
-      log.warning("closing the checkpoint manager: %s", _brief(error))
+      log.warning("closing the checkpoint manager: %s", brief(error))
 
 
 def _callers_meta(meta: dict) -> dict:
   """The metadata a caller saved, without the Checkpointer's own keys."""
   return {k: v for k, v in meta.items() if k not in (LAYOUT, RECORD)}
-
-
-def _tmp_paths(directory: str, step: int | None = None) -> list[str]:
-  """Orbax's tmp directories (or ``_bury``'s markers) of ``step`` (None: of every step)."""
-  name = "*" if step is None else str(step)
-  return glob.glob(os.path.join(glob.escape(directory), f"{name}{TMP}*"))
-
-
-def _replace_by_marker(path: str, trash: str) -> None:
-  """An empty file at ``path``; a directory there first leaves by one rename into ``trash`` (a
-  flush inside it at that moment ends up there, not at ``path``) and is removed once the file
-  stands, when nothing can enter it any more (or, the file refused, to free its space anyway)."""
-  moved = []
-  try:
-    for _ in range(_BURY_ATTEMPTS):
-      try:
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-        return
-      except FileExistsError:
-        if not os.path.isdir(path) or os.path.islink(path):
-          return  # a marker already (another process of the run put it there)
-      os.makedirs(trash, exist_ok=True)
-      aside = os.path.join(trash, f"{os.path.basename(path)}.{uuid.uuid4().hex}")
-      try:
-        os.rename(path, aside)
-        moved.append(aside)
-      except FileNotFoundError:  # moved by another process, or the trash emptied meanwhile
-        continue
-    raise OSError(f"it came back {_BURY_ATTEMPTS} times")
-  finally:
-    for aside in moved:
-      shutil.rmtree(aside, ignore_errors=True)
-    with contextlib.suppress(OSError):  # the trash, unless something else is on its way out
-      os.rmdir(trash)
-
-
-def _remove_markers(directory: str, step: int | None = None) -> None:
-  """Remove ``_bury``'s markers (of ``step``; None: all), leaving orbax's tmp directories."""
-  for path in _tmp_paths(directory, step):
-    if os.path.isfile(path) and not os.path.islink(path):
-      try:
-        os.unlink(path)
-      except (FileNotFoundError, IsADirectoryError):  # another process of the run was first
-        pass

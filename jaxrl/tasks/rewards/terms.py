@@ -47,7 +47,7 @@ import numpy as np
 from jaxrl.config import Config, ConfigError, TermSpec, parse_terms
 from jaxrl.config.reward_terms import SIDECAR
 from jaxrl.config.task_sections import RewardSection
-from jaxrl.nn import hf, reward_model
+from jaxrl.nn import hf_safetensors, reward_model
 from jaxrl.parallel import distributed, sharding
 from jaxrl.tasks.data import hub
 from jaxrl.tasks.rewards.combine import combine_terms
@@ -300,7 +300,7 @@ def _check_judge(reward: RewardSection, spec: TermSpec) -> None:
     if not reward.judge_model:
       raise ConfigError("reward.judge_model", "judge:sidecar serves this checkpoint: set it")
     try:
-      hf.check_tensor_files(model_dir(reward.judge_model))
+      hf_safetensors.check_tensor_files(model_dir(reward.judge_model))
     except (OSError, ValueError) as e:
       raise ConfigError("reward.judge_model", str(e)) from None
 
@@ -329,7 +329,7 @@ def check_terms(cfg: Config) -> None:
       elif spec.kind == "model":
         path = term_model_dir(cfg, spec.source)
         reward_model.reward_model_config(path, cfg.model.dtype)
-        hf.check_tensor_files(path)
+        hf_safetensors.check_tensor_files(path)
       elif spec.kind == "judge":
         _check_judge(cfg.reward, spec)
     except ConfigError:
