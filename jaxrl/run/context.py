@@ -12,7 +12,7 @@ from jaxrl.methods.controllers import Methods
 from jaxrl.methods.phases import Phase
 from jaxrl.rl.programs import Programs
 from jaxrl.rl.step import rl_update
-from jaxrl.rollout import multiturn
+from jaxrl.rollout import turn_programs
 from jaxrl.rollout.collect import Collector
 from jaxrl.rollout.sampler import sample_program
 from jaxrl.run import mfu
@@ -36,12 +36,12 @@ class PhaseRuntime:
 # The programs whose compiles a step's row counts (``compiles_*``), held by reference: JAX names a
 # trace after the function traced, so the count follows a rename (tests/test_compile_counts.py).
 COUNTED_PROGRAMS = {"compiles_update": rl_update, "compiles_sampler": sample_program}
-# A multi-turn run's sampler programs (``rollout/multiturn.py``), counted besides (its rows only).
+# A multi-turn run's sampler programs (``rollout/turn_programs.py``), counted besides (its rows only).
 MULTITURN_PROGRAMS = {
-  "compiles_prefill": multiturn.prefill_program,
-  "compiles_turn": multiturn.turn_program,
-  "compiles_observe": multiturn.observe_program,
-  "compiles_assemble": multiturn.assemble_program,
+  "compiles_prefill": turn_programs.prefill_program,
+  "compiles_turn": turn_programs.turn_program,
+  "compiles_observe": turn_programs.observe_program,
+  "compiles_assemble": turn_programs.assemble_program,
 }
 
 

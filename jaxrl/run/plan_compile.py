@@ -18,7 +18,7 @@ from jaxrl.parallel import sharding
 from jaxrl.rl import packing, step
 from jaxrl.rl.losses import LossHparams
 from jaxrl.rl.programs import ForgetConfig, Programs, reference_copy
-from jaxrl.rollout import multiturn, sampler
+from jaxrl.rollout import sampler, turn_programs
 from jaxrl.run.plan_estimate import prompt_len
 from jaxrl.types import Rollouts
 
@@ -173,7 +173,7 @@ def compile_multiturn(pc: Config, graphdef, mcfg, params, param_sh, turn_tokens:
   prefill_static = dict(
     num_rollouts=r, max_new_tokens=pc.rollout.max_new_tokens, pad_id=0, model_cfg=mcfg
   )
-  prefill = functools.partial(multiturn.prefill_program, **prefill_static)
+  prefill = functools.partial(turn_programs.prefill_program, **prefill_static)
   state = jax.eval_shape(lambda w, *a: prefill(graphdef, w, *a), weights, *prompts)[0]
   key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
   tau = sds((), jnp.float32)
@@ -184,15 +184,17 @@ def compile_multiturn(pc: Config, graphdef, mcfg, params, param_sh, turn_tokens:
   return (
     analyse(
       "multi-turn prefill (prefill_program)",
-      lambda: multiturn.prefill_program.lower(graphdef, weights, *prompts, **prefill_static),
+      lambda: turn_programs.prefill_program.lower(graphdef, weights, *prompts, **prefill_static),
     ),
     analyse(
       "multi-turn turn (turn_program)",
-      lambda: multiturn.turn_program.lower(graphdef, weights, state, key, tau, tau, **turn_static),
+      lambda: turn_programs.turn_program.lower(
+        graphdef, weights, state, key, tau, tau, **turn_static
+      ),
     ),
     analyse(
       "multi-turn observation (observe_program)",
-      lambda: multiturn.observe_program.lower(graphdef, weights, state, *observation, pad_id=0),
+      lambda: turn_programs.observe_program.lower(graphdef, weights, state, *observation, pad_id=0),
     ),
   )
 
