@@ -17,7 +17,8 @@ from jaxrl.tasks.envs.calculator import (
   calculate,
   evaluate,
 )
-from jaxrl.tasks.envs.tool import tool_text
+from jaxrl.tasks.envs.tool import MAX_RESULT_CHARS, tool_text
+from jaxrl.tasks.worker_process import BadResult
 
 
 @pytest.mark.parametrize(
@@ -88,9 +89,6 @@ def test_nesting_to_the_length_bound_does_not_recurse_too_deep():
 
 
 def test_tool_text_bounds_a_value():
-  from jaxrl.tasks.envs.tool import MAX_RESULT_CHARS
-  from jaxrl.tasks.workers import BadResult
-
   assert tool_text("12") == "12"
   assert len(tool_text("7" * 1_000_000)) == MAX_RESULT_CHARS
   with pytest.raises(BadResult, match="returned int, not str"):

@@ -25,7 +25,8 @@ import numpy as np
 
 from jaxrl.tasks.envs.chat import ChatFrame
 from jaxrl.tasks.envs.environment import StepResult, TurnState, bounded_observation, token_ids
-from jaxrl.tasks.workers import BadResult, WorkerPool
+from jaxrl.tasks.worker_process import BadResult
+from jaxrl.tasks.workers import WorkerPool
 
 TOOL_CHECK = "jaxrl.tasks.envs.tool:tool_text"  # run by the worker on each value
 MAX_RESULT_CHARS = 4096  # far above an observation's tokens, far below harm (a 1 MB answer)

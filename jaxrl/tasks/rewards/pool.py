@@ -25,13 +25,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxrl.tasks.workers import (
-  _MESSAGE_CHARS,
-  BadResult,
-  FunctionSpecError,
-  WorkerPool,
-  load_function,
-)
+from jaxrl.tasks.worker_process import MESSAGE_CHARS, BadResult, FunctionSpecError, load_function
+from jaxrl.tasks.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +49,7 @@ def as_reward(value) -> float:
   if isinstance(value, numbers.Real) and math.isfinite(float(value)):
     return float(value)
   raise BadResult(
-    f"returned {type(value).__name__} {str(value)[:_MESSAGE_CHARS]!r}, not a finite number"
+    f"returned {type(value).__name__} {str(value)[:MESSAGE_CHARS]!r}, not a finite number"
   )
 
 

@@ -55,7 +55,7 @@ from jaxrl.tasks.rewards.judge import Endpoint, JudgeSettings, JudgeTerm, shown
 from jaxrl.tasks.rewards.pool import RewardFnError, VerifyResult
 from jaxrl.tasks.rewards.train_rm import NAME as TINY_RM
 from jaxrl.tasks.rewards.train_rm import builtin_dir
-from jaxrl.tasks.workers import load_function
+from jaxrl.tasks.worker_process import load_function
 
 log = logging.getLogger(__name__)
 
