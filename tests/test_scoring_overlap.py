@@ -1,6 +1,6 @@
 """Reward terms score step i's batch while step i + 1's generates when the loop has a rollout thread
-(``rollout.max_staleness`` = k >= 1 and an engine that runs beside the trainer: ``_take`` submits
-the next batches before ``_arrive`` scores), and not otherwise (docs/rewards.md, "When the terms
+(``rollout.max_staleness`` = k >= 1 and an engine that runs beside the trainer: ``RolloutSource.take``
+submits the next batches before ``arrival.arrive`` scores), and not otherwise (docs/rewards.md, "When the terms
 score"). The order is shown with events, never timing: a ``fn:`` term and the engine each wait,
 bounded, for the other to have started."""
 
@@ -90,7 +90,7 @@ def test_k1_with_a_rollout_thread_scores_while_the_next_batch_generates(tmp_path
 
 
 def test_k1_inline_generates_the_next_batch_before_scoring(tmp_path):
-  """The JAX engine shares the trainer's devices: no rollout thread, so ``_issue_due`` generates
+  """The JAX engine shares the trainer's devices: no rollout thread, so ``RolloutSource.take`` generates
   step 1's batch to the end before step 0's scoring starts."""
   _two_steps(tmp_path, 1, "trl_notes_next_batch", thread=False)
   assert reward_fns.SEEN == [(True, True)]

@@ -11,8 +11,8 @@ from typing import Literal
 from jaxrl.config.fields import AT_LEAST_0, AT_LEAST_1, POSITIVE, Range, check_ranges, need
 from jaxrl.config.model_sections import Dtype
 
-# Allowed values, declared once: the converter enforces them and the code that branches on them
-# (losses, model, engines) reads them from here (``typing.get_args``).
+# Allowed values, declared once beside their section (as in every ``*_sections`` module): the
+# converter enforces them and the code that branches on them reads them there (``typing.get_args``).
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 

@@ -186,7 +186,7 @@ def sample_program(*args, num_rollouts, max_new_tokens, eos_id, pad_id, model_cf
   """Jitted body of ``generate`` (no host-side checks): expand, prefill, decode, assemble; its
   positional arguments are ``begin``'s (``request_arrays``' checked arrays).
 
-  The trainer counts its traces (``run/loop.py: COUNTED_PROGRAMS``) and ``--plan`` lowers it.
+  The trainer counts its traces (``run/context.py: COUNTED_PROGRAMS``) and ``--plan`` lowers it.
   """
   decoder, st, prompt_rows = begin(
     *args,

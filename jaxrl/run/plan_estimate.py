@@ -159,7 +159,7 @@ def multiturn_items(
 ) -> tuple[tuple[str, int], ...]:
   """What the multi-turn sampler (``rollout.multiturn``, docs/algorithms.md §11) holds besides the
   KV cache, the prefill and the decode logits, on one device of ``rows`` rows: its turn state,
-  carried between the host-driven programs (``_TurnState``), the observation block the host
+  carried between the host-driven programs (``turn_programs.TurnBuffers``), the observation block the host
   fills, and the observation's forward over the turn's last token and O positions. Its cache has
   P + N slots from the prefill on (one cache for every turn): no decode segment grows from
   another (the compiled prefill pads its P slots into it without a second copy)."""
