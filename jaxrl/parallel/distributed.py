@@ -15,6 +15,7 @@ coordination service ends the others ``heartbeat_timeout_s`` later.
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import logging
 import os
@@ -152,12 +153,18 @@ def _start_watch() -> None:
         _exit_now(f"process {key[len(_FAILED) :]} failed: {cause}", last=acknowledge)
         return
 
-  threading.Thread(target=watch, name="jaxrl-failure-watch", daemon=True).start()
-  # Stopped before jax.distributed's own exit handler (registered earlier, so run later) shuts
-  # the client down under it.
-  import atexit
+  thread = threading.Thread(target=watch, name="jaxrl-failure-watch", daemon=True)
+  thread.start()
 
-  atexit.register(stop.set)
+  def stop_watch() -> None:
+    """Stopped, and ended, before jax.distributed's own exit handler (registered earlier, so run
+    later) shuts the client down under it. A watch already ending the process (another's failure
+    read, acknowledged) ends it with ``os._exit`` before the join returns: a shutdown beside it
+    would find process 0 gone and the coordination agent would abort the process (SIGABRT)."""
+    stop.set()
+    thread.join(timeout=ACK_TIMEOUT_S)
+
+  atexit.register(stop_watch)
 
 
 def _exit_now(reason: str, last=None) -> None:
