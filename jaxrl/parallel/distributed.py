@@ -11,6 +11,10 @@ watches that store (a thread polling every ``WATCH_INTERVAL_S``), logs the cause
 log names it, whichever process failed) and exits with code 1, even while it waits in a
 collective. A process that dies without a word (SIGKILL, a crash) stops its heartbeats: the
 coordination service ends the others ``heartbeat_timeout_s`` later.
+
+Process 0 hosts the coordination service and leaves last: every process's coordination agent
+aborts its process (SIGABRT, not the exit code jaxrl chose) once the service is gone, so process 0
+exits only after the others have read the failure and had ``LEAVE_GRACE_S`` to exit.
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ log = logging.getLogger(__name__)
 # the others to have read its cause before it exits (process 0 hosts the store: its exit ends it).
 WATCH_INTERVAL_S = 0.5
 ACK_TIMEOUT_S = 10.0
+# What process 0 gives the others, once they have read a failure, to finish exiting: a process
+# that has acknowledged runs only ``os._exit`` after it, but may wait that long for the GIL
+# while its main thread is in C code. No signal of their exit reaches process 0 sooner: the
+# service notices a process gone only when its heartbeats stop (HEARTBEAT_TIMEOUT_S).
+LEAVE_GRACE_S = 2.0
 HEARTBEAT_TIMEOUT_S = 60  # a silent death (SIGKILL) ends the other processes within this
 STORE_LOST_S = 10.0  # the store unreachable this long (not one slow answer): process 0 is gone
 _FAILED = "jaxrl/failed/"  # + the failing process's index: its cause
@@ -143,14 +152,16 @@ def _start_watch() -> None:
         continue
       if failed and not stop.is_set():
         key, cause = failed[0]
+        failing = int(key[len(_FAILED) :])
 
         def acknowledge() -> None:
           try:
             client.key_value_set(f"{_READ}{me}", "1")
+            _leave_last(client, me, readers=_others(me, failing))
           except Exception:  # the failing process exits after a bounded wait anyway
             pass
 
-        _exit_now(f"process {key[len(_FAILED) :]} failed: {cause}", last=acknowledge)
+        _exit_now(f"process {failing} failed: {cause}", last=acknowledge)
         return
 
   thread = threading.Thread(target=watch, name="jaxrl-failure-watch", daemon=True)
@@ -162,7 +173,7 @@ def _start_watch() -> None:
     read, acknowledged) ends it with ``os._exit`` before the join returns: a shutdown beside it
     would find process 0 gone and the coordination agent would abort the process (SIGABRT)."""
     stop.set()
-    thread.join(timeout=ACK_TIMEOUT_S)
+    thread.join(timeout=ACK_TIMEOUT_S + LEAVE_GRACE_S)
 
   atexit.register(stop_watch)
 
@@ -182,9 +193,10 @@ def _flush_and_exit(code: int, last=None) -> None:
       stream.flush()
     except (OSError, ValueError):
       pass
-  # The acknowledgement of another process's failure goes last: once process 0 has read it, it
-  # exits and takes the coordination service with it, and an agent still running here would
-  # abort the process on the lost service (SIGABRT, not exit 1). Nothing is left to do by then.
+  # The acknowledgement of another process's failure goes last: once the failing process has
+  # read it, it exits, and when that is process 0 the coordination service goes with it (after
+  # LEAVE_GRACE_S); an agent still running here then would abort the process on the lost
+  # service (SIGABRT, not exit 1). Nothing is left to do by then.
   if last is not None:
     last()
   os._exit(code)
@@ -205,14 +217,36 @@ def announce_failure(cause: str, code: int) -> None:
   client, me = _client(), jax.process_index()
   try:
     client.key_value_set(f"{_FAILED}{me}", cause.strip().splitlines()[-1][:2000] if cause else "?")
-    deadline = time.monotonic() + ACK_TIMEOUT_S  # one wait for all of them
-    for other in range(jax.process_count()):
-      if other != me:
-        left_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        client.blocking_key_value_get(f"{_READ}{other}", left_ms)
+    _read_by(client, _others(me))
   except Exception as e:  # a store already gone, a process already gone: exit
     log.warning("could not tell every process about the failure: %s", e)
+  _leave_last(client, me, readers=[])
   _flush_and_exit(code)
+
+
+def _others(*but: int) -> list[int]:
+  return [p for p in range(jax.process_count()) if p not in but]
+
+
+def _read_by(client, readers: list[int]) -> None:
+  """Wait until each of ``readers`` has acknowledged the failure: one wait of at most
+  ``ACK_TIMEOUT_S`` for all of them (raises when it runs out)."""
+  deadline = time.monotonic() + ACK_TIMEOUT_S
+  for other in readers:
+    left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+    client.blocking_key_value_get(f"{_READ}{other}", left_ms)
+
+
+def _leave_last(client, me: int, readers: list[int]) -> None:
+  """On process 0, the service's host: wait until ``readers`` (besides the acknowledgements the
+  failing process waits for) have read the failure, then ``LEAVE_GRACE_S`` for every process to
+  finish exiting before this one's exit ends the service (see the module). Elsewhere: nothing."""
+  if me != 0:
+    return
+  try:
+    _read_by(client, readers)
+  finally:
+    time.sleep(LEAVE_GRACE_S)
 
 
 def is_main() -> bool:
