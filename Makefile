@@ -78,7 +78,7 @@ lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check --quiet .
 
 test: $(TEST_ENVS) lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(TEST_MARKS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=40 $(TEST_MARKS) $(PYTEST_ARGS)
 
 bench: $(VENV)/.dev
 	$(PY) bench/fused_logprob.py
