@@ -33,6 +33,23 @@ class PhaseRuntime:
   mixture: Mixture
 
 
+def phase_methods(pc: Config, vocab_size: int) -> Methods:
+  """The controllers of a phase whose config is ``pc``: its sections and the run-wide values they
+  read."""
+  return Methods(
+    allocation=pc.allocation,
+    temperature=pc.temperature,
+    clip=pc.clip,
+    eepo=pc.eepo,
+    modulation=pc.modulation,
+    group_size=pc.rollout.group_size,
+    tau0=pc.rollout.temperature,
+    eps_high=pc.loss.eps_high,
+    steps=pc.steps,
+    vocab_size=vocab_size,
+  )
+
+
 # The programs whose compiles a step's row counts (``compiles_*``), held by reference: JAX names a
 # trace after the function traced, so the count follows a rename (tests/test_compile_counts.py).
 COUNTED_PROGRAMS = {"compiles_update": rl_update, "compiles_sampler": sample_program}
@@ -88,7 +105,7 @@ class StepContext:
     pc = phase.cfg
     mixture = self.task.mixture(phase.mixture, "anneal_phase.mixture", stream=phase.index)
     update = self.programs.update(LossConfig.from_config(pc))
-    return PhaseRuntime(phase, Methods(pc, self.vocab_size), update, mixture)
+    return PhaseRuntime(phase, phase_methods(pc, self.vocab_size), update, mixture)
 
   def update_flops(self, index: int) -> float:
     """XLA's FLOPs of phase ``index``'s update (with ``peak_flops`` known)."""

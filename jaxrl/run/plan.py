@@ -250,7 +250,7 @@ def _device_memory() -> int | None:
 
 def build(cfg: Config, *, compile_steps: bool = True, rollout_side: bool = True) -> Plan:
   """Every number of the plan; ``render`` formats it. ``compile_steps=False`` skips XLA."""
-  registry.check(cfg)
+  registry.check(allocation=cfg.allocation, temperature=cfg.temperature, clip=cfg.clip)
   mcfg, source = architecture(cfg)
   mesh, skipped = plan_mesh(cfg)
   if not compile_steps and not skipped:

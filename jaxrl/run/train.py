@@ -118,7 +118,7 @@ class Trainer:
     its verifier's workers), the mesh, the programs and the rollout engine, in that order. A step
     that fails closes what the steps before it started, and re-raises; ``config.json`` is written
     last, whole, once everything is built: a failed start leaves the last start's."""
-    registry.check(cfg)
+    registry.check(allocation=cfg.allocation, temperature=cfg.temperature, clip=cfg.clip)
     os.makedirs(workdir, exist_ok=True)
     with contextlib.ExitStack() as started:
       # One trainer per run directory (``lock.WorkdirBusy`` otherwise), held until ``close``.
