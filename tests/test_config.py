@@ -241,7 +241,11 @@ def test_a_builtin_tools_configs_last_turn_always_happens(arg):
   from jaxrl.run import cli
 
   cfg = from_configdict(cli.load_config(f"tiny:{arg}"))
-  r, n, t = cfg.rollout, shortest_response(cfg), turn_tokens(cfg)
+  r, n, t = (
+    cfg.rollout,
+    shortest_response(cfg.rollout, cfg.anneal_phase),
+    turn_tokens(cfg.rollout, cfg.anneal_phase),
+  )
   turns = TurnConfig((0,), t, r.max_observation_tokens, r.max_turns)
   for k in range(r.max_turns - 1):  # turn k ends, at the latest, after k + 1 turns and k answers
     assert answers_fit(k, (k + 1) * t + k * turns.max_observation_tokens, turns, n), (k, t, n)

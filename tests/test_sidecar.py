@@ -50,6 +50,7 @@ from jaxrl.rollout.sidecar import (
 )
 from jaxrl.rollout.vllm_client import RequestError
 from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine
+from jaxrl.run.sections import engine_sections, task_sections
 from jaxrl.run.train import Trainer
 from jaxrl.tasks.task import load_task
 
@@ -80,13 +81,13 @@ def inductor_dir(tmp_path_factory):
 
 def _launch(cfg, workdir):
   """A sidecar engine (its server not yet started) and random params of the sidecar model."""
-  task = load_task(cfg, os.path.join(workdir, "tokenizer"))
+  task = load_task(task_sections(cfg), os.path.join(workdir, "tokenizer"))
   mcfg = model_config(cfg.model, task.vocab_size)
   graphdef, params = model.create(mcfg, 0)
   engine = build_engine(
-    cfg,
     graphdef,
     mcfg,
+    **engine_sections(cfg),
     tokenizer=task.tokenizer,
     eos_id=task.eos_id,
     pad_id=task.pad_id,

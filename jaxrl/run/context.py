@@ -17,6 +17,7 @@ from jaxrl.rollout.collect import Collector
 from jaxrl.rollout.sampler import sample_program
 from jaxrl.run import mfu
 from jaxrl.run.compiles import CompileCounter
+from jaxrl.run.sections import phase_methods
 from jaxrl.run.source import RolloutSource
 from jaxrl.tasks.data.cursor import Mixture
 from jaxrl.tasks.rewards.terms import RewardTerms
@@ -31,23 +32,6 @@ class PhaseRuntime:
   methods: Methods
   update: object  # the phase's jitted GRPO update (Programs.update)
   mixture: Mixture
-
-
-def phase_methods(pc: Config, vocab_size: int) -> Methods:
-  """The controllers of a phase whose config is ``pc``: its sections and the run-wide values they
-  read."""
-  return Methods(
-    allocation=pc.allocation,
-    temperature=pc.temperature,
-    clip=pc.clip,
-    eepo=pc.eepo,
-    modulation=pc.modulation,
-    group_size=pc.rollout.group_size,
-    tau0=pc.rollout.temperature,
-    eps_high=pc.loss.eps_high,
-    steps=pc.steps,
-    vocab_size=vocab_size,
-  )
 
 
 # The programs whose compiles a step's row counts (``compiles_*``), held by reference: JAX names a
