@@ -3,6 +3,8 @@ picked here from the whole ``Config`` (a phase's, for the controllers)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxrl.config import Config
 from jaxrl.methods.controllers import Methods
 from jaxrl.rollout.build import build_engine
@@ -10,18 +12,9 @@ from jaxrl.tasks.sections import TaskSections
 
 
 def task_sections(cfg: Config) -> TaskSections:
-  """What the task (its loader, inputs, environment and reward terms) reads."""
-  return TaskSections(
-    seed=cfg.seed,
-    model=cfg.model,
-    task=cfg.task,
-    data=cfg.data,
-    reward=cfg.reward,
-    tool=cfg.tool,
-    sft=cfg.sft,
-    rollout=cfg.rollout,
-    anneal_phase=cfg.anneal_phase,
-  )
+  """What the task (its loader, inputs, environment and reward terms) reads: each field of
+  ``TaskSections`` is the ``Config`` field of its name."""
+  return TaskSections(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(TaskSections)})
 
 
 def engine_sections(cfg: Config) -> dict:
