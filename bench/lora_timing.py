@@ -34,6 +34,7 @@ from jaxrl.rl import programs  # noqa: E402
 from jaxrl.rl.losses import LossHparams  # noqa: E402
 from jaxrl.rollout.build import build_engine  # noqa: E402
 from jaxrl.run import cli  # noqa: E402
+from jaxrl.run.sections import engine_sections, task_sections  # noqa: E402
 from jaxrl.tasks.task import load_task  # noqa: E402
 from jaxrl.types import Rollouts  # noqa: E402
 
@@ -74,7 +75,7 @@ def update_times(repeats: int, workdir: str) -> dict[int, list[float]]:
   from jaxrl.parallel import sharding
 
   base = _config(0)
-  task = load_task(base, os.path.join(workdir, "tokenizer"))
+  task = load_task(task_sections(base), os.path.join(workdir, "tokenizer"))
   batch = _batch(base, task, np.random.default_rng(0))
   mesh = sharding.make_mesh(1, 1, 1)
   runs = {}
@@ -107,11 +108,11 @@ def push_times(repeats: int, workdir: str, rank: int) -> dict[str, tuple[list[fl
   for sync in ("adapter", "merged"):
     cfg = _config(rank, **{"rollout.engine": "vllm", "vllm.lora_sync": sync})
     sub = os.path.join(workdir, sync)
-    task = load_task(cfg, os.path.join(sub, "tokenizer"))
+    task = load_task(task_sections(cfg), os.path.join(sub, "tokenizer"))
     mcfg = arch.model_config(cfg.model, task.vocab_size)
     graphdef, params = model.create(mcfg, 0)
     engines[sync] = build_engine(
-      cfg, graphdef, mcfg, tokenizer=task.tokenizer, eos_id=task.eos_id, pad_id=task.pad_id,
+      graphdef, mcfg, **engine_sections(cfg), tokenizer=task.tokenizer, eos_id=task.eos_id, pad_id=task.pad_id,
       prompt_len=task.train_prompt_ids.shape[1], workdir=sub,
     )  # fmt: skip
   try:

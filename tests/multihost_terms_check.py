@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxrl.config import default_configdict, from_configdict
 from jaxrl.parallel import distributed, sharding
+from jaxrl.run.sections import task_sections
 from jaxrl.tasks.rewards.pool import VerifyResult
 from jaxrl.tasks.rewards.terms import build_terms
 
@@ -31,7 +32,7 @@ def main(port: str, rank: str, rm_dir: str, judge_url: str, out_dir: str) -> Non
   mesh = sharding.make_mesh(2, 1, 1)
   cd = default_configdict()
   cd.reward.terms, cd.reward.model_rows = TERMS.format(rm_dir, judge_url), 4
-  terms = build_terms(from_configdict(cd), mesh)
+  terms = build_terms(task_sections(from_configdict(cd)), mesh)
   scored_R = np.array([rank == 0, 1, 1, 1, 1, 1], bool)
   rewards_R = np.array([1, 1, 0, 1, 1, 0], np.float32) * scored_R
   verified = VerifyResult(rewards_R, int(rank == 1), 0, 0, 0, None, scored_R)

@@ -27,6 +27,7 @@ from jaxrl.rollout.engine import JaxEngine
 from jaxrl.run import cli
 from jaxrl.run.context import StepContext
 from jaxrl.run.loop import rl_step
+from jaxrl.run.sections import task_sections
 from jaxrl.tasks.task import load_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -145,7 +146,9 @@ def step_context(cfg, tokenizer_dir) -> tuple[StepContext, object]:
   """What ``rl_step`` reads, built as the trainer builds it but without a warm start or a run
   directory: the task (its tokenizer written to ``tokenizer_dir``), the programs on one device, a
   ``JaxEngine``; and fresh params of the config's model (seed 0)."""
-  task = load_task(cfg, str(tokenizer_dir))  # the arithmetic tokenizer, built in code
+  task = load_task(
+    task_sections(cfg), str(tokenizer_dir)
+  )  # the arithmetic tokenizer, built in code
   mcfg = arch.model_config(cfg.model, task.vocab_size)
   graphdef, params = model.create(mcfg, 0)
   programs = Programs.for_run(cfg.optim, graphdef, params, sharding.make_mesh(1, 1, 1))

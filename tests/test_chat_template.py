@@ -15,6 +15,7 @@ from run_helpers import tiny_config
 
 from jaxrl.config import ConfigError
 from jaxrl.rollout.engine import SampleRequest
+from jaxrl.run.sections import task_sections
 from jaxrl.tasks.data import tokenizer as vocab
 from jaxrl.tasks.envs import calculator
 from jaxrl.tasks.envs.chat import ChatTemplateError, chat_frame, render, user_prompt
@@ -115,7 +116,7 @@ def test_a_template_whose_turn_has_no_end_token_is_refused():
 def test_a_frame_that_does_not_fit_the_observation_names_the_field(tmp_path):
   cfg = tiny_config("tools,chat,test", **{"rollout.max_observation_tokens": 16})
   with pytest.raises(ConfigError, match="rollout.max_observation_tokens"):
-    load_task(cfg, str(tmp_path))
+    load_task(task_sections(cfg), str(tmp_path))
 
 
 @pytest.mark.parametrize(
@@ -129,7 +130,9 @@ def test_chat_template_is_the_calculator_tasks_variant(arg, overrides):
 
 @pytest.fixture(scope="module")
 def chat_task(tmp_path_factory):
-  task = load_task(tiny_config("tools,chat,test"), str(tmp_path_factory.mktemp("tokenizer")))
+  task = load_task(
+    task_sections(tiny_config("tools,chat,test")), str(tmp_path_factory.mktemp("tokenizer"))
+  )
   yield task
   task.close()
 

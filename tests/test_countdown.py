@@ -13,6 +13,7 @@ from run_helpers import read_metrics, tiny_config
 
 from jaxrl.config import ConfigError
 from jaxrl.run import plan
+from jaxrl.run.sections import task_sections
 from jaxrl.run.train import Trainer
 from jaxrl.tasks import task as task_lib
 from jaxrl.tasks.data import countdown
@@ -168,7 +169,7 @@ def test_its_vocabulary_extends_the_default_one(tmp_path):
 
 def test_the_task_loads_with_its_tokenizer_scorer_and_plan(tmp_path):
   cfg = tiny_config("test,countdown")
-  data = task_lib.load_task(cfg, str(tmp_path))
+  data = task_lib.load_task(task_sections(cfg), str(tmp_path))
   assert data.level_names == tuple(s.name for s in countdown.DEFAULT_LEVELS)
   assert data.vocab_size == vocab.vocab_size("countdown")
   p = task_lib.prompt_len(cfg.task)
@@ -182,7 +183,7 @@ def test_the_task_loads_with_its_tokenizer_scorer_and_plan(tmp_path):
   for arg in ("test,countdown", "test,tools", "test"):
     c = tiny_config(arg)
     assert plan.architecture(c)[0].vocab_size == len(
-      task_lib.load_task(c, str(tmp_path / arg)).tokenizer
+      task_lib.load_task(task_sections(c), str(tmp_path / arg)).tokenizer
     )
 
 
@@ -202,7 +203,7 @@ def test_a_response_too_short_for_the_levels_is_refused(tmp_path):
   """5 numbers up to 19 need 20 characters and EOS."""
   with pytest.raises(ConfigError, match="rollout.max_new_tokens.*need up to 21 tokens"):
     task_lib.load_task(
-      tiny_config("test,countdown", **{"rollout.max_new_tokens": 20}), str(tmp_path)
+      task_sections(tiny_config("test,countdown", **{"rollout.max_new_tokens": 20})), str(tmp_path)
     )
 
 
@@ -227,7 +228,9 @@ def test_levels_of_one_count_never_share_a_problem():
 
 def test_a_bad_level_names_the_field(tmp_path):
   with pytest.raises(ConfigError, match="task.levels"):
-    task_lib.load_task(tiny_config("test,countdown", **{"task.levels": "3x2+"}), str(tmp_path))
+    task_lib.load_task(
+      task_sections(tiny_config("test,countdown", **{"task.levels": "3x2+"})), str(tmp_path)
+    )
 
 
 def test_a_short_run_trains_and_evaluates_every_level(tmp_path):

@@ -43,9 +43,16 @@ def read(tok, result):
   return [tok.decode(ids) for ids in result.observation_ids]
 
 
+def _environment(cfg, tok):
+  """The run's environment of ``cfg``, built from the sections an environment reads."""
+  return registry.build_environment(
+    tok, task=cfg.task, data=cfg.data, tool=cfg.tool, rollout=cfg.rollout
+  )
+
+
 @pytest.fixture
 def calculator(tok):
-  env = registry.build_environment(tiny_config("tools", **{"rollout.max_turns": 3}), tok)
+  env = _environment(tiny_config("tools", **{"rollout.max_turns": 3}), tok)
   yield env
   env.close()
 
@@ -156,23 +163,23 @@ def test_a_hanging_or_crashing_tool_is_an_error_for_its_row_and_the_pool_recover
 
 
 def test_registry(tok, monkeypatch):
-  assert registry.build_environment(tiny_config("test"), tok) is None  # "" = single-turn
+  assert _environment(tiny_config("test"), tok) is None  # "" = single-turn
   cfg = tiny_config("tools", **{"task.environment": "nope"})
   with pytest.raises(ConfigError, match=r"^config\.task\.environment: 'nope' is not one of \(''"):
     registry.check(cfg.task)
   # A new environment is its factory and one registry line.
   made = []
 
-  def echo_environment(cfg, tokenizer):
-    made.append(cfg.rollout.max_turns)
+  def echo_environment(tokenizer, *, task, data, tool, rollout):
+    made.append(rollout.max_turns)
     return ToolEnvironment(
       tokenizer, tool=CHAOS, call_open="<calc>", call_close="</calc>", result_open="<result>",
-      result_close="</result>", max_turns=cfg.rollout.max_turns, max_observation_tokens=8,
+      result_close="</result>", max_turns=rollout.max_turns, max_observation_tokens=8,
     )  # fmt: skip
 
   monkeypatch.setitem(registry.ENVIRONMENTS, "echo", echo_environment)
   registry.check((cfg := tiny_config("tools", **{"task.environment": "echo"})).task)
-  env = registry.build_environment(cfg, tok)
+  env = _environment(cfg, tok)
   assert isinstance(env, Environment) and made == [cfg.rollout.max_turns]
   env.close()
 

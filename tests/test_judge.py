@@ -18,6 +18,7 @@ from judge_fixtures import ChatServer, chat
 from run_helpers import wait_until
 
 from jaxrl.config import ConfigError, default_configdict, from_configdict
+from jaxrl.run.sections import task_sections
 from jaxrl.tasks.rewards import judge
 from jaxrl.tasks.rewards.judge import MAX_REPLY_BYTES, at, default_template, parse_score
 from jaxrl.tasks.rewards.terms import build_terms, term_means
@@ -56,7 +57,7 @@ def _terms(url: str, spec: str = "judge:{url}", **reward):
   cd.reward.judge_backoff = 0.0  # retries at once: the tests count them, never wait them out
   for k, v in reward.items():
     setattr(cd.reward, k, v)
-  return build_terms(from_configdict(cd))
+  return build_terms(task_sections(from_configdict(cd)))
 
 
 def _score(terms, completions, answers=None):
@@ -326,7 +327,7 @@ def test_judge_sidecar_needs_its_model_before_the_run():
   cd = default_configdict()
   cd.reward.terms = "verifier, judge:sidecar*0.5"
   with pytest.raises(ConfigError, match="config.reward.judge_model: judge:sidecar serves"):
-    check_inputs(from_configdict(cd))
+    check_inputs(task_sections(from_configdict(cd)))
 
 
 def test_a_run_trains_on_the_judges_verdicts_and_stops_its_threads(tmp_path, endpoint_of):

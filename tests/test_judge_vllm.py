@@ -16,6 +16,7 @@ from jaxrl.nn import model
 from jaxrl.nn.arch import model_config
 from jaxrl.rollout import sidecar
 from jaxrl.run import judge_server, weights
+from jaxrl.run.sections import task_sections
 from jaxrl.tasks.task import load_task
 
 pytestmark = pytest.mark.slow
@@ -28,7 +29,7 @@ JUDGE_MODEL = {"model.hidden_size": 64, "model.head_dim": 32}
 def _judge_checkpoint(tmp_path) -> str:
   """A tiny random chat model in HF layout, with its tokenizer and chat template."""
   cfg = tiny_config("tools,chat,test", **JUDGE_MODEL)
-  task = load_task(cfg, str(tmp_path / "tokenizer"))
+  task = load_task(task_sections(cfg), str(tmp_path / "tokenizer"))
   mcfg = model_config(cfg.model, task.vocab_size)
   _, params = model.create(mcfg, 0)
   return weights.write_hf(cfg, mcfg, params, str(tmp_path / "judge"), task.tokenizer)

@@ -85,15 +85,21 @@ def test_annealing_config_scales_group_size_length_and_bounds():
   assert not a.anneal_phase.enabled
 
 
+def _anneal_start(cfg) -> int:
+  return anneal_start(
+    anneal_phase=cfg.anneal_phase, clip=cfg.clip, temperature=cfg.temperature, steps=cfg.steps
+  )
+
+
 def test_phase_start_follows_the_entropy_schedule():
   on = {"anneal_phase.enabled": True}
-  assert anneal_start(tiny_config("test", steps=10, **on)) == 6  # ⌊0.6·T⌋
+  assert _anneal_start(tiny_config("test", steps=10, **on)) == 6  # ⌊0.6·T⌋
   es = tiny_config(
     "es,test", steps=10, **on, **{"clip.schedule": "stable_then_anneal", "clip.rho": 0.25}
   )
-  assert anneal_start(es) == 8  # ⌈(1−ρ)·T⌉
+  assert _anneal_start(es) == 8  # ⌈(1−ρ)·T⌉
   assert (
-    anneal_start(tiny_config("e3,test", steps=10, **on, **{"temperature.anneal_start": 3})) == 3
+    _anneal_start(tiny_config("e3,test", steps=10, **on, **{"temperature.anneal_start": 3})) == 3
   )
   explicit = tiny_config("test", steps=10, **on, **{"anneal_phase.start": 2})
   phases = run_phases(explicit)

@@ -10,7 +10,7 @@ from run_helpers import read_metrics, tiny_config
 
 from jaxrl.config import ConfigError
 from jaxrl.methods import allocation, registry
-from jaxrl.methods.controllers import Methods
+from jaxrl.run.sections import phase_methods
 from jaxrl.run.train import Trainer
 
 
@@ -33,7 +33,7 @@ def front_loaded_allocator(a, g: int) -> allocation.Allocator:
 def test_a_registered_allocator_is_used_by_the_methods_and_the_loop(monkeypatch, tmp_path):
   monkeypatch.setitem(registry.ALLOCATORS, "front", front_loaded_allocator)  # the one line
   cfg = tiny_config("test", steps=1, **{"allocation.method": "front", "sft.steps": 0})
-  methods = Methods(cfg, vocab_size=32)
+  methods = phase_methods(cfg, vocab_size=32)
   state = methods.init(10)
   counts = np.asarray(methods.allocate(state, None, jnp.arange(cfg.batch_questions)))
   g, b = cfg.rollout.group_size, cfg.batch_questions
@@ -49,4 +49,4 @@ def test_a_registered_allocator_is_used_by_the_methods_and_the_loop(monkeypatch,
 def test_an_unregistered_method_is_a_one_line_config_error(field):
   cfg = tiny_config("test", **{field: "nope"})
   with pytest.raises(ConfigError, match=rf"^config\.{field}: 'nope' is not one of \("):
-    registry.check(cfg)
+    registry.check(allocation=cfg.allocation, temperature=cfg.temperature, clip=cfg.clip)

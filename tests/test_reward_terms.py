@@ -13,6 +13,7 @@ from run_helpers import step_context, tiny_config
 
 from jaxrl.config import ConfigError, TermSpec, default_configdict, from_configdict, parse_terms
 from jaxrl.run.loop import initial_loop, rl_step
+from jaxrl.run.sections import task_sections
 from jaxrl.tasks.rewards.combine import combine_terms
 from jaxrl.tasks.rewards.pool import VerifyResult
 from jaxrl.tasks.rewards.terms import CallableTerm, build_terms, term_means
@@ -137,7 +138,7 @@ def test_bad_combine_arguments():
 def _terms(spec, rule="sum-then-normalise"):
   cd = default_configdict()
   cd.reward.terms, cd.reward.combine = spec, rule
-  return build_terms(from_configdict(cd))
+  return build_terms(task_sections(from_configdict(cd)))
 
 
 def _verified(rewards_R, scored_R):
@@ -211,7 +212,7 @@ def test_a_callable_past_its_time_limit_fails_its_batch_counted(caplog):
   reward_fns.RELEASE.clear()
   cd = default_configdict()
   cd.reward.terms, cd.reward.fn_time_limit = "verifier, fn:reward_fns:trl_blocked", 0.05
-  terms = build_terms(from_configdict(cd))
+  terms = build_terms(task_sections(from_configdict(cd)))
   verified = _verified([1, 0, 1], [True, True, True])
   try:
     for _ in range(2):
@@ -249,13 +250,13 @@ def test_a_missing_callable_or_model_is_named_before_the_run(tmp_path, monkeypat
   match = "config.reward.terms: term fn:reward_fns:nope: reward term 'reward_fns:nope'.*'nope'"
   for check in (check_inputs, build_terms):
     with pytest.raises(ConfigError, match=match):
-      check(cfg)
+      check(task_sections(cfg))
   cd.reward.terms = f"model:{tmp_path}"
   with pytest.raises(ConfigError, match=f"term model:{tmp_path}: {tmp_path}: no config.json"):
-    check_inputs(from_configdict(cd))
+    check_inputs(task_sections(from_configdict(cd)))
   cd.reward.terms = "model:acme/no-such-rm"  # a Hub id, offline and not cached
   with pytest.raises(ConfigError, match="term model:acme/no-such-rm: .*huggingface-cli download"):
-    check_inputs(from_configdict(cd))
+    check_inputs(task_sections(from_configdict(cd)))
 
 
 def test_a_step_trains_on_the_combined_reward_and_logs_each_term(tmp_path):
@@ -263,7 +264,7 @@ def test_a_step_trains_on_the_combined_reward_and_logs_each_term(tmp_path):
   half the length term's sum per answer, and each term's mean is logged."""
   cfg = tiny_config("test", steps=1, **{"reward.terms": "verifier, fn:reward_fns:trl_length*0.5"})
   ctx, params = step_context(cfg, tmp_path / "tokenizer")
-  ctx = dataclasses.replace(ctx, reward_terms=build_terms(cfg))
+  ctx = dataclasses.replace(ctx, reward_terms=build_terms(task_sections(cfg)))
   _, row = rl_step(ctx, initial_loop(ctx, ctx.programs.init_state(params)), 0)
   applies = row["reward_term_fn_trl_length_applies"]
   assert 0 < applies <= 1 and row["reward_term_verifier_applies"] == 1.0

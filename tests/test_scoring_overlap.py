@@ -16,6 +16,7 @@ import reward_fns
 from run_helpers import step_context, tiny_config
 
 from jaxrl.run.loop import initial_loop, rl_step
+from jaxrl.run.sections import task_sections
 from jaxrl.tasks.rewards.terms import build_terms
 
 
@@ -66,7 +67,7 @@ def _two_steps(tmp_path, k: int, term: str, *, thread: bool, meet: bool = False)
   ctx = dataclasses.replace(
     ctx,
     collector=dataclasses.replace(ctx.collector, engine=engine),
-    reward_terms=build_terms(cfg),
+    reward_terms=build_terms(task_sections(cfg)),
     rollout_pool=pool,
   )
   try:

@@ -37,7 +37,6 @@ from jaxrl.config import ConfigError
 from jaxrl.nn import lora, model
 from jaxrl.nn.arch import model_config
 from jaxrl.rl import behaviour, scoring
-from jaxrl.rollout.build import build_engine
 from jaxrl.rollout.collect import Collector
 from jaxrl.rollout.engine import JaxEngine, SampleRequest, eval_version, forget_version
 from jaxrl.rollout.sidecar import (
@@ -50,6 +49,7 @@ from jaxrl.rollout.sidecar import (
 )
 from jaxrl.rollout.vllm_client import RequestError
 from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine
+from jaxrl.run.sections import task_engine, task_sections
 from jaxrl.run.train import Trainer
 from jaxrl.tasks.task import load_task
 
@@ -80,19 +80,12 @@ def inductor_dir(tmp_path_factory):
 
 def _launch(cfg, workdir):
   """A sidecar engine (its server not yet started) and random params of the sidecar model."""
-  task = load_task(cfg, os.path.join(workdir, "tokenizer"))
+  task = load_task(task_sections(cfg), os.path.join(workdir, "tokenizer"))
   mcfg = model_config(cfg.model, task.vocab_size)
   graphdef, params = model.create(mcfg, 0)
-  engine = build_engine(
-    cfg,
-    graphdef,
-    mcfg,
-    tokenizer=task.tokenizer,
-    eos_id=task.eos_id,
-    pad_id=task.pad_id,
-    prompt_len=task.train_prompt_ids.shape[1],
-    workdir=workdir,
-  )
+  engine = task_engine(
+    cfg, graphdef, mcfg, task, workdir
+  )  # single-turn: the task has no environment
   return engine, graphdef, params, task
 
 

@@ -15,9 +15,9 @@ import pytest
 from run_helpers import ROOT, tiny_config
 
 from jaxrl.rl import scoring
-from jaxrl.rollout.build import task_engine
 from jaxrl.rollout.engine import SampleRequest
 from jaxrl.rollout.vllm_engine import VllmEngine
+from jaxrl.run.sections import task_engine
 from jaxrl.run.train import Trainer
 from jaxrl.tasks.envs.calculator import CALL_CLOSE
 

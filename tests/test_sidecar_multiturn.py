@@ -22,9 +22,10 @@ from jaxrl.nn import model
 from jaxrl.nn.arch import model_config
 from jaxrl.rl import scoring
 from jaxrl.rollout import multiturn
-from jaxrl.rollout.build import build_engine, task_engine
+from jaxrl.rollout.build import build_engine
 from jaxrl.rollout.engine import SampleRequest
 from jaxrl.rollout.vllm_engine import VllmEngine
+from jaxrl.run.sections import engine_sections, task_engine, task_sections
 from jaxrl.run.train import Trainer
 from jaxrl.tasks.envs.calculator import CALL_CLOSE
 from jaxrl.tasks.task import load_task
@@ -54,7 +55,7 @@ def served(tmp_path_factory):
     subprocess.run(["make", "vllm-env"], cwd=ROOT, check=True)
   workdir = str(tmp_path_factory.mktemp("sidecar"))
   cfg = _config()
-  task = load_task(cfg, os.path.join(workdir, "tokenizer"))
+  task = load_task(task_sections(cfg), os.path.join(workdir, "tokenizer"))
   mcfg = model_config(cfg.model, task.vocab_size)
   graphdef, params = model.create(mcfg, 0)
   params = _calling_params(params, task.tokenizer)
@@ -85,9 +86,9 @@ class Recorder:
 def _jax_engine(cfg, served_engine, graphdef, params, task):
   cfg = _config(**{"rollout.engine": "jax"})
   engine = build_engine(
-    cfg,
     graphdef,
     served_engine.model_cfg,
+    **engine_sections(cfg),
     tokenizer=task.tokenizer,
     eos_id=task.eos_id,
     pad_id=task.pad_id,

@@ -18,6 +18,7 @@ from run_helpers import read_metrics, tiny_config  # noqa: E402
 
 from jaxrl.config import ConfigError  # noqa: E402
 from jaxrl.nn import reward_model  # noqa: E402
+from jaxrl.run.sections import task_sections  # noqa: E402
 from jaxrl.run.train import Trainer  # noqa: E402
 from jaxrl.tasks import arithmetic_task  # noqa: E402
 from jaxrl.tasks.data import arithmetic  # noqa: E402
@@ -108,7 +109,9 @@ def test_tiny_rm_is_for_the_arithmetic_task_without_tools():
   with pytest.raises(ValueError, match="without tools"):
     tiny_config("rm,tools")
   with pytest.raises(ConfigError, match="model:tiny-rm is trained on the arithmetic task"):
-    build_terms(tiny_config("countdown,test", **{"reward.terms": "verifier, model:tiny-rm"}))
+    build_terms(
+      task_sections(tiny_config("countdown,test", **{"reward.terms": "verifier, model:tiny-rm"}))
+    )
 
 
 @pytest.mark.slow

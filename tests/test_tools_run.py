@@ -18,6 +18,7 @@ from jaxrl.nn import model
 from jaxrl.nn.arch import model_config
 from jaxrl.rollout.build import build_engine
 from jaxrl.rollout.vllm_engine import VllmEngine
+from jaxrl.run.sections import engine_sections, task_sections
 from jaxrl.run.train import Trainer
 from jaxrl.tasks.task import load_task
 
@@ -88,15 +89,17 @@ def test_multi_turn_runs_on_either_engine(tmp_path):
     "tools,test", **{"rollout.engine": "vllm", "model.hidden_size": 64, "model.head_dim": 32}
   )
   assert cfg.task.environment == "calculator"
-  task = load_task(cfg, str(tmp_path / "tokenizer"))
+  task = load_task(task_sections(cfg), str(tmp_path / "tokenizer"))
   try:
     mcfg = model_config(cfg.model, task.vocab_size)
     graphdef, _ = model.abstract(mcfg)
     kw = dict(tokenizer=task.tokenizer, eos_id=task.eos_id, pad_id=task.pad_id)
     kw.update(prompt_len=task.train_prompt_ids.shape[1], environment=task.environment)
-    engine = build_engine(cfg, graphdef, mcfg, workdir=str(tmp_path), **kw)
+    engine = build_engine(graphdef, mcfg, **engine_sections(cfg), workdir=str(tmp_path), **kw)
     jax_cfg = tiny_config("tools,test", **{"model.hidden_size": 64, "model.head_dim": 32})
-    jax_engine = build_engine(jax_cfg, graphdef, mcfg, workdir=str(tmp_path), **kw)
+    jax_engine = build_engine(
+      graphdef, mcfg, **engine_sections(jax_cfg), workdir=str(tmp_path), **kw
+    )
     try:
       assert isinstance(engine, VllmEngine) and engine.sidecar is not None
       assert engine._turns.turns == jax_engine._turns

@@ -20,6 +20,7 @@ from run_helpers import tiny_config
 from jaxrl.config import ConfigError
 from jaxrl.nn import model
 from jaxrl.rl import scoring, step
+from jaxrl.run.sections import task_sections
 from jaxrl.tasks import builtin
 from jaxrl.tasks.data import arithmetic, tool_calls
 from jaxrl.tasks.data import tokenizer as vocab
@@ -65,7 +66,7 @@ def test_the_default_vocabulary_is_unchanged(tmp_path):
 
 def test_the_default_task_and_its_sft_corpus_are_unchanged(tmp_path):
   """configs/tiny.py as `make run` loads it: every array as it was before environments existed."""
-  task = load_task(tiny_config(""), str(tmp_path))
+  task = load_task(task_sections(tiny_config("")), str(tmp_path))
   assert task.environment is None and task.sft_loss_mask is None and task.stop_sequences == ()
   assert task.scorer is None
   assert digest(task.train_prompt_ids, task.train_prompt_mask, task.train_answers,
@@ -95,7 +96,9 @@ def test_the_tools_vocabulary_extends_the_default(tmp_path):
 
 @pytest.fixture(scope="module")
 def tools_task(tmp_path_factory):
-  task = load_task(tiny_config("tools,test"), str(tmp_path_factory.mktemp("tokenizer")))
+  task = load_task(
+    task_sections(tiny_config("tools,test")), str(tmp_path_factory.mktemp("tokenizer"))
+  )
   yield task
   task.close()
 
@@ -188,12 +191,14 @@ def test_sft_levels_take_relative_weights():
 )
 def test_a_bad_level_names_the_field(tmp_path, levels, says):
   with pytest.raises(ConfigError, match=r"^config\.task\.levels: .*" + says):
-    load_task(tiny_config("test", **{"task.levels": levels}), str(tmp_path))
+    load_task(task_sections(tiny_config("test", **{"task.levels": levels})), str(tmp_path))
 
 
 def test_sft_levels_must_be_levels_of_the_task(tmp_path):
   with pytest.raises(ConfigError, match=r"^config\.task\.sft_levels: 9\+9 not among the levels"):
-    load_task(tiny_config("tools,test", **{"task.sft_levels": "9x9+"}), str(tmp_path))
+    load_task(
+      task_sections(tiny_config("tools,test", **{"task.sft_levels": "9x9+"})), str(tmp_path)
+    )
 
 
 def test_the_verifier_scores_the_final_answer(tools_task):
@@ -237,7 +242,7 @@ def test_an_eos_the_environment_wrote_ends_nothing(tools_task):
 )
 def test_the_tool_task_writes_numbers_as_usual(tmp_path, overrides, field):
   with pytest.raises(ConfigError) as e:
-    load_task(tiny_config("tools,test", **overrides), str(tmp_path))
+    load_task(task_sections(tiny_config("tools,test", **overrides)), str(tmp_path))
   assert e.value.field == field
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxrl.config.methods_sections import AnnealPhaseSection
+from jaxrl.config.rollout_sections import RolloutSection
 from jaxrl.config.schema import Config
 
 
@@ -24,7 +26,7 @@ def annealing(cfg: Config) -> Config:
     cfg,
     anneal_phase=dataclasses.replace(p, enabled=False),
     rollout=dataclasses.replace(
-      cfg.rollout, group_size=g, max_new_tokens=p.max_new_tokens or cfg.rollout.max_new_tokens
+      cfg.rollout, group_size=g, max_new_tokens=_anneal_response(cfg.rollout, p)
     ),
     allocation=dataclasses.replace(
       a,
@@ -35,17 +37,26 @@ def annealing(cfg: Config) -> Config:
   )
 
 
-def shortest_response(cfg: Config) -> int:
+def response_lengths(rollout: RolloutSection, anneal_phase: AnnealPhaseSection) -> tuple[int, ...]:
+  """Each phase's ``rollout.max_new_tokens``: the main phase's, and the annealing phase's if on."""
+  if not anneal_phase.enabled:
+    return (rollout.max_new_tokens,)
+  return rollout.max_new_tokens, _anneal_response(rollout, anneal_phase)
+
+
+def shortest_response(rollout: RolloutSection, anneal_phase: AnnealPhaseSection) -> int:
   """The smallest ``rollout.max_new_tokens`` over the run's phases (main, and annealing if on)."""
-  lengths = [cfg.rollout.max_new_tokens]
-  if cfg.anneal_phase.enabled:
-    lengths.append(annealing(cfg).rollout.max_new_tokens)
-  return min(lengths)
+  return min(response_lengths(rollout, anneal_phase))
 
 
-def turn_tokens(cfg: Config) -> int:
+def turn_tokens(rollout: RolloutSection, anneal_phase: AnnealPhaseSection) -> int:
   """T, the tokens of one model turn at most (docs/algorithms.md §11): ``rollout.max_turn_tokens``,
   0 = the whole response; one value for every phase (the multi-turn programs compile once), so
   capped by the shortest phase's response."""
-  shortest = shortest_response(cfg)
-  return min(cfg.rollout.max_turn_tokens or shortest, shortest)
+  shortest = shortest_response(rollout, anneal_phase)
+  return min(rollout.max_turn_tokens or shortest, shortest)
+
+
+def _anneal_response(rollout: RolloutSection, anneal_phase: AnnealPhaseSection) -> int:
+  """The annealing phase's response length: its own, 0 = the main phase's."""
+  return anneal_phase.max_new_tokens or rollout.max_new_tokens

@@ -157,7 +157,7 @@ def _check_environment(cfg: Config) -> None:
   # An observation is asked for where its block and one token of the reply fit after the turn
   # (multiturn.answers_fit): the shortest call (one token) is answered only if 1 + O + 1 <= N, with
   # N the shortest phase's response (docs/algorithms.md §11).
-  o, n = r.max_observation_tokens, shortest_response(cfg)
+  o, n = r.max_observation_tokens, shortest_response(r, cfg.anneal_phase)
   n_from = " (the shortest phase's)" if n < r.max_new_tokens else ""
   need(
     o + 2 <= n,

@@ -13,14 +13,19 @@ per-step decisions (so a new value never recompiles). The loop (``jaxrl.run.loop
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxrl.config import Config
+from jaxrl.config import (
+  AllocationSection,
+  ClipSection,
+  EEPOSection,
+  ModulationSection,
+  TemperatureSection,
+)
 from jaxrl.methods import registry, schedules
 from jaxrl.types import pytree_dataclass
 
@@ -37,33 +42,48 @@ class ControllerStates:
   gate: schedules.GateState
 
 
-@dataclasses.dataclass
 class Methods:
-  """The run's controllers (allocator, temperature, clip, EEPO gate) and their jitted decisions."""
+  """The run's controllers (allocator, temperature, clip, EEPO gate) and their jitted decisions,
+  built from a phase's sections and the few run-wide values they read: the group size G
+  (``rollout.group_size``), the sampling temperature τ0 (``rollout.temperature``), the clip
+  ``loss.eps_high``, the RL steps and the vocabulary size."""
 
-  # The phase's whole config: the controllers read the allocation, temperature, clip, eepo and
-  # modulation sections and the rollout's group size and temperature, the loss's clip, the steps.
-  cfg: Config
-  vocab_size: int
-
-  def __post_init__(self):
-    cfg = self.cfg
-    registry.check(cfg)
-    self.allocator = registry.ALLOCATORS[cfg.allocation.method](
-      cfg.allocation, cfg.rollout.group_size
+  def __init__(
+    self,
+    *,
+    allocation: AllocationSection,
+    temperature: TemperatureSection,
+    clip: ClipSection,
+    eepo: EEPOSection,
+    modulation: ModulationSection,
+    group_size: int,
+    tau0: float,
+    eps_high: float,
+    steps: int,
+    vocab_size: int,
+  ):
+    registry.check(allocation=allocation, temperature=temperature, clip=clip)
+    self.allocation_method = allocation.method
+    self.allocator = registry.ALLOCATORS[allocation.method](allocation, group_size)
+    self.temperature = registry.TEMPERATURES[temperature.method](
+      temperature, tau0=tau0, steps=steps, vocab_size=vocab_size
     )
-    self.temperature = registry.TEMPERATURES[cfg.temperature.method](
-      cfg.temperature, tau0=cfg.rollout.temperature, steps=cfg.steps, vocab_size=self.vocab_size
-    )
-    self.clip = registry.CLIPS[cfg.clip.method](
-      cfg.clip, eps_high=cfg.loss.eps_high, steps=cfg.steps
-    )
-    self.gate_ctl = schedules.eepo_gate_controller(cfg.eepo.m, cfg.eepo.alpha)
-    if cfg.temperature.method == "e3" and cfg.clip.method == "adaptive":
+    self.clip = registry.CLIPS[clip.method](clip, eps_high=eps_high, steps=steps)
+    self.gate_ctl = schedules.eepo_gate_controller(eepo.m, eepo.alpha)
+    if temperature.method == "e3" and clip.method == "adaptive":
       log.warning(
         "temperature.method=e3 and clip.method=adaptive both steer entropy; running both "
         "(docs/algorithms.md §7 allows it), but their effects are confounded"
       )
+    self.description = ", ".join(
+      [
+        f"allocation={allocation.method}",
+        f"temperature={temperature.method}",
+        f"clip={clip.method}" + (f"({clip.schedule})" if clip.method == "adaptive" else ""),
+        f"eepo={'on' if eepo.enabled else 'off'}",
+        f"modulation={'on' if modulation.enabled else 'off'}",
+      ]
+    )
     self.allocate = jax.jit(self.allocator.allocate)
     self.on_epoch_end = jax.jit(self.allocator.on_epoch_end)
     self.update_temperature = jax.jit(self.temperature.update)
@@ -85,20 +105,12 @@ class Methods:
     new mixture's questions need ranks relative to each other); the others restart from ``init``
     (DynaMO's state is only its bounds; it reads live statistics).
     """
-    if self.cfg.allocation.method == "e3":
+    if self.allocation_method == "e3":
       return self.on_epoch_end(alloc, stats, epoch - 1)
     return self.allocator.init(num_questions)
 
   def describe(self) -> str:
-    c = self.cfg
-    parts = [
-      f"allocation={c.allocation.method}",
-      f"temperature={c.temperature.method}",
-      f"clip={c.clip.method}" + (f"({c.clip.schedule})" if c.clip.method == "adaptive" else ""),
-      f"eepo={'on' if c.eepo.enabled else 'off'}",
-      f"modulation={'on' if c.modulation.enabled else 'off'}",
-    ]
-    return ", ".join(parts)
+    return self.description
 
 
 def eepo_stage1_counts(counts_B: jnp.ndarray) -> jnp.ndarray:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxrl.config import Config, annealing
+from jaxrl.config import AnnealPhaseSection, ClipSection, Config, TemperatureSection, annealing
 from jaxrl.methods import schedules
 
 
@@ -23,16 +23,21 @@ class Phase:
   name: str
 
 
-# Config: the start is the annealing phase's, or the clip's or the temperature's schedule's.
-def anneal_start(cfg: Config) -> int:
+def anneal_start(
+  *,
+  anneal_phase: AnnealPhaseSection,
+  clip: ClipSection,
+  temperature: TemperatureSection,
+  steps: int,
+) -> int:
   """First step of the annealing phase: configured, or where the entropy schedule starts to anneal
   (the adaptive clip's stable-then-anneal schedule first, else E3's t_anneal, whose default
   ⌊0.6·steps⌋ also serves runs without an annealing schedule)."""
-  if cfg.anneal_phase.start:
-    return cfg.anneal_phase.start
-  if cfg.clip.method == "adaptive" and cfg.clip.schedule == "stable_then_anneal":
-    return math.ceil(schedules.stable_anneal_start(cfg.steps, cfg.clip.rho))
-  return cfg.temperature.anneal_start or schedules.e3_anneal_start(cfg.steps)
+  if anneal_phase.start:
+    return anneal_phase.start
+  if clip.method == "adaptive" and clip.schedule == "stable_then_anneal":
+    return math.ceil(schedules.stable_anneal_start(steps, clip.rho))
+  return temperature.anneal_start or schedules.e3_anneal_start(steps)
 
 
 # Config: a phase's config is the run's whole config inside it (``config.annealing``).
@@ -40,7 +45,10 @@ def run_phases(cfg: Config) -> tuple[Phase, ...]:
   main = Phase(0, 0, cfg, "", "main")
   if not cfg.anneal_phase.enabled:
     return (main,)
-  return main, Phase(1, anneal_start(cfg), annealing(cfg), cfg.anneal_phase.mixture, "annealing")
+  start = anneal_start(
+    anneal_phase=cfg.anneal_phase, clip=cfg.clip, temperature=cfg.temperature, steps=cfg.steps
+  )
+  return main, Phase(1, start, annealing(cfg), cfg.anneal_phase.mixture, "annealing")
 
 
 def phase_at(phases: tuple[Phase, ...], step: int) -> Phase:

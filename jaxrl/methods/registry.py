@@ -14,7 +14,6 @@ from typing import Callable
 from jaxrl.config import (
   AllocationSection,
   ClipSection,
-  Config,
   ConfigError,
   TemperatureSection,
 )
@@ -119,11 +118,14 @@ _FIELDS = (
 )
 
 
-def check(cfg: Config) -> None:
-  """Every method name of the config is registered (one-line ``ConfigError`` naming the field).
-  The whole config: ``_FIELDS`` names the fields by their paths across three sections."""
+def check(
+  *, allocation: AllocationSection, temperature: TemperatureSection, clip: ClipSection
+) -> None:
+  """Every method name of the three sections is registered (one-line ``ConfigError`` naming the
+  field, ``_FIELDS``'s dotted path)."""
+  sections = dict(allocation=allocation, temperature=temperature, clip=clip)
   for field, registry in _FIELDS:
     section, name = field.split(".")
-    value = getattr(getattr(cfg, section), name)
+    value = getattr(sections[section], name)
     if value not in registry:
       raise ConfigError(field, f"{value!r} is not one of {tuple(registry)}")

@@ -124,7 +124,7 @@ def finalize_metrics(metrics):
   }
 
 
-def _rollout_weights(mask_RxT, informative_R, cfg):
+def _rollout_weights(mask_RxT, informative_R, cfg: LossConfig):
   """Mask times the per-rollout weight (0 for non-informative rollouts if informative_only)."""
   mask_RxT = jnp.asarray(mask_RxT, jnp.float32)
   if cfg.informative_only:
@@ -144,7 +144,7 @@ def loss_denominator(mask_RxT, informative_R, cfg: LossConfig):
   return jnp.sum((jnp.sum(w_RxT, axis=1) > 0).astype(jnp.float32))
 
 
-def _aggregate(x_RxT, w_RxT, mask_RxT, cfg):
+def _aggregate(x_RxT, w_RxT, mask_RxT, cfg: LossConfig):
   """Numerator of the chosen aggregation: a sum over rows, so additive across micro-batches.
   seq-mean-token-mean divides each row by its model tokens; seq-mean-token-sum-norm by the buffer
   length N whatever the row holds (docs/algorithms.md §11)."""

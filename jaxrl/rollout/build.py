@@ -6,76 +6,69 @@ import os
 
 import jax
 
-from jaxrl.config import Config, ConfigError, ModelSection, RolloutSection, VllmSection
-from jaxrl.config.anneal_phase import turn_tokens
-from jaxrl.methods.phases import run_phases
+from jaxrl.config import (
+  AnnealPhaseSection,
+  ConfigError,
+  ModelSection,
+  RolloutSection,
+  VllmSection,
+)
+from jaxrl.config.anneal_phase import response_lengths, turn_tokens
 from jaxrl.rollout import multiturn
 from jaxrl.rollout.engine import JaxEngine
 from jaxrl.rollout.hosts import PerHostEngine
 
 
-# Config: a builder assembling the engine from the rollout, vllm, model and task sections and every
-# phase's response length (``run_phases``).
 def build_engine(
-  cfg: Config,
   graphdef,
   model_cfg,
   *,
+  rollout: RolloutSection,
+  vllm: VllmSection,
+  model: ModelSection,
+  anneal_phase: AnnealPhaseSection,
   tokenizer,
   eos_id: int | tuple[int, ...],
   pad_id: int,
   prompt_len: int,
   workdir: str,
   environment=None,
+  environment_name: str = "",
 ):
-  """The rollout engine ``cfg.rollout.engine`` names: the JAX sampler, or vLLM sidecar(s).
+  """The rollout engine ``rollout.engine`` names: the JAX sampler, or vLLM sidecar(s) (``vllm``,
+  serving ``model``); ``anneal_phase`` gives the phases' response lengths (a turn fits the
+  shortest, a sidecar's context the longest).
 
-  With an ``environment`` (``task.environment``): multi-turn rollouts, the JAX sampler's
-  (``multiturn``) or the sidecar's (``vllm_multiturn``). A caller that knows its questions puts
-  ``multiturn.EnvironmentRespond(environment, question_ids_R)`` in its ``SampleRequest.respond``;
-  without one, the environment is reset with each row's prompt index among the call's prompts (held-out
-  evaluation's chunks)."""
+  With an ``environment`` (``task.environment``, named ``environment_name``): multi-turn rollouts,
+  the JAX sampler's (``multiturn``) or the sidecar's (``vllm_multiturn``). A caller that knows its
+  questions puts ``multiturn.EnvironmentRespond(environment, question_ids_R)`` in its
+  ``SampleRequest.respond``; without one, the environment is reset with each row's prompt index
+  among the call's prompts (held-out evaluation's chunks)."""
   common = dict(
-    max_new_tokens=cfg.rollout.max_new_tokens, eos_id=eos_id, pad_id=pad_id, top_p=cfg.rollout.top_p
+    max_new_tokens=rollout.max_new_tokens, eos_id=eos_id, pad_id=pad_id, top_p=rollout.top_p
   )
   turns = {}
   if environment is not None:
     common["respond_factory"] = lambda group_ids_R: multiturn.EnvironmentRespond(
       environment, group_ids_R
     )
-    turns = dict(name=cfg.task.environment, rollout=cfg.rollout, turn_tokens=turn_tokens(cfg))
-  if cfg.rollout.engine == "jax":
+    t = turn_tokens(rollout, anneal_phase)
+    turns = dict(name=environment_name, rollout=rollout, turn_tokens=t)
+  if rollout.engine == "jax":
     if environment is not None:
       common["turns"] = turn_config(environment, **turns)
-    return JaxEngine(graphdef, model_cfg, compact_every=cfg.rollout.compact_every, **common)
+    return JaxEngine(graphdef, model_cfg, compact_every=rollout.compact_every, **common)
   if environment is not None:
     common["turns"] = sidecar_turns(environment, **turns)
   return _vllm_engine(
-    cfg.vllm,
-    cfg.model,
+    vllm,
+    model,
     model_cfg,
     tokenizer=tokenizer,
     prompt_len=prompt_len,
-    max_response=max(p.cfg.rollout.max_new_tokens for p in run_phases(cfg)),
+    max_response=max(response_lengths(rollout, anneal_phase)),
     workdir=workdir,
     common=common,
-  )
-
-
-def task_engine(cfg: Config, graphdef, model_cfg, task, workdir: str):
-  """``build_engine`` for a loaded task: its tokenizer, special ids, prompt width and environment
-  (the trainer's engine and ``jaxrl-eval``'s are built alike); the whole config is
-  ``build_engine``'s."""
-  return build_engine(
-    cfg,
-    graphdef,
-    model_cfg,
-    tokenizer=task.tokenizer,
-    eos_id=task.eos_id,
-    pad_id=task.pad_id,
-    prompt_len=task.train_prompt_ids.shape[1],
-    workdir=workdir,
-    environment=task.environment,
   )
 
 

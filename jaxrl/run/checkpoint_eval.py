@@ -23,10 +23,11 @@ from jaxrl import rng
 from jaxrl.config.run_sections import resolve_ks
 from jaxrl.nn import arch, model
 from jaxrl.parallel import sharding
-from jaxrl.rollout.build import build_engine, task_engine
+from jaxrl.rollout.build import build_engine
 from jaxrl.rollout.engine import eval_version
 from jaxrl.run import weights
 from jaxrl.run.heldout import engine_sampler, evaluate, evaluate_task
+from jaxrl.run.sections import engine_sections, task_engine, task_sections
 from jaxrl.tasks import math_task
 from jaxrl.tasks.data import datasets, hub, math_prompts
 from jaxrl.tasks.envs.registry import build_environment
@@ -187,7 +188,7 @@ def _evaluate_heldout(cfg, checkpoint: str, out_dir: str, num_samples: int, ks) 
 
   ks = sorted({1, *ks})
   with tempfile.TemporaryDirectory(prefix="jaxrl-eval-tokenizer-") as tokenizer_dir:
-    task = load_task(cfg, tokenizer_dir)
+    task = load_task(task_sections(cfg), tokenizer_dir)
     try:
       engine, params = _task_engine_and_params(cfg, checkpoint, task, out_dir)
       try:
@@ -230,11 +231,13 @@ def _engine_and_params(cfg, checkpoint: str, out_dir: str):
   tokenizer = math_prompts.load_tokenizer(cfg.model.checkpoint)
   stops = math_prompts.stop_token_ids(cfg.model.checkpoint, tokenizer)
   params = weights.load_params(cfg, checkpoint, (abstract_params, shardings))
-  environment = build_environment(cfg, tokenizer)
+  environment = build_environment(
+    tokenizer, task=cfg.task, data=cfg.data, tool=cfg.tool, rollout=cfg.rollout
+  )
   engine = build_engine(
-    cfg,
     graphdef,
     model_cfg,
+    **engine_sections(cfg),
     tokenizer=tokenizer,
     eos_id=stops,
     pad_id=tokenizer.pad_token_id,

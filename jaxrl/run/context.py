@@ -17,6 +17,7 @@ from jaxrl.rollout.collect import Collector
 from jaxrl.rollout.sampler import sample_program
 from jaxrl.run import mfu
 from jaxrl.run.compiles import CompileCounter
+from jaxrl.run.sections import phase_methods
 from jaxrl.run.source import RolloutSource
 from jaxrl.tasks.data.cursor import Mixture
 from jaxrl.tasks.rewards.terms import RewardTerms
@@ -88,7 +89,7 @@ class StepContext:
     pc = phase.cfg
     mixture = self.task.mixture(phase.mixture, "anneal_phase.mixture", stream=phase.index)
     update = self.programs.update(LossConfig.from_config(pc))
-    return PhaseRuntime(phase, Methods(pc, self.vocab_size), update, mixture)
+    return PhaseRuntime(phase, phase_methods(pc, self.vocab_size), update, mixture)
 
   def update_flops(self, index: int) -> float:
     """XLA's FLOPs of phase ``index``'s update (with ``peak_flops`` known)."""

@@ -22,6 +22,7 @@ from jaxrl.config.reward_terms import SIDECAR
 from jaxrl.parallel import distributed
 from jaxrl.rollout import sidecar
 from jaxrl.rollout.build import vllm_python
+from jaxrl.run.sections import task_sections
 from jaxrl.tasks.rewards.judge import Endpoint
 from jaxrl.tasks.rewards.terms import RewardTerms, build_terms, model_dir
 
@@ -99,7 +100,7 @@ def open_terms(cfg: Config, mesh, workdir: str) -> RewardTerms | None:
   terms stops it, and a failed build stops it at once."""
   endpoint = start(cfg, workdir)
   try:
-    return build_terms(cfg, mesh, endpoint, workdir)
+    return build_terms(task_sections(cfg), mesh, endpoint, workdir)
   except BaseException:
     if endpoint is not None:
       endpoint.close()

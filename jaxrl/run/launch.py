@@ -17,6 +17,7 @@ from jaxrl.nn.arch import checkpoint_error
 from jaxrl.parallel import distributed
 from jaxrl.rollout.sidecar import SidecarError
 from jaxrl.run import cli, plan, plan_report
+from jaxrl.run.sections import task_sections
 from jaxrl.run.stops import NonFiniteError, Stopped
 from jaxrl.run.train import train
 from jaxrl.tasks import task
@@ -83,7 +84,9 @@ def _check_inputs(cfg, workdir: str) -> None:
   try:
     if (error := plan.memory_error(cfg)) is not None:  # before anything is allocated
       _fail(error)
-    distributed.main_first(lambda: task.check_inputs(cfg))  # process 0 downloads Hub datasets
+    distributed.main_first(
+      lambda: task.check_inputs(task_sections(cfg))
+    )  # process 0 downloads Hub datasets
     compile_cache.check(cfg.compile_cache, workdir)
   except ValueError as e:  # a ConfigError, a HubError
     _fail(e)

@@ -220,7 +220,7 @@ def reward_model_plan(cfg: Config, mesh) -> tuple[int, object]:
     return 0, None
   try:
     rm_cfg = reward_model.reward_model_config(
-      term_model_dir(cfg, paths[0], ("config.json",)), cfg.model.dtype
+      term_model_dir(paths[0], ("config.json",), task=cfg.task, seed=cfg.seed), cfg.model.dtype
     )
   except (OSError, ValueError) as e:  # before check_inputs reads it: name the field here too
     raise ConfigError("reward.terms", f"term model:{paths[0]}: {e}") from None
@@ -250,7 +250,7 @@ def _device_memory() -> int | None:
 
 def build(cfg: Config, *, compile_steps: bool = True, rollout_side: bool = True) -> Plan:
   """Every number of the plan; ``render`` formats it. ``compile_steps=False`` skips XLA."""
-  registry.check(cfg)
+  registry.check(allocation=cfg.allocation, temperature=cfg.temperature, clip=cfg.clip)
   mcfg, source = architecture(cfg)
   mesh, skipped = plan_mesh(cfg)
   if not compile_steps and not skipped:
@@ -269,7 +269,7 @@ def build(cfg: Config, *, compile_steps: bool = True, rollout_side: bool = True)
     if not skipped:
       compiled.append(compile_train_step(pc, programs, params))
       if rollout_side and pc.rollout.engine == "jax" and cfg.task.environment:
-        t = turn_tokens(cfg)  # one T for every phase
+        t = turn_tokens(cfg.rollout, cfg.anneal_phase)  # one T for every phase
         compiled.extend(compile_multiturn(pc, graphdef, mcfg, params, param_sh, t))
       elif rollout_side and pc.rollout.engine == "jax":
         compiled.append(compile_sampler(pc, graphdef, mcfg, params, param_sh))

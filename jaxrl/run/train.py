@@ -32,7 +32,6 @@ from jaxrl.methods.phases import run_phases
 from jaxrl.nn import arch, model
 from jaxrl.parallel import distributed, sharding
 from jaxrl.rl.programs import Programs, reference_copy
-from jaxrl.rollout.build import task_engine
 from jaxrl.rollout.collect import Collector
 from jaxrl.rollout.engine import RolloutEngine, eval_version
 from jaxrl.run import eval_cache, judge_server, mfu, recovery, run_config, sft, weights
@@ -42,6 +41,7 @@ from jaxrl.run.heldout import EvalResult, comparison_table, evaluate_task, quest
 from jaxrl.run.loop import initial_loop, rl_step
 from jaxrl.run.loop_state import LoopState, restore_loop, save_loop
 from jaxrl.run.progress import Progress
+from jaxrl.run.sections import task_engine, task_sections
 from jaxrl.run.stops import (
   NonFiniteGuard,
   StopFlag,
@@ -118,7 +118,7 @@ class Trainer:
     its verifier's workers), the mesh, the programs and the rollout engine, in that order. A step
     that fails closes what the steps before it started, and re-raises; ``config.json`` is written
     last, whole, once everything is built: a failed start leaves the last start's."""
-    registry.check(cfg)
+    registry.check(allocation=cfg.allocation, temperature=cfg.temperature, clip=cfg.clip)
     os.makedirs(workdir, exist_ok=True)
     with contextlib.ExitStack() as started:
       # One trainer per run directory (``lock.WorkdirBusy`` otherwise), held until ``close``.
@@ -129,7 +129,9 @@ class Trainer:
       record = run_config.record(cfg)
       run_config.check_resume(record, os.path.join(workdir, "checkpoints"))
       # Process 0 builds the tokenizer cache in the shared workdir; the others then read it.
-      task = distributed.main_first(lambda: load_task(cfg, os.path.join(workdir, "tokenizer")))
+      task = distributed.main_first(
+        lambda: load_task(task_sections(cfg), os.path.join(workdir, "tokenizer"))
+      )
       started.callback(task.close)
       for phase in run_phases(cfg):  # a bad mixture fails here, before anything compiles
         task.mixture(phase.mixture, "anneal_phase.mixture")

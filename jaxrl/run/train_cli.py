@@ -102,7 +102,8 @@ def _config():
     _fail("--config and --workdir are required")
   try:
     cfg = from_configdict(_CONFIG.value)  # the config file is loaded lazily, here
-    registry.check(cfg)  # method names: whatever the registry holds
+    # Method names: whatever the registry holds.
+    registry.check(allocation=cfg.allocation, temperature=cfg.temperature, clip=cfg.clip)
     environments.check(cfg.task)
   except ConfigError as e:
     _fail(e)

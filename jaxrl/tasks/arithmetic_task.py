@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxrl.config import Config, TaskSection
+from jaxrl.config import TaskSection
 from jaxrl.tasks import builtin, tools_task
 from jaxrl.tasks.data import arithmetic, tool_calls
 from jaxrl.tasks.data import tokenizer as vocab
@@ -20,6 +20,7 @@ from jaxrl.tasks.envs import calculator
 from jaxrl.tasks.envs.chat import user_prompt
 from jaxrl.tasks.envs.registry import build_environment, run_chat_frame
 from jaxrl.tasks.rewards.arithmetic import FinalAnswerScorer
+from jaxrl.tasks.sections import TaskSections
 
 NAME = "arithmetic"
 
@@ -62,17 +63,18 @@ def _in_chat(tok, chat, problems: list) -> list:
   return [dataclasses.replace(q, prompt=user_prompt(tok, q.prompt)) for q in problems]
 
 
-# Config: a task's loader reads the task, data, sft, rollout and tool sections and the run's seed.
-def load(cfg: Config, tokenizer_dir: str) -> dict:
-  tools = cfg.task.environment == calculator.NAME
+def load(s: TaskSections, tokenizer_dir: str) -> dict:
+  """The fields of a ``TaskData`` (``jaxrl.tasks.task.load_task`` builds it); reads the task, data,
+  sft, rollout and tool sections and the seed."""
+  tools = s.task.environment == calculator.NAME
   if tools:
-    tools_task.check(cfg.task)
-  tcfg = task_config(cfg.task, cfg.seed)
-  tok = vocab.build_tokenizer(tokenizer_dir, tokenizer_variant(cfg.task))
-  p, n = prompt_len(cfg.task, tcfg.levels), cfg.rollout.max_new_tokens
-  num_sft, sft_seed = builtin.sft_draws(cfg.sft, cfg.seed)
-  environment = build_environment(cfg, tok)
-  chat = run_chat_frame(tok, task=cfg.task, data=cfg.data, tool=cfg.tool) if tools else None
+    tools_task.check(s.task)
+  tcfg = task_config(s.task, s.seed)
+  tok = vocab.build_tokenizer(tokenizer_dir, tokenizer_variant(s.task))
+  p, n = prompt_len(s.task, tcfg.levels), s.rollout.max_new_tokens
+  num_sft, sft_seed = builtin.sft_draws(s.sft, s.seed)
+  environment = build_environment(tok, task=s.task, data=s.data, tool=s.tool, rollout=s.rollout)
+  chat = run_chat_frame(tok, task=s.task, data=s.data, tool=s.tool) if tools else None
   train, heldout = (_in_chat(tok, chat, split) for split in arithmetic.build_task(tcfg))
   if tools:
     examples = _in_chat(tok, chat, tool_calls.sft_examples(tcfg, num_sft, sft_seed))
@@ -84,7 +86,7 @@ def load(cfg: Config, tokenizer_dir: str) -> dict:
     sft = builtin.sft_fields(tok, arithmetic.sft_corpus(tcfg, num_sft, seed=sft_seed), p, n)
     scorer = None
   return dict(
-    **builtin.fields(tok, [s.name for s in tcfg.levels], train, heldout, p),
+    **builtin.fields(tok, [spec.name for spec in tcfg.levels], train, heldout, p),
     **sft,
     scorer=scorer,
     environment=environment,

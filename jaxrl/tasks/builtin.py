@@ -1,7 +1,8 @@
 """What the built-in tasks (arithmetic, countdown) share: a character vocabulary built in code,
 problems as (prompt, answer, level) texts, and an SFT corpus drawn fresh for every step.
 
-Each one's module gives ``load(cfg, tokenizer_dir)`` the ``TaskData`` fields from these helpers.
+Each one's module gives ``load(sections, tokenizer_dir)`` the ``TaskData`` fields from these
+helpers.
 """
 
 from __future__ import annotations

@@ -8,12 +8,13 @@ Its levels are ``jaxrl.tasks.data.countdown`` specs ("4n19"); its vocabulary is 
 
 from __future__ import annotations
 
-from jaxrl.config import Config, ConfigError, TaskSection
+from jaxrl.config import ConfigError, TaskSection
 from jaxrl.config.anneal_phase import shortest_response
 from jaxrl.tasks import builtin
 from jaxrl.tasks.data import countdown
 from jaxrl.tasks.data import tokenizer as vocab
 from jaxrl.tasks.rewards.countdown import CountdownScorer
+from jaxrl.tasks.sections import TaskSections
 
 NAME = "countdown"
 
@@ -54,17 +55,18 @@ def prompt_len(task: TaskSection, levels: tuple | None = None) -> int:
   return task.max_prompt_len or countdown.max_lengths(levels)[0] + 1
 
 
-# Config: a task's loader reads the task, sft and rollout sections (every phase's) and the seed.
-def load(cfg: Config, tokenizer_dir: str) -> dict:
-  tcfg = task_config(cfg.task, cfg.seed)
-  check(cfg.task, tcfg.levels, shortest_response(cfg))
-  tok = vocab.build_tokenizer(tokenizer_dir, tokenizer_variant(cfg.task))
-  p, n = prompt_len(cfg.task, tcfg.levels), cfg.rollout.max_new_tokens
-  num_sft, sft_seed = builtin.sft_draws(cfg.sft, cfg.seed)
+def load(s: TaskSections, tokenizer_dir: str) -> dict:
+  """The fields of a ``TaskData`` (``jaxrl.tasks.task.load_task`` builds it); reads the task, sft
+  and rollout sections (every phase's response length) and the seed."""
+  tcfg = task_config(s.task, s.seed)
+  check(s.task, tcfg.levels, shortest_response(s.rollout, s.anneal_phase))
+  tok = vocab.build_tokenizer(tokenizer_dir, tokenizer_variant(s.task))
+  p, n = prompt_len(s.task, tcfg.levels), s.rollout.max_new_tokens
+  num_sft, sft_seed = builtin.sft_draws(s.sft, s.seed)
   train, heldout = countdown.build_task(tcfg)
   pairs = countdown.sft_corpus(tcfg, num_sft, sft_seed)
   return dict(
-    **builtin.fields(tok, [s.name for s in tcfg.levels], train, heldout, p),
+    **builtin.fields(tok, [spec.name for spec in tcfg.levels], train, heldout, p),
     **builtin.sft_fields(tok, pairs, p, n),
     scorer=CountdownScorer(),
   )

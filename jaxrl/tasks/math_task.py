@@ -14,12 +14,13 @@ import os
 
 import numpy as np
 
-from jaxrl.config import Config, ConfigError, DataSection, ModelSection, RewardSection
+from jaxrl.config import ConfigError, DataSection, ModelSection, RewardSection
 from jaxrl.tasks.data import datasets, math_prompts
 from jaxrl.tasks.data.cursor import Mixture
 from jaxrl.tasks.envs.registry import build_environment
 from jaxrl.tasks.rewards.math import MATH_REWARD, WARM_UP, answer_window
 from jaxrl.tasks.rewards.pool import VerifierPool
+from jaxrl.tasks.sections import TaskSections
 
 log = logging.getLogger(__name__)
 
@@ -139,20 +140,20 @@ def _inputs(model: ModelSection, d: DataSection):
   return tokenizer, stops, train, mixture, heldout
 
 
-# Config: ``task.check_inputs`` calls every task's with the run's config.
-def check_inputs(cfg: Config) -> None:
-  """Read what ``load`` reads from outside the run (``task.check_inputs``): the command calls it
-  before the run's directory is written, at the cost of reading the datasets twice."""
-  _inputs(cfg.model, cfg.data)
+def check_inputs(s: TaskSections) -> None:
+  """Read what ``load`` reads from outside the run (``task.check_inputs``; the model and data
+  sections): the command calls it before the run's directory is written, at the cost of reading
+  the datasets twice."""
+  _inputs(s.model, s.data)
 
 
-# Config: a task's loader reads the model, data, task, reward, rollout and tool sections.
-def load(cfg: Config, tokenizer_dir: str) -> dict:
+def load(s: TaskSections, tokenizer_dir: str) -> dict:
   """The fields of a ``TaskData`` for the math task (``jaxrl.tasks.task.load_task`` builds it);
-  the tokenizer is the checkpoint's (``tokenizer_dir`` is for the built-in tasks)."""
-  d = cfg.data
-  tokenizer, stops, train, mixture, heldout = _inputs(cfg.model, d)
-  p = cfg.task.max_prompt_len
+  reads the model, data, task, reward, rollout and tool sections. The tokenizer is the
+  checkpoint's (``tokenizer_dir`` is for the built-in tasks)."""
+  d = s.data
+  tokenizer, stops, train, mixture, heldout = _inputs(s.model, d)
+  p = s.task.max_prompt_len
   train_enc = encode(d, p, tokenizer, train.questions, "data.train")
   mixture = keep_pools(mixture, train_enc.kept_Q, len(train.questions))
   held_enc = encode(d, p, tokenizer, heldout.questions, "data.heldout")
@@ -161,14 +162,14 @@ def load(cfg: Config, tokenizer_dir: str) -> dict:
   held_labels = np.asarray(level_labels(heldout), dtype=object)[held_kept]
   names = tuple(sorted(set(train_labels) | set(held_labels)))
   index = {name: i for i, name in enumerate(names)}
-  empty_ids = np.zeros((0, cfg.task.max_prompt_len), np.int32)
-  empty_tgt = np.zeros((0, cfg.rollout.max_new_tokens), np.int32)
+  empty_ids = np.zeros((0, s.task.max_prompt_len), np.int32)
+  empty_tgt = np.zeros((0, s.rollout.max_new_tokens), np.int32)
   log.info(
     "math task: %d training questions (%s), %d held-out, P=%d, stop ids %s",
     len(train_enc.kept_Q),
     ", ".join(f"{len(p)}×{w:g}" for p, w in zip(mixture.pools, mixture.weights)),
     len(held_kept),
-    cfg.task.max_prompt_len,
+    s.task.max_prompt_len,
     stops,
   )
   pad = tokenizer.pad_token_id
@@ -191,7 +192,9 @@ def load(cfg: Config, tokenizer_dir: str) -> dict:
     sft_prompt_mask=empty_ids.astype(bool),
     sft_target_ids=empty_tgt,
     sft_target_mask=empty_tgt.astype(bool),
-    scorer=MathScorer(cfg.reward),
+    scorer=MathScorer(s.reward),
     base_mixture=mixture,
-    environment=build_environment(cfg, tokenizer),
+    environment=build_environment(
+      tokenizer, task=s.task, data=s.data, tool=s.tool, rollout=s.rollout
+    ),
   )

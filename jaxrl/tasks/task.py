@@ -16,13 +16,14 @@ import importlib
 
 import numpy as np
 
-from jaxrl.config import Config, ConfigError, TaskSection, parse_mixture
+from jaxrl.config import ConfigError, TaskSection, parse_mixture
 from jaxrl.tasks.data import arithmetic
 from jaxrl.tasks.data.cursor import Mixture
 from jaxrl.tasks.envs.trajectory import response_texts
 from jaxrl.tasks.rewards.arithmetic import score_batch
 from jaxrl.tasks.rewards.pool import VerifyResult
 from jaxrl.tasks.rewards.terms import check_terms
+from jaxrl.tasks.sections import TaskSections
 
 
 @dataclasses.dataclass
@@ -114,9 +115,9 @@ class TaskData:
     return Mixture(tuple(pools), tuple(w for _, w in parts), stream)
 
 
-# task.name -> the module that builds it: ``load(cfg, tokenizer_dir)`` gives the ``TaskData``
-# fields (the whole config: a task reads what it needs of the task, data, model, sft, rollout,
-# reward and tool sections); a built-in task (its vocabulary built in code) also gives
+# task.name -> the module that builds it: ``load(sections, tokenizer_dir)`` gives the ``TaskData``
+# fields (``TaskSections``: a task reads what it needs of the task, data, model, sft, rollout,
+# reward and tool sections and the seed); a built-in task (its vocabulary built in code) also gives
 # ``tokenizer_variant(task)`` and ``prompt_len(task)`` of the task section. Imported on use: the
 # math task pulls math-verify and datasets.
 TASKS = {
@@ -151,18 +152,16 @@ def prompt_len(task: TaskSection) -> int:
   return _builtin(task).prompt_len(task)
 
 
-def load_task(cfg: Config, tokenizer_dir: str) -> TaskData:
-  """The task ``task.name`` names; a built-in one writes its tokenizer to ``tokenizer_dir``. The
-  whole config: the task module's ``load`` takes it (``TASKS``)."""
-  return TaskData(**task_module(cfg.task).load(cfg, tokenizer_dir))
+def load_task(s: TaskSections, tokenizer_dir: str) -> TaskData:
+  """The task ``task.name`` names; a built-in one writes its tokenizer to ``tokenizer_dir``."""
+  return TaskData(**task_module(s.task).load(s, tokenizer_dir))
 
 
-def check_inputs(cfg: Config) -> None:
+def check_inputs(s: TaskSections) -> None:
   """Read the run's inputs from outside it (the math task: the checkpoint's tokenizer, the
   datasets; what reward.terms names) without building anything: a ConfigError naming the field
-  when one is unusable. The command calls it before it writes the run's directory. The whole
-  config: what a task and the reward terms read (the model, data and reward sections)."""
-  module = task_module(cfg.task)
+  when one is unusable. The command calls it before it writes the run's directory."""
+  module = task_module(s.task)
   if hasattr(module, "check_inputs"):
-    module.check_inputs(cfg)
-  check_terms(cfg)
+    module.check_inputs(s)
+  check_terms(s)

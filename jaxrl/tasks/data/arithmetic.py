@@ -102,15 +102,16 @@ class TaskConfig:
     check_splits(self)
 
 
-def check_splits(cfg) -> None:
-  """A built-in task config's levels and split sizes (this task's ``TaskConfig``, countdown's)."""
-  if not cfg.levels:
+def check_splits(problems) -> None:
+  """The levels and split sizes of a built-in task's problems config (``problems``: this task's
+  ``TaskConfig``, countdown's ``CountdownConfig``)."""
+  if not problems.levels:
     raise ValueError("levels must not be empty")
-  if len(set(cfg.levels)) != len(cfg.levels):
-    raise ValueError(f"duplicate levels: {', '.join(s.name for s in cfg.levels)}")
-  if cfg.heldout_modulus < 2:
+  if len(set(problems.levels)) != len(problems.levels):
+    raise ValueError(f"duplicate levels: {', '.join(s.name for s in problems.levels)}")
+  if problems.heldout_modulus < 2:
     raise ValueError("heldout_modulus must be >= 2 (bucket 0 is held-out, the rest is train)")
-  if min(cfg.num_train_per_level, cfg.num_heldout_per_level) < 0:
+  if min(problems.num_train_per_level, problems.num_heldout_per_level) < 0:
     raise ValueError("split sizes must be non-negative")
 
 

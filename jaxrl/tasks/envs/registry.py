@@ -1,8 +1,8 @@
 """Name → factory for every environment ``task.environment`` can choose.
 
-A factory takes the whole ``Config`` (an environment reads what it needs of the task, data,
-tool and rollout sections; one signature for every environment) and the task's tokenizer and returns an ``Environment``
-(``jaxrl.tasks.envs.environment``). Adding one is its factory plus one line in ``ENVIRONMENTS``;
+A factory takes the task's tokenizer and, by keyword, the sections an environment reads (``task``,
+``data``, ``tool``, ``rollout``; one signature for every environment) and returns an
+``Environment`` (``jaxrl.tasks.envs.environment``). Adding one is its factory plus one line in ``ENVIRONMENTS``;
 ``check`` raises the one-line ``ConfigError`` for a name that is not registered.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from jaxrl.config import Config, ConfigError, DataSection, TaskSection, ToolSection
+from jaxrl.config import ConfigError, DataSection, RolloutSection, TaskSection, ToolSection
 from jaxrl.tasks.envs import calculator
 from jaxrl.tasks.envs.chat import ChatFrame, ChatTemplateError, chat_frame
 from jaxrl.tasks.envs.environment import Environment
@@ -45,8 +45,9 @@ def run_chat_frame(
     raise ConfigError(field, f"the tokenizer's chat template cannot frame a tool's answer: {e}")
 
 
-# Config: the factories' argument (the module docstring).
-def calculator_environment(cfg: Config, tokenizer) -> ToolEnvironment:
+def calculator_environment(
+  tokenizer, *, task: TaskSection, data: DataSection, tool: ToolSection, rollout: RolloutSection
+) -> ToolEnvironment:
   """``<calc>EXPR</calc>`` answered ``<result>VALUE</result>`` (``calculator.calculate``), framed
   by the chat template where the run uses one."""
   try:
@@ -57,16 +58,16 @@ def calculator_environment(cfg: Config, tokenizer) -> ToolEnvironment:
       call_close=calculator.CALL_CLOSE,
       result_open=calculator.RESULT_OPEN,
       result_close=calculator.RESULT_CLOSE,
-      max_turns=cfg.rollout.max_turns,
-      max_observation_tokens=cfg.rollout.max_observation_tokens,
-      limits=tool_limits(cfg.tool),
-      chat=run_chat_frame(tokenizer, task=cfg.task, data=cfg.data, tool=cfg.tool),
+      max_turns=rollout.max_turns,
+      max_observation_tokens=rollout.max_observation_tokens,
+      limits=tool_limits(tool),
+      chat=run_chat_frame(tokenizer, task=task, data=data, tool=tool),
     )
   except FrameTooLong as e:
     raise ConfigError("rollout.max_observation_tokens", str(e)) from None
 
 
-ENVIRONMENTS: dict[str, Callable[[Config, object], Environment]] = {
+ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
   calculator.NAME: calculator_environment,
 }
 
@@ -78,9 +79,12 @@ def check(task: TaskSection) -> None:
     raise ConfigError("task.environment", f"{name!r} is not one of {('', *ENVIRONMENTS)}")
 
 
-def build_environment(cfg: Config, tokenizer) -> Environment | None:
-  """The run's environment (None: single-turn); close it when the run ends. The whole config: it
-  is the factories' argument (the module docstring)."""
-  check(cfg.task)
-  name = cfg.task.environment
-  return ENVIRONMENTS[name](cfg, tokenizer) if name else None
+def build_environment(
+  tokenizer, *, task: TaskSection, data: DataSection, tool: ToolSection, rollout: RolloutSection
+) -> Environment | None:
+  """The run's environment, ``task.environment`` (None: single-turn); close it when the run ends."""
+  check(task)
+  name = task.environment
+  if not name:
+    return None
+  return ENVIRONMENTS[name](tokenizer, task=task, data=data, tool=tool, rollout=rollout)

@@ -44,7 +44,7 @@ import threading
 
 import numpy as np
 
-from jaxrl.config import Config, ConfigError, TermSpec, parse_terms
+from jaxrl.config import ConfigError, TaskSection, TermSpec, parse_terms
 from jaxrl.config.reward_terms import SIDECAR
 from jaxrl.config.task_sections import RewardSection
 from jaxrl.nn import hf_safetensors, reward_model
@@ -55,6 +55,7 @@ from jaxrl.tasks.rewards.judge import Endpoint, JudgeSettings, JudgeTerm, shown
 from jaxrl.tasks.rewards.pool import RewardFnError, VerifyResult
 from jaxrl.tasks.rewards.train_rm import NAME as TINY_RM
 from jaxrl.tasks.rewards.train_rm import builtin_dir
+from jaxrl.tasks.sections import TaskSections
 from jaxrl.tasks.worker_process import load_function
 
 log = logging.getLogger(__name__)
@@ -146,14 +147,20 @@ def model_dir(source: str, files=hub.MODEL_FILES) -> str:
   return hub.model_snapshot(source, files)
 
 
-# Config: model:tiny-rm is trained for the run's task (the task section and the run's seed).
 def term_model_dir(
-  cfg: Config, source: str, files=hub.MODEL_FILES, workdir: str | None = None
+  source: str,
+  files=hub.MODEL_FILES,
+  *,
+  task: TaskSection,
+  seed: int,
+  workdir: str | None = None,
 ) -> str:
   """A ``model:`` term's checkpoint directory: ``model:tiny-rm`` the reward model trained for the
-  run's arithmetic task (``train_rm.builtin_dir``: in the cache, trained there on first use),
-  any other source its ``model_dir``."""
-  return builtin_dir(cfg, workdir=workdir) if source == TINY_RM else model_dir(source, files)
+  run's arithmetic task (``task``, the run's ``seed``; ``train_rm.builtin_dir``: in the cache,
+  trained there on first use), any other source its ``model_dir``."""
+  if source == TINY_RM:
+    return builtin_dir(task, seed, workdir=workdir)
+  return model_dir(source, files)
 
 
 class ModelTerm:
@@ -318,63 +325,61 @@ def _judge_term(reward: RewardSection, spec: TermSpec, endpoint: Endpoint | None
   return JudgeTerm(endpoint, settings)
 
 
-# Config: the terms read the reward section, the model's compute dtype and, for tiny-rm, the task.
-def check_terms(cfg: Config) -> None:
+def check_terms(s: TaskSections) -> None:
   """Read what the terms name without building them (a callable imports, a reward model's
-  config.json and tensor headers): a ConfigError naming reward.terms when one is unusable."""
-  for spec in parse_terms(cfg.reward.terms):
+  config.json and tensor headers): a ConfigError naming reward.terms when one is unusable. The
+  terms read the reward section, the model's compute dtype and, for tiny-rm, the task and seed."""
+  for spec in parse_terms(s.reward.terms):
     try:
       if spec.kind == "fn":
         load_function(spec.source, "reward term", RewardFnError)
       elif spec.kind == "model":
-        path = term_model_dir(cfg, spec.source)
-        reward_model.reward_model_config(path, cfg.model.dtype)
+        path = term_model_dir(spec.source, task=s.task, seed=s.seed)
+        reward_model.reward_model_config(path, s.model.dtype)
         hf_safetensors.check_tensor_files(path)
       elif spec.kind == "judge":
-        _check_judge(cfg.reward, spec)
+        _check_judge(s.reward, spec)
     except ConfigError:
       raise
     except (OSError, ValueError) as e:
       raise _term_error(spec, e) from None
 
 
-# Config: as check_terms.
-def _scorer(cfg: Config, spec: TermSpec, mesh, judge: Endpoint | None, workdir: str | None):
+def _scorer(s: TaskSections, spec: TermSpec, mesh, judge: Endpoint | None, workdir: str | None):
   """The scorer of a term other than the verifier; a ConfigError naming reward.terms if unusable."""
-  r = cfg.reward
+  r = s.reward
   try:
     if spec.kind == "fn":
       return CallableTerm(spec.source, r.fn_time_limit, active=distributed.is_main())
     if spec.kind == "model":
-      path = term_model_dir(cfg, spec.source, workdir=workdir)
-      return ModelTerm(path, mesh, cfg.model.dtype, r.model_max_tokens, r.model_rows)
-    return _judge_term(cfg.reward, spec, judge)
+      path = term_model_dir(spec.source, task=s.task, seed=s.seed, workdir=workdir)
+      return ModelTerm(path, mesh, s.model.dtype, r.model_max_tokens, r.model_rows)
+    return _judge_term(r, spec, judge)
   except ConfigError:
     raise
   except (OSError, ValueError) as e:
     raise _term_error(spec, e) from None
 
 
-# Config: as check_terms.
 def build_terms(
-  cfg: Config, mesh=None, judge: Endpoint | None = None, workdir: str | None = None
+  s: TaskSections, mesh=None, judge: Endpoint | None = None, workdir: str | None = None
 ) -> RewardTerms | None:
   """The terms of ``reward.terms`` (a reward model loaded onto ``mesh`` in the policy's compute
   dtype; a judge at its URL, or at ``judge``, the server the run started for ``judge:sidecar``;
   ``model:tiny-rm`` trained into the run's ``workdir``);
   None when unset: the verifier alone, as the loop computes it without terms. A term that fails
   to build stops those built before it."""
-  specs = parse_terms(cfg.reward.terms)
+  specs = parse_terms(s.reward.terms)
   if not specs:
     return None
   labels = [s.label for s in specs]
   if len(set(labels)) != len(labels):
     raise ValueError(f"reward.terms: two terms share a metrics label ({labels})")
-  terms = RewardTerms(specs, {}, cfg.reward.combine)
+  terms = RewardTerms(specs, {}, s.reward.combine)
   try:
     for k, spec in enumerate(specs):
       if spec.kind != "verifier":
-        terms.scorers[k] = _scorer(cfg, spec, mesh, judge, workdir)
+        terms.scorers[k] = _scorer(s, spec, mesh, judge, workdir)
   except BaseException:
     terms.close()
     raise

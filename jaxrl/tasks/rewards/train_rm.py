@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl.config import Config, ConfigError
+from jaxrl.config import ConfigError, TaskSection
 from jaxrl.nn import hf, reward_model
 from jaxrl.nn import model as jaxrl_model
 from jaxrl.nn.model import ModelConfig
@@ -302,19 +302,20 @@ def train_into(path: pathlib.Path, tcfg: arithmetic.TaskConfig, settings: Settin
   return path
 
 
-# Config: the task section and the run's seed make the task the model is trained on.
-def builtin_dir(cfg: Config, settings: Settings | None = None, workdir: str | None = None) -> str:
-  """``model:tiny-rm``'s checkpoint for ``cfg``'s task, trained into the run's ``workdir`` (else
-  the cache) on first use (process 0 trains it, the others wait and read it); ``settings``
-  default ``SETTINGS``."""
+def builtin_dir(
+  task: TaskSection, seed: int, settings: Settings | None = None, workdir: str | None = None
+) -> str:
+  """``model:tiny-rm``'s checkpoint for the run's ``task`` (its problems drawn with the run's
+  ``seed``), trained into the run's ``workdir`` (else the cache) on first use (process 0 trains
+  it, the others wait and read it); ``settings`` default ``SETTINGS``."""
   settings = settings or SETTINGS
-  if cfg.task.name != arithmetic_task.NAME or cfg.task.environment:
+  if task.name != arithmetic_task.NAME or task.environment:
     raise ConfigError(
       "reward.terms",
       f"model:{NAME} is trained on the arithmetic task without tools "
-      f"(task.name = {cfg.task.name!r}, task.environment = {cfg.task.environment!r})",
+      f"(task.name = {task.name!r}, task.environment = {task.environment!r})",
     )
-  tcfg = arithmetic_task.task_config(cfg.task, cfg.seed)
+  tcfg = arithmetic_task.task_config(task, seed)
   root = pathlib.Path(workdir) if workdir else cache_root()
   path = root / f"{NAME}-{cache_key(tcfg, settings)}"
   path.parent.mkdir(parents=True, exist_ok=True)
