@@ -47,7 +47,7 @@ from jaxrl.rollout.sidecar import (
   healthy,
   owned_pids,
 )
-from jaxrl.rollout.vllm_client import RequestError
+from jaxrl.rollout.vllm_api import RequestError
 from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine
 from jaxrl.run.sections import task_engine, task_sections
 from jaxrl.run.train import Trainer

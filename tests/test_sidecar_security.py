@@ -39,7 +39,8 @@ from jaxrl.nn import model
 from jaxrl.rollout import sidecar as sc
 from jaxrl.rollout.engine import SampleRequest, forget_version
 from jaxrl.rollout.sidecar import LaunchConfig, Sidecar, SidecarError, group_members, owned_pids
-from jaxrl.rollout.vllm_client import RequestError, ServerError, VllmClient
+from jaxrl.rollout.vllm_api import RequestError, ServerError
+from jaxrl.rollout.vllm_client import VllmClient
 from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine
 
 VOCAB = 32

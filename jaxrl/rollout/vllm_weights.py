@@ -50,7 +50,8 @@ from jaxrl.config.paths import check_private_dir
 from jaxrl.nn import hf, lora, peft
 from jaxrl.rollout.engine import check_version, is_step_version
 from jaxrl.rollout.sidecar import LaunchConfig, Sidecar, SidecarError, StartError
-from jaxrl.rollout.vllm_client import RequestError, ServerError, VllmClient
+from jaxrl.rollout.vllm_api import RequestError, ServerError
+from jaxrl.rollout.vllm_client import VllmClient
 
 log = logging.getLogger(__name__)
 
