@@ -7,7 +7,7 @@ timeout bounds one whole request (responses are not streamed): it must exceed th
 batch, or a busy server counts as hung.
 
 Servers are named by ``http://`` URLs or, for a server on a Unix socket (a launched sidecar),
-``http+unix://`` URLs (``sidecar.unix_url``).
+``http+unix://`` URLs (``unix_http.unix_url``).
 
 Failures: a connection refused or reset, a timeout or an HTTP 5xx is retried and then raised as
 ``ServerError`` (the server is down or hung: the engine restarts it), for every request, the GETs
@@ -44,7 +44,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable
 
-from jaxrl.rollout.sidecar import SidecarError, urlopen
+from jaxrl.rollout.sidecar import SidecarError
+from jaxrl.rollout.unix_http import urlopen
 from jaxrl.rollout.vllm_api import (
   Completion,
   RequestError,
