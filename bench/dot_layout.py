@@ -6,7 +6,7 @@ L3 cache holds, as a model's weights are), each applied to the same M rows, for 
 the same weights:
 
 - ``kn``: W stored [K, N] (x @ W; jaxrl's kernels until this benchmark moved them);
-- ``nk``: W stored [N, K] (x @ Wᵀ: torch's ``Linear``, HF checkpoints, and ``model.dense`` now).
+- ``nk``: W stored [N, K] (x @ Wᵀ: torch's ``Linear``, HF checkpoints, and ``layers.dense`` now).
 
 The products and sums are the same; only the order in which the dot reads the weights differs.
 Both layouts are timed round-robin (medians of ``--repeats``); per row count the script prints

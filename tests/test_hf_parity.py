@@ -29,7 +29,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
-from jaxrl.nn import hf, hf_config, hf_load, hf_safetensors, model
+from jaxrl.nn import hf, hf_config, hf_load, hf_safetensors, model, model_config
 from jaxrl.parallel import sharding  # noqa: E402
 
 KINDS = [(k, t) for k in hf_fixtures.KINDS for t in (False, True)]
@@ -120,7 +120,8 @@ def test_llama3_rope_scaling_changes_the_logits(hf_dirs):
   path = hf_dirs["llama", False]
   cfg = hf_config.load_model_config(path)
   scaled_E, unscaled_E = (
-    np.asarray(model.rope_inv_freq(c)) for c in (cfg, dataclasses.replace(cfg, rope_type="default"))
+    np.asarray(model_config.rope_inv_freq(c))
+    for c in (cfg, dataclasses.replace(cfg, rope_type="default"))
   )
   ratio = scaled_E / unscaled_E
   # All three regimes: kept (high frequencies), interpolated, divided by the factor (low ones).
@@ -189,7 +190,7 @@ def test_max_position_embeddings_is_carried_through_export():
 def test_rope_frequencies_match_transformers(config):
   """Our config parsing + ``rope_inv_freq`` against transformers' RoPE init on the same config."""
   config = {k: v for k, v in config.items() if v is not None}
-  ours_E = np.asarray(model.rope_inv_freq(hf_config.model_config_from_hf(config)))
+  ours_E = np.asarray(model_config.rope_inv_freq(hf_config.model_config_from_hf(config)))
   ref = transformers.AutoConfig.for_model(**config)
   rope_type = ref.rope_parameters["rope_type"]
   if rope_type == "default":

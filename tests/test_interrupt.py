@@ -196,12 +196,13 @@ def test_a_stop_during_an_evaluation_leaves_it_for_the_next_run(tmp_path):
   ``eval_*.json``: the evaluation is not taken as done, so the next run does it again."""
   from run_helpers import tiny_config
 
+  from jaxrl.run.rl_phase import stop_flag
   from jaxrl.run.stops import Stopped
   from jaxrl.run.train import Trainer
 
   with Trainer.open(tiny_config("test"), str(tmp_path)) as trainer:
     params = trainer.init_params()
-    with trainer._stop_flag() as trainer._stop:  # as Trainer.run holds it
+    with stop_flag(trainer.engine) as trainer._stop:  # as Trainer.run holds it
       signal.raise_signal(signal.SIGTERM)
       with pytest.raises(Stopped, match="SIGTERM: evaluation sft stopped"):
         trainer.evaluate(params, "sft", step=0)

@@ -14,7 +14,7 @@ from run_helpers import ROOT, tiny_config, wait_until
 
 from jaxrl.nn import model
 from jaxrl.nn.arch import model_config
-from jaxrl.rollout import sidecar
+from jaxrl.rollout import sidecar, unix_http
 from jaxrl.run import judge_server, weights
 from jaxrl.run.sections import task_sections
 from jaxrl.tasks.task import load_task
@@ -60,7 +60,7 @@ def test_a_judge_served_by_the_run_scores_every_answer(tmp_path):
   terms = judge_server.open_terms(cfg, None, str(workdir))
   try:
     judge = terms.scorers[0]
-    assert judge.endpoint.url.startswith(sidecar.UNIX_SCHEME) and judge.model == judge_dir
+    assert judge.endpoint.url.startswith(unix_http.UNIX_SCHEME) and judge.model == judge_dir
     completions = ["5", "6", "7", "8"]
     got = terms.score(["2+3"] * 4, completions, ["5"] * 4, None, np.zeros(4, int), 1)
     # Killed: the next batch restarts it (a new socket) and is answered in full.

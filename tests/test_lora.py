@@ -15,7 +15,7 @@ from flax import nnx
 from rounding import U, chain_terms
 from run_helpers import SMALL_MODEL, moved_adapters, random_batch, update_hparams
 
-from jaxrl.nn import lora, model
+from jaxrl.nn import lora, model, model_config
 from jaxrl.rl import losses, optim, scoring, step
 from jaxrl.rl.forget import eepo_forget
 
@@ -55,7 +55,7 @@ def test_a_fresh_adapter_computes_the_base_model_exactly():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   np.testing.assert_array_equal(_hidden(g0, base), _hidden(g1, adapted))
   names = {str(p[-1]) for p in _paths(lora.partition(adapted, "adapters")[0])}
-  assert names == {f"{t}_proj_lora_{x}" for t in model.LORA_TARGETS for x in "ab"}
+  assert names == {f"{t}_proj_lora_{x}" for t in model_config.LORA_TARGETS for x in "ab"}
 
 
 def test_targets_choose_the_projections():

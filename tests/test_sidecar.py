@@ -47,7 +47,7 @@ from jaxrl.rollout.sidecar import (
   healthy,
   owned_pids,
 )
-from jaxrl.rollout.vllm_client import RequestError
+from jaxrl.rollout.vllm_api import RequestError
 from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine
 from jaxrl.run.sections import task_engine, task_sections
 from jaxrl.run.train import Trainer
@@ -489,7 +489,7 @@ def test_server_killed_while_answering_is_restarted(served, caplog):
   # running server answered all 384 before the kill once, with both cores busy).
   os.kill(pid, signal.SIGSTOP)
   ids, mask = _prompts(task)
-  with caplog.at_level("WARNING", logger="jaxrl.rollout.vllm_engine"):
+  with caplog.at_level("WARNING", logger="jaxrl.rollout.vllm_weights"):
     out = _sample(engine, params, 0, ids, mask, [128, 128, 128], 1.0, jax.random.PRNGKey(11))
   assert len(killed) == 1 and engine.sidecar.starts == starts + 1
   failures = [

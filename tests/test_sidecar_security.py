@@ -37,9 +37,11 @@ from sidecar_helpers import NOBODY, as_nobody, socket_path, tcp_sockets
 from jaxrl.config import ConfigError
 from jaxrl.nn import model
 from jaxrl.rollout import sidecar as sc
+from jaxrl.rollout import unix_http
 from jaxrl.rollout.engine import SampleRequest, forget_version
 from jaxrl.rollout.sidecar import LaunchConfig, Sidecar, SidecarError, group_members, owned_pids
-from jaxrl.rollout.vllm_client import RequestError, ServerError, VllmClient
+from jaxrl.rollout.vllm_api import RequestError, ServerError
+from jaxrl.rollout.vllm_client import VllmClient
 from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine
 
 VOCAB = 32
@@ -253,7 +255,7 @@ def serve(fakes):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     servers.append((fake, server))
     if isinstance(address, str):
-      return fake, sc.unix_url(address)
+      return fake, unix_http.unix_url(address)
     return fake, f"http://127.0.0.1:{server.server_address[1]}"
 
   yield start
@@ -358,7 +360,7 @@ def test_the_client_speaks_http_over_a_unix_socket(serve, tmp_path):
   assert client.weight_version(url) == 7 and fake.version == "7"
   with pytest.raises(RequestError, match="HTTP 404"):
     client.post(url, "/no/such/route", {})
-  gone = sc.unix_url(str(private / "missing.sock"))
+  gone = unix_http.unix_url(str(private / "missing.sock"))
   assert not sc.healthy(gone)
   with pytest.raises(ServerError):
     client.weight_version(gone)
@@ -373,7 +375,7 @@ def test_an_answer_sent_before_the_body_is_read_is_the_answer(tmp_path, transpor
   if transport == "unix":
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(tmp_path / "early.sock"))
-    url = sc.unix_url(str(tmp_path / "early.sock"))
+    url = unix_http.unix_url(str(tmp_path / "early.sock"))
   else:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))

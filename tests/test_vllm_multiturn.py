@@ -11,7 +11,7 @@ import numpy as np
 from jaxrl.rollout import multiturn, vllm_multiturn
 from jaxrl.rollout.engine import SampleRequest
 from jaxrl.rollout.sidecar import LaunchConfig
-from jaxrl.rollout.vllm_client import Completion, ServerError
+from jaxrl.rollout.vllm_api import Completion, ServerError
 from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine
 
 PAD, EOS, STOP = 0, 1, 2

@@ -1,9 +1,9 @@
-"""Attention arithmetic of the decoder: RoPE (frequencies from ``model.rope_inv_freq``), and
-grouped-query softmax attention of T queries to S slots, block by block for long T and as
+"""Attention arithmetic of the decoder: RoPE (frequencies from ``model_config.rope_inv_freq``),
+and grouped-query softmax attention of T queries to S slots, block by block for long T and as
 products and sums for one query (a decode step); on an NVIDIA GPU, cuDNN's fused attention
 (``jax.nn.dot_product_attention``) where it takes the call (``fused_implementation``).
 
-Pure functions of arrays; ``model.Attention`` projects, caches and calls them. Keys arrive as
+Pure functions of arrays; ``layers.Attention`` projects, caches and calls them. Keys arrive as
 [B, K, E, S] and values as [B, K, S, E], the KV cache's layout (``jaxrl.nn.kv_cache``).
 
 Which slots a query sees comes as ``kv_valid_BxS``: booleans (a padded row: one sequence, the

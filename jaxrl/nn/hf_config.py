@@ -13,8 +13,7 @@ import pathlib
 
 import jax.numpy as jnp
 
-from jaxrl.nn import model as jaxrl_model
-from jaxrl.nn.model import ModelConfig
+from jaxrl.nn.model_config import ROPE_TYPES, ModelConfig
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 _ARCHITECTURES = {
@@ -76,8 +75,7 @@ def _rope_fields(config: dict) -> dict:
       "rope_original_max_positions": int(original),
     }
   raise ValueError(
-    f"config.json: rope_type {rope_type!r} is not supported "
-    f"(supported: {', '.join(jaxrl_model.ROPE_TYPES)})"
+    f"config.json: rope_type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
   )
 
 

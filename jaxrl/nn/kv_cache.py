@@ -1,6 +1,6 @@
 """The decoder's KV cache: one slot per sequence position, keys stored transposed for decoding.
 
-``model.Attention`` writes a step's keys and values (``KVCache.write``) and reads a layer's
+``layers.Attention`` writes a step's keys and values (``KVCache.write``) and reads a layer's
 (``KVCache.layer``); the sampler builds, copies, grows and compacts caches (``model.init_cache``,
 ``KVCache.repeat_rows``, ``KVCache.pad_slots``, ``KVCache.take_rows``). The layout follows
 ``ModelConfig.scan_layers``.

