@@ -105,7 +105,7 @@ def paper_metrics(r, *, es: bool, eepo: bool):
 
 @pytest.mark.slow
 def test_eepo_forgetting_in_micro_batches_gives_the_same_step(tmp_path):
-  """Trainer._forget accumulates θ' over loss.micro_batches chunks of the stage-1 rows: the
+  """EEPO's forgetting step (`rl/forget.py: eepo_forget`) accumulates θ' over loss.micro_batches chunks of the stage-1 rows: the
   unlearning loss, θ' (seen through the stage-2 rollouts' entropy) and the step match one pass."""
   runs = {}
   for micro in (1, 4):

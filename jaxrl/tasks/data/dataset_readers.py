@@ -69,6 +69,8 @@ def _batches_rows(batches) -> Iterator[tuple[int, object]]:
 
 
 def _parquet_rows(paths: list[str]) -> Iterator[tuple[int, object]]:
+  # Imported here: pyarrow (and HF datasets below) are heavy, and only runs that read these
+  # formats need them (the built-in tasks read none).
   import pyarrow.parquet as pq
 
   # One numbering across the files, so default ids stay unique.
