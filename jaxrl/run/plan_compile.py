@@ -200,7 +200,7 @@ def compile_multiturn(pc: Config, graphdef, mcfg, params, param_sh, turn_tokens:
 
 
 def compile_rescoring(pc: Config, programs: Programs, params) -> Compiled:
-  """vLLM's π_old rescoring as the loop runs it (``Programs.score``): R rows sharded over the
+  """vLLM's π_old rescoring as the loop runs it (``Programs.logp``): R rows sharded over the
   data axes, in ``step.sequential_chunks`` sequential chunks."""
   batch = abstract_batch(pc, sharding.batch_sharding(programs.mesh))
   score = programs.logp(pc.loss.logprob_chunk)

@@ -196,7 +196,7 @@ def _rollout_section(pc: Config, est: Estimate) -> list[str]:
     "`--gpu-memory-utilization`, default 0.9, of each GPU it sees): give it GPUs the trainer "
     "does not use, or set the fraction in `vllm.extra_args`. vLLM returns no entropies, so "
     f"the trainer rescores the R = {pc.num_rollouts} rollouts under the sampling params "
-    f"(`Programs.score`: rows split over data x fsdp, in loss.micro_batches = "
+    f"(`Programs.logp`: rows split over data x fsdp, in loss.micro_batches = "
     f"{pc.loss.micro_batches} sequential chunks; {est.rows} rows per device per chunk):",
     "",
     _table(["pi_old rescoring", "per device"], rows),
