@@ -852,14 +852,14 @@ def stage_lora_vs_plan(ctx: Stage) -> None:
   import jax
   import numpy as np
 
-  from jaxrl.config import LossConfig
-  from jaxrl.methods.phases import run_phases
+  from jaxrl.config import loss_config
   from jaxrl.nn import model
   from jaxrl.parallel import sharding
   from jaxrl.rl import step
   from jaxrl.rl.losses import LossHparams
   from jaxrl.rl.programs import Programs, reference_copy
   from jaxrl.run import plan, plan_estimate
+  from jaxrl.run.phases import run_phases
   from jaxrl.types import Rollouts
 
   cfg = _lora_config(ctx)
@@ -905,7 +905,7 @@ def stage_lora_vs_plan(ctx: Stage) -> None:
   )
   batch = sharding.shard_batch(batch, mesh)
   hp = LossHparams.from_config(pc.loss, pc.modulation, pc.rollout.temperature, pc.loss.eps_high)
-  update = programs.update(LossConfig.from_config(pc))
+  update = programs.update(loss_config(pc))
   jax.block_until_ready(state)
   before = _peak_memory()
   start = time.perf_counter()

@@ -28,13 +28,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.side_by_side import machine  # noqa: E402
-from jaxrl.config import LossConfig, from_configdict  # noqa: E402
+from jaxrl.config import from_configdict, loss_config  # noqa: E402
 from jaxrl.nn import arch, model  # noqa: E402
 from jaxrl.rl import programs  # noqa: E402
 from jaxrl.rl.losses import LossHparams  # noqa: E402
 from jaxrl.rollout.build import build_engine  # noqa: E402
 from jaxrl.run import cli  # noqa: E402
-from jaxrl.run.sections import engine_sections, task_sections  # noqa: E402
+from jaxrl.run.components import engine_sections, task_sections  # noqa: E402
 from jaxrl.tasks.task import load_task  # noqa: E402
 from jaxrl.types import Rollouts  # noqa: E402
 
@@ -84,7 +84,7 @@ def update_times(repeats: int, workdir: str) -> dict[int, list[float]]:
     mcfg = arch.model_config(cfg.model, task.vocab_size)
     graphdef, params = model.create(mcfg, 0)
     progs = programs.Programs.for_run(cfg.optim, graphdef, params, mesh)
-    update = progs.update(LossConfig.from_config(cfg))
+    update = progs.update(loss_config(cfg))
     hp = LossHparams.from_config(cfg.loss, cfg.modulation, 1.0, cfg.loss.eps_high)
     state = progs.init_state(params)
     state, _ = update(state, batch, hp, None)  # compile

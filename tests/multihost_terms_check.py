@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxrl.config import default_configdict, from_configdict
 from jaxrl.parallel import distributed, sharding
-from jaxrl.run.sections import task_sections
+from jaxrl.run.components import task_sections
 from jaxrl.tasks.rewards.pool import VerifyResult
 from jaxrl.tasks.rewards.terms import build_terms
 

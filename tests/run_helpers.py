@@ -17,7 +17,6 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.config import from_configdict
-from jaxrl.methods.phases import run_phases
 from jaxrl.nn import arch, lora, model
 from jaxrl.parallel import sharding
 from jaxrl.rl import losses
@@ -25,9 +24,10 @@ from jaxrl.rl.programs import Programs
 from jaxrl.rollout.collect import Collector
 from jaxrl.rollout.engine import JaxEngine
 from jaxrl.run import cli
+from jaxrl.run.components import task_sections
 from jaxrl.run.context import StepContext
 from jaxrl.run.loop import rl_step
-from jaxrl.run.sections import task_sections
+from jaxrl.run.phases import run_phases
 from jaxrl.tasks.task import load_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

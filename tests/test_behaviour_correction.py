@@ -13,7 +13,7 @@ import pytest
 from run_helpers import tiny_config
 
 from jaxrl import losses
-from jaxrl.config import ConfigError, LossConfig
+from jaxrl.config import ConfigError, loss_config
 
 DIFF = np.array([[0.0, 0.5, -1.0, 1.2]], np.float32)  # ℓ_prox − ℓ_μ of the worked example
 BEHAVIOUR = np.array([[-1.0, -2.0, -0.5, -3.0]], np.float32)
@@ -203,7 +203,7 @@ def test_rl_update_with_tis(tmp_path):
 
 def test_config_resolves_auto_and_checks_thresholds():
   def resolved(**fields):
-    return LossConfig.from_config(tiny_config("test", **fields)).behaviour_correction
+    return loss_config(tiny_config("test", **fields)).behaviour_correction
 
   assert resolved() == "none"
   assert resolved(**{"rollout.engine": "vllm"}) == "tis"

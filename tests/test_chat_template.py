@@ -15,7 +15,7 @@ from run_helpers import tiny_config
 
 from jaxrl.config import ConfigError
 from jaxrl.rollout.engine import SampleRequest
-from jaxrl.run.sections import task_sections
+from jaxrl.run.components import task_sections
 from jaxrl.tasks.data import tokenizer as vocab
 from jaxrl.tasks.envs import calculator
 from jaxrl.tasks.envs.chat import ChatTemplateError, chat_frame, render, user_prompt

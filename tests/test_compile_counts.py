@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from run_helpers import rollouts, tiny_config
 
-from jaxrl.config import LossConfig
+from jaxrl.config import loss_config
 from jaxrl.nn import model
 from jaxrl.parallel import sharding
 from jaxrl.rl import optim
@@ -54,7 +54,7 @@ def test_the_counter_counts_the_update_and_the_sampler_the_trainer_runs():
   engine = JaxEngine(graphdef, mcfg, max_new_tokens=n, eos_id=1, pad_id=0)
   counter = compile_counter().start()
   try:
-    update = programs.update(LossConfig.from_config(cfg))  # as the loop builds it
+    update = programs.update(loss_config(cfg))  # as the loop builds it
     for eps_high in (0.28, 0.3):  # a traced value: the second step compiles nothing
       hp = LossHparams.from_config(cfg.loss, cfg.modulation, 1.0, eps_high)
       update(programs.init_state(params), _batch(cfg, n), hp)

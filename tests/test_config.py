@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from jaxrl.config import Config, ConfigError, default_configdict, from_configdict
-from jaxrl.config.anneal_phase import shortest_response, turn_tokens
+from jaxrl.rollout.sections import shortest_response, turn_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -13,7 +13,7 @@ from run_helpers import read_metrics, tiny_config
 
 from jaxrl.config import ConfigError
 from jaxrl.run import plan
-from jaxrl.run.sections import task_sections
+from jaxrl.run.components import task_sections
 from jaxrl.run.train import Trainer
 from jaxrl.tasks import task as task_lib
 from jaxrl.tasks.data import countdown

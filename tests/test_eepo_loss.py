@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jaxpr_helpers import contains_primitive
 
+from jaxrl.config import forget_config
 from jaxrl.nn.logprobs import fused_log1m_p, logp_log1m_p_from_logits
 from jaxrl.rl.losses import eepo_unlearning_loss, eepo_unlearning_loss_from_logp
 
@@ -511,11 +512,9 @@ def test_log1m_p_is_relatively_accurate_for_every_p():
 def test_the_config_chooses_the_forgetting_steps_clip():
   from run_helpers import tiny_config
 
-  from jaxrl.rl.programs import ForgetConfig
-
   paper_cfg, ours_cfg = (
     tiny_config("eepo,test", **{"eepo.unlearn_clip": "paper"}),
     tiny_config("eepo,test"),
   )
-  paper = ForgetConfig.from_config(paper_cfg.eepo, paper_cfg.loss)
-  assert paper.paper_clip and not ForgetConfig.from_config(ours_cfg.eepo, ours_cfg.loss).paper_clip
+  paper = forget_config(paper_cfg.eepo, paper_cfg.loss)
+  assert paper.paper_clip and not forget_config(ours_cfg.eepo, ours_cfg.loss).paper_clip

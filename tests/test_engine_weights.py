@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from run_helpers import step_context, tiny_config
 
+from jaxrl.config import forget_config
 from jaxrl.nn import arch
-from jaxrl.rl.programs import ForgetConfig
 from jaxrl.rollout.eepo import two_stage_rollouts
 from jaxrl.rollout.engine import (
   JaxEngine,
@@ -140,7 +140,7 @@ def test_eepo_samples_stage_2_under_the_forget_version(run, fire):
     jax.random.PRNGKey(0),
     version=4,
     max_new_tokens=ctx.cfg.rollout.max_new_tokens,
-    forget=ForgetConfig.from_config(ctx.cfg.eepo, ctx.cfg.loss),
+    forget=forget_config(ctx.cfg.eepo, ctx.cfg.loss),
     old_logp_from="rollout",
   )
   assert two.metrics["eepo_gate"] == float(fire)

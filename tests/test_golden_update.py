@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from run_helpers import rollouts, tiny_config
 
-from jaxrl.config import LossConfig
+from jaxrl.config import loss_config
 from jaxrl.nn import model
 from jaxrl.parallel import sharding
 from jaxrl.rl import optim
@@ -100,7 +100,7 @@ def run_golden_update():
   programs = Programs(graphdef, params, mesh, optim.from_config(cfg.optim))
   ref = jax.tree.map(jnp.copy, params)
   state = programs.init_state(params)
-  update = programs.update(LossConfig.from_config(cfg))
+  update = programs.update(loss_config(cfg))
   batch = sharding.shard_batch(_batch(mcfg.vocab_size), mesh)
   state, metrics = update(
     state, batch, LossHparams.from_config(cfg.loss, cfg.modulation, 0.9, cfg.loss.eps_high), ref

@@ -18,7 +18,7 @@ from judge_fixtures import ChatServer, chat
 from run_helpers import wait_until
 
 from jaxrl.config import ConfigError, default_configdict, from_configdict
-from jaxrl.run.sections import task_sections
+from jaxrl.run.components import task_sections
 from jaxrl.tasks.rewards import judge
 from jaxrl.tasks.rewards.judge import MAX_REPLY_BYTES, at, default_template, parse_score
 from jaxrl.tasks.rewards.terms import build_terms, term_means

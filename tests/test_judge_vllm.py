@@ -16,7 +16,7 @@ from jaxrl.nn import model
 from jaxrl.nn.arch import model_config
 from jaxrl.rollout import sidecar, unix_http
 from jaxrl.run import judge_server, weights
-from jaxrl.run.sections import task_sections
+from jaxrl.run.components import task_sections
 from jaxrl.tasks.task import load_task
 
 pytestmark = pytest.mark.slow

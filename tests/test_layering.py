@@ -14,7 +14,7 @@ PACKAGE = ROOT / "jaxrl"
 
 # Lowest first. The top-level entry points and §0 re-exports sit above everything.
 LAYERS = (
-  ("jaxrl.types", "jaxrl.config", "jaxrl.rng", "jaxrl.paper_configs"),
+  ("jaxrl.types", "jaxrl.fields", "jaxrl.private_dirs", "jaxrl.rng"),
   ("jaxrl.parallel",),
   ("jaxrl.nn",),
   ("jaxrl.rl",),
@@ -22,9 +22,10 @@ LAYERS = (
   ("jaxrl.tasks",),
   ("jaxrl.rollout",),
   ("jaxrl.workdir",),
-  ("jaxrl.run",),
+  ("jaxrl.config", "jaxrl.run"),
   (
     "jaxrl.main",
+    "jaxrl.paper_configs",
     "jaxrl.eval",
     "jaxrl.export",
     "jaxrl.allocation",

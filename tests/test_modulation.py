@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from run_helpers import rollouts, tiny_config
 
+from jaxrl.config import loss_config
 from jaxrl.nn import model
 from jaxrl.parallel import sharding
 from jaxrl.rl import optim
@@ -332,7 +333,7 @@ def test_alpha_changes_between_steps_without_a_recompile():
   )  # fmt: skip
   graphdef, params = model.create(mcfg, 0)
   programs = Programs(graphdef, params, sharding.make_mesh(1, 1, 1), optim.from_config(cfg.optim))
-  update = programs.update(LossConfig.from_config(cfg))
+  update = programs.update(loss_config(cfg))
   rng = np.random.default_rng(3)
   rows, p, n = cfg.num_rollouts, 4, 5
   mask = np.arange(n)[None, :] < rng.integers(2, n + 1, (rows, 1))

@@ -10,7 +10,7 @@ import pytest
 from run_helpers import read_metrics, tiny_config
 
 from jaxrl.config import ConfigError, annealing
-from jaxrl.methods.phases import anneal_start, phase_at, run_phases
+from jaxrl.run.phases import anneal_start, phase_at, run_phases
 from jaxrl.run.train import Trainer
 from jaxrl.tasks.data.cursor import Cursor, Mixture, MixtureCursor, next_batch, next_mixture_batch
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from run_helpers import ROOT, tiny_config
 
-from jaxrl.config import LossConfig, from_configdict
+from jaxrl.config import forget_config, from_configdict, loss_config
 from jaxrl.nn import hf_config, model
 from jaxrl.run import cli, plan, plan_compile, plan_estimate, plan_report
 from jaxrl.tasks.data import tokenizer
@@ -234,11 +234,11 @@ def test_plan_compiles_the_very_programs_the_trainer_runs(tmp_path, monkeypatch)
   with Trainer.open(cfg, str(tmp_path)) as trainer:
     ctx = trainer.step_context(None)
     ctx.runtime(0)  # the phase's train step
-    trainer.programs.forget(programs.ForgetConfig.from_config(cfg.eepo, cfg.loss))
+    trainer.programs.forget(forget_config(cfg.eepo, cfg.loss))
   ran = trainer.programs
   assert ran is made[-1] and planned is not ran
-  update_key = ("update", LossConfig.from_config(cfg))
-  forget_key = ("forget", programs.ForgetConfig.from_config(cfg.eepo, cfg.loss))
+  update_key = ("update", loss_config(cfg))
+  forget_key = ("forget", forget_config(cfg.eepo, cfg.loss))
   assert {update_key, forget_key} <= set(planned.built()) & set(ran.built())
   for key in (update_key, forget_key):
     a, b = planned.built()[key], ran.built()[key]

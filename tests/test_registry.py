@@ -10,7 +10,7 @@ from run_helpers import read_metrics, tiny_config
 
 from jaxrl.config import ConfigError
 from jaxrl.methods import allocation, registry
-from jaxrl.run.sections import phase_methods
+from jaxrl.run.components import phase_methods
 from jaxrl.run.train import Trainer
 
 

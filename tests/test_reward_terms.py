@@ -12,8 +12,8 @@ import pytest
 from run_helpers import step_context, tiny_config
 
 from jaxrl.config import ConfigError, TermSpec, default_configdict, from_configdict, parse_terms
+from jaxrl.run.components import task_sections
 from jaxrl.run.loop import initial_loop, rl_step
-from jaxrl.run.sections import task_sections
 from jaxrl.tasks.rewards.combine import combine_terms
 from jaxrl.tasks.rewards.pool import VerifyResult
 from jaxrl.tasks.rewards.terms import CallableTerm, build_terms, term_means

@@ -15,8 +15,8 @@ import pytest
 import reward_fns
 from run_helpers import step_context, tiny_config
 
+from jaxrl.run.components import task_sections
 from jaxrl.run.loop import initial_loop, rl_step
-from jaxrl.run.sections import task_sections
 from jaxrl.tasks.rewards.terms import build_terms
 
 

@@ -49,7 +49,7 @@ from jaxrl.rollout.sidecar import (
 )
 from jaxrl.rollout.vllm_api import RequestError
 from jaxrl.rollout.vllm_engine import EngineConfig, VllmEngine
-from jaxrl.run.sections import task_engine, task_sections
+from jaxrl.run.components import task_engine, task_sections
 from jaxrl.run.train import Trainer
 from jaxrl.tasks.task import load_task
 

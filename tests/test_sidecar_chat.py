@@ -17,7 +17,7 @@ from run_helpers import ROOT, tiny_config
 from jaxrl.rl import scoring
 from jaxrl.rollout.engine import SampleRequest
 from jaxrl.rollout.vllm_engine import VllmEngine
-from jaxrl.run.sections import task_engine
+from jaxrl.run.components import task_engine
 from jaxrl.run.train import Trainer
 from jaxrl.tasks.envs.calculator import CALL_CLOSE
 

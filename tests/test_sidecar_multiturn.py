@@ -25,7 +25,7 @@ from jaxrl.rollout import multiturn
 from jaxrl.rollout.build import build_engine
 from jaxrl.rollout.engine import SampleRequest
 from jaxrl.rollout.vllm_engine import VllmEngine
-from jaxrl.run.sections import engine_sections, task_engine, task_sections
+from jaxrl.run.components import engine_sections, task_engine, task_sections
 from jaxrl.run.train import Trainer
 from jaxrl.tasks.envs.calculator import CALL_CLOSE
 from jaxrl.tasks.task import load_task

@@ -18,7 +18,7 @@ from run_helpers import read_metrics, tiny_config  # noqa: E402
 
 from jaxrl.config import ConfigError  # noqa: E402
 from jaxrl.nn import reward_model  # noqa: E402
-from jaxrl.run.sections import task_sections  # noqa: E402
+from jaxrl.run.components import task_sections  # noqa: E402
 from jaxrl.run.train import Trainer  # noqa: E402
 from jaxrl.tasks import arithmetic_task  # noqa: E402
 from jaxrl.tasks.data import arithmetic  # noqa: E402

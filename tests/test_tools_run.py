@@ -18,7 +18,7 @@ from jaxrl.nn import model
 from jaxrl.nn.arch import model_config
 from jaxrl.rollout.build import build_engine
 from jaxrl.rollout.vllm_engine import VllmEngine
-from jaxrl.run.sections import engine_sections, task_sections
+from jaxrl.run.components import engine_sections, task_sections
 from jaxrl.run.train import Trainer
 from jaxrl.tasks.task import load_task
 

@@ -20,7 +20,7 @@ from run_helpers import tiny_config
 from jaxrl.config import ConfigError
 from jaxrl.nn import model
 from jaxrl.rl import scoring, step
-from jaxrl.run.sections import task_sections
+from jaxrl.run.components import task_sections
 from jaxrl.tasks import builtin
 from jaxrl.tasks.data import arithmetic, tool_calls
 from jaxrl.tasks.data import tokenizer as vocab

@@ -17,7 +17,7 @@ import pytest
 from rounding import U, entropy_atol, grad_rtol, logp_atol
 from run_helpers import read_metrics, rollouts, step_context, tiny_config
 
-from jaxrl.config import LossConfig
+from jaxrl.config import loss_config
 from jaxrl.nn import arch
 from jaxrl.parallel import sharding
 from jaxrl.rl import advantages, scoring, step
@@ -109,7 +109,7 @@ def golden_update(tokenizer_dir) -> Golden:
   state, metrics = rt.update(loop.train, sharding.shard_batch(batch, mesh), hp, ctx.ref_params)
 
   sgd = optax.sgd(1.0)
-  probe = jax.jit(functools.partial(step.rl_update, graphdef, sgd, LossConfig.from_config(cfg)))
+  probe = jax.jit(functools.partial(step.rl_update, graphdef, sgd, loss_config(cfg)))
   moved, _ = probe(step.init_state(jax.tree.map(jnp.copy, params), sgd), batch, hp)
   before = _named_leaves(params)
   grads = {k: before[k].astype(np.float64) - v for k, v in _named_leaves(moved.params).items()}
@@ -171,7 +171,7 @@ def golden_bounds(golden: Golden) -> dict:
   """
   cfg, mcfg, batch, hp, grads = golden.cfg, golden.mcfg, golden.batch, golden.hp, golden.grads
   logp_RxN, z_scale = golden.logp_RxN, golden.z_scale
-  loss_cfg = LossConfig.from_config(cfg)
+  loss_cfg = loss_config(cfg)
   on = np.asarray(batch.mask_RxN, bool)
   adv_R = np.asarray(
     advantages.group_advantages(batch.rewards_R, batch.group_ids_R, loss_cfg.num_groups)

@@ -1,38 +1,34 @@
-"""The run's config: ``Config``, which only assembles the sections, each defined with its own checks
-in the module of what it configures (``model_sections``, ``task_sections``, ``rollout_sections``,
-``update_sections``, ``methods_sections``, ``run_sections``; how a field is checked: ``fields``).
+"""The run's config: ``Config``, which only assembles the sections. Each section is defined, with its
+own checks, beside the component it configures: ``jaxrl.nn.sections`` (model), ``jaxrl.rl.sections``
+(optim, loss, modulation), ``jaxrl.methods.sections`` (allocation, temperature, clip, eepo,
+anneal_phase), ``jaxrl.tasks.sections`` (task, data, reward, tool, sft), ``jaxrl.rollout.sections``
+(rollout, vllm), ``jaxrl.parallel.sections`` (mesh), ``jaxrl.workdir.sections`` (checkpoint) and
+``jaxrl.run.sections`` (eval, log, diagnostics); how a field is checked: ``jaxrl.fields``.
 
 Config files (``configs/*.py``) stay Python and return a ConfigDict; ``jaxrl.config.validate``
 turns it into these dataclasses at the boundary and validates it before anything is compiled. Every
 problem raises ``ConfigError`` naming the dotted field; ``jaxrl.main`` prints that one line and
-exits 2.
+exits 2. Nothing here imports JAX: the section modules hold plain dataclasses.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from jaxrl.config.methods_sections import (
+from jaxrl.methods.sections import (
   AllocationSection,
   AnnealPhaseSection,
   ClipSection,
   EEPOSection,
-  ModulationSection,
   TemperatureSection,
 )
-from jaxrl.config.model_sections import ModelSection
-from jaxrl.config.rollout_sections import RolloutSection, VllmSection
-from jaxrl.config.run_sections import (
-  CheckpointSection,
-  DiagnosticsSection,
-  EvalSection,
-  LogSection,
-  MeshSection,
-  SFTSection,
-  resolve_ks,
-)
-from jaxrl.config.task_sections import DataSection, RewardSection, TaskSection, ToolSection
-from jaxrl.config.update_sections import LossSection, OptimSection
+from jaxrl.nn.sections import ModelSection
+from jaxrl.parallel.sections import MeshSection
+from jaxrl.rl.sections import LossSection, ModulationSection, OptimSection
+from jaxrl.rollout.sections import RolloutSection, VllmSection
+from jaxrl.run.sections import DiagnosticsSection, EvalSection, LogSection, resolve_ks
+from jaxrl.tasks.sections import DataSection, RewardSection, SFTSection, TaskSection, ToolSection
+from jaxrl.workdir.sections import CheckpointSection
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,12 +8,12 @@ import dataclasses
 import typing
 from typing import Any
 
-from jaxrl.config.anneal_phase import annealing, shortest_response
-from jaxrl.config.fields import ConfigError, check_type, need
-from jaxrl.config.loss import LossConfig
-from jaxrl.config.mixture import parse_mixture
-from jaxrl.config.reward_terms import parse_terms
+from jaxrl.config.derived import annealing, loss_config
 from jaxrl.config.schema import Config
+from jaxrl.fields import ConfigError, check_type, need
+from jaxrl.rollout.sections import shortest_response
+from jaxrl.tasks.mixture import parse_mixture
+from jaxrl.tasks.term_specs import parse_terms
 
 
 def _build(cls, data: Any, prefix: str):
@@ -52,7 +52,7 @@ def _validate(cfg: Config) -> None:
     section = getattr(cfg, f.name)
     if hasattr(section, "check"):
       section.check()
-  LossConfig.from_config(cfg)  # the update's static fields, checked where they are built
+  loss_config(cfg)  # the update's static fields, checked where they are built
   parse_terms(cfg.reward.terms)
   _check_batch_shapes(cfg)
   _check_math_task(cfg)
@@ -225,6 +225,8 @@ def to_dict(cfg: Config) -> dict:
 
 def default_configdict():
   """A ConfigDict holding every field at its default: config files start from it and override."""
+  # Lazy: ml_collections (with absl, ~0.1 s) only where a ConfigDict is built; checking a config,
+  # or reading a run's config.json, needs none.
   import ml_collections
 
   return ml_collections.ConfigDict(to_dict(Config()))

@@ -19,14 +19,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl.config import (
-  AllocationSection,
-  ClipSection,
-  EEPOSection,
-  ModulationSection,
-  TemperatureSection,
-)
 from jaxrl.methods import registry, schedules
+from jaxrl.methods.sections import AllocationSection, ClipSection, EEPOSection, TemperatureSection
+from jaxrl.rl.sections import ModulationSection
 from jaxrl.types import pytree_dataclass
 
 log = logging.getLogger(__name__)

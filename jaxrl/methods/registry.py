@@ -11,13 +11,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from jaxrl.config import (
-  AllocationSection,
-  ClipSection,
-  ConfigError,
-  TemperatureSection,
-)
+from jaxrl.fields import ConfigError
 from jaxrl.methods import allocation, schedules
+from jaxrl.methods.sections import AllocationSection, ClipSection, TemperatureSection
 
 
 def uniform_allocator(a: AllocationSection, group_size: int) -> allocation.Allocator:

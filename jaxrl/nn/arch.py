@@ -12,9 +12,10 @@ import dataclasses
 import json
 import os
 
-from jaxrl.config import ConfigError, ModelSection
+from jaxrl.fields import ConfigError
 from jaxrl.nn import hf_config, hf_safetensors
 from jaxrl.nn.model import ModelConfig
+from jaxrl.nn.sections import ModelSection
 
 
 def lora_fields(m: ModelSection) -> dict:

@@ -10,7 +10,7 @@ import typing
 
 import jax.numpy as jnp
 
-from jaxrl.config import LoraSection, LoraTarget, ModelSection, Remat
+from jaxrl.nn.sections import LoraSection, LoraTarget, ModelSection, Remat
 from jaxrl.types import Array
 
 ROPE_TYPES = ("default", "linear", "llama3")

@@ -2,7 +2,7 @@
 update's traced hyperparameters (`LossHparams`), its additive metrics and its aggregation; and
 EEPO's unlearning loss (§5) for the rollout copy θ'.
 
-Everything here is a pure function of arrays plus the static `LossConfig` (`jaxrl.config`); the
+Everything here is a pure function of arrays plus the static `LossConfig` (`rl.program_configs`); the
 hyperparameters that schedules change every step (ε_low, ε_high, β, λ, τ, DynaMO's α, γ, τ_s, the
 behaviour-weight thresholds) arrive as the traced `LossHparams` pytree, so a new value never
 recompiles (docs/algorithms.md §1.5). The loss is written as numerator / denominator with the
@@ -27,8 +27,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrl.config import LossConfig, LossSection, ModulationSection, RolloutSection
 from jaxrl.nn.logprobs import logp_log1m_p_from_logits
+from jaxrl.rl.program_configs import LossConfig
+from jaxrl.rl.sections import LossSection, ModulationSection
 
 
 def _f32_field(value):
@@ -51,7 +52,7 @@ class LossHparams:
   mis_low: jax.Array = _f32_field(LossSection.mis_low)
   mis_high: jax.Array = _f32_field(LossSection.mis_high)
   # τ: divides the logits in every scoring pass (the rescoring, the reference and the update)
-  tau: jax.Array = _f32_field(RolloutSection.temperature)
+  tau: jax.Array = _f32_field(1.0)  # the logits as they are (rollout.temperature's default)
   modulation_alpha: jax.Array = _f32_field(ModulationSection.alpha)  # DynaMO's α, γ, τ_s (§4.3)
   modulation_gamma: jax.Array = _f32_field(ModulationSection.gamma)
   modulation_tau: jax.Array = _f32_field(ModulationSection.tau)

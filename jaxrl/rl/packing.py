@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.config import LossSection
+from jaxrl.rl.sections import LossSection
 from jaxrl.types import Array, Rollouts, pytree_dataclass, static_field
 
 

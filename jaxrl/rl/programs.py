@@ -11,16 +11,17 @@ output shardings that run. (The JAX sampler's jitted body lives with the sampler
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import optax
 
-from jaxrl.config import EEPOSection, LossConfig, LossSection, ModelSection, OptimSection
 from jaxrl.nn import lora
+from jaxrl.nn.sections import ModelSection
 from jaxrl.parallel import sharding
 from jaxrl.rl import forget, optim, scoring, step
+from jaxrl.rl.program_configs import ForgetConfig, LossConfig
+from jaxrl.rl.sections import LossSection, OptimSection
 from jaxrl.types import TrainState
 
 
@@ -28,29 +29,6 @@ def reference_copy(loss: LossSection, model: ModelSection) -> bool:
   """Whether the update gets a frozen copy of the warm-start params as its KL reference: with KL,
   unless the model has LoRA adapters (then the reference is the policy with them switched off)."""
   return loss.kl_coef > 0 and not model.lora.rank
-
-
-@dataclasses.dataclass(frozen=True)
-class ForgetConfig:
-  """Static arguments of EEPO's forgetting step (docs/algorithms.md §5)."""
-
-  logprob_chunk: int
-  lr: float
-  eps_l: float
-  eps_r: float
-  paper_clip: bool = False  # eepo.unlearn_clip = "paper"
-  pack_buckets: int = 0  # loss.pack_buckets with loss.packing on: a packed forward; 0: padded
-
-  @classmethod
-  def from_config(cls, e: EEPOSection, loss: LossSection) -> ForgetConfig:
-    return cls(
-      loss.logprob_chunk,
-      e.lr,
-      e.eps_l,
-      e.eps_r,
-      e.unlearn_clip == "paper",
-      loss.pack_buckets if loss.packing else 0,
-    )
 
 
 def train_state_shardings(

@@ -6,17 +6,13 @@ import os
 
 import jax
 
-from jaxrl.config import (
-  AnnealPhaseSection,
-  ConfigError,
-  ModelSection,
-  RolloutSection,
-  VllmSection,
-)
-from jaxrl.config.anneal_phase import response_lengths, turn_tokens
+from jaxrl.fields import ConfigError
+from jaxrl.methods.sections import AnnealPhaseSection
+from jaxrl.nn.sections import ModelSection
 from jaxrl.rollout import multiturn
 from jaxrl.rollout.engine import JaxEngine
 from jaxrl.rollout.hosts import PerHostEngine
+from jaxrl.rollout.sections import RolloutSection, VllmSection, response_lengths, turn_tokens
 
 
 def build_engine(

@@ -46,8 +46,8 @@ import time
 
 import jax
 
-from jaxrl.config.paths import check_private_dir
 from jaxrl.nn import hf, lora, peft
+from jaxrl.private_dirs import check_private_dir
 from jaxrl.rollout.engine import check_version, is_step_version
 from jaxrl.rollout.sidecar import LaunchConfig, Sidecar, SidecarError, StartError
 from jaxrl.rollout.vllm_api import RequestError, ServerError

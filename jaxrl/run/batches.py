@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxrl import rng
-from jaxrl.rl.programs import ForgetConfig
+from jaxrl.config import forget_config
 from jaxrl.rollout.collect import turn_metrics
 from jaxrl.rollout.eepo import two_stage_rollouts
 from jaxrl.run import clock
@@ -173,7 +173,7 @@ def generate(ctx, issue: Issue, params, gate_state, *, round_index: int = 0, fir
     key,
     version=issue.version,
     max_new_tokens=n,
-    forget=ForgetConfig.from_config(c.eepo, c.loss),
+    forget=forget_config(c.eepo, c.loss),
     old_logp_from=c.eepo.old_logp_from,
     score=issue.fresh,
     qids_B=issue.qids_B,

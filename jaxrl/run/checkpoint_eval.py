@@ -20,14 +20,15 @@ import tempfile
 import numpy as np
 
 from jaxrl import rng
-from jaxrl.config.run_sections import resolve_ks
 from jaxrl.nn import arch, model
 from jaxrl.parallel import sharding
 from jaxrl.rollout.build import build_engine
 from jaxrl.rollout.engine import eval_version
+from jaxrl.rollout.sections import rollout_limits
 from jaxrl.run import weights
+from jaxrl.run.components import engine_sections, task_engine, task_sections
 from jaxrl.run.heldout import engine_sampler, evaluate, evaluate_task
-from jaxrl.run.sections import engine_sections, task_engine, task_sections
+from jaxrl.run.sections import resolve_ks
 from jaxrl.tasks import math_task
 from jaxrl.tasks.data import datasets, hub, math_prompts
 from jaxrl.tasks.envs.registry import build_environment
@@ -232,7 +233,11 @@ def _engine_and_params(cfg, checkpoint: str, out_dir: str):
   stops = math_prompts.stop_token_ids(cfg.model.checkpoint, tokenizer)
   params = weights.load_params(cfg, checkpoint, (abstract_params, shardings))
   environment = build_environment(
-    tokenizer, task=cfg.task, data=cfg.data, tool=cfg.tool, rollout=cfg.rollout
+    tokenizer,
+    task=cfg.task,
+    data=cfg.data,
+    tool=cfg.tool,
+    rollout=rollout_limits(cfg.rollout, cfg.anneal_phase),
   )
   engine = build_engine(
     graphdef,

@@ -7,9 +7,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 
-from jaxrl.config import Config, LossConfig
+from jaxrl.config import Config, loss_config
 from jaxrl.methods.controllers import Methods
-from jaxrl.methods.phases import Phase
 from jaxrl.rl.programs import Programs
 from jaxrl.rl.step import rl_update
 from jaxrl.rollout import turn_programs
@@ -17,7 +16,8 @@ from jaxrl.rollout.collect import Collector
 from jaxrl.rollout.sampler import sample_program
 from jaxrl.run import mfu
 from jaxrl.run.compiles import CompileCounter
-from jaxrl.run.sections import phase_methods
+from jaxrl.run.components import phase_methods
+from jaxrl.run.phases import Phase
 from jaxrl.run.source import RolloutSource
 from jaxrl.tasks.data.cursor import Mixture
 from jaxrl.tasks.rewards.terms import RewardTerms
@@ -88,7 +88,7 @@ class StepContext:
   def _build_runtime(self, phase: Phase) -> PhaseRuntime:
     pc = phase.cfg
     mixture = self.task.mixture(phase.mixture, "anneal_phase.mixture", stream=phase.index)
-    update = self.programs.update(LossConfig.from_config(pc))
+    update = self.programs.update(loss_config(pc))
     return PhaseRuntime(phase, phase_methods(pc, self.vocab_size), update, mixture)
 
   def update_flops(self, index: int) -> float:

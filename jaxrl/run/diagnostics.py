@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from jaxrl.config import LossConfig
+from jaxrl.config import loss_config
 from jaxrl.parallel import sharding
 from jaxrl.rl.grad_variance import allocation_grad_variance_ratio, variance_key
 
@@ -32,7 +32,7 @@ def grad_variance_ratio(ctx, issue, params, hp, i: int, verify: Callable) -> flo
   counters), the loop's own verification."""
   pc = ctx.runtime(issue.phase).phase.cfg
   ids, mask = ctx.task.train_prompt_ids[issue.qids_B], ctx.task.train_prompt_mask[issue.qids_B]
-  grad = ctx.programs.policy_grad(LossConfig.from_config(pc))
+  grad = ctx.programs.policy_grad(loss_config(pc))
 
   def sample(counts_B, key):
     out = ctx.collector.sample(

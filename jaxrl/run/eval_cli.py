@@ -31,7 +31,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxrl.config import ConfigError, from_configdict
+from jaxrl.config import from_configdict
+from jaxrl.fields import ConfigError
 from jaxrl.run import checkpoint_eval, cli
 from jaxrl.workdir import run_log
 from jaxrl.workdir.checkpoint import UnreadableCheckpoint

@@ -16,7 +16,7 @@ import sys
 
 from absl import app, flags
 
-from jaxrl.config import ConfigError
+from jaxrl.fields import ConfigError
 from jaxrl.run import cli, weights
 from jaxrl.workdir import run_log
 from jaxrl.workdir.checkpoint import UnreadableCheckpoint

@@ -8,7 +8,8 @@ by default) are a ``ConfigError`` naming the field."""
 import json
 import logging
 
-from jaxrl.config import ConfigError, default_configdict
+from jaxrl.config import default_configdict
+from jaxrl.fields import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import logging
 
-from jaxrl.config import Config, ConfigError, parse_terms
-from jaxrl.config.reward_terms import SIDECAR
+from jaxrl.config import Config
+from jaxrl.fields import ConfigError
 from jaxrl.parallel import distributed
 from jaxrl.rollout import sidecar, unix_http
 from jaxrl.rollout.build import vllm_python
-from jaxrl.run.sections import task_sections
+from jaxrl.run.components import task_sections
 from jaxrl.tasks.rewards.judge import Endpoint
 from jaxrl.tasks.rewards.terms import RewardTerms, build_terms, model_dir
+from jaxrl.tasks.term_specs import SIDECAR, parse_terms
 
 log = logging.getLogger(__name__)
 

@@ -12,12 +12,12 @@ import os
 import sys
 import traceback
 
-from jaxrl.config import ConfigError
+from jaxrl.fields import ConfigError
 from jaxrl.nn.arch import checkpoint_error
 from jaxrl.parallel import distributed
 from jaxrl.rollout.sidecar import SidecarError
 from jaxrl.run import cli, plan, plan_report
-from jaxrl.run.sections import task_sections
+from jaxrl.run.components import task_sections
 from jaxrl.run.stops import NonFiniteError, Stopped
 from jaxrl.run.train import train
 from jaxrl.tasks import task

@@ -26,13 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
-from jaxrl.config import Config, ConfigError, parse_terms
-from jaxrl.config.anneal_phase import turn_tokens
+from jaxrl.config import Config
+from jaxrl.fields import ConfigError
 from jaxrl.methods import registry
-from jaxrl.methods.phases import run_phases
 from jaxrl.nn import arch, lora, model, reward_model
 from jaxrl.parallel import sharding
 from jaxrl.rl.programs import Programs, reference_copy
+from jaxrl.rollout.sections import turn_tokens
+from jaxrl.run.phases import run_phases
 from jaxrl.run.plan_compile import (
   Compiled,
   analyse,
@@ -46,6 +47,7 @@ from jaxrl.run.plan_compile import (
 from jaxrl.run.plan_estimate import Estimate, activation_estimate, rollout_estimate
 from jaxrl.tasks import task
 from jaxrl.tasks.rewards.terms import rows_per_forward, term_model_dir
+from jaxrl.tasks.term_specs import parse_terms
 
 GiB = 1024**3
 FAKE_DEVICES = "JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count={n}"

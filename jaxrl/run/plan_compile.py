@@ -13,11 +13,11 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxrl.config import Config, LossConfig
+from jaxrl.config import Config, forget_config, loss_config
 from jaxrl.parallel import sharding
 from jaxrl.rl import packing, step
 from jaxrl.rl.losses import LossHparams
-from jaxrl.rl.programs import ForgetConfig, Programs, reference_copy
+from jaxrl.rl.programs import Programs, reference_copy
 from jaxrl.rollout import sampler, turn_programs
 from jaxrl.run.plan_estimate import prompt_len
 from jaxrl.types import Rollouts
@@ -94,7 +94,7 @@ def analyse(name: str, lower) -> Compiled:
 def lower_train_step(pc: Config, programs: Programs, params):
   """The phase's GRPO update, the very program ``Trainer`` runs (``Programs.update``), lowered on
   abstract inputs of the phase's shapes."""
-  update = programs.update(LossConfig.from_config(pc))
+  update = programs.update(loss_config(pc))
   state_sh = programs.state_shardings
   state = shaped(
     jax.eval_shape(
@@ -230,7 +230,7 @@ def compile_forget(pc: Config, programs: Programs, params) -> Compiled:
   def rows(x):
     return jax.ShapeDtypeStruct((half, *x.shape[1:]), x.dtype, sharding=x.sharding)
 
-  forget = programs.forget(ForgetConfig.from_config(pc.eepo, pc.loss))
+  forget = programs.forget(forget_config(pc.eepo, pc.loss))
   tau = jax.ShapeDtypeStruct((), jnp.float32)
   stage1 = (
     batch.prompt_ids_RxP,

@@ -11,7 +11,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxrl.config import Config, ConfigError
+from jaxrl.config import Config
+from jaxrl.fields import ConfigError
 from jaxrl.nn import attention, model
 from jaxrl.nn.attention import block_size
 from jaxrl.rollout.sampler import segment_ends

@@ -11,16 +11,18 @@ import contextlib
 import logging
 import os
 
-from jaxrl.config import CheckpointSection, LogSection, RolloutSection
 from jaxrl.parallel import distributed
 from jaxrl.rl.programs import Programs
 from jaxrl.rollout.engine import RolloutEngine
+from jaxrl.rollout.sections import RolloutSection
 from jaxrl.run.context import StepContext
 from jaxrl.run.loop import initial_loop
 from jaxrl.run.loop_state import LoopState, restore_loop
+from jaxrl.run.sections import LogSection
 from jaxrl.run.stops import StopFlag
 from jaxrl.workdir.checkpoint import Checkpointer
 from jaxrl.workdir.metric_writers import MetricsWriter
+from jaxrl.workdir.sections import CheckpointSection
 
 log = logging.getLogger(__name__)
 

@@ -22,11 +22,13 @@ import logging
 import os
 import re
 
-from jaxrl.config import Config, ConfigError, parse_mixture, parse_terms, to_dict
-from jaxrl.config.reward_terms import SIDECAR
-from jaxrl.methods.phases import run_phases
+from jaxrl.config import Config, to_dict
+from jaxrl.fields import ConfigError
 from jaxrl.run import json_config
+from jaxrl.run.phases import run_phases
 from jaxrl.tasks.data import hub
+from jaxrl.tasks.mixture import parse_mixture
+from jaxrl.tasks.term_specs import SIDECAR, parse_terms
 from jaxrl.workdir.checkpoint import Checkpointer
 
 log = logging.getLogger(__name__)

@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.methods.phases import phase_at
 from jaxrl.run import batches
 from jaxrl.run.loop_state import LoopState
+from jaxrl.run.phases import phase_at
 from jaxrl.tasks.data.cursor import MixtureCursor, next_mixture_batch
 from jaxrl.types import Rollouts
 

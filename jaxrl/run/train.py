@@ -30,7 +30,6 @@ import jax.numpy as jnp
 
 from jaxrl.config import Config, to_dict
 from jaxrl.methods import registry
-from jaxrl.methods.phases import run_phases
 from jaxrl.nn import arch, model
 from jaxrl.parallel import distributed, sharding
 from jaxrl.rl.programs import Programs, reference_copy
@@ -38,12 +37,13 @@ from jaxrl.rollout.collect import Collector
 from jaxrl.rollout.engine import RolloutEngine, eval_version
 from jaxrl.run import eval_cache, judge_server, mfu, recovery, rl_phase, run_config, sft, weights
 from jaxrl.run.compiles import CompileCounter
+from jaxrl.run.components import task_engine, task_sections
 from jaxrl.run.context import StepContext, compile_counter
 from jaxrl.run.heldout import EvalResult, comparison_table, evaluate_task, questions_per_call
 from jaxrl.run.loop import rl_step
 from jaxrl.run.loop_state import save_loop
+from jaxrl.run.phases import run_phases
 from jaxrl.run.progress import Progress
-from jaxrl.run.sections import task_engine, task_sections
 from jaxrl.run.stops import (
   NonFiniteGuard,
   StopFlag,

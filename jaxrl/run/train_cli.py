@@ -15,7 +15,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxrl.config import ConfigError, from_configdict, to_dict
+from jaxrl.config import from_configdict, to_dict
+from jaxrl.fields import ConfigError
 from jaxrl.run import cli
 from jaxrl.tasks.envs import registry as environments
 

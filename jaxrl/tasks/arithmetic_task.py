@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxrl.config import TaskSection
 from jaxrl.tasks import builtin, tools_task
 from jaxrl.tasks.data import arithmetic, tool_calls
 from jaxrl.tasks.data import tokenizer as vocab
@@ -20,7 +19,7 @@ from jaxrl.tasks.envs import calculator
 from jaxrl.tasks.envs.chat import user_prompt
 from jaxrl.tasks.envs.registry import build_environment, run_chat_frame
 from jaxrl.tasks.rewards.arithmetic import FinalAnswerScorer
-from jaxrl.tasks.sections import TaskSections
+from jaxrl.tasks.sections import TaskSection, TaskSections
 
 NAME = "arithmetic"
 

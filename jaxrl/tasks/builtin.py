@@ -12,8 +12,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxrl import rng
-from jaxrl.config import ConfigError, SFTSection, TaskSection, parse_mixture
+from jaxrl.fields import ConfigError
 from jaxrl.tasks.data.prompts import encode_completions, encode_prompts
+from jaxrl.tasks.mixture import parse_mixture
+from jaxrl.tasks.sections import SFTSection, TaskSection
 
 
 def sft_draws(sft: SFTSection, seed: int) -> tuple[int, int]:

@@ -8,13 +8,12 @@ Its levels are ``jaxrl.tasks.data.countdown`` specs ("4n19"); its vocabulary is 
 
 from __future__ import annotations
 
-from jaxrl.config import ConfigError, TaskSection
-from jaxrl.config.anneal_phase import shortest_response
+from jaxrl.fields import ConfigError
 from jaxrl.tasks import builtin
 from jaxrl.tasks.data import countdown
 from jaxrl.tasks.data import tokenizer as vocab
 from jaxrl.tasks.rewards.countdown import CountdownScorer
-from jaxrl.tasks.sections import TaskSections
+from jaxrl.tasks.sections import TaskSection, TaskSections
 
 NAME = "countdown"
 
@@ -59,7 +58,7 @@ def load(s: TaskSections, tokenizer_dir: str) -> dict:
   """The fields of a ``TaskData`` (``jaxrl.tasks.task.load_task`` builds it); reads the task, sft
   and rollout sections (every phase's response length) and the seed."""
   tcfg = task_config(s.task, s.seed)
-  check(s.task, tcfg.levels, shortest_response(s.rollout, s.anneal_phase))
+  check(s.task, tcfg.levels, s.rollout.shortest_response)
   tok = vocab.build_tokenizer(tokenizer_dir, tokenizer_variant(s.task))
   p, n = prompt_len(s.task, tcfg.levels), s.rollout.max_new_tokens
   num_sft, sft_seed = builtin.sft_draws(s.sft, s.seed)

@@ -14,13 +14,14 @@ import os
 
 import numpy as np
 
-from jaxrl.config import ConfigError, DataSection, ModelSection, RewardSection
+from jaxrl.fields import ConfigError
+from jaxrl.nn.sections import ModelSection
 from jaxrl.tasks.data import datasets, math_prompts
 from jaxrl.tasks.data.cursor import Mixture
 from jaxrl.tasks.envs.registry import build_environment
 from jaxrl.tasks.rewards.math import MATH_REWARD, WARM_UP, answer_window
 from jaxrl.tasks.rewards.pool import VerifierPool
-from jaxrl.tasks.sections import TaskSections
+from jaxrl.tasks.sections import DataSection, RewardSection, TaskSections
 
 log = logging.getLogger(__name__)
 

@@ -16,14 +16,15 @@ import importlib
 
 import numpy as np
 
-from jaxrl.config import ConfigError, TaskSection, parse_mixture
+from jaxrl.fields import ConfigError
 from jaxrl.tasks.data import arithmetic
 from jaxrl.tasks.data.cursor import Mixture
 from jaxrl.tasks.envs.trajectory import response_texts
+from jaxrl.tasks.mixture import parse_mixture
 from jaxrl.tasks.rewards.arithmetic import score_batch
 from jaxrl.tasks.rewards.pool import VerifyResult
 from jaxrl.tasks.rewards.terms import check_terms
-from jaxrl.tasks.sections import TaskSections
+from jaxrl.tasks.sections import TaskSection, TaskSections
 
 
 @dataclasses.dataclass

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxrl.config import ConfigError, TaskSection
+from jaxrl.fields import ConfigError
 from jaxrl.tasks.data.prompts import encode_prompts
 from jaxrl.tasks.data.tool_calls import ToolExample
 from jaxrl.tasks.envs.calculator import CALL_CLOSE, CALL_OPEN, calculate
 from jaxrl.tasks.envs.tool import ToolEnvironment
+from jaxrl.tasks.sections import TaskSection
 
 
 def check(task: TaskSection) -> None:

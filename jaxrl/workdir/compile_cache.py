@@ -9,7 +9,7 @@ reports ("Error reading persistent compilation cache entry ... truncated stream"
 again, at every start, until the file (or the directory) is deleted; results are never affected.
 
 Its entries are executables the trainer loads, so the directory must be this user's and closed to
-others (``jaxrl.config.paths.check_private_dir``): a shared or foreign-writable one is refused.
+others (``jaxrl.private_dirs.check_private_dir``): a shared or foreign-writable one is refused.
 
 In multi-process runs every process reads the cache and process 0 writes it (JAX's own rule), so
 the directory should be on the shared filesystem, as the workdir already is for checkpoints.
@@ -22,7 +22,7 @@ import os
 
 import jax
 
-from jaxrl.config.paths import check_private_dir
+from jaxrl.private_dirs import check_private_dir
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,10 @@ import os
 
 import numpy as np
 
-from jaxrl.config import ConfigError, parse_mixture
+from jaxrl.fields import ConfigError
 from jaxrl.tasks.data.cursor import Mixture
 from jaxrl.tasks.data.dataset_readers import named_decoding, rows
+from jaxrl.tasks.mixture import parse_mixture
 
 log = logging.getLogger(__name__)
 _EXAMPLES = 5

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-from jaxrl.config import ConfigError, DataSection, RolloutSection, TaskSection, ToolSection
+from jaxrl.fields import ConfigError
 from jaxrl.tasks.envs import calculator
 from jaxrl.tasks.envs.chat import ChatFrame, ChatTemplateError, chat_frame
 from jaxrl.tasks.envs.environment import Environment
 from jaxrl.tasks.envs.tool import FrameTooLong, ToolEnvironment, ToolLimits
+from jaxrl.tasks.sections import DataSection, RolloutLimits, TaskSection, ToolSection
 
 
 def tool_limits(t: ToolSection) -> ToolLimits:
@@ -46,7 +47,7 @@ def run_chat_frame(
 
 
 def calculator_environment(
-  tokenizer, *, task: TaskSection, data: DataSection, tool: ToolSection, rollout: RolloutSection
+  tokenizer, *, task: TaskSection, data: DataSection, tool: ToolSection, rollout: RolloutLimits
 ) -> ToolEnvironment:
   """``<calc>EXPR</calc>`` answered ``<result>VALUE</result>`` (``calculator.calculate``), framed
   by the chat template where the run uses one."""
@@ -80,7 +81,7 @@ def check(task: TaskSection) -> None:
 
 
 def build_environment(
-  tokenizer, *, task: TaskSection, data: DataSection, tool: ToolSection, rollout: RolloutSection
+  tokenizer, *, task: TaskSection, data: DataSection, tool: ToolSection, rollout: RolloutLimits
 ) -> Environment | None:
   """The run's environment, ``task.environment`` (None: single-turn); close it when the run ends."""
   check(task)

@@ -14,8 +14,8 @@ import typing
 
 import numpy as np
 
-from jaxrl.config import RewardCombine
 from jaxrl.rl.advantages import group_advantages
+from jaxrl.tasks.sections import RewardCombine
 
 COMBINE_RULES = typing.get_args(RewardCombine)
 

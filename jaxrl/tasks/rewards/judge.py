@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxrl.config import ConfigError
+from jaxrl.fields import ConfigError
 
 log = logging.getLogger(__name__)
 

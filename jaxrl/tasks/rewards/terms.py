@@ -44,9 +44,7 @@ import threading
 
 import numpy as np
 
-from jaxrl.config import ConfigError, TaskSection, TermSpec, parse_terms
-from jaxrl.config.reward_terms import SIDECAR
-from jaxrl.config.task_sections import RewardSection
+from jaxrl.fields import ConfigError
 from jaxrl.nn import hf_safetensors, reward_model
 from jaxrl.parallel import distributed, sharding
 from jaxrl.tasks.data import hub
@@ -55,7 +53,8 @@ from jaxrl.tasks.rewards.judge import Endpoint, JudgeSettings, JudgeTerm, shown
 from jaxrl.tasks.rewards.pool import RewardFnError, VerifyResult
 from jaxrl.tasks.rewards.train_rm import NAME as TINY_RM
 from jaxrl.tasks.rewards.train_rm import builtin_dir
-from jaxrl.tasks.sections import TaskSections
+from jaxrl.tasks.sections import RewardSection, TaskSection, TaskSections
+from jaxrl.tasks.term_specs import SIDECAR, TermSpec, parse_terms
 from jaxrl.tasks.worker_process import load_function
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl.config import ConfigError, TaskSection
+from jaxrl.fields import ConfigError
 from jaxrl.nn import hf, reward_model
 from jaxrl.nn import model as jaxrl_model
 from jaxrl.nn.model import ModelConfig
@@ -42,6 +42,7 @@ from jaxrl.rl import optim
 from jaxrl.tasks import arithmetic_task
 from jaxrl.tasks.data import arithmetic
 from jaxrl.tasks.data import tokenizer as vocab
+from jaxrl.tasks.sections import TaskSection
 from jaxrl.types import Array, PyTree, TrainState, pytree_dataclass
 
 log = logging.getLogger(__name__)

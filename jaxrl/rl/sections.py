@@ -1,5 +1,7 @@
-"""The update's config sections: ``optim`` (AdamW, clipping, the non-finite guard) and ``loss`` (the
-GRPO-family objective: aggregation, clip, KL, corrections, packing).
+"""The update's config sections, beside the update (``step``, ``losses``, ``optim``): ``optim`` (AdamW,
+clipping, the non-finite guard), ``loss`` (the GRPO-family objective: aggregation, clip, KL,
+corrections, packing) and ``modulation`` (DynaMO's token-level advantage modulation, a term of the
+loss).
 """
 
 from __future__ import annotations
@@ -8,10 +10,10 @@ import dataclasses
 import math
 from typing import Literal
 
-from jaxrl.config.fields import AT_LEAST_0, AT_LEAST_1, POSITIVE, Range, check_ranges, need
-from jaxrl.config.model_sections import Dtype
+from jaxrl.fields import AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, Range, check_ranges, need
+from jaxrl.nn.sections import Dtype
 
-# Allowed values, declared once beside their section (as in every ``*_sections`` module): the
+# Allowed values, declared once beside their section (as in every ``sections`` module): the
 # converter enforces them and the code that branches on them reads them there (``typing.get_args``).
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -126,3 +128,19 @@ class LossSection:
       "loss.entropy_coef",
       f"must be >= 0 (the loss subtracts entropy_coef * entropy; 0 = off), got {self.entropy_coef}",
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModulationSection:
+  """DynaMO's token-level advantage modulation."""
+
+  enabled: bool = False  # DynaMO token-level advantage modulation
+  alpha: float = 0.4
+  gamma: float = 50.0
+  tau: float = 0.9
+
+  def check(self) -> None:
+    # A token's factor is 1 - alpha + alpha * sigmoid(-gamma * (x - tau)) with x in [0, 1]:
+    # alpha above 1 flips the advantage's sign, a negative gamma inverts which tokens are damped,
+    # and a tau outside [0, 1] damps all or none (docs/algorithms.md §4.3).
+    check_ranges("modulation", self, dict(alpha=FRACTION, gamma=AT_LEAST_0, tau=FRACTION))

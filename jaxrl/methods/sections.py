@@ -1,6 +1,7 @@
-"""The four papers' config sections: ``allocation`` (E3, DynaMO), ``temperature`` (E3), ``clip``
-(Entropy Scheduling), ``eepo``, ``modulation`` (DynaMO) and ``anneal_phase`` (the annealing
-curriculum).
+"""The four papers' config sections, beside their controllers (``controllers``, ``allocation``,
+``schedules``): ``allocation`` (E3, DynaMO), ``temperature`` (E3), ``clip`` (Entropy Scheduling),
+``eepo`` and ``anneal_phase`` (the annealing curriculum). DynaMO's token-level ``modulation`` is a
+term of the loss: ``jaxrl.rl.sections``.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from jaxrl.config.fields import (
+from jaxrl.fields import (
   AT_LEAST_0,
   AT_LEAST_1,
   FRACTION,
@@ -141,22 +142,6 @@ class EEPOSection:
   def check(self) -> None:
     need(self.m >= 1, "eepo.m", "must be >= 1")
     check_ranges("eepo", self, dict(lr=POSITIVE, eps_l=POSITIVE, eps_r=POSITIVE, alpha=AT_LEAST_0))
-
-
-@dataclasses.dataclass(frozen=True)
-class ModulationSection:
-  """DynaMO's token-level advantage modulation."""
-
-  enabled: bool = False  # DynaMO token-level advantage modulation
-  alpha: float = 0.4
-  gamma: float = 50.0
-  tau: float = 0.9
-
-  def check(self) -> None:
-    # A token's factor is 1 - alpha + alpha * sigmoid(-gamma * (x - tau)) with x in [0, 1]:
-    # alpha above 1 flips the advantage's sign, a negative gamma inverts which tokens are damped,
-    # and a tau outside [0, 1] damps all or none (docs/algorithms.md §4.3).
-    check_ranges("modulation", self, dict(alpha=FRACTION, gamma=AT_LEAST_0, tau=FRACTION))
 
 
 @dataclasses.dataclass(frozen=True)

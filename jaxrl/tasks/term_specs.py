@@ -15,7 +15,7 @@ import dataclasses
 import math
 import urllib.parse
 
-from jaxrl.config.fields import ConfigError
+from jaxrl.fields import ConfigError
 
 TERM_KINDS = ("verifier", "fn", "model", "judge")
 SIDECAR = "sidecar"  # judge:sidecar: the run serves reward.judge_model itself

@@ -1,5 +1,7 @@
-"""The rollout's config sections: ``rollout`` (the group size, budget, sampling, engine, staleness,
-dynamic sampling) and ``vllm`` (the sidecar server and its weight transfer).
+"""The rollout's config sections, beside the engines that read them: ``rollout`` (the group size,
+budget, sampling, engine, staleness, dynamic sampling) and ``vllm`` (the sidecar server and its
+weight transfer); and the lengths they imply over the run's phases (each phase's response budget,
+a model turn's tokens, what a task reads: ``rollout_limits``).
 """
 
 from __future__ import annotations
@@ -8,7 +10,9 @@ import dataclasses
 import math
 from typing import Literal
 
-from jaxrl.config.fields import Range, check_ranges, need, need_seconds
+from jaxrl.fields import Range, check_ranges, need, need_seconds
+from jaxrl.methods.sections import AnnealPhaseSection
+from jaxrl.tasks.sections import RolloutLimits
 
 Engine = Literal["jax", "vllm"]
 
@@ -132,3 +136,38 @@ class VllmSection:
     )
     need_seconds(self.startup_timeout, "vllm.startup_timeout")
     need_seconds(self.request_timeout, "vllm.request_timeout")
+
+
+def response_lengths(rollout: RolloutSection, anneal_phase: AnnealPhaseSection) -> tuple[int, ...]:
+  """Each phase's ``rollout.max_new_tokens``: the main phase's, and the annealing phase's if on."""
+  if not anneal_phase.enabled:
+    return (rollout.max_new_tokens,)
+  return rollout.max_new_tokens, anneal_response(rollout, anneal_phase)
+
+
+def shortest_response(rollout: RolloutSection, anneal_phase: AnnealPhaseSection) -> int:
+  """The smallest ``rollout.max_new_tokens`` over the run's phases (main, and annealing if on)."""
+  return min(response_lengths(rollout, anneal_phase))
+
+
+def turn_tokens(rollout: RolloutSection, anneal_phase: AnnealPhaseSection) -> int:
+  """T, the tokens of one model turn at most (docs/algorithms.md §11): ``rollout.max_turn_tokens``,
+  0 = the whole response; one value for every phase (the multi-turn programs compile once), so
+  capped by the shortest phase's response."""
+  shortest = shortest_response(rollout, anneal_phase)
+  return min(rollout.max_turn_tokens or shortest, shortest)
+
+
+def rollout_limits(rollout: RolloutSection, anneal_phase: AnnealPhaseSection) -> RolloutLimits:
+  """What a task reads of the rollout (its loader's budget checks, its environment's bounds)."""
+  return RolloutLimits(
+    max_new_tokens=rollout.max_new_tokens,
+    shortest_response=shortest_response(rollout, anneal_phase),
+    max_turns=rollout.max_turns,
+    max_observation_tokens=rollout.max_observation_tokens,
+  )
+
+
+def anneal_response(rollout: RolloutSection, anneal_phase: AnnealPhaseSection) -> int:
+  """The annealing phase's response length: its own, 0 = the main phase's."""
+  return anneal_phase.max_new_tokens or rollout.max_new_tokens

@@ -1,6 +1,6 @@
 """Training phases: the main phase from step 0 and the optional annealing phase (ES §5).
 
-A phase is a start step, the run's config inside it (``jaxrl.config.annealing``: group size, response
+A phase is a start step, the run's config inside it (``jaxrl.config.derived.annealing``: group size, response
 length, allocation bounds) and the data mixture it samples. The loop asks ``phase_at(step)`` and
 switches when the answer changes; a phase switch is the only point where shapes change.
 """
@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxrl.config import AnnealPhaseSection, ClipSection, Config, TemperatureSection, annealing
+from jaxrl.config import Config, annealing
 from jaxrl.methods import schedules
+from jaxrl.methods.sections import AnnealPhaseSection, ClipSection, TemperatureSection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +41,6 @@ def anneal_start(
   return temperature.anneal_start or schedules.e3_anneal_start(steps)
 
 
-# Config: a phase's config is the run's whole config inside it (``config.annealing``).
 def run_phases(cfg: Config) -> tuple[Phase, ...]:
   main = Phase(0, 0, cfg, "", "main")
   if not cfg.anneal_phase.enabled:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxrl.config.fields import ConfigError
+from jaxrl.fields import ConfigError
 
 
 def parse_mixture(spec: str, field: str) -> tuple[tuple[str, float], ...]:

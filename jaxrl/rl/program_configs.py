@@ -1,26 +1,25 @@
-"""The update's static configuration (``LossConfig``), built from a (phase's) config in one place."""
+"""The compiled programs' static configurations: the update's (``LossConfig``) and EEPO's forgetting
+step's (``ForgetConfig``). Hashable, static arguments of the jitted programs: a change builds a new
+program. ``jaxrl.config.derived`` builds both from a (phase's) config, the one place that maps
+sections to them."""
 
 from __future__ import annotations
 
 import dataclasses
 import typing
 
-from jaxrl.config.fields import check_type, need
-from jaxrl.config.methods_sections import ModulationSection
-from jaxrl.config.rollout_sections import Engine, RolloutSection
-from jaxrl.config.schema import Config
-from jaxrl.config.update_sections import (
+from jaxrl.fields import check_type, need
+from jaxrl.rl.sections import (
   Aggregation,
   BehaviourCorrection,
   Correction,
   KLEstimator,
   LossSection,
+  ModulationSection,
 )
 
 
-def resolved_correction(
-  mode: BehaviourCorrection, engine: Engine, top_p: float = 1.0
-) -> Correction:
+def resolved_correction(mode: BehaviourCorrection, engine: str, top_p: float = 1.0) -> Correction:
   """``loss.behaviour_correction`` with ``auto`` resolved: tis where the rollouts' behaviour
   policy differs from the trainer's — a vLLM sidecar (other kernels and dtypes), or nucleus
   sampling (top_p < 1: tokens drawn from the truncated distribution, docs/algorithms.md §9);
@@ -36,8 +35,9 @@ class LossConfig:
   of the jitted update, so a change builds a new program. What a step may change without one is
   ``rl.losses.LossHparams`` (traced).
 
-  ``from_config`` builds it from a (phase's) ``Config``, the only place that maps sections to it;
-  the defaults are the ``loss``, ``modulation`` and ``rollout`` sections' own. Each check of these
+  ``jaxrl.config.derived.loss_config`` builds it from a (phase's) ``Config``, the only place that
+  maps sections to it; the defaults are the ``loss`` and ``modulation`` sections' own, with the JAX
+  sampler (``rollout.engine``'s default) as the behaviour policy. Each check of these
   fields is here, in ``__post_init__``, which the config's validation runs too. ``num_groups`` and
   ``max_response_len`` are shapes: 0 where only ``grpo_loss`` reads the config."""
 
@@ -47,9 +47,7 @@ class LossConfig:
   use_kl: bool = LossSection.kl_coef > 0  # the reference pass; its weight β is traced
   informative_only: bool = LossSection.informative_only
   scale_by_std: bool = LossSection.scale_by_std
-  behaviour_correction: Correction = resolved_correction(
-    LossSection.behaviour_correction, RolloutSection.engine
-  )
+  behaviour_correction: Correction = resolved_correction(LossSection.behaviour_correction, "jax")
   modulation: bool = ModulationSection.enabled  # DynaMO's token-level advantage modulation (§4.3)
   mini_batches: int = LossSection.mini_batches
   micro_batches: int = LossSection.micro_batches
@@ -70,26 +68,14 @@ class LossConfig:
       "seq-mean-token-sum-norm divides by the longest response: needs max_response_len > 0",
     )
 
-  @classmethod
-  def from_config(cls, cfg: Config) -> LossConfig:
-    """The update's static part for ``cfg``: a phase's config gives that phase's shapes."""
-    loss = cfg.loss
-    return cls(
-      aggregation=loss.aggregation,
-      dual_clip=loss.dual_clip,
-      kl_estimator=loss.kl_estimator,
-      use_kl=loss.kl_coef > 0,
-      informative_only=loss.informative_only,
-      scale_by_std=loss.scale_by_std,
-      behaviour_correction=resolved_correction(
-        loss.behaviour_correction, cfg.rollout.engine, cfg.rollout.top_p
-      ),
-      modulation=cfg.modulation.enabled,
-      mini_batches=loss.mini_batches,
-      micro_batches=loss.micro_batches,
-      logprob_chunk=loss.logprob_chunk,
-      # Rows that belong to no question (an answer the verifier did not score, dynamic
-      # sampling's padding) are in a group of their own, index B: no tokens, advantage 0.
-      num_groups=cfg.batch_questions + 1,
-      max_response_len=cfg.rollout.max_new_tokens,
-    )
+
+@dataclasses.dataclass(frozen=True)
+class ForgetConfig:
+  """Static arguments of EEPO's forgetting step (docs/algorithms.md §5)."""
+
+  logprob_chunk: int
+  lr: float
+  eps_l: float
+  eps_r: float
+  paper_clip: bool = False  # eepo.unlearn_clip = "paper"
+  pack_buckets: int = 0  # loss.pack_buckets with loss.packing on: a packed forward; 0: padded

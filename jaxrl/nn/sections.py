@@ -8,7 +8,7 @@ import dataclasses
 import typing
 from typing import Literal
 
-from jaxrl.config.fields import AT_LEAST_1, POSITIVE, Range, check_ranges, need
+from jaxrl.fields import AT_LEAST_1, POSITIVE, Range, check_ranges, need
 
 Remat = Literal["none", "full", "dots", "offload"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import stat
 
-from jaxrl.config.fields import ConfigError
+from jaxrl.fields import ConfigError
 
 
 def check_private_dir(
